@@ -1,0 +1,10 @@
+"""One source of truth for the numbers the model, the host code, the server and the CLI share."""
+
+DEFAULT_CANVAS = (1920, 1080)  # (width, height) every image is fitted onto; the fixed forward shape
+DEFAULT_NUM_TOKENS = 1800  # ViT patch tokens for the canvas
+MIN_IMAGE_SIDE = 8  # smallest input width/height we accept
+PAD_GRAY = 128  # uint8 value of the letterbox bars of fit="pad"
+FITS = ("pad", "stretch")
+MASK_THRESHOLD = 0.5  # a pixel is valid where the mask probability exceeds this
+SOLVE_GRID = (64, 64)  # (height, width) of the nearest-neighbour grid the focal/shift solve runs on
+MAX_CANVAS_SIDE = 4096

@@ -1,0 +1,72 @@
+"""Shared fixtures: random-weight checkpoints in the upstream format, written once per test session."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(preset, **make_network_kwargs) -> path of a model.pt, cached per arguments."""
+    from tt_moge.testing import make_checkpoint
+
+    cache: dict = {}
+
+    def get(preset: str = "tiny-vits-normal", **kwargs):
+        key = (preset, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(preset)
+            cache[key] = make_checkpoint(folder, preset, **kwargs)
+        return cache[key]
+
+    return get
+
+
+TEST_CANVAS = (448, 252)  # small 16:9 canvas: the API tests run in seconds on 2 cores
+TEST_TOKENS = 1200
+
+
+@pytest.fixture(scope="session")
+def tiny_model(checkpoint):
+    """A loaded tiny model (ViT-S backbone, 4 blocks used) on a small canvas, shared by the API tests."""
+    from tt_moge import MoGeModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # loading with an explicit device must not warn
+        model = MoGeModel.from_pretrained(checkpoint("tiny-vits-normal"), device="cpu", resolution=TEST_CANVAS,
+                                          num_tokens=TEST_TOKENS, warmup=1, warmup_variants="none")
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="session")
+def upstream():
+    """upstream(path) -> microsoft/MoGe's own MoGeModel (PyPI dlr-moge) loaded from that checkpoint, eval mode.
+
+    Upstream loads with strict=False; we check that nothing was skipped. The last two models are cached.
+    """
+    from collections import OrderedDict
+
+    import moge.model.v2 as upstream_v2  # the oracle: pip install --no-deps dlr-moge==2.0.0 dlr-utils3d==1.3
+
+    from tt_moge.weights import read_checkpoint
+
+    cache: OrderedDict = OrderedDict()
+
+    def get(path):
+        key = str(path)
+        if key not in cache:
+            model = upstream_v2.MoGeModel.from_pretrained(key).eval()
+            _, state = read_checkpoint(path)
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            assert not missing and not unexpected
+            cache[key] = model
+            while len(cache) > 2:
+                cache.popitem(last=False)
+        return cache[key]
+
+    return get
