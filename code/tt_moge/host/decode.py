@@ -1,0 +1,151 @@
+"""Decode: any supported image input -> an RGB numpy array (H, W, 3), uint8 or float32 in [0, 1].
+
+Accepted inputs (the spec's list, plus encoded bytes, which the server uses):
+  * a file path (str / os.PathLike) or encoded bytes of a PNG, JPEG (or anything Pillow reads);
+  * a PIL image (any mode; alpha is dropped);
+  * a numpy array (H, W, 3) / (3, H, W) / (H, W), uint8 or float in [0, 1];
+  * a torch tensor (3, H, W) / (1, 3, H, W) float in [0, 1], or (H, W, 3) uint8.
+EXIF orientation is not applied (as upstream MoGe reads pixels: in stored order).
+"""
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import numpy as np
+
+from ..constants import MIN_IMAGE_SIDE
+
+__all__ = ["InputError", "ImageNotFoundError", "to_rgb_array", "decode_bytes", "read_image_file", "float_to_uint8"]
+
+
+class InputError(ValueError):
+    """A user-supplied image or option is not what the API accepts; the message says what was expected."""
+
+
+class ImageNotFoundError(InputError, FileNotFoundError):
+    """An image path that does not exist (a ValueError and a FileNotFoundError)."""
+
+
+def decode_bytes(data: bytes, name: str = "image") -> np.ndarray:
+    """Encoded image bytes -> (H, W, 3) uint8 RGB, EXIF orientation not applied."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise InputError(f"{name}: empty image data")
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+            return _pil_to_array(img, name)
+    except UnidentifiedImageError:
+        raise InputError(f"{name}: not a decodable image (expected PNG or JPEG data, got {data[:8]!r}...)") from None
+    except (OSError, SyntaxError, ValueError) as exc:  # truncated / corrupt streams
+        if isinstance(exc, InputError):
+            raise
+        raise InputError(f"{name}: corrupt or truncated image data ({exc})") from None
+
+
+def read_image_file(path: "str | os.PathLike") -> np.ndarray:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ImageNotFoundError(f"image: no such file {os.fspath(path)!r}") from None
+    except IsADirectoryError:
+        raise InputError(f"image: {os.fspath(path)!r} is a directory, expected an image file") from None
+    return decode_bytes(data, name=f"image file {os.fspath(path)!r}")
+
+
+def _pil_to_array(img: Any, name: str = "image") -> np.ndarray:
+    mode = img.mode
+    if mode in ("I;16", "I;16B", "I;16L", "I"):
+        # 16/32-bit grayscale: keep the top 8 bits of 16-bit data (as OpenCV does), no clipping surprises.
+        arr = np.asarray(img).astype(np.uint32)
+        arr = (arr >> 8).clip(0, 255).astype(np.uint8) if mode != "I" or arr.max() > 255 else arr.astype(np.uint8)
+        return np.repeat(arr[..., None], 3, axis=2)
+    if mode == "F":
+        return float_to_uint8(_checked_float(np.asarray(img, dtype=np.float32), name))[..., None].repeat(3, axis=2)
+    if mode != "RGB":
+        img = img.convert("RGB")
+    return np.asarray(img)
+
+
+def float_to_uint8(x: np.ndarray) -> np.ndarray:
+    """[0, 1] floats -> uint8 by rounding to nearest (x * 255)."""
+    return np.rint(np.clip(x, 0.0, 1.0) * 255.0).astype(np.uint8)
+
+
+def _checked_float(arr: np.ndarray, name: str) -> np.ndarray:
+    if not np.isfinite(arr).all():
+        raise InputError(f"{name}: float image contains NaN or inf values; expected finite values in [0, 1]")
+    lo, hi = float(arr.min()), float(arr.max())
+    if lo < 0.0 or hi > 1.0:
+        hint = " (divide 0-255 data by 255)" if hi <= 255.0 and lo >= 0.0 else ""
+        raise InputError(f"{name}: float image values must be in [0, 1], got [{lo:.4g}, {hi:.4g}]{hint}")
+    return arr
+
+
+def _from_numpy(arr: np.ndarray, name: str) -> np.ndarray:
+    if arr.ndim == 2:
+        arr = arr[..., None].repeat(3, axis=2)
+    elif arr.ndim == 3:
+        if arr.shape[-1] == 3:
+            pass
+        elif arr.shape[0] == 3:
+            arr = arr.transpose(1, 2, 0)
+        elif arr.shape[-1] == 1:
+            arr = arr.repeat(3, axis=2)
+        elif arr.shape[0] == 1:
+            arr = arr[0][..., None].repeat(3, axis=2)
+        elif 4 in (arr.shape[-1], arr.shape[0]):
+            raise InputError(f"{name}: 4-channel arrays are not accepted (shape {arr.shape}); drop the alpha channel, e.g. image[..., :3]")
+        else:
+            raise InputError(f"{name}: expected (H, W, 3), (3, H, W) or (H, W); got shape {arr.shape}")
+    else:
+        raise InputError(f"{name}: expected a 2-D or 3-D array ((H, W, 3), (3, H, W) or (H, W)); got {arr.ndim}-D shape {arr.shape}")
+    if arr.dtype == np.uint8:
+        return np.ascontiguousarray(arr)
+    if np.issubdtype(arr.dtype, np.floating):
+        return np.ascontiguousarray(_checked_float(arr, name), dtype=np.float32)
+    raise InputError(f"{name}: array dtype {arr.dtype} not supported; expected uint8 (0-255) or float in [0, 1]")
+
+
+def _from_torch(t: Any, name: str) -> np.ndarray:
+    import torch
+
+    t = t.detach()
+    if t.ndim == 4:
+        if t.shape[0] != 1:
+            raise InputError(f"{name}: a (B, 3, H, W) tensor with B={t.shape[0]} > 1; pass a list of images or use model.infer for batches")
+        t = t[0]
+    if t.ndim == 3 and t.shape[0] == 3 and t.is_floating_point():
+        arr = t.to("cpu", torch.float32).numpy()
+        return _from_numpy(arr, name)
+    if t.ndim == 3 and t.shape[-1] == 3 and t.dtype == torch.uint8:
+        return np.ascontiguousarray(t.cpu().numpy())
+    if t.ndim in (2, 3) and (t.dtype == torch.uint8 or t.is_floating_point()):
+        return _from_numpy(t.cpu().float().numpy() if t.is_floating_point() else t.cpu().numpy(), name)
+    raise InputError(f"{name}: tensor of shape {tuple(t.shape)} and dtype {t.dtype} not supported; expected (3, H, W) or (1, 3, H, W) float in [0, 1], or (H, W, 3) uint8")
+
+
+def to_rgb_array(image: Any, name: str = "image") -> np.ndarray:
+    """Any supported input -> (H, W, 3) RGB array: uint8, or float32 in [0, 1] for float inputs."""
+    if isinstance(image, (str, os.PathLike)):
+        arr = read_image_file(image)
+    elif isinstance(image, (bytes, bytearray, memoryview)):
+        arr = decode_bytes(bytes(image), name)
+    elif isinstance(image, np.ndarray):
+        arr = _from_numpy(image, name)
+    elif type(image).__module__.startswith("torch") and hasattr(image, "detach"):
+        arr = _from_torch(image, name)
+    elif hasattr(image, "mode") and hasattr(image, "convert") and hasattr(image, "size"):
+        arr = _pil_to_array(image, name)
+    elif image is None:
+        raise InputError(f"{name}: got None; expected a file path, PIL image, numpy array or torch tensor")
+    else:
+        raise TypeError(f"{name}: unsupported type {type(image).__name__}; expected a file path, encoded bytes, PIL image, numpy array or torch tensor")
+    h, w = arr.shape[:2]
+    if h < MIN_IMAGE_SIDE or w < MIN_IMAGE_SIDE:
+        raise InputError(f"{name}: image is {w}x{h}; the minimum size is {MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE}")
+    return arr

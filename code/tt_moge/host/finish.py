@@ -1,0 +1,103 @@
+"""Finish: raw canvas maps + solved camera -> MoGeOutput at the input image's resolution.
+
+Steps, in order (each as upstream `MoGeModel.infer` does it, after the crop and resize that the fixed canvas
+adds):
+  1. crop the content box out of the canvas maps (drops the letterbox bars);
+  2. resize points, normal and mask probability to the input size (bilinear, half-pixel centres), then
+     re-normalise the normals;
+  3. mask = probability > 0.5; z += shift; mask &= z > 0; depth = z;
+  4. intrinsics of the input image from the focal, the canvas and the content box;
+  5. force_projection: points = depth * K^-1 [u, v, 1] at the input pixel centres;
+  6. multiply points and depth by the metric scale;
+  7. apply_mask: points and depth inf, normal 0 where the mask is False.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..constants import MASK_THRESHOLD
+from ..output import MoGeOutput
+from ..runners.base import RawMaps
+from .canvas import CanvasPlan
+
+__all__ = ["camera_intrinsics", "finish"]
+
+
+def camera_intrinsics(focal: float, plan: CanvasPlan) -> np.ndarray:
+    """Normalised intrinsics (fx, cx by image width; fy, cy by image height) of the input image.
+
+    `focal` is relative to the canvas half diagonal, for square canvas pixels with the principal point at the
+    canvas centre. Under fit="stretch" the input's pixels are the canvas pixels scaled per axis, so the
+    intrinsics in input pixels have fx != fy unless the image has the canvas aspect.
+    """
+    cw, ch = plan.canvas_size
+    f_px = focal * math.hypot(cw, ch) / 2  # canvas pixels
+    x0, y0, _, _ = plan.content_box
+    w, h = plan.content_size
+    return np.array([[f_px / w, 0.0, (cw / 2 - x0) / w], [0.0, f_px / h, (ch / 2 - y0) / h], [0.0, 0.0, 1.0]], dtype=np.float32)
+
+
+def _resize_maps(maps: list[torch.Tensor], size: tuple) -> list[torch.Tensor]:
+    """Bilinearly resize (h, w, C) maps to (H, W) = size[::-1] in one pass."""
+    chans = [m.shape[-1] if m.ndim == 3 else 1 for m in maps]
+    stacked = torch.cat([m if m.ndim == 3 else m[..., None] for m in maps], dim=-1).permute(2, 0, 1)[None]
+    resized = F.interpolate(stacked, (size[1], size[0]), mode="bilinear", align_corners=False)[0].permute(1, 2, 0)
+    out = list(resized.split(chans, dim=-1))
+    return [o if m.ndim == 3 else o[..., 0] for o, m in zip(out, maps)]
+
+
+def finish(raw: RawMaps, plan: CanvasPlan, focal: float, shift: float, *, apply_mask: bool = True,
+           force_projection: bool = True) -> MoGeOutput:
+    x0, y0, x1, y1 = plan.content_box
+    points = raw.points[y0:y1, x0:x1]
+    normal = None if raw.normal is None else raw.normal[y0:y1, x0:x1]
+    prob = None if raw.mask is None else raw.mask[y0:y1, x0:x1]
+    w, h = plan.image_size
+    if (x1 - x0, y1 - y0) != (w, h):
+        maps = [m for m in (points, normal, prob) if m is not None]
+        resized = iter(_resize_maps(maps, (w, h)))
+        points = next(resized)
+        normal = None if normal is None else F.normalize(next(resized), dim=-1)
+        prob = None if prob is None else next(resized)
+
+    mask = prob > MASK_THRESHOLD if prob is not None else torch.ones((h, w), dtype=torch.bool)
+    depth = points[..., 2] + torch.tensor(shift, dtype=torch.float32)
+    mask &= depth > 0
+
+    intrinsics = camera_intrinsics(focal, plan)
+    if force_projection:
+        fx, fy, cx, cy = (float(v) for v in (intrinsics[0, 0], intrinsics[1, 1], intrinsics[0, 2], intrinsics[1, 2]))
+        u = torch.linspace(0.5 / w, 1 - 0.5 / w, w, dtype=torch.float32)
+        v = torch.linspace(0.5 / h, 1 - 0.5 / h, h, dtype=torch.float32)
+        x = depth * ((u - cx) / fx)[None, :]
+        y = depth * ((v - cy) / fy)[:, None]
+        points = torch.stack([x, y, depth], dim=-1)
+    else:
+        points = torch.cat([points[..., :2], depth[..., None]], dim=-1)
+
+    scale = raw.metric_scale
+    if scale is not None:
+        points = points * scale
+        depth = depth * scale
+    if apply_mask:
+        invalid = ~mask
+        points = points.masked_fill(invalid[..., None], math.inf)
+        depth = depth.masked_fill(invalid, math.inf)
+        if normal is not None:
+            normal = normal.masked_fill(invalid[..., None], 0.0)
+
+    fx_n, fy_n = float(intrinsics[0, 0]), float(intrinsics[1, 1])
+    pixels = intrinsics.copy()
+    pixels[0] *= w
+    pixels[1] *= h
+    return MoGeOutput(
+        points=points.numpy(), depth=depth.numpy(), normal=None if normal is None else np.ascontiguousarray(normal.numpy()),
+        mask=mask.numpy(), intrinsics=intrinsics, intrinsics_pixels=pixels,
+        metric_scale=float(scale) if scale is not None else 1.0,
+        fov_x=math.degrees(2 * math.atan(0.5 / fx_n)), fov_y=math.degrees(2 * math.atan(0.5 / fy_n)),
+    )

@@ -1,0 +1,186 @@
+"""Focal and z-shift recovery from an affine point map (MoGe's camera solve), on the valid content region.
+
+The network predicts points up to an unknown shift along z. With uv the view-plane coordinates of each pixel
+(normalised by the canvas half diagonal, see `view_plane_uv`), the camera solve is
+
+    minimise over (focal, shift):   sum_i || focal * xy_i / (z_i + shift) - uv_i ||^2
+
+on a 64x64 nearest-neighbour sample of the canvas, restricted to valid pixels inside the content box. For a
+fixed shift the best focal is closed-form, so this is a 1-D problem in the shift. Upstream MoGe runs scipy's
+Levenberg-Marquardt from shift 0 with ftol=1e-3; we run a safeguarded Newton iteration on the same objective
+from the same start, to convergence, plus a search of the basins just across the nearest poles (LM can step
+across one), so our objective value is at least as low.
+`fov_x` given: the focal is fixed and only the shift is solved.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..constants import SOLVE_GRID
+from ..network import view_plane_axes
+from .canvas import CanvasPlan
+
+__all__ = ["solve_samples", "solve_focal_shift", "solve_shift", "objective", "focal_from_fov_x", "recover_camera"]
+
+
+def _nearest_index(n_in: int, n_out: int) -> np.ndarray:
+    # Nearest-neighbour downsampling as torch does it: source index floor(i * n_in / n_out).
+    return (np.arange(n_out) * n_in) // n_out
+
+
+def solve_samples(points: torch.Tensor, mask: Optional[torch.Tensor], content_box: tuple,
+                  grid: tuple = SOLVE_GRID) -> tuple[np.ndarray, np.ndarray]:
+    """(uv (N, 2), xyz (N, 3)) float64 samples of the canvas point map that the solve uses.
+
+    `points` (H, W, 3) canvas-sized affine points; `mask` (H, W) bool or None. Samples outside the content box
+    (the letterbox bars) or where the mask is False are dropped.
+    """
+    h, w = points.shape[:2]
+    rows, cols = _nearest_index(h, grid[0]), _nearest_index(w, grid[1])
+    pts = points.numpy()[rows][:, cols]
+    u, v = view_plane_axes(w, h, w / h)
+    uv = np.stack(np.meshgrid(u.numpy()[cols], v.numpy()[rows], indexing="xy"), axis=-1)
+    x0, y0, x1, y1 = content_box
+    keep = ((rows >= y0) & (rows < y1))[:, None] & ((cols >= x0) & (cols < x1))[None, :]
+    if mask is not None:
+        keep &= mask.numpy()[rows][:, cols]
+    return uv[keep].astype(np.float64), pts[keep].astype(np.float64)
+
+
+class _Problem:
+    """Per-sample constants of the objective. With p_i = xy_i / (z_i + s):
+    sum p.uv = sum a_i / (z_i + s) and sum p.p = sum b_i / (z_i + s)^2, a_i = xy_i.uv_i, b_i = |xy_i|^2."""
+
+    def __init__(self, uv: np.ndarray, xyz: np.ndarray, focal: Optional[float]):
+        self.a = (xyz[:, :2] * uv).sum(axis=1)
+        self.b = (xyz[:, :2] ** 2).sum(axis=1)
+        self.z = np.ascontiguousarray(xyz[:, 2])
+        self.c = float((uv * uv).sum())
+        self.focal = focal
+
+    def cost(self, shifts: np.ndarray) -> np.ndarray:
+        """The objective at many shifts at once (inf where undefined)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inv = 1.0 / (self.z[None, :] + shifts[:, None])
+            a, b = inv @ self.a, (inv * inv) @ self.b
+            f = self.focal
+            costs = self.c - a * a / b if f is None else f * f * b - 2 * f * a + self.c
+        return np.where(np.isfinite(costs), costs, np.inf)
+
+    def derivatives(self, shift: float) -> tuple[float, float, float]:
+        """(cost, d cost / d shift, d2 cost / d shift2) at one shift."""
+        inv = 1.0 / (self.z + shift)
+        inv2 = inv * inv
+        ai, bi2 = self.a * inv, self.b * inv2
+        a, b = ai.sum(), bi2.sum()
+        da, db = -(ai @ inv), -2.0 * (bi2 @ inv)
+        dda, ddb = 2.0 * (ai @ inv2), 6.0 * (bi2 @ inv2)
+        f = self.focal
+        if f is not None:
+            return f * f * b - 2 * f * a + self.c, f * f * db - 2 * f * da, f * f * ddb - 2 * f * dda
+        if not b > 0:
+            return math.inf, 0.0, 0.0
+        # g(s) = C - A^2 / B with the best focal A / B eliminated
+        h = a * a / b
+        dh = 2 * a * da / b - a * a * db / b ** 2
+        ddh = 2 * (da * da + a * dda) / b - 4 * a * da * db / b ** 2 - a * a * ddb / b ** 2 + 2 * a * a * db * db / b ** 3
+        return self.c - h, -dh, -ddh
+
+
+def objective(uv: np.ndarray, xyz: np.ndarray, shift: float, focal: Optional[float] = None) -> float:
+    """Upstream's least-squares cost at (focal, shift); focal None = the best focal for this shift."""
+    p = xyz[:, :2] / (xyz[:, 2:3] + shift)
+    if focal is None:
+        focal = (p * uv).sum() / max((p * p).sum(), 1e-300)
+    return float(np.square(focal * p - uv).sum())
+
+
+def _newton(problem: _Problem, shift: float, scale: float, max_iter: int = 100) -> tuple[float, float]:
+    """Safeguarded Newton descent on the shift from `shift`; returns (shift, cost)."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        cost, grad, curv = problem.derivatives(shift)
+        if not math.isfinite(cost):
+            return shift, math.inf
+        for _ in range(max_iter):
+            step = -grad / curv if curv > 0 else -math.copysign(0.1 * scale, grad)
+            # Backtrack until the cost does not increase (a pole where z + shift = 0 has infinite cost).
+            for _ in range(60):
+                trial = shift + step
+                t_cost, t_grad, t_curv = problem.derivatives(trial)
+                if math.isfinite(t_cost) and t_cost <= cost:
+                    break
+                step *= 0.5
+            else:
+                break
+            converged = abs(trial - shift) <= 1e-12 * (scale + abs(trial))
+            shift, cost, grad, curv = trial, t_cost, t_grad, t_curv
+            if converged or grad == 0.0:
+                break
+    return shift, cost
+
+
+_BEYOND_POLES = 16  # pole-free intervals past the nearest poles that are searched for a lower basin
+_SAMPLES = np.linspace(0.05, 0.95, 9)  # where each interval is sampled, as fractions of its width
+
+
+def _minimise_shift(uv: np.ndarray, xyz: np.ndarray, focal: Optional[float]) -> float:
+    """The shift minimising upstream's objective.
+
+    Newton from shift 0 finds the basin that upstream's LM starts in. LM can also step across a pole (a
+    shift where some z + shift = 0, typically an outlier with a small z) into a lower basin, so we also sample
+    the pole-free intervals just beyond the nearest poles and refine every interval that holds a sample below
+    the best cost so far; the lowest refined cost wins.
+    """
+    problem = _Problem(uv, xyz, focal)
+    scale = max(1e-12, float(np.abs(problem.z).mean()))
+    best, best_cost = _newton(problem, 0.0, scale)
+    poles = np.unique(problem.z)[: _BEYOND_POLES + 1]  # shift = -z: nearest poles first (the smallest z)
+    if len(poles) < 2:
+        return best
+    near, far = poles[:-1], poles[1:]
+    shifts = -(near[:, None] + _SAMPLES[None, :] * (far - near)[:, None])  # (intervals, samples)
+    costs = problem.cost(shifts.ravel()).reshape(shifts.shape)
+    for k in np.flatnonzero(costs.min(axis=1) < best_cost):
+        shift, cost = _newton(problem, float(shifts[k, costs[k].argmin()]), scale)
+        if cost < best_cost:
+            best, best_cost = shift, cost
+    return best
+
+
+def solve_focal_shift(uv: np.ndarray, xyz: np.ndarray) -> tuple[float, float]:
+    """Best (focal, shift) for the samples; (1, 0) when fewer than 2 samples (as upstream)."""
+    if len(uv) < 2:
+        return 1.0, 0.0
+    shift = _minimise_shift(uv, xyz, None)
+    p = xyz[:, :2] / (xyz[:, 2:3] + shift)
+    denom = float((p * p).sum())
+    focal = float((p * uv).sum()) / denom if denom > 0 else 1.0
+    return focal, shift
+
+
+def solve_shift(uv: np.ndarray, xyz: np.ndarray, focal: float) -> float:
+    if len(uv) < 2:
+        return 0.0
+    return _minimise_shift(uv, xyz, float(focal))
+
+
+def focal_from_fov_x(fov_x_deg: float, plan: CanvasPlan) -> float:
+    """The focal (relative to the canvas half diagonal) of an image whose horizontal field of view is given."""
+    cw, ch = plan.canvas_size
+    content_w = plan.content_size[0]
+    fx_canvas_px = (content_w / 2) / math.tan(math.radians(fov_x_deg) / 2)
+    return fx_canvas_px / (math.hypot(cw, ch) / 2)
+
+
+def recover_camera(points: torch.Tensor, mask: Optional[torch.Tensor], plan: CanvasPlan,
+                   fov_x: Optional[float] = None) -> tuple[float, float]:
+    """(focal, shift) for canvas-sized raw points, solved on the valid content region."""
+    uv, xyz = solve_samples(points, mask, plan.content_box)
+    if fov_x is None:
+        return solve_focal_shift(uv, xyz)
+    focal = focal_from_fov_x(fov_x, plan)
+    return focal, solve_shift(uv, xyz, focal)

@@ -1,0 +1,364 @@
+"""MoGeModel: load MoGe-2 once, then turn images into metric depth, points, normals, mask and intrinsics.
+
+    with MoGeModel.from_pretrained(device="cpu") as model:
+        out = model("photo.jpg")
+
+One call = decode -> canvas fit -> device forward -> focal/shift solve -> finish (see `tt_moge.host`). The
+device forward runs one canvas at a time under a lock; the host stages of different calls run in parallel.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from . import __version__
+from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, MAX_CANVAS_SIDE
+from .host import CallOptions, InputError, Stopwatch, postprocess, prepare
+from .host.canvas import plan_canvas
+from .network import validate_token_budget
+from .output import MoGeOutput
+from .runners.base import RawMaps, Runner
+from .runners.torch_runner import TorchRunner
+from .warmup import canonical_variant, expand_variants, synthetic_photo
+from .weights import DEFAULT_REPO, DEFAULT_REVISION, load_network
+
+__all__ = ["MoGeModel"]
+
+_DISPATCH = ("eth", "worker")
+
+
+def _log(enabled: bool, message: str) -> None:
+    if enabled:
+        print(f"[tt_moge] {message}", file=sys.stderr, flush=True)
+
+
+def _validate_resolution(resolution: Any) -> tuple:
+    if (not isinstance(resolution, (tuple, list)) or len(resolution) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in resolution)):
+        raise ValueError(f"resolution must be a (width, height) pair of ints, got {resolution!r}")
+    w, h = resolution
+    if not (64 <= w <= MAX_CANVAS_SIDE and 64 <= h <= MAX_CANVAS_SIDE and 0.25 <= w / h <= 4.0):
+        raise ValueError(f"resolution must be a canvas of 64..{MAX_CANVAS_SIDE} pixels per side with an aspect ratio in [1/4, 4], got {w}x{h}")
+    return int(w), int(h)
+
+
+def select_device(device: Any = None, device_id: int = 0) -> torch.device:
+    """The torch device to run on. None: CUDA if present, else the CPU with a RuntimeWarning."""
+    if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
+        raise ValueError(f"device_id must be a non-negative int, got {device_id!r}")
+    if device is None:
+        if torch.cuda.is_available():
+            if device_id >= torch.cuda.device_count():
+                raise ValueError(f"device_id {device_id}: only {torch.cuda.device_count()} CUDA device(s) present")
+            return torch.device("cuda", device_id)
+        warnings.warn("no CUDA GPU found (and the Tenstorrent runner is not part of this build): running MoGe-2 on the CPU; "
+                      "pass device='cpu' to choose it explicitly", RuntimeWarning, stacklevel=3)
+        return torch.device("cpu")
+    if type(device).__module__.split(".")[0] == "ttnn":
+        raise ValueError("device: an open ttnn device was given, but this build has no Tenstorrent runner yet; use device='cpu' or 'cuda'")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: no CUDA GPU is available on this machine (torch {torch.__version__})")
+        index = dev.index if dev.index is not None else device_id
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) present")
+        return torch.device("cuda", index)
+    if dev.type != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    return dev
+
+
+class MoGeModel:
+    """MoGe-2 on one device, with a canvas size and token budget fixed at load time.
+
+    Create it with `MoGeModel.from_pretrained(...)`. Calls are thread-safe; the device runs one image at a time.
+    """
+
+    def __init__(self, runner: Runner, *, network_config: Any, source: str, revision: Optional[str],
+                 resolution: tuple, num_tokens: int, verbose: bool = False):
+        self._runner = runner
+        self.config = network_config
+        self.source = source
+        self.revision = revision
+        self.resolution = tuple(resolution)
+        self.num_tokens = num_tokens
+        self.verbose = verbose
+        self._device_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._closed = False
+        self._warmed: dict = {}
+        self._warm_raw: Optional[RawMaps] = None  # raw maps reused by host warm-ups (see warmup())
+        self._thread = threading.local()  # .replay: raw maps that this thread's warm-up call uses instead of the device
+
+    # ------------------------------------------------------------------------------------------- load
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: Union[str, os.PathLike] = DEFAULT_REPO,
+        *,
+        device: Any = None,
+        device_id: int = 0,
+        revision: Optional[str] = DEFAULT_REVISION,
+        resolution: Sequence[int] = DEFAULT_CANVAS,
+        num_tokens: int = DEFAULT_NUM_TOKENS,
+        dispatch: str = "eth",
+        num_command_queues: Optional[int] = None,
+        warmup: int = 2,
+        warmup_variants: Any = "default",
+        verbose: bool = False,
+    ) -> "MoGeModel":
+        """Load the weights, build the runner for the device, run `warmup` device forwards, warm the host paths.
+
+        `dispatch` and `num_command_queues` are Tenstorrent options: validated here, used by the ttnn runner
+        (not part of this build), ignored by the CPU and CUDA runners.
+        """
+        t0 = time.perf_counter()
+        resolution = _validate_resolution(tuple(resolution) if isinstance(resolution, list) else resolution)
+        num_tokens = validate_token_budget(num_tokens)
+        if dispatch not in _DISPATCH:
+            raise ValueError(f"dispatch must be one of {_DISPATCH}, got {dispatch!r}")
+        if num_command_queues not in (None, 1, 2):
+            raise ValueError(f"num_command_queues must be None, 1 or 2, got {num_command_queues!r}")
+        if num_command_queues == 2 and dispatch != "worker":
+            raise ValueError("num_command_queues=2 needs dispatch='worker' (ETH dispatch supports 1 command queue)")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup must be a non-negative int (device forwards at load), got {warmup!r}")
+        variants = expand_variants(warmup_variants, resolution)
+        torch_device = select_device(device, device_id)
+
+        network, ckpt = load_network(pretrained_model_name_or_path, revision)
+        _log(verbose, f"loaded {ckpt.source} ({network.config.describe()}) in {time.perf_counter() - t0:.1f} s")
+        runner = TorchRunner(network, resolution, num_tokens, torch_device)
+        model = cls(runner, network_config=network.config, source=ckpt.source, revision=ckpt.revision,
+                    resolution=resolution, num_tokens=num_tokens, verbose=verbose)
+        try:
+            model._device_warmup(warmup)
+            for variant in variants:
+                model._warm_variant(variant)
+        except BaseException:
+            model.close()
+            raise
+        _log(verbose, f"ready on {runner.describe()['device']} in {time.perf_counter() - t0:.1f} s")
+        return model
+
+    def _device_warmup(self, count: int) -> None:
+        canvas = torch.from_numpy(synthetic_photo(self.resolution)).permute(2, 0, 1)[None].float().div_(255)
+        for i in range(count):
+            t = time.perf_counter()
+            self._warm_raw = self._forward_raw(canvas)
+            _log(self.verbose, f"device warm-up forward {i + 1}/{count}: {time.perf_counter() - t:.2f} s")
+
+    # ------------------------------------------------------------------------------------ properties
+    @property
+    def device(self) -> str:
+        return str(self._runner.device)
+
+    @property
+    def has_normal(self) -> bool:
+        return self.config.has_normal
+
+    @property
+    def warmed_variants(self) -> dict:
+        """{canonical variant (tuple of (key, value)): seconds its warm-up took}."""
+        return dict(self._warmed)
+
+    def info(self) -> dict:
+        """What is loaded and where: for logs, the server's /info and `tt-moge info`."""
+        return {
+            "model": self.source, "revision": self.revision, "architecture": self.config.describe(),
+            "device": self.device, "runner": self._runner.describe(), "canvas": list(self.resolution),
+            "num_tokens": self.num_tokens, "normal": self.has_normal, "version": __version__,
+        }
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else self.device
+        return f"MoGeModel({self.source}, {self.resolution[0]}x{self.resolution[1]}, {self.num_tokens} tokens, {state})"
+
+    # --------------------------------------------------------------------------------------- calls
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this MoGeModel is closed; load a new one with MoGeModel.from_pretrained(...)")
+
+    def _forward_raw(self, canvas: torch.Tensor) -> RawMaps:
+        replay = getattr(self._thread, "replay", None)
+        if replay is not None:
+            return replay
+        with self._device_lock:
+            self._check_open()
+            return self._runner.forward(canvas)
+
+    def predict(self, image: Any, *, fit: str = "pad", fov_x: Optional[float] = None, apply_mask: bool = True,
+                force_projection: bool = True, timing: Optional[dict] = None) -> MoGeOutput:
+        """One image -> MoGeOutput. `timing`, if a dict, receives stage times in ms: decode, canvas, device,
+        solve, finish."""
+        self._check_open()
+        options = CallOptions.make(fit, fov_x, apply_mask, force_projection)
+        prepared = prepare(image, self.resolution, options, timing)
+        watch = Stopwatch(timing)
+        raw = self._forward_raw(prepared.canvas)
+        watch.lap("device")
+        return postprocess(raw, prepared.plan, options, timing)
+
+    def __call__(self, image: Any, *, fit: str = "pad", fov_x: Optional[float] = None, apply_mask: bool = True,
+                 force_projection: bool = True) -> Union[MoGeOutput, list]:
+        """An image -> MoGeOutput at its own resolution; a list of images -> a list of MoGeOutput."""
+        options = dict(fit=fit, fov_x=fov_x, apply_mask=apply_mask, force_projection=force_projection)
+        if isinstance(image, (list, tuple)):
+            return self.predict_many(image, **options)
+        return self.predict(image, **options)
+
+    def predict_many(self, images: Iterable[Any], **options: Any) -> list:
+        """Several images, in order, with the same options. While the device runs image i, a host thread
+        decodes image i+1 and another finishes image i-1. Same results as single calls."""
+        self._check_open()
+        unknown = set(options) - {"fit", "fov_x", "apply_mask", "force_projection"}
+        if unknown:
+            raise TypeError(f"predict_many got unexpected option(s) {sorted(unknown)}")
+        opts = CallOptions.make(**options)
+        images = list(images)
+        if not images:
+            return []
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tt_moge-host") as pool:
+            next_prepared = pool.submit(prepare, images[0], self.resolution, opts, None, "images[0]")
+            finishing = []
+            for i in range(len(images)):
+                prepared = next_prepared.result()
+                if i + 1 < len(images):
+                    next_prepared = pool.submit(prepare, images[i + 1], self.resolution, opts, None, f"images[{i + 1}]")
+                raw = self._forward_raw(prepared.canvas)
+                finishing.append(pool.submit(postprocess, raw, prepared.plan, opts))
+            return [f.result() for f in finishing]
+
+    def forward(self, image: Any) -> dict:
+        """The raw forward on a canvas-sized image, like upstream `MoGeModel.forward`: a dict of torch tensors
+        `points` (1, H, W, 3) affine, `normal` (1, H, W, 3), `mask` (1, H, W) probability, `metric_scale` (1,)."""
+        self._check_open()
+        prepared = prepare(image, self.resolution, CallOptions(), None)
+        if not prepared.plan.is_identity:
+            w, h = prepared.plan.image_size
+            raise InputError(f"image: forward takes a canvas-sized image ({self.resolution[0]}x{self.resolution[1]}), "
+                             f"got {w}x{h}; use model(image) for other sizes")
+        raw = self._forward_raw(prepared.canvas)
+        out = {"points": raw.points[None]}
+        if raw.normal is not None:
+            out["normal"] = raw.normal[None]
+        if raw.mask is not None:
+            out["mask"] = raw.mask[None]
+        if raw.metric_scale is not None:
+            out["metric_scale"] = torch.tensor([raw.metric_scale], dtype=torch.float32)
+        return out
+
+    def infer(self, image: Any, fov_x: Any = None, force_projection: bool = True, apply_mask: bool = True,
+              num_tokens: Optional[int] = None, resolution_level: int = 9, use_fp16: bool = True) -> dict:
+        """Drop-in for upstream `MoGeModel.infer`: (3, H, W) or (B, 3, H, W) float in [0, 1] -> dict of torch
+        tensors points, intrinsics, depth, mask, normal (batched for a batched input). Images are fitted with
+        fit="pad". `num_tokens` must be None or the load-time budget; `resolution_level` and `use_fp16` are
+        ignored (the precision is chosen at load)."""
+        self._check_open()
+        if num_tokens is not None and num_tokens != self.num_tokens:
+            raise ValueError(f"num_tokens={num_tokens}: this model runs {self.num_tokens} tokens (fixed at load); pass None or load another model")
+        device = image.device if isinstance(image, torch.Tensor) else torch.device("cpu")
+        batched = isinstance(image, (torch.Tensor, np.ndarray)) and image.ndim == 4
+        items = list(image) if batched else [image]
+        if batched and isinstance(fov_x, (torch.Tensor, np.ndarray)) and np.ndim(fov_x) == 1:
+            fovs = [float(f) for f in fov_x]
+        else:
+            fovs = [fov_x] * len(items)
+        outs = [self.predict(img, fov_x=f, apply_mask=apply_mask, force_projection=force_projection).to_torch()
+                for img, f in zip(items, fovs)]
+        result = {k: torch.stack([o[k] for o in outs]) if batched else outs[0][k] for k in outs[0]}
+        return {k: v.to(device) for k, v in result.items()}
+
+    # ------------------------------------------------------------------------------------- warm-up
+    def warmup(self, **variant: Any) -> float:
+        """Prepare one call variant (see `tt_moge.warmup`) so that its first real call is fast.
+        Idempotent: a variant already warmed returns 0.0. Returns the seconds it took."""
+        self._check_open()
+        return self._warm_variant(canonical_variant(variant, self.resolution))
+
+    def _warm_variant(self, key: tuple) -> float:
+        with self._state_lock:
+            if key in self._warmed:
+                return 0.0
+        v = dict(key)
+        t = time.perf_counter()
+        if self._warm_raw is None:  # no device warm-up ran: one forward for the raw maps
+            self._device_warmup(1)
+        warm_raw = self._warm_raw
+        photo = synthetic_photo(v["size"])
+        options = dict(fit=v["fit"], fov_x=60.0 if v["fov_x"] else None, apply_mask=v["apply_mask"],
+                       force_projection=v["force_projection"])
+        with tempfile.TemporaryDirectory(prefix="tt_moge-warmup-") as tmp:
+            inputs = [self._warm_input(v["input"], photo, Path(tmp), i) for i in range(2 if v["call"] == "predict_many" else 1)]
+            # The device part is the same fixed-shape forward for every variant (warmed by the device warm-up);
+            # variants warm the host paths, so this thread reuses its raw maps instead of running the device.
+            self._thread.replay = warm_raw
+            try:
+                if v["call"] == "forward":
+                    self.forward(inputs[0])
+                elif v["call"] == "infer":
+                    img = inputs[0]
+                    self.infer(img[0] if isinstance(img, torch.Tensor) else img, fov_x=options["fov_x"],
+                               apply_mask=v["apply_mask"], force_projection=v["force_projection"])
+                elif v["call"] == "predict_many":
+                    self.predict_many(inputs, **options)
+                else:
+                    self.predict(inputs[0], **options)
+            finally:
+                self._thread.replay = None
+        seconds = time.perf_counter() - t
+        with self._state_lock:
+            self._warmed[key] = seconds
+        _log(self.verbose, f"warm-up {', '.join(f'{k}={val}' for k, val in key)}: {seconds:.2f} s")
+        return seconds
+
+    @staticmethod
+    def _warm_input(kind: str, photo: np.ndarray, tmp: Path, index: int) -> Any:
+        if kind == "array":
+            return photo
+        if kind == "float":
+            return torch.from_numpy(photo).permute(2, 0, 1)[None].float().div_(255)
+        from PIL import Image
+
+        if kind == "pil":
+            return Image.fromarray(photo)
+        path = tmp / f"warmup{index}.{'png' if kind == 'png' else 'jpg'}"
+        Image.fromarray(photo).save(path, quality=90) if kind == "jpeg" else Image.fromarray(photo).save(path)
+        return str(path)
+
+    # --------------------------------------------------------------------------------------- close
+    def close(self) -> None:
+        """Release the runner (and its device memory). Idempotent; a `with` block calls it."""
+        with self._device_lock:
+            if not self._closed:
+                self._closed = True
+                self._runner.close()
+                self._warm_raw = None
+
+    def __enter__(self) -> "MoGeModel":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        try:
+            self.close()
+        except Exception:
+            pass

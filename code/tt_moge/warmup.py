@@ -1,0 +1,123 @@
+"""Warm-up variants: the call paths `from_pretrained` prepares so that their first real call is fast.
+
+A variant is a dict with the keys below (any subset; the rest take their defaults). Presets name lists of
+variants. `MoGeModel.warmup(**variant)` runs one; it is idempotent per canonical variant.
+
+| key                | values                                                        | default        |
+|--------------------|---------------------------------------------------------------|----------------|
+| input              | "array" (uint8 numpy), "float" (float32 torch (1,3,H,W)),     | "array"        |
+|                    | "png", "jpeg" (a temporary file path), "pil"                  |                |
+| size               | (width, height) of the input image                            | the canvas     |
+| fit, apply_mask,   | as in model(image, ...); for fov_x only "given or not"        | call defaults  |
+| force_projection,  | matters                                                       |                |
+| fov_x              |                                                               |                |
+| call               | "call", "predict_many" (2 images), "infer", "forward"         | "call"         |
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Union
+
+import numpy as np
+
+from .constants import FITS
+
+__all__ = ["INPUTS", "CALLS", "PRESETS", "canonical_variant", "expand_variants", "synthetic_photo"]
+
+INPUTS = ("array", "float", "png", "jpeg", "pil")
+CALLS = ("call", "predict_many", "infer", "forward")
+_KEYS = ("input", "size", "fit", "fov_x", "apply_mask", "force_projection", "call")
+_SMALL = (800, 600)
+
+PRESETS: dict[str, list] = {
+    "none": [],
+    "minimal": [{"input": "array"}],
+    "default": [
+        {"input": "array"},
+        {"input": "float"},
+        {"input": "png"},
+        {"input": "jpeg", "size": _SMALL},
+        {"input": "array", "size": _SMALL, "fit": "stretch"},
+        {"input": "array", "fov_x": True},
+        {"input": "array", "apply_mask": False, "force_projection": False},
+        {"input": "float", "call": "forward"},
+    ],
+}
+PRESETS["all"] = PRESETS["default"] + [
+    {"input": "pil", "size": _SMALL},
+    {"input": "float", "size": _SMALL},
+    {"input": "float", "size": _SMALL, "call": "infer"},
+    {"input": "png", "size": _SMALL},
+    {"input": "png", "size": _SMALL, "call": "predict_many"},
+    {"input": "array", "apply_mask": False},
+    {"input": "array", "force_projection": False},
+    {"input": "array", "call": "forward"},
+]
+
+
+def canonical_variant(variant: dict, canvas_size: tuple) -> tuple:
+    """Validate a variant dict and return its hashable canonical form (key, value) pairs in _KEYS order."""
+    if not isinstance(variant, dict):
+        raise TypeError(f"warm-up variant must be a dict, got {type(variant).__name__}")
+    unknown = sorted(set(variant) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"warm-up variant: unknown key(s) {unknown}; expected keys from {list(_KEYS)}")
+    v = {"input": "array", "size": tuple(canvas_size), "fit": "pad", "fov_x": False, "apply_mask": True,
+         "force_projection": True, "call": "call"}
+    v.update(variant)
+    if v["input"] not in INPUTS:
+        raise ValueError(f"warm-up variant: input must be one of {INPUTS}, got {v['input']!r}")
+    if v["call"] not in CALLS:
+        raise ValueError(f"warm-up variant: call must be one of {CALLS}, got {v['call']!r}")
+    size = v["size"]
+    if (not isinstance(size, (tuple, list)) or len(size) != 2
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 8 for s in size)):
+        raise ValueError(f"warm-up variant: size must be (width, height) integers >= 8, got {size!r}")
+    v["size"] = tuple(size)
+    if v["fit"] not in FITS:
+        raise ValueError(f"warm-up variant: fit must be one of {FITS}, got {v['fit']!r}")
+    v["fov_x"] = v["fov_x"] is not None and v["fov_x"] is not False
+    for key in ("apply_mask", "force_projection"):
+        if not isinstance(v[key], bool):
+            raise ValueError(f"warm-up variant: {key} must be True or False, got {v[key]!r}")
+    if v["call"] == "forward" and v["size"] != tuple(canvas_size):
+        raise ValueError(f"warm-up variant: call='forward' takes the canvas size {tuple(canvas_size)}, got size {v['size']}")
+    return tuple((k, v[k]) for k in _KEYS)
+
+
+def expand_variants(spec: Union[str, dict, Iterable, None], canvas_size: tuple) -> list:
+    """A preset name, a variant dict, or a list of them -> canonical variants without duplicates, in order."""
+    if spec is None:
+        return []
+    if isinstance(spec, str):
+        if spec not in PRESETS:
+            raise ValueError(f"warmup_variants: unknown preset {spec!r}; expected one of {sorted(PRESETS)}, a variant dict or a list")
+        items: list[Any] = list(PRESETS[spec])
+    elif isinstance(spec, dict):
+        items = [spec]
+    elif isinstance(spec, (list, tuple)):
+        items = []
+        for entry in spec:
+            items.extend(PRESETS[entry] if isinstance(entry, str) and entry in PRESETS else [entry])
+    else:
+        raise TypeError(f"warmup_variants must be a preset name, a variant dict or a list, got {type(spec).__name__}")
+    out: list = []
+    for item in items:
+        if isinstance(item, str):
+            raise ValueError(f"warmup_variants: unknown preset {item!r}; expected one of {sorted(PRESETS)}")
+        key = canonical_variant(item, canvas_size)
+        if key not in out:
+            out.append(key)
+    return out
+
+
+def synthetic_photo(size: tuple, seed: int = 0) -> np.ndarray:
+    """A photo-like (H, W, 3) uint8 image: smooth gradients, a horizon and mild noise (compresses like a photo)."""
+    w, h = size
+    rng = np.random.default_rng(seed)
+    y = np.linspace(0.0, 1.0, h, dtype=np.float32)[:, None]
+    x = np.linspace(0.0, 1.0, w, dtype=np.float32)[None, :]
+    sky = np.stack([0.45 + 0.2 * y + 0 * x, 0.6 + 0.15 * y + 0 * x, 0.85 - 0.1 * y + 0 * x], axis=-1)
+    ground = np.stack([0.35 + 0.25 * np.sin(8 * x + 3 * y), 0.4 + 0.2 * y + 0 * x, 0.2 + 0.1 * np.cos(5 * x) + 0 * y], axis=-1)
+    img = np.where((y > 0.45 + 0.05 * np.sin(6 * x))[..., None], ground, sky)
+    img = img + rng.normal(0.0, 0.02, img.shape).astype(np.float32)
+    return np.rint(np.clip(img, 0, 1) * 255).astype(np.uint8)
