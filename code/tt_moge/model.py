@@ -27,8 +27,8 @@ from .host import CallOptions, InputError, Stopwatch, postprocess, prepare
 from .host.canvas import plan_canvas
 from .network import validate_token_budget
 from .output import MoGeOutput
-from .runners.base import RawMaps, Runner
-from .runners.torch_runner import TorchRunner
+from .runners import make_runner, resolve_precision
+from .runners.base import PendingMaps, RawMaps, Runner
 from .warmup import canonical_variant, expand_variants, synthetic_photo
 from .weights import DEFAULT_REPO, DEFAULT_REVISION, load_network
 
@@ -122,8 +122,12 @@ class MoGeModel:
         warmup: int = 2,
         warmup_variants: Any = "default",
         verbose: bool = False,
+        precision: str = "auto",
     ) -> "MoGeModel":
         """Load the weights, build the runner for the device, run `warmup` device forwards, warm the host paths.
+
+        `precision`: "auto" (default: bf16 on CPUs with bfloat16 instructions, else fp32; fp16 on CUDA), "fp32"
+        (the reference network, exact), "bf16", or "fp16" (CUDA only). See `tt_moge.runners.precision`.
 
         `dispatch` and `num_command_queues` are Tenstorrent options: validated here, used by the ttnn runner
         (not part of this build), ignored by the CPU and CUDA runners.
@@ -141,10 +145,11 @@ class MoGeModel:
             raise ValueError(f"warmup must be a non-negative int (device forwards at load), got {warmup!r}")
         variants = expand_variants(warmup_variants, resolution)
         torch_device = select_device(device, device_id)
+        resolve_precision(precision, torch_device)  # a bad value fails before the weights are read
 
         network, ckpt = load_network(pretrained_model_name_or_path, revision)
         _log(verbose, f"loaded {ckpt.source} ({network.config.describe()}) in {time.perf_counter() - t0:.1f} s")
-        runner = TorchRunner(network, resolution, num_tokens, torch_device)
+        runner = make_runner(network, resolution, num_tokens, torch_device, precision)
         model = cls(runner, network_config=network.config, source=ckpt.source, revision=ckpt.revision,
                     resolution=resolution, num_tokens=num_tokens, verbose=verbose)
         try:
@@ -183,7 +188,8 @@ class MoGeModel:
         return {
             "model": self.source, "revision": self.revision, "architecture": self.config.describe(),
             "device": self.device, "runner": self._runner.describe(), "canvas": list(self.resolution),
-            "num_tokens": self.num_tokens, "normal": self.has_normal, "version": __version__,
+            "num_tokens": self.num_tokens, "precision": self._runner.precision, "normal": self.has_normal,
+            "version": __version__,
         }
 
     def __repr__(self) -> str:
@@ -196,12 +202,15 @@ class MoGeModel:
             raise RuntimeError("this MoGeModel is closed; load a new one with MoGeModel.from_pretrained(...)")
 
     def _forward_raw(self, canvas: torch.Tensor) -> RawMaps:
+        return self._submit_raw(canvas).result()
+
+    def _submit_raw(self, canvas: torch.Tensor) -> PendingMaps:
         replay = getattr(self._thread, "replay", None)
         if replay is not None:
-            return replay
+            return PendingMaps(replay)
         with self._device_lock:
             self._check_open()
-            return self._runner.forward(canvas)
+            return self._runner.submit(canvas)
 
     def predict(self, image: Any, *, fit: str = "pad", fov_x: Optional[float] = None, apply_mask: bool = True,
                 force_projection: bool = True, timing: Optional[dict] = None) -> MoGeOutput:
@@ -236,13 +245,16 @@ class MoGeModel:
             return []
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tt_moge-host") as pool:
             next_prepared = pool.submit(prepare, images[0], self.resolution, opts, None, "images[0]")
-            finishing = []
+            finishing, running = [], None  # running: (pending raw maps, plan) of the image on the device
             for i in range(len(images)):
                 prepared = next_prepared.result()
                 if i + 1 < len(images):
                     next_prepared = pool.submit(prepare, images[i + 1], self.resolution, opts, None, f"images[{i + 1}]")
-                raw = self._forward_raw(prepared.canvas)
-                finishing.append(pool.submit(postprocess, raw, prepared.plan, opts))
+                pending = self._submit_raw(prepared.canvas)  # on CUDA, starts while image i-1 still copies back
+                if running is not None:
+                    finishing.append(pool.submit(postprocess, running[0].result(), running[1], opts))
+                running = (pending, prepared.plan)
+            finishing.append(pool.submit(postprocess, running[0].result(), running[1], opts))
             return [f.result() for f in finishing]
 
     def forward(self, image: Any) -> dict:
