@@ -34,6 +34,8 @@ def make_runner(network: MoGe2Network, canvas_size: tuple, num_tokens: int, devi
             warnings.warn("precision='bf16': this CPU has no bfloat16 dot-product instructions (AVX512-BF16 / AMX), "
                           "so PyTorch emulates them and the forward is slower than 'fp32'", RuntimeWarning, stacklevel=2)
         return CpuGraphRunner(network, canvas_size, num_tokens, chosen)
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}: no CUDA GPU is available on this machine (torch {torch.__version__})")
     from .cuda import CudaGraphRunner  # imported here: nothing CUDA-specific runs on CPU-only machines
 
     return CudaGraphRunner(network, canvas_size, num_tokens, device, chosen)
