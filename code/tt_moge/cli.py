@@ -203,8 +203,8 @@ def _load_model(args: argparse.Namespace) -> Any:
         except (ValueError, TypeError, OSError, RuntimeError) as exc:
             _say(f"could not load the model: {exc}")
             return None
-    for warning in caught:
-        _say(f"note: {warning.message}")
+    for warning in caught:  # e.g. "no CUDA GPU found ... running on the CPU", as one line, in CLI terms
+        _say("note: " + str(warning.message).replace("device='cpu'", "--device cpu"))
     if args.verbose:
         _say(f"model {model!r} loaded in {time.perf_counter() - t0:.1f} s")
     return model

@@ -186,11 +186,12 @@ def image_mesh(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.ndar
     rgb = _as_uint8_rgb(image_rgb, output)
     keep = kept_pixels(output) if keep is None else keep
     h, w = keep.shape
-    index = np.full((h, w), -1, dtype=np.int64)
-    index[keep] = np.arange(int(keep.sum()))
+    index = np.full((h, w), -1, dtype=np.int32)  # glTF indices are 32-bit
+    index[keep] = np.arange(int(keep.sum()), dtype=np.int32)
     tl, tr, bl, br = index[:-1, :-1], index[:-1, 1:], index[1:, :-1], index[1:, 1:]
-    triangles = np.concatenate([np.stack([tl, bl, tr], -1).reshape(-1, 3), np.stack([tr, bl, br], -1).reshape(-1, 3)])
-    faces = triangles[(triangles >= 0).all(axis=1)]
+    k_tl, k_tr, k_bl, k_br = keep[:-1, :-1], keep[:-1, 1:], keep[1:, :-1], keep[1:, 1:]
+    upper, lower = k_tl & k_bl & k_tr, k_tr & k_bl & k_br
+    faces = np.concatenate([np.stack([tl[upper], bl[upper], tr[upper]], 1), np.stack([tr[lower], bl[lower], br[lower]], 1)])
     rows, cols = np.nonzero(keep)
     # trimesh's UV origin is the bottom-left (v up); its glTF export flips v to glTF's top-left origin.
     uv = np.stack([(cols + 0.5) / w, 1.0 - (rows + 0.5) / h], axis=1)
@@ -265,14 +266,18 @@ def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str,
         keep = kept_pixels(output)
         record["edge_rtol"] = DEPTH_EDGE_RTOL
         record["vertices"] = int(keep.sum())
-        if "ply" in formats:
-            (out / "points.ply").write_bytes(point_cloud(output, rgb, keep).export(file_type="ply", vertex_normal=output.normal is not None))
-            written.append("points.ply")
-        if "glb" in formats:
-            mesh = image_mesh(output, rgb, keep)
-            (out / "mesh.glb").write_bytes(mesh.export(file_type="glb"))
-            record["mesh_faces"] = int(len(mesh.faces))
-            written.append("mesh.glb")
+        if not keep.any():  # nothing to export (e.g. all sky); the files list says what exists
+            record["note"] = "no valid pixel off depth edges: points.ply and mesh.glb not written"
+        else:
+            if "ply" in formats:
+                cloud = point_cloud(output, rgb, keep)
+                (out / "points.ply").write_bytes(cloud.export(file_type="ply", vertex_normal=output.normal is not None))
+                written.append("points.ply")
+            if "glb" in formats:
+                mesh = image_mesh(output, rgb, keep)
+                (out / "mesh.glb").write_bytes(mesh.export(file_type="glb"))
+                record["mesh_faces"] = int(len(mesh.faces))
+                written.append("mesh.glb")
     record["files"] = written + ["result.json"]
     record.update(extra or {})
     tmp = out / "result.json.tmp"

@@ -412,3 +412,18 @@ def test_one_failing_image_in_a_chunk_costs_only_itself(tmp_path):
     assert status[0] is None and status[2] is None and "device error on this one" in status[1]
     assert sorted(n for n, _ in seen) == ["p0", "p1", "p2"]
     assert (tmp_path / "out" / "p0" / "result.npz").exists() and not (tmp_path / "out" / "p1").exists()
+
+
+def test_an_image_without_valid_pixels_still_gets_its_maps(tmp_path):
+    from tt_moge.export import write_outputs
+
+    h, w = 20, 30
+    nothing = MoGeOutput(points=np.full((h, w, 3), np.inf, np.float32), depth=np.full((h, w), np.inf, np.float32),
+                         normal=np.zeros((h, w, 3), np.float32), mask=np.zeros((h, w), bool),
+                         intrinsics=np.eye(3, dtype=np.float32), intrinsics_pixels=np.eye(3, dtype=np.float32),
+                         metric_scale=1.0, fov_x=60.0, fov_y=40.0)
+    record = write_outputs(nothing, np.zeros((h, w, 3), np.uint8), tmp_path)
+    assert record["vertices"] == 0 and record["median_depth_m"] is None and "not written" in record["note"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(record["files"]) == sorted(
+        ["depth.png", "normal.png", "mask.png", "depth.exr", "result.npz", "result.json"])
+    assert json.loads((tmp_path / "result.json").read_text())["valid_fraction"] == 0.0
