@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -362,7 +361,7 @@ def _check_format_libraries(formats: Sequence[str]) -> Optional[str]:
 
 
 def _run_predict(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .export import FORMATS
+    from .export import FORMATS, to_json
     from .inputs import InputPathError, collect_images
 
     formats = [f for f in FORMATS if getattr(args, f)] or list(FORMATS)
@@ -414,7 +413,7 @@ def _run_predict(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         "images": [{"input": str(img.path), "output": img.name, "status": "failed" if status.get(i) else "done",
                     "error": status.get(i)} for i, img in enumerate(images)],
     }
-    (out_root / "run.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    (out_root / "run.json").write_text(to_json(record))
     if not args.quiet:
         rate = f", {done / seconds:.2f} images/s" if seconds > 0 and done else ""
         print(f"tt-moge predict: {done} of {len(images)} images done, {len(failed)} failed, in {seconds:.1f} s{rate} "

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
@@ -40,7 +41,7 @@ from .output import MoGeOutput
 
 __all__ = [
     "FORMATS", "FILES", "depth_edges", "kept_pixels", "colorize_depth", "colorize_normal", "write_depth_exr",
-    "point_cloud", "image_mesh", "summary", "write_outputs",
+    "point_cloud", "image_mesh", "summary", "to_json", "write_outputs",
 ]
 
 FORMATS = ("maps", "npz", "ply", "glb")
@@ -225,6 +226,12 @@ def summary(output: MoGeOutput) -> dict:
     }
 
 
+def to_json(record: dict) -> str:
+    """Indented JSON with each list of numbers on one line (a 3x3 matrix reads as three rows)."""
+    text = json.dumps(record, indent=2, default=str)
+    return re.sub(r"\[\s+([-+0-9.eE,\s]+?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text) + "\n"
+
+
 def _check_formats(formats: Iterable[str]) -> tuple:
     formats = tuple(dict.fromkeys(formats))
     unknown = [f for f in formats if f not in FORMATS]
@@ -281,6 +288,6 @@ def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str,
     record["files"] = written + ["result.json"]
     record.update(extra or {})
     tmp = out / "result.json.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.write_text(to_json(record))
     os.replace(tmp, out / "result.json")
     return record
