@@ -31,7 +31,7 @@ exit codes:
   {EXIT_START}    could not start: weights not found or unreadable, device unavailable, a library missing
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C)"""
 DEFAULT_OUTPUT = "moge_output"
-DEFAULT_CHUNK = 8  # images per predict_many call; the next chunk is decoded while this one runs
+DEFAULT_CHUNK = 4  # images per predict_many call (the next chunk decodes meanwhile); its outputs are all in memory at once
 _FORMAT_FLAGS = {"maps": "depth.png (colour bar), normal.png, mask.png, depth.exr (float32 metres)",
                  "npz": "result.npz: every array, the server's npz layout",
                  "ply": "points.ply: coloured point cloud with normals",

@@ -163,6 +163,8 @@ def test_maps(folder_run, photos):
     import cv2
 
     turbo = cv2.applyColorMap(np.arange(256, dtype=np.uint8)[:, None], cv2.COLORMAP_TURBO)[:, 0, ::-1].astype(int)
+    turbo_key = turbo[:, 0] << 16 | turbo[:, 1] << 8 | turbo[:, 2]  # the 256 turbo colours are distinct
+    key_order = np.argsort(turbo_key)
     for name, (rel, (w, h), _) in PHOTOS.items():
         folder = folder_run[3] / name
         npz = np.load(folder / "result.npz")
@@ -180,7 +182,11 @@ def test_maps(folder_run, photos):
         assert picture.shape[0] == h and picture.shape[1] > w, "the colour bar sits beside the image"
         assert (picture[:, :w][~mask] == 0).all()
         # Each valid pixel is a turbo colour; its level must fall as the depth grows (inverse-depth colouring).
-        level = np.abs(picture[:, :w][mask][:, None, :] - turbo[None]).sum(-1).argmin(1)
+        colours = picture[:, :w][mask]
+        keys = colours[:, 0] << 16 | colours[:, 1] << 8 | colours[:, 2]
+        found = np.searchsorted(turbo_key[key_order], keys).clip(0, 255)
+        assert np.array_equal(turbo_key[key_order][found], keys), "every valid pixel has a turbo colour"
+        level = key_order[found]
         order = np.argsort(depth[mask], kind="stable")
         assert np.all(np.diff(level[order]) <= 0) and level.max() - level.min() > 200
         near, far = json.loads((folder / "result.json").read_text())["depth_png_range_m"]
