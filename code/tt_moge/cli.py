@@ -101,6 +101,7 @@ _PREDICT_EPILOG = f"""\
 inputs:
   Files are taken as given. Folders are searched recursively for .png, .jpg and .jpeg files. Anything
   else is a glob pattern (quote it; ** recurses). A missing path or an empty pattern stops before loading.
+  Files inside OUT are never taken from a folder or a pattern (a rerun skips its own outputs).
 
 formats (all of them when no format flag is given; result.json is always written):
   --maps  depth.png    inverse depth in the turbo colour map (near red, far blue, 1st-99th percentile),
@@ -365,13 +366,13 @@ def _run_predict(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     from .inputs import InputPathError, collect_images
 
     formats = [f for f in FORMATS if getattr(args, f)] or list(FORMATS)
+    out_root = Path(args.output)
     try:
-        images = collect_images(args.inputs)
+        images = collect_images(args.inputs, exclude=out_root)  # never our own depth.png files as photos
     except InputPathError as exc:
         parser.error(str(exc))
     if not images:
         parser.error(f"no PNG or JPEG images found in {', '.join(args.inputs)}")
-    out_root = Path(args.output)
     try:
         out_root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -7,7 +7,9 @@ Rules:
   relative to the folder, without the extension (`photos/trip/a.jpg` -> `trip/a`), so the tree is mirrored;
 * anything else is a glob pattern (`**` recurses); matching files are taken like files, matching folders
   like folders. A pattern that matches nothing, or a path that does not exist, is an InputPathError.
-The same file named twice (e.g. a folder and a file in it) is taken once, first mention first. Names that
+The same file named twice (e.g. a folder and a file in it) is taken once, first mention first. Files below
+`exclude` (the output folder) are skipped in folder and pattern matches, so `tt-moge predict .` run twice does
+not take its own depth.png files as photos. Names that
 collide (case-insensitively, as on macOS and Windows), or that equal a folder another name needs, get the
 extension appended (`a_jpg`), then a counter (`a_jpg-2`), in input order: names are unique and stable.
 """
@@ -17,7 +19,7 @@ import glob
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageInput", "InputPathError", "collect_images"]
 
@@ -43,18 +45,26 @@ def _folder_images(folder: Path) -> list:
     return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
 
 
-def _expand(argument: str) -> list:
+def _outside(path: Path, exclude: Optional[str]) -> bool:
+    return exclude is None or os.path.commonpath([os.path.realpath(path), exclude]) != exclude
+
+
+def _expand(argument: str, exclude: Optional[str]) -> list:
     """One argument -> [(path, wanted name)]."""
     path = Path(argument).expanduser()
     if path.is_file():
         return [(path, path.stem)]
     if path.is_dir():
-        return [(p, PurePosixPath(p.relative_to(path).as_posix()).with_suffix("").as_posix()) for p in _folder_images(path)]
+        return [(p, PurePosixPath(p.relative_to(path).as_posix()).with_suffix("").as_posix())
+                for p in _folder_images(path) if _outside(p, exclude)]
     if glob.has_magic(argument):
         matches = sorted(glob.glob(os.path.expanduser(argument), recursive=True))
         out: list = []
         for match in map(Path, matches):
-            out += _expand(str(match)) if match.is_dir() else [(match, match.stem)] if match.is_file() else []
+            if match.is_dir():
+                out += _expand(str(match), exclude)
+            elif match.is_file() and _outside(match, exclude):
+                out.append((match, match.stem))
         if not out:
             raise InputPathError(f"input {argument!r}: the pattern matches no files")
         return out
@@ -86,12 +96,14 @@ def _unique_names(wanted: Sequence[tuple]) -> list:
     return names
 
 
-def collect_images(arguments: Iterable[str]) -> list:
-    """Input arguments -> [ImageInput] in a stable order (arguments in order, folder contents sorted)."""
+def collect_images(arguments: Iterable[str], exclude: Optional[Union[str, os.PathLike]] = None) -> list:
+    """Input arguments -> [ImageInput] in a stable order (arguments in order, folder contents sorted).
+    Files below the folder `exclude` are skipped in folder and pattern matches (not when named directly)."""
+    excluded = None if exclude is None else os.path.realpath(exclude)
     wanted: list = []
     seen: set = set()
     for argument in arguments:
-        for path, name in _expand(os.fspath(argument)):
+        for path, name in _expand(os.fspath(argument), excluded):
             key = os.path.realpath(path)
             if key not in seen:
                 seen.add(key)

@@ -375,6 +375,11 @@ def test_input_names_are_unique_and_stable(tmp_path):
     assert [img.name for img in collect_images([tmp_path / "x"])] == [img.name for img in collect_images([tmp_path / "x"])]
     with pytest.raises(InputPathError, match="no such file or folder"):
         collect_images([tmp_path / "missing.png"])
+    # the output folder inside an input folder: its files are not photos (unless named directly)
+    assert {img.name for img in collect_images([tmp_path], exclude=tmp_path / "x" / "sub")} == {
+        "x/a_png", "x/a_JPG", "x/A_jpeg", "x/sub", "y/a"}
+    assert {img.name for img in collect_images([str(tmp_path / "x" / "**" / "*.png"), tmp_path / "x" / "sub" / "b.png"],
+                                               exclude=tmp_path / "x" / "sub")} == {"a", "sub", "b"}
 
 
 def test_depth_edge_rule():
