@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -105,6 +106,15 @@ def summarize(out: MoGeOutput, timing_ms: dict) -> dict:
         intrinsics_pixels=[[_finite(v) for v in row] for row in out.intrinsics_pixels],
         has_normal=out.normal is not None, timing_ms=Timing(**timing_ms),
     ).model_dump()
+
+
+def _is_loopback(request: Request) -> bool:
+    """The client runs on this machine: bytes cost almost nothing to move, so deflating only adds time."""
+    host = request.client.host if request.client else ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def server_timing(timing_ms: dict) -> str:
@@ -313,10 +323,13 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
     )
     async def predict(request: Request, fit: Literal["pad", "stretch"] = fit_q, fov_x: Optional[float] = fov_q,
                       apply_mask: bool = mask_q, force_projection: bool = proj_q,
-                      compress: bool = Query(True, description="Deflate the maps inside the npz (ISA-L); false = stored, larger, faster on loopback")) -> Response:
+                      compress: Literal["auto", "true", "false"] = Query("auto", description=(
+                          "Deflate the maps inside the npz with ISA-L: about 37 % smaller, about 85 ms more per "
+                          "1920x1080 result. auto: deflate unless the client is on this machine (loopback)"))) -> Response:
         check_query(request, OPTION_NAMES | {"compress"})
         options = dict(fit=fit, fov_x=fov_x, apply_mask=apply_mask, force_projection=force_projection)
-        body, timing = await run_prediction(request, options, lambda out, _t: out.to_npz_bytes(compress=compress))
+        deflate = compress == "true" or (compress == "auto" and not _is_loopback(request))
+        body, timing = await run_prediction(request, options, lambda out, _t: out.to_npz_bytes(compress=deflate))
         timing_json = json.dumps({k: round(v, 3) for k, v in timing.items()})
         return Response(body, media_type=NPZ_MEDIA_TYPE,
                         headers={"Server-Timing": server_timing(timing), TIMING_HEADER: timing_json})

@@ -8,6 +8,7 @@ import io
 import json
 import socket
 import time
+import zipfile
 
 import numpy as np
 import pytest
@@ -104,8 +105,8 @@ def test_options_multipart_and_stored_npz_match_the_api(client, reference):
     options = {"fov_x": 55.0, "apply_mask": False, "force_projection": False, "fit": "stretch"}
     local = reference(data, **options)
     query = {"fov_x": "55", "apply_mask": "false", "force_projection": "false", "fit": "stretch"}
-    deflated = client.post("/predict", content=data, headers={"Content-Type": JPEG}, params=query)
-    stored = client.post("/predict", content=data, headers={"Content-Type": JPEG}, params={**query, "compress": "false"})
+    stored = client.post("/predict", content=data, headers={"Content-Type": JPEG}, params=query)  # auto: loopback
+    deflated = client.post("/predict", content=data, headers={"Content-Type": JPEG}, params={**query, "compress": "true"})
     multipart = client.post("/predict", files={"image": ("photo.jpg", data, JPEG)}, params=query)
     for r in (deflated, stored, multipart):
         assert r.status_code == 200, r.text
@@ -113,6 +114,8 @@ def test_options_multipart_and_stored_npz_match_the_api(client, reference):
     assert float(load_npz(deflated.content)["fov_x"]) == pytest.approx(55.0, abs=1e-4)
     assert not np.isinf(load_npz(deflated.content)["depth"]).any()  # apply_mask=False reached the model
     assert len(deflated.content) < 0.9 * len(stored.content)  # the maps were deflated
+    with zipfile.ZipFile(io.BytesIO(stored.content)) as npz:  # auto on loopback: stored
+        assert {m.compress_type for m in npz.infolist()} == {zipfile.ZIP_STORED}
 
 
 def test_summary_json_matches_the_api(client, reference):
@@ -187,6 +190,7 @@ BAD_REQUESTS = {
     "fov-zero": (dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"fov_x": "0"}), 422, "invalid_option"),
     "fov-nan": (dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"fov_x": "nan"}), 422, "invalid_option"),
     "fov-text": (dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"fov_x": "wide"}), 422, "invalid_option"),
+    "bad-compress": (dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"compress": "yes"}), 422, "invalid_option"),
     "bad-bool": (dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"apply_mask": "maybe"}), 422, "invalid_option"),
     "path-option": (dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"path": "/etc/passwd"}), 422, "invalid_option"),
     "image-as-path": (dict(content=b"/etc/passwd", headers={"Content-Type": PNG}), 415, "unsupported_image"),
@@ -293,3 +297,15 @@ def test_openapi_error_bodies_are_documented(client):
     assert {"400", "401", "413", "415", "422", "503"} <= set(ops["responses"])
     assert set(ops["requestBody"]["content"]) == {PNG, JPEG, "multipart/form-data"}
     assert json.dumps(ops).count("application/x-npz") == 1
+
+
+def test_auto_compression_deflates_only_for_remote_clients():
+    from starlette.requests import Request
+
+    from tt_moge.server.app import _is_loopback
+
+    def request_from(host):
+        return Request({"type": "http", "method": "POST", "path": "/predict", "headers": [], "client": (host, 5000)})
+
+    assert _is_loopback(request_from("127.0.0.1")) and _is_loopback(request_from("::1"))
+    assert not _is_loopback(request_from("10.1.2.3")) and not _is_loopback(request_from("testclient"))
