@@ -195,24 +195,28 @@ class MoGeModel:
         if self._closed:
             raise RuntimeError("this MoGeModel is closed; load a new one with MoGeModel.from_pretrained(...)")
 
-    def _forward_raw(self, canvas: torch.Tensor) -> RawMaps:
+    def _forward_raw(self, canvas: torch.Tensor, timing: Optional[dict] = None) -> RawMaps:
+        """The device forward, one canvas at a time; `timing` gets "device_wait" (waiting for the device while
+        another call runs) and "device" (the forward only), in ms."""
         replay = getattr(self._thread, "replay", None)
         if replay is not None:
             return replay
+        watch = Stopwatch(timing)
         with self._device_lock:
+            watch.lap("device_wait")
             self._check_open()
-            return self._runner.forward(canvas)
+            raw = self._runner.forward(canvas)
+        watch.lap("device")
+        return raw
 
     def predict(self, image: Any, *, fit: str = "pad", fov_x: Optional[float] = None, apply_mask: bool = True,
                 force_projection: bool = True, timing: Optional[dict] = None) -> MoGeOutput:
-        """One image -> MoGeOutput. `timing`, if a dict, receives stage times in ms: decode, canvas, device,
-        solve, finish."""
+        """One image -> MoGeOutput. `timing`, if a dict, receives stage times in ms: decode, canvas,
+        device_wait (another call held the device), device (the forward only), solve, finish."""
         self._check_open()
         options = CallOptions.make(fit, fov_x, apply_mask, force_projection)
         prepared = prepare(image, self.resolution, options, timing)
-        watch = Stopwatch(timing)
-        raw = self._forward_raw(prepared.canvas)
-        watch.lap("device")
+        raw = self._forward_raw(prepared.canvas, timing)
         return postprocess(raw, prepared.plan, options, timing)
 
     def __call__(self, image: Any, *, fit: str = "pad", fov_x: Optional[float] = None, apply_mask: bool = True,
