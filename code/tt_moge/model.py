@@ -201,27 +201,34 @@ class MoGeModel:
         if self._closed:
             raise RuntimeError("this MoGeModel is closed; load a new one with MoGeModel.from_pretrained(...)")
 
-    def _forward_raw(self, canvas: torch.Tensor) -> RawMaps:
-        return self._submit_raw(canvas).result()
+    def _forward_raw(self, canvas: torch.Tensor, timing: Optional[dict] = None) -> RawMaps:
+        """The device forward, one canvas at a time; `timing` gets "device_wait" (waiting for the device while
+        another call runs) and "device" (the forward only), in ms."""
+        watch = Stopwatch(timing)
+        pending = self._submit_raw(canvas, watch)
+        raw = pending.result()
+        watch.lap("device")
+        return raw
 
-    def _submit_raw(self, canvas: torch.Tensor) -> PendingMaps:
+    def _submit_raw(self, canvas: torch.Tensor, watch: Optional[Stopwatch] = None) -> PendingMaps:
+        """Start the device forward (on CUDA it returns before the maps are back; `.result()` waits)."""
         replay = getattr(self._thread, "replay", None)
         if replay is not None:
             return PendingMaps(replay)
         with self._device_lock:
+            if watch is not None:
+                watch.lap("device_wait")
             self._check_open()
             return self._runner.submit(canvas)
 
     def predict(self, image: Any, *, fit: str = "pad", fov_x: Optional[float] = None, apply_mask: bool = True,
                 force_projection: bool = True, timing: Optional[dict] = None) -> MoGeOutput:
-        """One image -> MoGeOutput. `timing`, if a dict, receives stage times in ms: decode, canvas, device,
-        solve, finish."""
+        """One image -> MoGeOutput. `timing`, if a dict, receives stage times in ms: decode, canvas,
+        device_wait (another call held the device), device (the forward only), solve, finish."""
         self._check_open()
         options = CallOptions.make(fit, fov_x, apply_mask, force_projection)
         prepared = prepare(image, self.resolution, options, timing)
-        watch = Stopwatch(timing)
-        raw = self._forward_raw(prepared.canvas)
-        watch.lap("device")
+        raw = self._forward_raw(prepared.canvas, timing)
         return postprocess(raw, prepared.plan, options, timing)
 
     def __call__(self, image: Any, *, fit: str = "pad", fov_x: Optional[float] = None, apply_mask: bool = True,

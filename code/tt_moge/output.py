@@ -123,9 +123,10 @@ class MoGeOutput:
         return out
 
     def to_npz_bytes(self, compress: bool = False) -> bytes:
-        buf = io.BytesIO()
-        (np.savez_compressed if compress else np.savez)(buf, **self.npz_arrays())
-        return buf.getvalue()
+        """The npz file as bytes; compress=True deflates the maps (ISA-L when installed, see `tt_moge.npzio`)."""
+        from .npzio import npz_bytes
+
+        return npz_bytes(self.npz_arrays(), compress=compress)
 
     def save_npz(self, path: Union[str, os.PathLike], compress: bool = False) -> None:
         """Write the npz layout (normal float16, mask uint8) to `path`."""

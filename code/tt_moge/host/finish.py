@@ -3,13 +3,16 @@
 Steps, in order (each as upstream `MoGeModel.infer` does it, after the crop and resize that the fixed canvas
 adds):
   1. crop the content box out of the canvas maps (drops the letterbox bars);
-  2. resize points, normal and mask probability to the input size (bilinear, half-pixel centres), then
-     re-normalise the normals;
-  3. mask = probability > 0.5; z += shift; mask &= z > 0; depth = z;
-  4. intrinsics of the input image from the focal, the canvas and the content box;
-  5. force_projection: points = depth * K^-1 [u, v, 1] at the input pixel centres;
-  6. multiply points and depth by the metric scale;
-  7. apply_mask: points and depth inf, normal 0 where the mask is False.
+  2. z += shift (depth);
+  3. if the content box and the input differ in size: resize to the input size (bilinear, half-pixel
+     centres) the inverse depth, the ray directions x/z and y/z (only without force_projection), the normals
+     (then re-normalised) and the mask probability. Inverse depth and ray directions are linear in pixel
+     coordinates across a plane, so flat surfaces stay exact (resizing z itself would bend them);
+  4. mask = probability > 0.5 and depth > 0;
+  5. intrinsics of the input image from the focal, the canvas and the content box;
+  6. force_projection: points = depth * K^-1 [u, v, 1] at the input pixel centres;
+  7. multiply points and depth by the metric scale;
+  8. apply_mask: points and depth inf, normal 0 where the mask is False.
 """
 from __future__ import annotations
 
@@ -58,15 +61,23 @@ def finish(raw: RawMaps, plan: CanvasPlan, focal: float, shift: float, *, apply_
     normal = None if raw.normal is None else raw.normal[y0:y1, x0:x1]
     prob = None if raw.mask is None else raw.mask[y0:y1, x0:x1]
     w, h = plan.image_size
+    depth = points[..., 2] + torch.tensor(shift, dtype=torch.float32)
+    xy = points[..., :2]
     if (x1 - x0, y1 - y0) != (w, h):
-        maps = [m for m in (points, normal, prob) if m is not None]
+        # Perspective-correct resampling: inverse depth and the ray directions x/z, y/z are linear in pixel
+        # coordinates across a plane, so resizing them (not z) keeps flat surfaces exact.
+        ahead = depth > 0
+        inv_depth = torch.where(ahead, 1.0 / depth, 0.0)
+        maps = [inv_depth] + ([] if force_projection else [xy * inv_depth[..., None]])
+        maps += [m for m in (normal, prob) if m is not None]
         resized = iter(_resize_maps(maps, (w, h)))
-        points = next(resized)
+        inv_depth = next(resized)
+        depth = torch.where(inv_depth > 0, 1.0 / inv_depth, -1.0)
+        xy = None if force_projection else next(resized) * depth[..., None]
         normal = None if normal is None else F.normalize(next(resized), dim=-1)
         prob = None if prob is None else next(resized)
 
     mask = prob > MASK_THRESHOLD if prob is not None else torch.ones((h, w), dtype=torch.bool)
-    depth = points[..., 2] + torch.tensor(shift, dtype=torch.float32)
     mask &= depth > 0
 
     intrinsics = camera_intrinsics(focal, plan)
@@ -78,7 +89,7 @@ def finish(raw: RawMaps, plan: CanvasPlan, focal: float, shift: float, *, apply_
         y = depth * ((v - cy) / fy)[:, None]
         points = torch.stack([x, y, depth], dim=-1)
     else:
-        points = torch.cat([points[..., :2], depth[..., None]], dim=-1)
+        points = torch.cat([xy, depth[..., None]], dim=-1)
 
     scale = raw.metric_scale
     if scale is not None:

@@ -1,0 +1,293 @@
+"""Files people expect from a depth model, written from one MoGeOutput and the RGB image it came from.
+
+`write_outputs(output, image_rgb, out_dir, formats)` writes one image's folder; the CLI, the quickstart and the
+batch job all call it. Format groups (`FORMATS`) and the files they write:
+
+| group  | files                                          | written with                                   |
+|--------|------------------------------------------------|------------------------------------------------|
+| maps   | depth.png (colourised, with a depth colour     | OpenCV (colour map, text, PNG)                 |
+|        | bar), normal.png, mask.png,                    |                                                |
+|        | depth.exr (float32 metres, channel "Y")        | OpenEXR (the ASWF `OpenEXR` Python bindings)   |
+| npz    | result.npz (the server layout, NPZ_LAYOUT)     | numpy, via MoGeOutput.save_npz                 |
+| ply    | points.ply (binary; xyz, normal, RGBA)         | trimesh                                        |
+| glb    | mesh.glb (the image as texture)                | trimesh (+ Pillow for the texture PNG)         |
+| always | result.json (camera, scale, statistics, files) | json; written last, so it marks a complete one |
+
+Depth as EXR, not 16-bit PNG: float32 keeps the depth bit-identical to result.npz, with no 65.535 m ceiling,
+no 1 mm steps and `inf` for invalid pixels; it is the format upstream MoGe writes and Blender, Nuke and
+OpenCV read.
+
+3D exports use glTF / OpenGL axes (x right, y up, z towards the viewer), i.e. the camera-space point
+(x, y, z) of MoGeOutput (OpenCV axes) becomes (x, -y, -z), and so do the normals; the camera sits at the
+origin looking down -z. They hold one vertex per *kept* pixel, in row-major order: a valid pixel that is not
+on a depth edge (`depth_edges`). The mesh joins neighbouring kept pixels with two triangles per pixel quad
+(top-left, bottom-left, top-right) and (top-right, bottom-left, bottom-right), each only where all three of
+its corners are kept; since a quad with a depth jump has all four corners on the edge, no triangle spans a
+discontinuity larger than DEPTH_EDGE_RTOL of its nearest depth. Triangles face the camera (counter-clockwise).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import numpy as np
+
+from .constants import DEPTH_EDGE_RTOL
+from .output import MoGeOutput
+
+__all__ = [
+    "FORMATS", "FILES", "depth_edges", "kept_pixels", "colorize_depth", "colorize_normal", "write_depth_exr",
+    "point_cloud", "image_mesh", "summary", "to_json", "write_outputs",
+]
+
+FORMATS = ("maps", "npz", "ply", "glb")
+FILES = {
+    "maps": ("depth.png", "normal.png", "mask.png", "depth.exr"),
+    "npz": ("result.npz",),
+    "ply": ("points.ply",),
+    "glb": ("mesh.glb",),
+}
+_OPENGL_AXES = np.array([1.0, -1.0, -1.0], dtype=np.float32)  # OpenCV camera axes -> glTF / OpenGL axes
+_EXR_CHANNEL = "Y"  # a single-channel EXR as OpenCV writes it: grey-scale readers pick it up
+
+
+# ------------------------------------------------------------------------------------------ edge rule
+def depth_edges(depth: np.ndarray, mask: np.ndarray, rtol: float = DEPTH_EDGE_RTOL) -> np.ndarray:
+    """(H, W) bool: valid pixels whose 3x3 neighbourhood (valid neighbours only, image border excluded) spans a
+    depth range max - min > rtol * own depth. Computed in float32. Invalid pixels are never edges."""
+    import cv2
+
+    depth = np.asarray(depth, dtype=np.float32)
+    mask = np.asarray(mask, dtype=bool)
+    kernel = np.ones((3, 3), np.uint8)
+    # cv2's default border for dilate/erode never wins the max/min, so the image border adds nothing.
+    nearest_max = cv2.dilate(np.where(mask, depth, -np.inf).astype(np.float32), kernel)
+    nearest_min = cv2.erode(np.where(mask, depth, np.inf).astype(np.float32), kernel)
+    with np.errstate(invalid="ignore", over="ignore"):  # +-inf outside the mask; masked out below
+        return mask & ((nearest_max - nearest_min) > np.float32(rtol) * depth)
+
+
+def kept_pixels(output: MoGeOutput, rtol: float = DEPTH_EDGE_RTOL) -> np.ndarray:
+    """(H, W) bool: the pixels that become 3D vertices: valid, finite depth, not on a depth edge."""
+    valid = output.mask & np.isfinite(output.depth)
+    return valid & ~depth_edges(output.depth, valid, rtol)
+
+
+# ---------------------------------------------------------------------------------------- 2-D maps
+def _depth_label(metres: float) -> str:
+    return f"{metres:.2f} m" if metres < 10 else f"{metres:.1f} m" if metres < 100 else f"{metres:.0f} m"
+
+
+def colorize_depth(depth: np.ndarray, mask: np.ndarray) -> tuple:
+    """Depth (H, W) metres -> ((H, W + bar, 3) uint8 RGB picture, (near, far) metres).
+
+    Colours follow inverse depth (turbo colour map, near = red, far = blue) between the 1st and 99th
+    percentile of the valid depths; invalid pixels are black. A colour bar with depth labels (metres) is drawn
+    to the right. (near, far) is (nan, nan) when no pixel is valid."""
+    import cv2
+
+    h, w = depth.shape
+    valid = mask & np.isfinite(depth)
+    picture = np.zeros((h, w, 3), np.uint8)
+    if not valid.any():
+        return _with_bar(picture, None, None), (math.nan, math.nan)
+    near, far = (float(v) for v in np.percentile(depth[valid], [1.0, 99.0]))
+    far = max(far, near * (1 + 1e-6) + 1e-9)  # a flat scene still gets a usable range
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = (1.0 / depth - 1.0 / far) / (1.0 / near - 1.0 / far)  # 1 at near, 0 at far
+    level = np.rint(np.clip(np.nan_to_num(t), 0.0, 1.0) * 255).astype(np.uint8)
+    picture[valid] = cv2.applyColorMap(level, cv2.COLORMAP_TURBO)[..., ::-1][valid]
+    return _with_bar(picture, near, far), (near, far)
+
+
+def _with_bar(picture: np.ndarray, near: Optional[float], far: Optional[float]) -> np.ndarray:
+    """Append a panel with a vertical colour bar (near at the top) and depth labels in metres."""
+    import cv2
+
+    h = picture.shape[0]
+    font, scale = cv2.FONT_HERSHEY_SIMPLEX, float(np.clip(h / 900, 0.3, 1.2))
+    thick = 1 if scale < 0.8 else 2
+    (text_w, text_h), _ = cv2.getTextSize("000.00 m", font, scale, thick)
+    margin, bar_w = max(2, h // 100), max(6, h // 30)
+    panel = np.full((h, margin * 3 + bar_w + text_w, 3), 255, np.uint8)
+    if near is None:
+        cv2.putText(panel, "n/a", (margin, min(h - 1, text_h + margin)), font, scale, (0, 0, 0), thick, cv2.LINE_AA)
+        return np.concatenate([picture, panel], axis=1)
+    ramp = np.rint(np.linspace(255, 0, h)).astype(np.uint8)[:, None].repeat(bar_w, axis=1)
+    panel[:, margin:margin + bar_w] = cv2.applyColorMap(ramp, cv2.COLORMAP_TURBO)[..., ::-1]
+    ticks = 5 if h >= 5 * (text_h + 4) else 2 if h >= 2 * (text_h + 2) else 1
+    for t in np.linspace(1.0, 0.0, ticks):  # the bar is linear in inverse depth, like the picture
+        metres = 1.0 / (t * (1.0 / near - 1.0 / far) + 1.0 / far)
+        y = int(round((1.0 - t) * (h - 1)))
+        baseline = int(np.clip(y + text_h // 2, text_h, h - 1))
+        cv2.putText(panel, _depth_label(metres), (2 * margin + bar_w, baseline), font, scale, (0, 0, 0), thick, cv2.LINE_AA)
+    return np.concatenate([picture, panel], axis=1)
+
+
+def colorize_normal(normal: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Unit normals (H, W, 3), OpenCV camera axes -> (H, W, 3) uint8 RGB normal map in the usual OpenGL
+    colours: RGB = ((x, -y, -z) + 1) / 2 * 255, so surfaces facing the camera are blue; invalid pixels black."""
+    rgb = np.rint((np.asarray(normal, np.float32) * _OPENGL_AXES + 1.0) * 127.5).clip(0, 255).astype(np.uint8)
+    rgb[~mask] = 0
+    return rgb
+
+
+def write_depth_exr(path: Union[str, os.PathLike], depth: np.ndarray) -> None:
+    """Depth (H, W) float32 metres -> a single-channel ("Y") float32 EXR, ZIP compressed (lossless)."""
+    try:
+        import OpenEXR
+    except ImportError:
+        raise RuntimeError("writing depth.exr needs the OpenEXR package: pip install openexr") from None
+    header = {"compression": OpenEXR.ZIP_COMPRESSION, "type": OpenEXR.scanlineimage}
+    with OpenEXR.File(header, {_EXR_CHANNEL: np.ascontiguousarray(depth, dtype=np.float32)}) as exr:
+        exr.write(os.fspath(path))
+
+
+def _write_png(path: Path, rgb: np.ndarray) -> None:
+    import cv2
+
+    image = rgb[..., ::-1] if rgb.ndim == 3 else rgb  # OpenCV writes BGR
+    if not cv2.imwrite(os.fspath(path), np.ascontiguousarray(image)):
+        raise OSError(f"could not write {path}")
+
+
+# --------------------------------------------------------------------------------------------- 3-D
+def _as_uint8_rgb(image_rgb: np.ndarray, output: MoGeOutput) -> np.ndarray:
+    from .host.decode import float_to_uint8
+
+    rgb = np.asarray(image_rgb)
+    if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.shape[:2] != output.depth.shape:
+        w, h = output.size
+        raise ValueError(f"image_rgb must be the ({h}, {w}, 3) RGB image of this output, got shape {rgb.shape}")
+    return rgb if rgb.dtype == np.uint8 else float_to_uint8(rgb)
+
+
+def point_cloud(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.ndarray] = None) -> Any:
+    """A trimesh.Trimesh without faces: the kept pixels as vertices (OpenGL axes), with the image colours and,
+    when the model has a normal head, the predicted normals."""
+    import trimesh
+
+    rgb = _as_uint8_rgb(image_rgb, output)
+    keep = kept_pixels(output) if keep is None else keep
+    normals = None if output.normal is None else output.normal[keep] * _OPENGL_AXES
+    return trimesh.Trimesh(vertices=output.points[keep] * _OPENGL_AXES, faces=np.zeros((0, 3), np.int64),
+                           vertex_normals=normals, vertex_colors=rgb[keep], process=False, validate=False)
+
+
+def image_mesh(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.ndarray] = None) -> Any:
+    """A textured trimesh.Trimesh: the kept pixels as vertices (OpenGL axes), triangles between neighbouring
+    kept pixels (see the module docstring), UVs at pixel centres, the image as the base colour texture."""
+    import trimesh
+    from PIL import Image
+
+    rgb = _as_uint8_rgb(image_rgb, output)
+    keep = kept_pixels(output) if keep is None else keep
+    h, w = keep.shape
+    index = np.full((h, w), -1, dtype=np.int32)  # glTF indices are 32-bit
+    index[keep] = np.arange(int(keep.sum()), dtype=np.int32)
+    tl, tr, bl, br = index[:-1, :-1], index[:-1, 1:], index[1:, :-1], index[1:, 1:]
+    k_tl, k_tr, k_bl, k_br = keep[:-1, :-1], keep[:-1, 1:], keep[1:, :-1], keep[1:, 1:]
+    upper, lower = k_tl & k_bl & k_tr, k_tr & k_bl & k_br
+    faces = np.concatenate([np.stack([tl[upper], bl[upper], tr[upper]], 1), np.stack([tr[lower], bl[lower], br[lower]], 1)])
+    rows, cols = np.nonzero(keep)
+    # trimesh's UV origin is the bottom-left (v up); its glTF export flips v to glTF's top-left origin.
+    uv = np.stack([(cols + 0.5) / w, 1.0 - (rows + 0.5) / h], axis=1)
+    material = trimesh.visual.material.PBRMaterial(baseColorTexture=Image.fromarray(rgb), metallicFactor=0.0,
+                                                   roughnessFactor=1.0, doubleSided=True)
+    normals = None if output.normal is None else output.normal[keep] * _OPENGL_AXES
+    return trimesh.Trimesh(vertices=output.points[keep] * _OPENGL_AXES, faces=faces, vertex_normals=normals,
+                           visual=trimesh.visual.TextureVisuals(uv=uv, material=material), process=False, validate=False)
+
+
+# ------------------------------------------------------------------------------------------ summary
+def _finite_or_none(value: float) -> Optional[float]:
+    return float(value) if math.isfinite(value) else None
+
+
+def summary(output: MoGeOutput) -> dict:
+    """The result.json numbers: size, field of view (degrees), intrinsics (normalised and pixels), metric scale,
+    valid fraction, median and 1st/99th-percentile depth of the valid pixels (metres; null when none)."""
+    w, h = output.size
+    valid = output.mask & np.isfinite(output.depth)
+    p1, p99 = np.percentile(output.depth[valid], [1.0, 99.0]) if valid.any() else (math.nan, math.nan)
+    return {
+        "width": w, "height": h,
+        "fov_x_deg": float(output.fov_x), "fov_y_deg": float(output.fov_y),
+        "intrinsics": np.asarray(output.intrinsics, np.float64).tolist(),
+        "intrinsics_pixels": np.asarray(output.intrinsics_pixels, np.float64).tolist(),
+        "metric_scale": float(output.metric_scale),
+        "valid_fraction": float(output.valid_fraction),
+        "median_depth_m": _finite_or_none(output.median_depth),
+        "depth_p1_m": _finite_or_none(float(p1)), "depth_p99_m": _finite_or_none(float(p99)),
+    }
+
+
+def to_json(record: dict) -> str:
+    """Indented JSON with each list of numbers on one line (a 3x3 matrix reads as three rows)."""
+    text = json.dumps(record, indent=2, default=str)
+    return re.sub(r"\[\s+([-+0-9.eE,\s]+?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text) + "\n"
+
+
+def _check_formats(formats: Iterable[str]) -> tuple:
+    formats = tuple(dict.fromkeys(formats))
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"formats: unknown {unknown}; expected any of {FORMATS}")
+    return formats
+
+
+def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str, os.PathLike],
+                  formats: Iterable[str] = FORMATS, *, source: Optional[str] = None,
+                  extra: Optional[dict] = None) -> dict:
+    """Write one image's files into `out_dir` (created if needed) and return the result.json record.
+
+    output: the MoGeOutput of the image; image_rgb: that image, (H, W, 3) uint8 (or float in [0, 1]) RGB at the
+    output's size; formats: any of FORMATS (result.json is always written, last). `source` (the input's name)
+    and `extra` (more keys) go into result.json. Existing files of the same names are replaced.
+    """
+    formats = _check_formats(formats)
+    rgb = _as_uint8_rgb(image_rgb, output)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record: dict = {"source": source, **summary(output)}
+    written: list = []
+    if "maps" in formats:
+        depth_picture, (near, far) = colorize_depth(output.depth, output.mask)
+        _write_png(out / "depth.png", depth_picture)
+        record["depth_png_range_m"] = [_finite_or_none(near), _finite_or_none(far)]
+        written.append("depth.png")
+        if output.normal is not None:
+            _write_png(out / "normal.png", colorize_normal(output.normal, output.mask))
+            written.append("normal.png")
+        _write_png(out / "mask.png", output.mask.astype(np.uint8) * 255)
+        write_depth_exr(out / "depth.exr", output.depth)
+        written += ["mask.png", "depth.exr"]
+    if "npz" in formats:
+        output.save_npz(out / "result.npz")
+        written.append("result.npz")
+    if "ply" in formats or "glb" in formats:
+        keep = kept_pixels(output)
+        record["edge_rtol"] = DEPTH_EDGE_RTOL
+        record["vertices"] = int(keep.sum())
+        if not keep.any():  # nothing to export (e.g. all sky); the files list says what exists
+            record["note"] = "no valid pixel off depth edges: points.ply and mesh.glb not written"
+        else:
+            if "ply" in formats:
+                cloud = point_cloud(output, rgb, keep)
+                (out / "points.ply").write_bytes(cloud.export(file_type="ply", vertex_normal=output.normal is not None))
+                written.append("points.ply")
+            if "glb" in formats:
+                mesh = image_mesh(output, rgb, keep)
+                (out / "mesh.glb").write_bytes(mesh.export(file_type="glb"))
+                record["mesh_faces"] = int(len(mesh.faces))
+                written.append("mesh.glb")
+    record["files"] = written + ["result.json"]
+    record.update(extra or {})
+    tmp = out / "result.json.tmp"
+    tmp.write_text(to_json(record))
+    os.replace(tmp, out / "result.json")
+    return record

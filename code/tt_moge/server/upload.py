@@ -1,0 +1,136 @@
+"""Receiving an image upload safely: content type, body size and time limits, multipart, header-only checks.
+
+Everything here runs before a request is admitted to the model, so a bad upload costs no queue slot. The
+image header (PNG IHDR, JPEG SOF) is read without decoding the pixels, so a decompression bomb (a small file
+that declares a huge image) is refused before any large allocation.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+from dataclasses import dataclass
+
+from starlette.requests import ClientDisconnect, Request
+
+from ..constants import MIN_IMAGE_SIDE
+from .errors import ApiError
+from .settings import ServerSettings
+
+__all__ = ["IMAGE_MEDIA_TYPES", "MULTIPART_FIELD", "ImageUpload", "receive_image"]
+
+# Content-Type of a raw body -> the image format its bytes must have. image/jpg is a common misspelling.
+IMAGE_MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG"}
+MULTIPART = "multipart/form-data"
+MULTIPART_FIELD = "image"  # the form field that carries the file
+_MAGIC = {"PNG": b"\x89PNG\r\n\x1a\n", "JPEG": b"\xff\xd8\xff"}
+
+
+@dataclass(frozen=True)
+class ImageUpload:
+    data: bytes  # the encoded image, exactly as sent
+    format: str  # "PNG" or "JPEG"
+    size: tuple  # (width, height) from the header
+    read_ms: float  # time spent receiving the body
+
+
+def media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+def check_media_type(request: Request) -> str:
+    kind = media_type(request)
+    if kind not in IMAGE_MEDIA_TYPES and kind != MULTIPART:
+        got = f"Content-Type {kind!r}" if kind else "no Content-Type"
+        raise ApiError(415, "unsupported_media_type",
+                       f"got {got}; send the image as the body with Content-Type image/png or image/jpeg, "
+                       f"or as the file field {MULTIPART_FIELD!r} of multipart/form-data")
+    return kind
+
+
+async def _read_body(request: Request, settings: ServerSettings) -> bytes:
+    limit = settings.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ApiError(400, "bad_request", f"Content-Length must be a byte count, got {declared!r}")
+        if int(declared) > limit:
+            raise ApiError(413, "body_too_large", f"body of {int(declared)} bytes; the limit is {limit} bytes (--max-body-mb)")
+    chunks: list = []
+    received = 0
+
+    async def receive_all() -> None:
+        nonlocal received
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit:
+                raise ApiError(413, "body_too_large", f"body larger than the limit of {limit} bytes (--max-body-mb)")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive_all(), settings.read_timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, "timeout", f"the body did not arrive within {settings.read_timeout_s:g} s "
+                                       f"({received} bytes received)") from None
+    except ClientDisconnect:
+        raise ApiError(400, "client_disconnected", "the client closed the connection before the body was complete") from None
+    return b"".join(chunks)
+
+
+async def _multipart_file(request: Request, body: bytes) -> bytes:
+    """The bytes of the `image` file field of a multipart body that has already been received (and size-checked)."""
+
+    async def replay() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    form = await Request(request.scope, receive=replay).form(max_files=1, max_fields=16)
+    try:
+        part = form.get(MULTIPART_FIELD)
+        if part is None:
+            raise ApiError(400, "missing_field", f"multipart/form-data without a file field {MULTIPART_FIELD!r} "
+                                                 f"(got fields {sorted(form.keys())})")
+        if isinstance(part, str):
+            raise ApiError(400, "missing_field", f"multipart field {MULTIPART_FIELD!r} must be a file upload, got a text value")
+        return await part.read()
+    finally:
+        await form.close()
+
+
+def inspect_image(data: bytes, declared_format: str, settings: ServerSettings) -> tuple:
+    """(format, (width, height)) from the header of PNG/JPEG bytes; the pixels are not decoded.
+
+    declared_format: the format the Content-Type names, or "" for a multipart file (any of PNG/JPEG).
+    """
+    from PIL import Image
+
+    if not data:
+        raise ApiError(400, "empty_body", "the image is empty (0 bytes)")
+    found = next((fmt for fmt, magic in _MAGIC.items() if data.startswith(magic)), None)
+    if found is None:
+        raise ApiError(415, "unsupported_image", f"the data is not a PNG or JPEG image (it starts with {data[:8]!r})")
+    if declared_format and found != declared_format:
+        raise ApiError(415, "unsupported_image", f"Content-Type says {declared_format} but the data is {found}")
+    try:
+        with Image.open(io.BytesIO(data), formats=[found]) as img:
+            width, height = img.size
+    except Image.DecompressionBombError as exc:
+        raise ApiError(413, "too_many_pixels", f"the image declares too many pixels ({exc})") from None
+    except Exception as exc:  # untrusted bytes: any parser failure means a corrupt header
+        raise ApiError(400, "bad_image", f"corrupt or truncated {found} data ({type(exc).__name__}: {exc})") from None
+    if width * height > settings.max_pixels:
+        raise ApiError(413, "too_many_pixels", f"the image is {width}x{height} = {width * height} pixels; "
+                                               f"the limit is {settings.max_pixels} (--max-pixels)")
+    if width < MIN_IMAGE_SIDE or height < MIN_IMAGE_SIDE:
+        raise ApiError(422, "image_too_small", f"the image is {width}x{height}; the minimum is {MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE}")
+    return found, (width, height)
+
+
+async def receive_image(request: Request, settings: ServerSettings) -> ImageUpload:
+    """Read and check the image of a /predict request (raw body or multipart), or raise ApiError (4xx)."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    kind = check_media_type(request)
+    body = await _read_body(request, settings)
+    data = await _multipart_file(request, body) if kind == MULTIPART else body
+    read_ms = (loop.time() - start) * 1e3
+    fmt, size = inspect_image(data, IMAGE_MEDIA_TYPES.get(kind, ""), settings)
+    return ImageUpload(data, fmt, size, read_ms)
