@@ -127,7 +127,8 @@ class MoGeModel:
         """Load the weights, build the runner for the device, run `warmup` device forwards, warm the host paths.
 
         `precision`: "auto" (default: bf16 on CPUs with bfloat16 instructions, else fp32; fp16 on CUDA), "fp32"
-        (the reference network, exact), "bf16", or "fp16" (CUDA only). See `tt_moge.runners.precision`.
+        (the reference network, exact), "bf16", "fp16" (CUDA only) or "int8" (CPU only, opt-in: int8 ViT
+        matmuls). See `tt_moge.runners.precision`.
 
         `dispatch` and `num_command_queues` are Tenstorrent options: validated here, used by the ttnn runner
         (not part of this build), ignored by the CPU and CUDA runners.

@@ -44,13 +44,18 @@ def raw_errors(ours, ref) -> dict:
     return out
 
 
-def output_errors(ours, ref) -> dict:
+def output_errors(ours, ref, same_camera) -> dict:
+    """`same_camera`: our raw maps finished with the fp32 run's focal and shift, which separates the maps' own
+    error from the camera solve's sensitivity (large on random, degenerate geometry)."""
     out = {"valid share (fp32)": ref.valid_fraction, "mask agreement": float((ours.mask == ref.mask).mean())}
     both = ours.mask & ref.mask & np.isfinite(ref.depth) & (ref.depth > 0)
     if both.mean() < 0.01:
         return out
     rel = np.abs(ours.depth[both] - ref.depth[both]) / ref.depth[both]
     out.update({"depth rel p50": np.median(rel), "depth rel p99": _q(rel, 0.99), "depth rel max": rel.max()})
+    both_same = same_camera.mask & ref.mask & np.isfinite(ref.depth) & (ref.depth > 0)
+    rel = np.abs(same_camera.depth[both_same] - ref.depth[both_same]) / ref.depth[both_same]
+    out.update({"depth rel p50, fp32 camera": np.median(rel), "depth rel max, fp32 camera": rel.max()})
     if ref.normal is not None:
         ang = _angle_deg(ours.normal[both], ref.normal[both])
         out.update({"normal deg p50": np.median(ang), "normal deg p99": _q(ang, 0.99), "normal deg max": ang.max()})
@@ -71,7 +76,10 @@ def main() -> None:
 
     import torch
 
+    from tt_moge.constants import MASK_THRESHOLD
     from tt_moge.host import CallOptions, postprocess, prepare
+    from tt_moge.host.finish import finish
+    from tt_moge.host.solve import recover_camera
     from tt_moge.runners import make_runner
     from tt_moge.testing import make_checkpoint
     from tt_moge.warmup import synthetic_photo
@@ -100,12 +108,14 @@ def main() -> None:
                 prepared = prepare(image, size, options)
                 t = time.perf_counter()
                 raw = runner.forward(prepared.canvas)
-                outs.append((raw, postprocess(raw, prepared.plan, options)))
+                outs.append((raw, postprocess(raw, prepared.plan, options), prepared.plan))
                 print(f"{label}, {precision}: forward {time.perf_counter() - t:.1f} s", flush=True)
             results[precision] = outs
             runner.close()
-        for i, ((raw_ref, out_ref), (raw, out)) in enumerate(zip(results["fp32"], results[args.precision])):
-            rows.append((f"{label}, image {i + 1}", {**raw_errors(raw, raw_ref), **output_errors(out, out_ref)}))
+        for i, ((raw_ref, out_ref, plan), (raw, out, _)) in enumerate(zip(results["fp32"], results[args.precision])):
+            focal, shift = recover_camera(raw_ref.points, raw_ref.mask > MASK_THRESHOLD, plan, None)
+            same_camera = finish(raw, plan, focal, shift, apply_mask=True, force_projection=True)
+            rows.append((f"{label}, image {i + 1}", {**raw_errors(raw, raw_ref), **output_errors(out, out_ref, same_camera)}))
 
     keys = list(dict.fromkeys(k for _, r in rows for k in r))
     print(f"\n{args.precision} vs fp32, {size[0]}x{size[1]}, {args.tokens} tokens, device {args.device}, torch {torch.__version__}\n")

@@ -56,6 +56,14 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def timed_both(fn) -> tuple:
+    """(wall seconds, CPU seconds of this process) of one call. On a shared machine the CPU seconds move much
+    less with other jobs' load than the wall time does (but count OpenMP spin-waiting too)."""
+    t, c = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t, time.process_time() - c
+
+
 def median(values: list) -> float:
     return statistics.median(values)
 

@@ -45,19 +45,21 @@ def keep_freed_memory() -> bool:
 
 
 class CpuGraphRunner(Runner):
-    """`FixedShapeMoGe2` on the CPU in bfloat16 (or float32, for tests of the graph itself)."""
+    """`FixedShapeMoGe2` on the CPU in bfloat16 ("bf16"), bfloat16 with int8 ViT matmuls ("int8"), or float32
+    (for tests of the graph itself)."""
 
     name = "cpu-graph"
 
     def __init__(self, network: MoGe2Network, canvas_size: tuple, num_tokens: int, precision: str = "bf16"):
-        if precision not in ("bf16", "fp32"):
-            raise ValueError(f"the CPU graph runner runs 'bf16' or 'fp32', got {precision!r}")
+        if precision not in ("bf16", "int8", "fp32"):
+            raise ValueError(f"the CPU graph runner runs 'bf16', 'int8' or 'fp32', got {precision!r}")
         self.precision = precision
         self.device = torch.device("cpu")
         self.canvas_size = tuple(canvas_size)
         self.num_tokens = num_tokens
         self.malloc_tuned = keep_freed_memory()
-        self.graph = FixedShapeMoGe2(network.to("cpu"), canvas_size, num_tokens, DTYPES[precision], attention="heads").eval()
+        self.graph = FixedShapeMoGe2(network.to("cpu"), canvas_size, num_tokens, DTYPES[precision],
+                                     attention="heads", vit_int8=precision == "int8").eval()
 
     @torch.inference_mode()
     def forward(self, canvas: torch.Tensor) -> RawMaps:
