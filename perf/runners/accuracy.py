@@ -67,7 +67,7 @@ def output_errors(ours, ref, same_camera) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", action="append", help="model.pt to compare on (repeatable; default: 2 random ViT-L)")
-    ap.add_argument("--precision", default="bf16", help="the precision compared with fp32 (default bf16)")
+    ap.add_argument("--precision", default="bf16", help="the precision(s) compared with fp32, comma-separated (default bf16)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--size", type=int, nargs=2, default=(1920, 1080), metavar=("W", "H"))
     ap.add_argument("--tokens", type=int, default=1800)
@@ -96,10 +96,11 @@ def main() -> None:
     size = tuple(args.size)
     images = [synthetic_photo(size, seed=10 + i) for i in range(args.images)]
     options = CallOptions()
-    rows = []
+    compared = args.precision.split(",")
+    rows = {p: [] for p in compared}
     for label, path in checkpoints:
         results = {}
-        for precision in ("fp32", args.precision):
+        for precision in ["fp32"] + compared:
             network, _ = load_network(path, None)
             runner = make_runner(network, size, args.tokens, args.device, precision)
             del network
@@ -112,21 +113,21 @@ def main() -> None:
                 print(f"{label}, {precision}: forward {time.perf_counter() - t:.1f} s", flush=True)
             results[precision] = outs
             runner.close()
-        for i, ((raw_ref, out_ref, plan), (raw, out, _)) in enumerate(zip(results["fp32"], results[args.precision])):
-            focal, shift = recover_camera(raw_ref.points, raw_ref.mask > MASK_THRESHOLD, plan, None)
-            same_camera = finish(raw, plan, focal, shift, apply_mask=True, force_projection=True)
-            rows.append((f"{label}, image {i + 1}", {**raw_errors(raw, raw_ref), **output_errors(out, out_ref, same_camera)}))
+        for precision in compared:
+            for i, ((raw_ref, out_ref, plan), (raw, out, _)) in enumerate(zip(results["fp32"], results[precision])):
+                focal, shift = recover_camera(raw_ref.points, raw_ref.mask > MASK_THRESHOLD, plan, None)
+                same_camera = finish(raw, plan, focal, shift, apply_mask=True, force_projection=True)
+                rows[precision].append((f"{label}, image {i + 1}",
+                                        {**raw_errors(raw, raw_ref), **output_errors(out, out_ref, same_camera)}))
 
-    keys = list(dict.fromkeys(k for _, r in rows for k in r))
-    print(f"\n{args.precision} vs fp32, {size[0]}x{size[1]}, {args.tokens} tokens, device {args.device}, torch {torch.__version__}\n")
-    print("| metric | " + " | ".join(name for name, _ in rows) + " |")
-    print("|---|" + "---:|" * len(rows))
-    for k in keys:
-        cells = []
-        for _, r in rows:
-            v = r.get(k)
-            cells.append("n/a" if v is None else f"{v:.3g}")
-        print(f"| {k} | " + " | ".join(cells) + " |")
+    for precision, table in rows.items():
+        keys = list(dict.fromkeys(k for _, r in table for k in r))
+        print(f"\n{precision} vs fp32, {size[0]}x{size[1]}, {args.tokens} tokens, device {args.device}, torch {torch.__version__}\n")
+        print("| metric | " + " | ".join(name for name, _ in table) + " |")
+        print("|---|" + "---:|" * len(table))
+        for k in keys:
+            cells = ["n/a" if r.get(k) is None else f"{r[k]:.3g}" for _, r in table]
+            print(f"| {k} | " + " | ".join(cells) + " |")
     print(f"\nrerun: {common.rerun_command()}")
 
 
