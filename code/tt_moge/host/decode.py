@@ -13,9 +13,10 @@ measurements behind the choice), and Pillow otherwise; both give the same pixels
     (`isal`, about 3x faster than zlib; zlib without it) and unfiltered by the native host library, straight
     into the RGB output (alpha dropped, gray replicated, as Pillow's convert("RGB")). Bit-exact: PNG is
     lossless. Palette, 16-bit, low-bit-depth and interlaced PNGs go to Pillow.
-  * JPEG with 1 or 3 components: OpenCV's libjpeg-turbo (IMREAD_IGNORE_ORIENTATION, so no EXIF rotation),
-    the same library and settings (accurate integer IDCT, fancy upsampling) as Pillow's; data that does not
-    end with the EOI marker (truncated) and CMYK/YCCK files go to Pillow, which reports the error or converts.
+  * JPEG with 1 or 3 components: libjpeg-turbo through `simplejpeg` when it is installed (the `fast` extra),
+    else OpenCV's (IMREAD_IGNORE_ORIENTATION: no EXIF rotation); the same library and settings (accurate
+    integer IDCT, fancy upsampling) as Pillow's, so the same pixels. Data that does not end with the EOI
+    marker (truncated) and CMYK/YCCK files go to Pillow, which reports the error or converts.
 """
 from __future__ import annotations
 
@@ -150,11 +151,32 @@ def _jpeg_components(data: bytes) -> int:
     return 0
 
 
+def _jpeg_decoder():
+    global _simplejpeg
+    if _simplejpeg is None:
+        try:
+            import simplejpeg
+
+            _simplejpeg = simplejpeg.decode_jpeg
+        except ImportError:
+            _simplejpeg = False
+    return _simplejpeg
+
+
+_simplejpeg = None
+
+
 def _decode_jpeg_fast(data: bytes) -> Optional[np.ndarray]:
-    """1- or 3-component complete JPEG -> (H, W, 3) uint8 via OpenCV, or None when Pillow must decode it."""
+    """1- or 3-component complete JPEG -> (H, W, 3) uint8 (libjpeg-turbo), or None when Pillow must decode it."""
     # EOI in the last bytes (0xFF 0xD9 cannot occur inside entropy-coded data, where 0xFF is stuffed)
     if data.rfind(b"\xff\xd9", max(0, len(data) - 64)) < 0 or _jpeg_components(data) not in (1, 3):
         return None  # truncated (Pillow raises the error) or CMYK/YCCK (Pillow's conversion is the reference)
+    decode = _jpeg_decoder()
+    if decode:
+        try:
+            return decode(data, colorspace="RGB")
+        except ValueError:
+            return None  # let Pillow decode it or name the error
     import cv2
 
     flags = getattr(cv2, "IMREAD_COLOR_RGB", None)

@@ -480,8 +480,9 @@ int moge_finish(const float* points, int64_t p_sy, int64_t p_sx, int64_t p_sc, c
     tx = bilinear_taps(content_w, out_w);
     ty = bilinear_taps(content_h, out_h);
   }
-  // Rows are independent; ~16 rows per chunk keeps chunks large enough for small images.
-  pool().parallel_for(out_h, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, out_w)),
+  // Rows are independent. Chunks of at least 128k pixels: waking a worker costs more than a smaller chunk
+  // saves, and on a loaded machine a late-scheduled worker would delay the whole pass.
+  pool().parallel_for(out_h, std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, out_w)),
                       [&](int64_t begin, int64_t end) { finish_rows(a, tx, ty, begin, end); });
   return 0;
 }
