@@ -255,3 +255,18 @@ def test_concurrent_builds_share_one_cached_library(tmp_path):
     libs = [f for f in files if f.endswith(".so")]
     assert len(libs) == 1 and libs[0].startswith("libmoge_host-") and Path(names[0]).name == libs[0]
     assert not [f for f in files if "partial" in f]
+
+
+@pytest.mark.parametrize("size,fit", [((448, 252), "pad"), ((300, 120), "pad"), ((120, 300), "pad"),
+                                      ((640, 480), "stretch"), ((448, 200), "pad")])
+def test_canvas_native_is_bit_identical(size, fit):
+    from tt_moge.host.canvas import fit_to_canvas
+    from tt_moge.warmup import synthetic_photo
+
+    plan = plan_canvas(size, (448, 252), fit)
+    photo = synthetic_photo(size, seed=3)
+    for rgb in (photo, np.ascontiguousarray(photo.transpose(2, 0, 1)).transpose(1, 2, 0)):  # strided too
+        ref, got = _both_paths(lambda: fit_to_canvas(rgb, plan))
+        assert ref.shape == got.shape == (1, 3, 252, 448) and ref.stride() == got.stride()
+        assert torch.equal(ref, got)
+        assert 0.2 < float(got.mean()) < 0.8

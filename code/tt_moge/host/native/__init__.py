@@ -1,4 +1,5 @@
-"""The native host library (the C++ in this folder): fused finish pass, camera solve, PNG unfiltering.
+"""The native host library (the C++ in this folder): fused finish pass, camera solve, PNG unfiltering and
+the uint8 -> float canvas.
 
 No Python build step: the first use compiles it with g++ into a per-user cache (see `build.py`) and loads it
 with ctypes. Which host path runs is chosen per process:
@@ -128,6 +129,7 @@ _SIGNATURES = {
     "moge_recover_camera": (_I64, [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                                    _P, _P, _I64, _I64, ctypes.c_double, _P, _P]),
     "moge_png_unfilter": (ctypes.c_int, [_P, _I64, _I64, _I64, ctypes.c_int, _P, _P]),
+    "moge_canvas_to_unit": (ctypes.c_int, [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _P]),
 }
 
 

@@ -417,6 +417,30 @@ void solve(const double* uv, const double* xyz, int64_t n, double focal_in, doub
   *focal_out = den > 0 ? num / den : 1.0;
 }
 
+// ---------------------------------------------------------------------------------------------- canvas
+// The uint8 RGB content placed on a gray canvas, as float32 in [0, 1]: value / 255 by IEEE division, the
+// same bits as torch's div_(255.0) (true division; vectorised, no reciprocal: we build without -ffast-math).
+void canvas_rows(const uint8_t* content, int64_t row_stride, int64_t pixel_stride, int64_t w, int64_t h, int64_t x0,
+                 int64_t y0, int64_t canvas_w, float pad, float* out, int64_t row_begin, int64_t row_end) {
+  for (int64_t y = row_begin; y < row_end; ++y) {
+    float* o = out + y * canvas_w * 3;
+    const bool inside = y >= y0 && y < y0 + h;
+    const int64_t left = inside ? x0 : canvas_w, right = inside ? x0 + w : canvas_w;
+    for (int64_t i = 0; i < 3 * left; ++i) o[i] = pad;
+    if (inside) {
+      const uint8_t* src = content + (y - y0) * row_stride;
+      float* dst = o + 3 * x0;
+      if (pixel_stride == 3) {
+        for (int64_t i = 0; i < 3 * w; ++i) dst[i] = static_cast<float>(src[i]) / 255.0f;
+      } else {
+        for (int64_t x = 0; x < w; ++x)
+          for (int c = 0; c < 3; ++c) dst[3 * x + c] = static_cast<float>(src[x * pixel_stride + c]) / 255.0f;
+      }
+    }
+    for (int64_t i = 3 * right; i < 3 * canvas_w; ++i) o[i] = pad;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------- PNG
 inline uint8_t paeth(int a, int b, int c) {
   const int pa = std::abs(b - c), pb = std::abs(a - c), pc = std::abs(a + b - 2 * c);
@@ -484,6 +508,17 @@ int moge_finish(const float* points, int64_t p_sy, int64_t p_sx, int64_t p_sc, c
   // saves, and on a loaded machine a late-scheduled worker would delay the whole pass.
   pool().parallel_for(out_h, std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, out_w)),
                       [&](int64_t begin, int64_t end) { finish_rows(a, tx, ty, begin, end); });
+  return 0;
+}
+
+// (canvas_h, canvas_w, 3) float32 canvas: `content` (h, w, 3) uint8 (byte strides) at (x0, y0), `pad` gray
+// around it, every value / 255. Returns 0.
+int moge_canvas_to_unit(const uint8_t* content, int64_t row_stride, int64_t pixel_stride, int64_t w, int64_t h,
+                        int64_t x0, int64_t y0, int64_t canvas_w, int64_t canvas_h, int pad_gray, float* out) {
+  const float pad = static_cast<float>(pad_gray & 255) / 255.0f;
+  // One thread: the pass is memory-bound (1.2 ms for 1920x1080 on the development machine) and a second
+  // thread did not make it faster.
+  canvas_rows(content, row_stride, pixel_stride, w, h, x0, y0, canvas_w, pad, out, 0, canvas_h);
   return 0;
 }
 
