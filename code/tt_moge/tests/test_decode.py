@@ -79,7 +79,17 @@ def test_torch_host_path_decodes_the_same(photo):
     assert np.array_equal(decode_bytes(data), fast)
 
 
-def test_jpeg_matches_pillow(photo):
+@pytest.fixture(params=["simplejpeg", "opencv"])
+def jpeg_backend(request, monkeypatch):
+    """Both fast JPEG decoders: simplejpeg when installed (the fast/server extras), else OpenCV."""
+    if request.param == "simplejpeg":
+        pytest.importorskip("simplejpeg")
+    else:
+        monkeypatch.setattr(dec, "_simplejpeg", False)
+    return request.param
+
+
+def test_jpeg_matches_pillow(photo, jpeg_backend):
     rgb = Image.fromarray(photo)
     cases = {
         "444": _encode(rgb, "JPEG", quality=95, subsampling=0),
