@@ -10,6 +10,8 @@ adds):
   5. force_projection: points = depth * K^-1 [u, v, 1] at the input pixel centres;
   6. multiply points and depth by the metric scale;
   7. apply_mask: points and depth inf, normal 0 where the mask is False.
+The torch code below is the reference; with the native host library the same steps run as one multithreaded
+C++ pass that reads the canvas maps once and writes each output once (moge_finish in native/moge_host.cpp).
 """
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ Levenberg-Marquardt from shift 0 with ftol=1e-3; we run a safeguarded Newton ite
 from the same start, to convergence, plus a search of the basins just across the nearest poles (LM can step
 across one), so our objective value is at least as low.
 `fov_x` given: the focal is fixed and only the shift is solved.
+`recover_camera` runs the same algorithm in C++ (moge_host.cpp) when the native host library is in use; the
+numpy functions here are the reference (tests/test_native.py compares the two and both against upstream).
 """
 from __future__ import annotations
 

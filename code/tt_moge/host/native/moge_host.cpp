@@ -30,9 +30,11 @@ moge::ThreadPool& pool() {
 }
 
 // ---------------------------------------------------------------------------------------------- finish
-// Bit-for-bit the float arithmetic of the torch reference on x86-64 with FMA: ATen's bilinear kernels are
-// compiled with fused multiply-adds, so the source coordinate, the four-tap sum and the norm of F.normalize
-// use fmaf in the same places (std::fma is exact everywhere; without FMA hardware it is slower, not wrong).
+// The float arithmetic of ATen's channels-last kernels on x86-64 with FMA: they are compiled with fused
+// multiply-adds, so the source coordinate, the four-tap sum and the norm of F.normalize use fmaf in the same
+// places (std::fma is exact everywhere; without FMA hardware it is slower, not wrong). ATen picks other
+// kernels for other memory layouts (a channel-planar normal map is normalised without FMA), hence "a few
+// ulp" rather than "identical" for the normals.
 //
 // One axis of torch's bilinear resize (align_corners=False, half-pixel centres):
 // src = max(ratio * (dst + 0.5) - 0.5, 0) with ratio = in / out, in float.
