@@ -40,8 +40,12 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, help="native host threads (default: $MOGE_SERVE_THREADS or the cores)")
     args = parser.parse_args(argv)
 
+    import warnings
+
     import moge.model.v2 as upstream_v2
     import torch
+
+    warnings.filterwarnings("ignore", message="In CPU autocast")  # upstream's fp32 autocast block on the CPU
 
     from tt_moge import MoGeModel
     from tt_moge.host import CallOptions, native, plan_canvas, postprocess
