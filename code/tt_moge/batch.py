@@ -75,16 +75,27 @@ class BatchSummary:
     skipped: int  # complete before this run (resume)
     seconds: float
     ray_start_seconds: float
-    replicas: int
+    replicas: int  # replicas started (0: nothing to do, no Ray)
     output_format: str
     failures: list = field(default_factory=list)  # [(input path, error)]
     done_names: list = field(default_factory=list)  # output names of the images done by this run, as reported
+    arrivals: list = field(default_factory=list)  # seconds after the job start at which each image's status came
+
+    @property
+    def steady_images_per_second(self) -> float:
+        """Images/s after the first result (replica start-up and model loading left out): for benchmarks."""
+        if len(self.arrivals) < 2 or self.arrivals[-1] <= self.arrivals[0]:
+            return 0.0
+        first = sum(1 for t in self.arrivals if t == self.arrivals[0])
+        return (len(self.arrivals) - first) / (self.arrivals[-1] - self.arrivals[0])
 
     @property
     def images_per_second(self) -> float:
         return self.done / self.seconds if self.seconds > 0 else 0.0
 
     def line(self) -> str:
+        if self.replicas == 0:
+            return f"nothing to do: all {self.total} images already done (skipped {self.skipped})"
         rate = f", {self.images_per_second:.2f} images/s" if self.done else ""
         return (f"{self.done} done, {self.failed} failed, {self.skipped} skipped (already done) of {self.total} images "
                 f"in {self.seconds:.1f} s{rate} with {self.replicas} replica{'s' * (self.replicas != 1)} "
@@ -334,7 +345,6 @@ def run_batch(inputs: Sequence[Union[str, os.PathLike]], out: Union[str, os.Path
     Raises RayMissingError without Ray, InputPathError for inputs that name nothing, ValueError for bad options,
     CheckpointError / OSError / RuntimeError when the weights or the device are unusable.
     """
-    from .export import to_json
     from .inputs import collect_images
     from .weights import DEFAULT_REPO, DEFAULT_REVISION
 
@@ -354,8 +364,12 @@ def run_batch(inputs: Sequence[Union[str, os.PathLike]], out: Union[str, os.Path
 
     summary = BatchSummary(out=out, total=len(images), done=0, failed=0, skipped=len(images) - len(todo), seconds=0.0,
                            ray_start_seconds=0.0, replicas=replicas, output_format=output_format)
+    options = {"output_format": output_format, "formats": list(formats) if output_format == "files" else None,
+               "fit": fit, "fov_x": fov_x, "batch_size": batch_size, "max_retries": max_retries}
     if not todo:  # nothing to do: no Ray, no model
+        summary.replicas = 0
         failures_path.write_text("")
+        _write_record(out, summary, "nowhere (nothing to do)", None, options)
         return summary
 
     replicas = min(replicas, math.ceil(len(todo) / batch_size))  # no idle replicas for a short remainder
@@ -366,6 +380,9 @@ def run_batch(inputs: Sequence[Union[str, os.PathLike]], out: Union[str, os.Path
     cpus = cpus_per_replica if cpus_per_replica is not None else (
         float(max(1, (os.cpu_count() or 1) // replicas)) if local and gpus == 0 else 1.0)
     device = _default_device(device, gpus, local)
+    if device.startswith("cuda") and gpus == 0:
+        raise ValueError(f"device {device!r} needs GPUs for the replicas: gpus_per_replica > 0 (--gpus-per-replica)")
+    options.update(replicas=replicas, cpus_per_replica=cpus, gpus_per_replica=gpus)
     weights = DEFAULT_REPO if weights is None else weights
     revision = DEFAULT_REVISION if revision == "default" else revision
     if address is None:  # the replicas share this file system: resolve (and download) the weights once, here
@@ -374,34 +391,64 @@ def run_batch(inputs: Sequence[Union[str, os.PathLike]], out: Union[str, os.Path
         weights = str(resolve_checkpoint(weights, revision)[0].resolve())
         revision = None
     model_kwargs = dict(pretrained_model_name_or_path=os.fspath(weights), revision=revision, device=device,
-                        resolution=tuple(resolution), num_tokens=num_tokens)
+                        resolution=list(resolution), num_tokens=num_tokens)
 
     with _ray_session(ray, address, local_ray_cpus(replicas, cpus), object_store_mb, quiet) as (where, start_s):
         summary.ray_start_seconds = start_s
+        _check_resources(ray, replicas, cpus, gpus, strict=address is None)
         if not quiet:
             print(f"tt-moge batch: {len(todo)} images to do ({summary.skipped} already done) on {where}, "
                   f"{replicas} replica(s) x ({cpus:g} CPU, {gpus:g} GPU), device {device}", file=sys.stderr, flush=True)
-        if quiet:
-            import logging
-
-            logging.getLogger("ray.data").setLevel(logging.WARNING)
-            ray.data.DataContext.get_current().enable_progress_bars = False
         t0 = time.perf_counter()
-        dataset = _build_dataset(ray, todo, out, output_format, formats, fit, fov_x, model_kwargs, replicas, cpus,
-                                 gpus, batch_size, writers, max_retries)
-        _collect(dataset, summary, failures_path, len(todo), progress and not quiet, on_failure)
+        with _ray_data_output(ray, quiet):
+            dataset = _build_dataset(ray, todo, out, output_format, formats, fit, fov_x, model_kwargs, replicas, cpus,
+                                     gpus, batch_size, writers, max_retries, address is None)
+            _collect(dataset, summary, failures_path, len(todo), progress and not quiet, on_failure, t0)
         summary.seconds = time.perf_counter() - t0
+    _write_record(out, summary, where, model_kwargs, options)
+    return summary
+
+
+def _check_resources(ray: Any, replicas: int, cpus: float, gpus: float, strict: bool) -> None:
+    """Every replica, plus one read task, must fit in the Ray cluster, or the job waits forever."""
+    have = ray.cluster_resources()
+    short = [f"{need:g} {kind} ({replicas} replica(s) x {per:g}{' + 1 read task' * (kind == 'CPU')}), it has "
+             f"{have.get(kind, 0):g}" for kind, per, need in (("CPU", cpus, replicas * cpus + READER_CPUS),
+                                                               ("GPU", gpus, replicas * gpus))
+             if need > have.get(kind, 0) + 1e-9]
+    if not short:
+        return
+    message = "the job needs " + "; ".join(short)
+    if strict:
+        raise ValueError(f"{message}: ask for fewer replicas or fewer CPUs/GPUs per replica")
+    print(f"tt-moge batch: warning: {message}; it waits until the cluster has them (autoscaling)", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _ray_data_output(ray: Any, quiet: bool) -> Iterator[None]:
+    """Ray Data's progress bars and log lines, off when quiet; its settings are restored afterwards."""
+    import logging
+
+    context, logger = ray.data.DataContext.get_current(), logging.getLogger("ray.data")
+    saved = context.enable_progress_bars, logger.level
+    if quiet:
+        context.enable_progress_bars = False
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        context.enable_progress_bars, _ = saved
+        logger.setLevel(saved[1])
+
+
+def _write_record(out: Path, summary: BatchSummary, where: str, model: Optional[dict], options: dict) -> None:
+    from .export import to_json
 
     (out / RECORD_FILE).write_text(to_json({
-        "tt_moge": _version(), "where": where, "output_format": output_format,
-        "formats": list(formats) if output_format == "files" else None,
-        "model": {k: (list(v) if isinstance(v, tuple) else v) for k, v in model_kwargs.items()},
-        "options": {"fit": fit, "fov_x": fov_x, "replicas": replicas, "cpus_per_replica": cpus,
-                    "gpus_per_replica": gpus, "batch_size": batch_size, "max_retries": max_retries},
+        "tt_moge": _version(), "where": where, "model": model, "options": options,
         "total": summary.total, "done": summary.done, "failed": summary.failed, "skipped": summary.skipped,
         "seconds": round(summary.seconds, 3), "images_per_second": round(summary.images_per_second, 3),
         "ray_start_seconds": round(summary.ray_start_seconds, 3)}))
-    return summary
 
 
 def _version() -> str:
@@ -412,15 +459,19 @@ def _version() -> str:
 
 def _build_dataset(ray: Any, todo: list, out: Path, output_format: str, formats: tuple, fit: str,
                    fov_x: Optional[float], model_kwargs: dict, replicas: int, cpus: float, gpus: float,
-                   batch_size: int, writers: int, max_retries: int) -> Any:
+                   batch_size: int, writers: int, max_retries: int, local: bool) -> Any:
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    if local:  # workers import the very tt_moge this driver runs, installed or not (a source tree, a script's sys.path)
+        here = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join([here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    runtime_env = {"env_vars": env} if env else None
     items = [{"path": str(im.path.resolve()), "name": im.name} for im in todo]
     blocks = min(len(items), max(1, math.ceil(len(items) / batch_size)))  # one read task per batch of images
     try:
         dataset = ray.data.from_items(items, override_num_blocks=blocks)
     except TypeError:  # Ray < 2.10 names it parallelism
         dataset = ray.data.from_items(items, parallelism=blocks)
-    dataset = dataset.map_batches(_read_images, batch_size=batch_size, num_cpus=READER_CPUS)
+    dataset = dataset.map_batches(_read_images, batch_size=batch_size, num_cpus=READER_CPUS, runtime_env=runtime_env)
     with warnings.catch_warnings():
         # Ray Data has no named parameter for the actors' fault tolerance yet; its default is to restart a dead
         # replica and retry its batch without limit, which never ends on an image that kills the process each time.
@@ -429,12 +480,12 @@ def _build_dataset(ray: Any, todo: list, out: Path, output_format: str, formats:
             _Replica, batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=replicas),
             fn_constructor_kwargs=dict(model_kwargs=model_kwargs, out=str(out.resolve()), output_format=output_format,
                                        formats=formats, fit=fit, fov_x=fov_x, writers=writers, threads=int(cpus)),
-            num_cpus=cpus, num_gpus=gpus or None, runtime_env={"env_vars": env} if env else None,
+            num_cpus=cpus, num_gpus=gpus or None, runtime_env=runtime_env,
             max_restarts=max_retries, max_task_retries=max_retries)
 
 
 def _collect(dataset: Any, summary: BatchSummary, failures_path: Path, total: int, progress: bool,
-             on_failure: Optional[Callable[[str, str], None]]) -> None:
+             on_failure: Optional[Callable[[str, str], None]], t0: float) -> None:
     """Stream the per-image statuses: count them, append failures to the failures file as they come."""
     from tqdm import tqdm
 
@@ -442,6 +493,7 @@ def _collect(dataset: Any, summary: BatchSummary, failures_path: Path, total: in
     try:
         with open(failures_path, "w") as failures:
             for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
+                arrived = time.perf_counter() - t0
                 for name, path, error in zip(batch["name"], batch["path"], batch["error"]):
                     if error:
                         summary.failed += 1
@@ -453,6 +505,7 @@ def _collect(dataset: Any, summary: BatchSummary, failures_path: Path, total: in
                     else:
                         summary.done += 1
                         summary.done_names.append(str(name))
+                    summary.arrivals.append(arrived)
                     bar.update(1)
     finally:
         bar.close()

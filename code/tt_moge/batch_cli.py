@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # Ray could not start, the replicas could not load, or the job stopped
-        _say(f"the batch job stopped: {type(exc).__name__}: {_first_lines(exc)}\n"
+        _say(f"the batch job stopped: {type(exc).__name__}: {_brief(exc)}\n"
              f"  images finished so far are kept; rerun the same command to do the rest")
         return EXIT_START
     if not args.quiet:
@@ -149,7 +150,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return EXIT_IMAGES_FAILED if summary.failed else EXIT_OK
 
 
-def _first_lines(exc: BaseException, limit: int = 12) -> str:
-    lines = str(exc).strip().splitlines()
-    return "\n".join(lines[:limit] + ([f"... ({len(lines) - limit} more lines)"] if len(lines) > limit else []))
-
+def _brief(exc: BaseException) -> str:
+    """A Ray error's text is a remote traceback: keep its first line and the final error line."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).rstrip() for line in str(exc).strip().splitlines()]
+    lines = [line for line in lines if line.strip()]
+    if len(lines) <= 2:
+        return "\n  ".join(lines)
+    return f"{lines[0]}\n  ...\n  {lines[-1]}"

@@ -223,3 +223,16 @@ def test_missing_input_exits_2_before_anything_starts(tmp_path):
     code, stdout, stderr = run_cli(["batch", tmp_path / "nope", "-o", tmp_path / "out"])
     assert code == 2 and "no such file or folder" in stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_job_that_cannot_fit_stops_before_it_starts(local_ray, ckpt, photos, tmp_path):
+    # The module's Ray has 3 logical CPUs and no GPU: a GPU replica, or 3 replicas x 1 CPU + a read task, would wait forever.
+    code, stdout, stderr = run_cli(["batch", photos["root"], "-o", tmp_path / "gpu", "--weights", ckpt,
+                                    "--device", "cuda", "-q"])
+    assert code == 3 and "the job needs 1 GPU (1 replica(s) x 1), it has 0" in stderr
+    with pytest.raises(ValueError, match=r"the job needs 4 CPU \(3 replica\(s\) x 1 \+ 1 read task\), it has 3"):
+        run_batch([photos["root"]], tmp_path / "cpu", weights=ckpt, device="cpu", replicas=3, cpus_per_replica=1,
+                  progress=False)
+    with pytest.raises(ValueError, match="needs GPUs for the replicas"):
+        run_batch([photos["root"]], tmp_path / "cpu", weights=ckpt, device="cuda", gpus_per_replica=0)
+    assert not list((tmp_path / "cpu").rglob("result.json"))
