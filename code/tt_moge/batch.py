@@ -392,6 +392,9 @@ def run_batch(inputs: Sequence[Union[str, os.PathLike]], out: Union[str, os.Path
         revision = None
     model_kwargs = dict(pretrained_model_name_or_path=os.fspath(weights), revision=revision, device=device,
                         resolution=list(resolution), num_tokens=num_tokens)
+    model_record = dict(model_kwargs)
+    if address is not None and os.environ.get("MOGE_WEIGHTS_DIR"):  # the replicas resolve it, and it wins over a repo id
+        model_record["MOGE_WEIGHTS_DIR"] = os.environ["MOGE_WEIGHTS_DIR"]
 
     with _ray_session(ray, address, local_ray_cpus(replicas, cpus), object_store_mb, quiet) as (where, start_s):
         summary.ray_start_seconds = start_s
@@ -405,7 +408,7 @@ def run_batch(inputs: Sequence[Union[str, os.PathLike]], out: Union[str, os.Path
                                      gpus, batch_size, writers, max_retries, address is None)
             _collect(dataset, summary, failures_path, len(todo), progress and not quiet, on_failure, t0)
         summary.seconds = time.perf_counter() - t0
-    _write_record(out, summary, where, model_kwargs, options)
+    _write_record(out, summary, where, model_record, options)
     return summary
 
 
