@@ -1,5 +1,5 @@
 """`tt-moge`: MoGe-2 from a shell. `tt-moge predict` turns photos into depth, normals, point clouds and meshes;
-`info` says what would run where; `serve` starts the HTTP server; `bench` times the stages.
+`batch` runs many on Ray Data; `info` says what would run where; `serve` starts the HTTP server; `bench` times the stages.
 
 `main(argv)` returns the exit code (see EXIT_CODES) instead of exiting, so tests and other tools can call it.
 Heavy imports (torch, the model, trimesh) happen inside the commands: `tt-moge --help` stays instant.
@@ -170,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--writers", type=_positive_int, default=2, metavar="N", help="threads writing files (default 2)")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary; errors still print")
     predict.set_defaults(command_parser=predict)
+
+    from . import batch_cli
+
+    batch = commands.add_parser("batch", formatter_class=_Formatter, description=batch_cli.DESCRIPTION,
+                                help="many photos as a Ray Data job: replicas, cluster, resume, failures file",
+                                epilog=batch_cli.epilog(EXIT_CODES, DEFAULT_OUTPUT))
+    batch_cli.add_arguments(batch)
+    batch.set_defaults(command_parser=batch)
 
     info = commands.add_parser(
         "info", formatter_class=_Formatter, help="load the model and say what runs where",
@@ -461,10 +469,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 parser.print_help(sys.stderr)
                 return EXIT_USAGE
             if unknown:  # reported by the command's own parser, with its usage line and a hint
-                hint = " (formats are chosen with --maps, --npz, --ply, --glb)" if args.command == "predict" else ""
+                hint = " (formats are chosen with --maps, --npz, --ply, --glb)" if args.command in ("predict", "batch") else ""
                 args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
             if args.command == "info":
                 return _run_info(args)
+            if args.command == "batch":
+                from .batch_cli import run as run_batch_command
+
+                return run_batch_command(args, args.command_parser)
             return _run_predict(args, args.command_parser)
         except SystemExit as exc:  # argparse: --help / --version (0) or a usage error (2)
             return exc.code if isinstance(exc.code, int) else EXIT_USAGE
