@@ -219,25 +219,13 @@ def _load_model(args: argparse.Namespace) -> Any:
 
 
 def host_path() -> str:
-    """'native' or 'torch' (+ why): which implementation runs the host steps. Read defensively: the native
-    host module may be absent from this build, or may fail to load."""
-    try:
-        import importlib
+    """'native' or 'torch' (+ why): which implementation runs the host steps."""
+    from .host import native
 
-        native = importlib.import_module("tt_moge.host.native")
-    except ImportError:
-        return "torch (this build has no native host module)"
-    except Exception as exc:  # a broken native build must not break `info`
-        return f"torch (the native host module failed to load: {type(exc).__name__}: {exc})"
-    for attr in ("enabled", "is_enabled", "available", "is_available", "ENABLED", "AVAILABLE"):
-        value = getattr(native, attr, None)
-        try:
-            value = value() if callable(value) else value
-        except Exception as exc:
-            return f"torch (native host check failed: {type(exc).__name__}: {exc})"
-        if isinstance(value, bool):
-            return "native" if value else "torch (native host path off or unavailable)"
-    return "unknown (tt_moge.host.native exposes no enabled()/available() flag)"
+    try:
+        return native.host_path()
+    except Exception as exc:  # e.g. MOGE_HOST=native and the build fails: `info` still answers
+        return f"torch (native host library unavailable: {type(exc).__name__}: {exc})"
 
 
 def _run_info(args: argparse.Namespace) -> int:

@@ -25,7 +25,6 @@ import torch
 from . import __version__
 from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, MAX_CANVAS_SIDE
 from .host import CallOptions, InputError, Stopwatch, native, postprocess, prepare
-from .host.canvas import plan_canvas
 from .network import validate_token_budget
 from .output import MoGeOutput
 from .runners.base import RawMaps, Runner
@@ -187,7 +186,8 @@ class MoGeModel:
         return {
             "model": self.source, "revision": self.revision, "architecture": self.config.describe(),
             "device": self.device, "runner": self._runner.describe(), "canvas": list(self.resolution),
-            "num_tokens": self.num_tokens, "normal": self.has_normal, "version": __version__,
+            "num_tokens": self.num_tokens, "normal": self.has_normal, "host": native.host_path(),
+            "version": __version__,
         }
 
     def __repr__(self) -> str:
