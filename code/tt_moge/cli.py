@@ -1,5 +1,5 @@
 """`tt-moge`: MoGe-2 from a shell. `tt-moge predict` turns photos into depth, normals, point clouds and meshes;
-`info` says what would run where; `serve` starts the HTTP server; `bench` times the stages.
+`batch` runs many on Ray Data; `info` says what would run where; `serve` starts the HTTP server; `bench` times the stages.
 
 `main(argv)` returns the exit code (see EXIT_CODES) instead of exiting, so tests and other tools can call it.
 Heavy imports (torch, the model, trimesh) happen inside the commands: `tt-moge --help` stays instant.
@@ -171,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary; errors still print")
     predict.set_defaults(command_parser=predict)
 
+    from . import batch_cli
+
+    batch = commands.add_parser("batch", formatter_class=_Formatter, description=batch_cli.DESCRIPTION,
+                                help="many photos as a Ray Data job: replicas, cluster, resume, failures file",
+                                epilog=batch_cli.epilog(EXIT_CODES, DEFAULT_OUTPUT))
+    batch_cli.add_arguments(batch)
+    batch.set_defaults(command_parser=batch)
+
     info = commands.add_parser(
         "info", formatter_class=_Formatter, help="load the model and say what runs where",
         description="Load the model (no warm-up) and print: version, weights source and revision, architecture, "
@@ -211,25 +219,13 @@ def _load_model(args: argparse.Namespace) -> Any:
 
 
 def host_path() -> str:
-    """'native' or 'torch' (+ why): which implementation runs the host steps. Read defensively: the native
-    host module may be absent from this build, or may fail to load."""
-    try:
-        import importlib
+    """'native' or 'torch' (+ why): which implementation runs the host steps."""
+    from .host import native
 
-        native = importlib.import_module("tt_moge.host.native")
-    except ImportError:
-        return "torch (this build has no native host module)"
-    except Exception as exc:  # a broken native build must not break `info`
-        return f"torch (the native host module failed to load: {type(exc).__name__}: {exc})"
-    for attr in ("enabled", "is_enabled", "available", "is_available", "ENABLED", "AVAILABLE"):
-        value = getattr(native, attr, None)
-        try:
-            value = value() if callable(value) else value
-        except Exception as exc:
-            return f"torch (native host check failed: {type(exc).__name__}: {exc})"
-        if isinstance(value, bool):
-            return "native" if value else "torch (native host path off or unavailable)"
-    return "unknown (tt_moge.host.native exposes no enabled()/available() flag)"
+    try:
+        return native.host_path()
+    except Exception as exc:  # e.g. MOGE_HOST=native and the build fails: `info` still answers
+        return f"torch (native host library unavailable: {type(exc).__name__}: {exc})"
 
 
 def _run_info(args: argparse.Namespace) -> int:
@@ -461,10 +457,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 parser.print_help(sys.stderr)
                 return EXIT_USAGE
             if unknown:  # reported by the command's own parser, with its usage line and a hint
-                hint = " (formats are chosen with --maps, --npz, --ply, --glb)" if args.command == "predict" else ""
+                hint = " (formats are chosen with --maps, --npz, --ply, --glb)" if args.command in ("predict", "batch") else ""
                 args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
             if args.command == "info":
                 return _run_info(args)
+            if args.command == "batch":
+                from .batch_cli import run as run_batch_command
+
+                return run_batch_command(args, args.command_parser)
             return _run_predict(args, args.command_parser)
         except SystemExit as exc:  # argparse: --help / --version (0) or a usage error (2)
             return exc.code if isinstance(exc.code, int) else EXIT_USAGE

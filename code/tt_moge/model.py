@@ -8,6 +8,7 @@ device forward runs one canvas at a time under a lock; the host stages of differ
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -23,8 +24,7 @@ import torch
 
 from . import __version__
 from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, MAX_CANVAS_SIDE
-from .host import CallOptions, InputError, Stopwatch, postprocess, prepare
-from .host.canvas import plan_canvas
+from .host import CallOptions, InputError, Stopwatch, native, postprocess, prepare
 from .network import validate_token_budget
 from .output import MoGeOutput
 from .runners import make_runner, resolve_precision
@@ -154,12 +154,15 @@ class MoGeModel:
         model = cls(runner, network_config=network.config, source=ckpt.source, revision=ckpt.revision,
                     resolution=resolution, num_tokens=num_tokens, verbose=verbose)
         try:
+            native.library()  # build (first use on this machine) and load the native host library now, not in a call
             model._device_warmup(warmup)
+            photos: dict = {}  # one synthetic photo per size for all the variants of this load
             for variant in variants:
-                model._warm_variant(variant)
+                model._warm_variant(variant, photos)
         except BaseException:
             model.close()
             raise
+        gc.collect()  # the collection that load-time allocations would otherwise trigger inside the first call
         _log(verbose, f"ready on {runner.describe()['device']} in {time.perf_counter() - t0:.1f} s")
         return model
 
@@ -190,6 +193,7 @@ class MoGeModel:
             "model": self.source, "revision": self.revision, "architecture": self.config.describe(),
             "device": self.device, "runner": self._runner.describe(), "canvas": list(self.resolution),
             "num_tokens": self.num_tokens, "precision": self._runner.precision, "normal": self.has_normal,
+            "host": native.host_path(),
             "version": __version__,
         }
 
@@ -312,7 +316,7 @@ class MoGeModel:
         self._check_open()
         return self._warm_variant(canonical_variant(variant, self.resolution))
 
-    def _warm_variant(self, key: tuple) -> float:
+    def _warm_variant(self, key: tuple, photos: Optional[dict] = None) -> float:
         with self._state_lock:
             if key in self._warmed:
                 return 0.0
@@ -321,7 +325,10 @@ class MoGeModel:
         if self._warm_raw is None:  # no device warm-up ran: one forward for the raw maps
             self._device_warmup(1)
         warm_raw = self._warm_raw
-        photo = synthetic_photo(v["size"])
+        photos = {} if photos is None else photos
+        photo = photos.get(v["size"])
+        if photo is None:
+            photo = photos[v["size"]] = synthetic_photo(v["size"])
         options = dict(fit=v["fit"], fov_x=60.0 if v["fov_x"] else None, apply_mask=v["apply_mask"],
                        force_projection=v["force_projection"])
         with tempfile.TemporaryDirectory(prefix="tt_moge-warmup-") as tmp:

@@ -12,6 +12,14 @@ variants. `MoGeModel.warmup(**variant)` runs one; it is idempotent per canonical
 | force_projection,  | matters                                                       |                |
 | fov_x              |                                                               |                |
 | call               | "call", "predict_many" (2 images), "infer", "forward"         | "call"         |
+
+How a variant is warmed (MoGeModel._warm_variant): one real call of that kind with a synthetic photo-like
+image of that size (one image per size per load; a temporary PNG/JPEG file for the decoders). The device part
+is the same fixed-shape forward for every variant and is warmed by the device warm-up forwards, so host
+variants do not run the device again: the calling thread replays the raw maps of the last device warm-up.
+Loading therefore stays fast on a CPU device too, and only the host paths (decoder, canvas fit, solve,
+finish, their scratch and output buffers, see tt_moge/host/buffers.py) are exercised per variant.
+No result is kept, so warm-up does not change any output.
 """
 from __future__ import annotations
 

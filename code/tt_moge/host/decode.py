@@ -6,18 +6,32 @@ Accepted inputs (the spec's list, plus encoded bytes, which the server uses):
   * a numpy array (H, W, 3) / (3, H, W) / (H, W), uint8 or float in [0, 1];
   * a torch tensor (3, H, W) / (1, 3, H, W) float in [0, 1], or (H, W, 3) uint8.
 EXIF orientation is not applied (as upstream MoGe reads pixels: in stored order).
+
+Encoded PNG and JPEG data take a fast path when it applies (see `perf/host/decode_bench.py` for the
+measurements behind the choice), and Pillow otherwise; both give the same pixels:
+  * PNG, 8-bit gray / gray+alpha / RGB / RGBA, not interlaced: the IDAT stream is inflated with ISA-L
+    (`isal`, about 3x faster than zlib; zlib without it) and unfiltered by the native host library, straight
+    into the RGB output (alpha dropped, gray replicated, as Pillow's convert("RGB")). Bit-exact: PNG is
+    lossless. Palette, 16-bit, low-bit-depth and interlaced PNGs go to Pillow.
+  * JPEG with 1 or 3 components: libjpeg-turbo through `simplejpeg` when it is installed (the `fast` extra),
+    else OpenCV's (IMREAD_IGNORE_ORIENTATION: no EXIF rotation); the same library and settings (accurate
+    integer IDCT, fancy upsampling) as Pillow's, so the same pixels. Data that does not end with the EOI
+    marker (truncated) and CMYK/YCCK files go to Pillow, which reports the error or converts.
 """
 from __future__ import annotations
 
+import ctypes
 import io
 import os
-from typing import Any
+import struct
+from typing import Any, Optional
 
 import numpy as np
 
 from ..constants import MIN_IMAGE_SIDE
 
-__all__ = ["InputError", "ImageNotFoundError", "to_rgb_array", "decode_bytes", "read_image_file", "float_to_uint8"]
+__all__ = ["InputError", "ImageNotFoundError", "to_rgb_array", "decode_bytes", "decode_with_pillow", "read_image_file",
+           "float_to_uint8"]
 
 
 class InputError(ValueError):
@@ -30,10 +44,23 @@ class ImageNotFoundError(InputError, FileNotFoundError):
 
 def decode_bytes(data: bytes, name: str = "image") -> np.ndarray:
     """Encoded image bytes -> (H, W, 3) uint8 RGB, EXIF orientation not applied."""
-    from PIL import Image, UnidentifiedImageError
-
     if not data:
         raise InputError(f"{name}: empty image data")
+    if data.startswith(_PNG_SIGNATURE):
+        arr = _decode_png_fast(data, name)
+        if arr is not None:
+            return arr
+    elif data.startswith(b"\xff\xd8\xff"):
+        arr = _decode_jpeg_fast(data)
+        if arr is not None:
+            return arr
+    return decode_with_pillow(data, name)
+
+
+def decode_with_pillow(data: bytes, name: str = "image") -> np.ndarray:
+    """The reference decoder: Pillow, any format it reads -> (H, W, 3) uint8 RGB."""
+    from PIL import Image, UnidentifiedImageError
+
     try:
         with Image.open(io.BytesIO(data)) as img:
             img.load()
@@ -44,6 +71,119 @@ def decode_bytes(data: bytes, name: str = "image") -> np.ndarray:
         if isinstance(exc, InputError):
             raise
         raise InputError(f"{name}: corrupt or truncated image data ({exc})") from None
+
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_CHANNELS = {0: 1, 2: 3, 4: 2, 6: 4}  # colour type -> samples per pixel (8-bit fast path)
+_inflate = None
+
+
+def _inflater():
+    global _inflate
+    if _inflate is None:
+        try:
+            from isal import isal_zlib
+
+            _inflate = isal_zlib.decompress, isal_zlib.error
+        except ImportError:
+            import zlib
+
+            _inflate = zlib.decompress, zlib.error
+    return _inflate
+
+
+def _decode_png_fast(data: bytes, name: str) -> Optional[np.ndarray]:
+    """8-bit non-interlaced gray/RGB/RGBA PNG -> (H, W, 3) uint8, or None when Pillow must decode it."""
+    from . import buffers, native
+
+    lib = native.library()
+    if lib is None or len(data) < 33 or data[12:16] != b"IHDR":
+        return None
+    width, height, depth, colour, compression, filtering, interlace = struct.unpack(">IIBBBBB", data[16:29])
+    channels = _PNG_CHANNELS.get(colour)
+    if depth != 8 or channels is None or interlace or compression or filtering or not (0 < width < 1 << 24) or not (0 < height < 1 << 24):
+        return None
+    view = memoryview(data)
+    idat, pos, end = [], 8, len(data)
+    while True:
+        if pos + 8 > end:
+            raise InputError(f"{name}: corrupt or truncated PNG data (no IEND chunk)")
+        length, kind = struct.unpack(">I4s", view[pos:pos + 8])
+        if pos + 12 + length > end:
+            raise InputError(f"{name}: corrupt or truncated PNG data (chunk {kind!r} runs past the end)")
+        if kind == b"IDAT":
+            idat.append(view[pos + 8:pos + 8 + length])
+        elif kind == b"IEND":
+            break
+        pos += 12 + length
+    expected = height * (1 + width * channels)
+    decompress, error = _inflater()
+    try:
+        raw = decompress(b"".join(idat), 15, expected)
+    except error as exc:
+        raise InputError(f"{name}: corrupt or truncated PNG data ({exc})") from None
+    if len(raw) < expected:
+        raise InputError(f"{name}: corrupt or truncated PNG data ({len(raw)} of {expected} pixel bytes)")
+    out = buffers.empty((height, width, 3), np.uint8)
+    bad_row = ctypes.c_int64(-1)
+    status = lib.moge_png_unfilter(raw, len(raw), width, height, channels, out.ctypes.data, ctypes.byref(bad_row))
+    if status != 0:
+        raise InputError(f"{name}: corrupt PNG data (unknown filter type in row {bad_row.value})")
+    return out
+
+
+def _jpeg_components(data: bytes) -> int:
+    """The number of colour components in the frame header (SOFn) of a JPEG, 0 if not found."""
+    pos, end = 2, len(data)
+    while pos + 4 <= end:
+        if data[pos] != 0xFF:
+            return 0
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        length = (data[pos + 2] << 8) | data[pos + 3]
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return data[pos + 9] if pos + 10 <= end else 0
+        if marker == 0xDA:  # start of scan before any frame header
+            return 0
+        pos += 2 + length
+    return 0
+
+
+def _jpeg_decoder():
+    global _simplejpeg
+    if _simplejpeg is None:
+        try:
+            import simplejpeg
+
+            _simplejpeg = simplejpeg.decode_jpeg
+        except ImportError:
+            _simplejpeg = False
+    return _simplejpeg
+
+
+_simplejpeg = None
+
+
+def _decode_jpeg_fast(data: bytes) -> Optional[np.ndarray]:
+    """1- or 3-component complete JPEG -> (H, W, 3) uint8 (libjpeg-turbo), or None when Pillow must decode it."""
+    # EOI in the last bytes (0xFF 0xD9 cannot occur inside entropy-coded data, where 0xFF is stuffed)
+    if data.rfind(b"\xff\xd9", max(0, len(data) - 64)) < 0 or _jpeg_components(data) not in (1, 3):
+        return None  # truncated (Pillow raises the error) or CMYK/YCCK (Pillow's conversion is the reference)
+    decode = _jpeg_decoder()
+    if decode:
+        try:
+            return decode(data, colorspace="RGB")
+        except ValueError:
+            return None  # let Pillow decode it or name the error
+    import cv2
+
+    flags = getattr(cv2, "IMREAD_COLOR_RGB", None)
+    arr = cv2.imdecode(np.frombuffer(data, np.uint8), (flags if flags is not None else cv2.IMREAD_COLOR) | cv2.IMREAD_IGNORE_ORIENTATION)
+    if arr is None:
+        return None
+    return arr if flags is not None else cv2.cvtColor(arr, cv2.COLOR_BGR2RGB)
 
 
 def read_image_file(path: "str | os.PathLike") -> np.ndarray:

@@ -13,6 +13,8 @@ adds):
   6. force_projection: points = depth * K^-1 [u, v, 1] at the input pixel centres;
   7. multiply points and depth by the metric scale;
   8. apply_mask: points and depth inf, normal 0 where the mask is False.
+The torch code below is the reference; with the native host library the same steps run as one multithreaded
+C++ pass that reads the canvas maps once and writes each output once (moge_finish in native/moge_host.cpp).
 """
 from __future__ import annotations
 
@@ -26,9 +28,10 @@ import torch.nn.functional as F
 from ..constants import MASK_THRESHOLD
 from ..output import MoGeOutput
 from ..runners.base import RawMaps
+from . import buffers, native
 from .canvas import CanvasPlan
 
-__all__ = ["camera_intrinsics", "finish"]
+__all__ = ["camera_intrinsics", "finish", "projection_factors"]
 
 
 def camera_intrinsics(focal: float, plan: CanvasPlan) -> np.ndarray:
@@ -54,8 +57,32 @@ def _resize_maps(maps: list[torch.Tensor], size: tuple) -> list[torch.Tensor]:
     return [o if m.ndim == 3 else o[..., 0] for o, m in zip(out, maps)]
 
 
+def projection_factors(intrinsics: np.ndarray, size: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """((u - cx) / fx (W,), (v - cy) / fy (H,)) float32 at the input pixel centres, u and v normalised to
+    [0, 1]: the factors that turn depth into x and y under force_projection (shared by both host paths)."""
+    w, h = size
+    fx, fy, cx, cy = (float(v) for v in (intrinsics[0, 0], intrinsics[1, 1], intrinsics[0, 2], intrinsics[1, 2]))
+    u = torch.linspace(0.5 / w, 1 - 0.5 / w, w, dtype=torch.float32)
+    v = torch.linspace(0.5 / h, 1 - 0.5 / h, h, dtype=torch.float32)
+    return (u - cx) / fx, (v - cy) / fy
+
+
 def finish(raw: RawMaps, plan: CanvasPlan, focal: float, shift: float, *, apply_mask: bool = True,
            force_projection: bool = True) -> MoGeOutput:
+    """Raw canvas maps + camera (focal relative to the canvas half diagonal, z shift) -> MoGeOutput at the
+    input size. Runs the native fused pass when the native host library is in use (same results), else the
+    torch steps below, which are the reference."""
+    intrinsics = camera_intrinsics(focal, plan)
+    lib = native.library()
+    if lib is not None:
+        maps = _finish_native(lib, raw, plan, intrinsics, shift, apply_mask, force_projection)
+    else:
+        maps = _finish_torch(raw, plan, intrinsics, shift, apply_mask, force_projection)
+    return _output(*maps, intrinsics, plan, raw.metric_scale)
+
+
+def _finish_torch(raw: RawMaps, plan: CanvasPlan, intrinsics: np.ndarray, shift: float, apply_mask: bool,
+                  force_projection: bool) -> tuple:
     x0, y0, x1, y1 = plan.content_box
     points = raw.points[y0:y1, x0:x1]
     normal = None if raw.normal is None else raw.normal[y0:y1, x0:x1]
@@ -80,14 +107,9 @@ def finish(raw: RawMaps, plan: CanvasPlan, focal: float, shift: float, *, apply_
     mask = prob > MASK_THRESHOLD if prob is not None else torch.ones((h, w), dtype=torch.bool)
     mask &= depth > 0
 
-    intrinsics = camera_intrinsics(focal, plan)
     if force_projection:
-        fx, fy, cx, cy = (float(v) for v in (intrinsics[0, 0], intrinsics[1, 1], intrinsics[0, 2], intrinsics[1, 2]))
-        u = torch.linspace(0.5 / w, 1 - 0.5 / w, w, dtype=torch.float32)
-        v = torch.linspace(0.5 / h, 1 - 0.5 / h, h, dtype=torch.float32)
-        x = depth * ((u - cx) / fx)[None, :]
-        y = depth * ((v - cy) / fy)[:, None]
-        points = torch.stack([x, y, depth], dim=-1)
+        col, row = projection_factors(intrinsics, (w, h))
+        points = torch.stack([depth * col[None, :], depth * row[:, None], depth], dim=-1)
     else:
         points = torch.cat([xy, depth[..., None]], dim=-1)
 
@@ -101,14 +123,50 @@ def finish(raw: RawMaps, plan: CanvasPlan, focal: float, shift: float, *, apply_
         depth = depth.masked_fill(invalid, math.inf)
         if normal is not None:
             normal = normal.masked_fill(invalid[..., None], 0.0)
+    normal = None if normal is None else np.ascontiguousarray(normal.numpy())
+    return points.numpy(), depth.numpy(), normal, mask.numpy()
 
+
+def _host_float32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 and t.device.type == "cpu" else t.to("cpu", torch.float32)
+
+
+def _finish_native(lib, raw: RawMaps, plan: CanvasPlan, intrinsics: np.ndarray, shift: float, apply_mask: bool,
+                   force_projection: bool) -> tuple:
+    """The same steps in one multithreaded C++ pass over the content box (moge_finish in moge_host.cpp)."""
+    x0, y0, x1, y1 = plan.content_box
+    w, h = plan.image_size
+    points = _host_float32(raw.points)
+    normal = None if raw.normal is None else _host_float32(raw.normal)
+    prob = None if raw.mask is None else _host_float32(raw.mask)
+    out_points = buffers.empty((h, w, 3), np.float32)
+    out_depth = buffers.empty((h, w), np.float32)
+    out_normal = None if normal is None else buffers.empty((h, w, 3), np.float32)
+    out_mask = buffers.empty((h, w), np.bool_)
+    col = row = None
+    if force_projection:
+        col, row = projection_factors(intrinsics, (w, h))
+    scale = raw.metric_scale
+    lib.moge_finish(
+        points.data_ptr(), *points.stride(),
+        None if normal is None else normal.data_ptr(), *(normal.stride() if normal is not None else (0, 0, 0)),
+        None if prob is None else prob.data_ptr(), *(prob.stride() if prob is not None else (0, 0)),
+        x0, y0, x1 - x0, y1 - y0, w, h, shift, 1.0 if scale is None else scale, scale is not None,
+        None if col is None else col.data_ptr(), None if row is None else row.data_ptr(), apply_mask,
+        out_points.ctypes.data, out_depth.ctypes.data, None if out_normal is None else out_normal.ctypes.data,
+        out_mask.ctypes.data)
+    return out_points, out_depth, out_normal, out_mask
+
+
+def _output(points: np.ndarray, depth: np.ndarray, normal: Optional[np.ndarray], mask: np.ndarray,
+            intrinsics: np.ndarray, plan: CanvasPlan, scale: Optional[float]) -> MoGeOutput:
+    w, h = plan.image_size
     fx_n, fy_n = float(intrinsics[0, 0]), float(intrinsics[1, 1])
     pixels = intrinsics.copy()
     pixels[0] *= w
     pixels[1] *= h
     return MoGeOutput(
-        points=points.numpy(), depth=depth.numpy(), normal=None if normal is None else np.ascontiguousarray(normal.numpy()),
-        mask=mask.numpy(), intrinsics=intrinsics, intrinsics_pixels=pixels,
+        points=points, depth=depth, normal=normal, mask=mask, intrinsics=intrinsics, intrinsics_pixels=pixels,
         metric_scale=float(scale) if scale is not None else 1.0,
         fov_x=math.degrees(2 * math.atan(0.5 / fx_n)), fov_y=math.degrees(2 * math.atan(0.5 / fy_n)),
     )

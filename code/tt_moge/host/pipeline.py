@@ -13,7 +13,6 @@ from typing import Any, Optional
 
 import torch
 
-from ..constants import MASK_THRESHOLD
 from ..output import MoGeOutput
 from ..runners.base import RawMaps
 from .canvas import CanvasPlan, fit_to_canvas, plan_canvas, validate_fit
@@ -85,8 +84,8 @@ def prepare(image: Any, canvas_size: tuple, options: CallOptions, timing: Option
 def postprocess(raw: RawMaps, plan: CanvasPlan, options: CallOptions, timing: Optional[dict] = None) -> MoGeOutput:
     """Solve the camera on the valid content region, then finish at the input resolution."""
     watch = Stopwatch(timing)
-    mask = raw.mask > MASK_THRESHOLD if raw.mask is not None else None
-    focal, shift = recover_camera(raw.points, mask, plan, options.fov_x)
+    # the probability goes in as is: the solve thresholds only the pixels it samples
+    focal, shift = recover_camera(raw.points, raw.mask, plan, options.fov_x)
     watch.lap("solve")
     out = finish(raw, plan, focal, shift, apply_mask=options.apply_mask, force_projection=options.force_projection)
     watch.lap("finish")

@@ -11,20 +11,26 @@ Levenberg-Marquardt from shift 0 with ftol=1e-3; we run a safeguarded Newton ite
 from the same start, to convergence, plus a search of the basins just across the nearest poles (LM can step
 across one), so our objective value is at least as low.
 `fov_x` given: the focal is fixed and only the shift is solved.
+`recover_camera` runs the same algorithm in C++ (moge_host.cpp) when the native host library is in use; the
+numpy functions here are the reference (tests/test_native.py compares the two and both against upstream).
 """
 from __future__ import annotations
 
+import ctypes
 import math
+from functools import lru_cache
 from typing import Optional
 
 import numpy as np
 import torch
 
-from ..constants import SOLVE_GRID
+from ..constants import MASK_THRESHOLD, SOLVE_GRID
 from ..network import view_plane_axes
+from . import native
 from .canvas import CanvasPlan
 
-__all__ = ["solve_samples", "solve_focal_shift", "solve_shift", "objective", "focal_from_fov_x", "recover_camera"]
+__all__ = ["solve_samples", "solve_focal_shift", "solve_shift", "objective", "focal_from_fov_x", "recover_camera",
+           "native_solve"]
 
 
 def _nearest_index(n_in: int, n_out: int) -> np.ndarray:
@@ -176,11 +182,64 @@ def focal_from_fov_x(fov_x_deg: float, plan: CanvasPlan) -> float:
     return fx_canvas_px / (math.hypot(cw, ch) / 2)
 
 
+@lru_cache(maxsize=8)
+def _canvas_axes(width: int, height: int) -> tuple[torch.Tensor, torch.Tensor]:
+    u, v = view_plane_axes(width, height, width / height)
+    return u.contiguous(), v.contiguous()
+
+
 def recover_camera(points: torch.Tensor, mask: Optional[torch.Tensor], plan: CanvasPlan,
                    fov_x: Optional[float] = None) -> tuple[float, float]:
-    """(focal, shift) for canvas-sized raw points, solved on the valid content region."""
+    """(focal, shift) for canvas-sized raw points (H, W, 3), solved on the valid content region.
+
+    `mask` (H, W): a bool validity mask, or the float mask probability (valid where > MASK_THRESHOLD; only
+    the sampled pixels are thresholded), or None. Runs the native solver when the native host library is in
+    use (same algorithm and samples), else the numpy solver above.
+    """
+    focal = None if fov_x is None else focal_from_fov_x(fov_x, plan)
+    lib = native.library()
+    if lib is not None:
+        return _recover_camera_native(lib, points, mask, plan, focal)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask > MASK_THRESHOLD
     uv, xyz = solve_samples(points, mask, plan.content_box)
-    if fov_x is None:
+    if focal is None:
         return solve_focal_shift(uv, xyz)
-    focal = focal_from_fov_x(fov_x, plan)
     return focal, solve_shift(uv, xyz, focal)
+
+
+def _recover_camera_native(lib, points: torch.Tensor, mask: Optional[torch.Tensor], plan: CanvasPlan,
+                           focal: Optional[float]) -> tuple[float, float]:
+    points = points if points.dtype == torch.float32 and points.device.type == "cpu" else points.to("cpu", torch.float32)
+    h, w = points.shape[:2]
+    u, v = _canvas_axes(w, h)
+    mask_u8 = prob = None
+    if mask is not None:
+        mask = mask.cpu()
+        if mask.dtype == torch.bool:
+            mask_u8 = mask
+        else:
+            prob = mask.to(torch.float32)
+    m = mask_u8 if mask_u8 is not None else prob
+    x0, y0, x1, y1 = plan.content_box
+    out = (ctypes.c_double * 2)()
+    lib.moge_recover_camera(
+        points.data_ptr(), *points.stride(), None if mask_u8 is None else mask_u8.data_ptr(),
+        None if prob is None else prob.data_ptr(), *(m.stride() if m is not None else (0, 0)), w, h,
+        x0, y0, x1, y1, u.data_ptr(), v.data_ptr(), SOLVE_GRID[0], SOLVE_GRID[1],
+        math.nan if focal is None else focal, ctypes.addressof(out), ctypes.addressof(out) + 8)
+    return float(out[0]), float(out[1])
+
+
+def native_solve(uv: np.ndarray, xyz: np.ndarray, focal: Optional[float] = None) -> tuple[float, float]:
+    """The native solver on given samples (uv (N, 2), xyz (N, 3) float64): (focal, shift), like
+    `solve_focal_shift` (focal None) or (focal, `solve_shift`). Raises NativeBuildError without the library."""
+    lib = native.library()
+    if lib is None:
+        raise native.NativeBuildError("the native host library is not in use (MOGE_HOST=torch or unavailable)")
+    uv = np.ascontiguousarray(uv, dtype=np.float64)
+    xyz = np.ascontiguousarray(xyz, dtype=np.float64)
+    out = (ctypes.c_double * 2)()
+    lib.moge_solve(uv.ctypes.data, xyz.ctypes.data, len(uv), math.nan if focal is None else float(focal),
+                   ctypes.addressof(out), ctypes.addressof(out) + 8)
+    return float(out[0]), float(out[1])

@@ -11,6 +11,8 @@ Every comparison first checks that what it compares is not trivial (a share of v
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -35,12 +37,17 @@ OPTIONS = [
 ]
 
 
-def _memoised_forward(model, image, tokens):
-    """Upstream's forward once; its infer then reuses clones of the result (infer edits them in place)."""
+@contextmanager
+def memoised_forward(model, image, tokens):
+    """Upstream's forward once; inside the block its infer reuses clones of the result (infer edits them in
+    place). The model is shared by other tests (session cache): its own forward comes back afterwards."""
     with torch.inference_mode():
         cached = model.forward(image[None], num_tokens=tokens)
     model.forward = lambda _image, num_tokens: {k: v.clone() for k, v in cached.items()}
-    return cached
+    try:
+        yield cached
+    finally:
+        del model.forward
 
 
 def _upstream_camera(raw: dict, fov_x):
@@ -83,10 +90,10 @@ def test_infer_matches_upstream(checkpoint, upstream, preset):
     path = checkpoint(preset)
     theirs = upstream(path)
     image = calibration_image(*CANVAS, seed=5)[0]
-    raw = _memoised_forward(theirs, image, TOKENS)
     plan = plan_canvas(CANVAS, CANVAS, "pad")
-    with MoGeModel.from_pretrained(path, device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0, warmup_variants="none",
-                                 precision="fp32") as ours:  # parity is the exact path (the CPU default is bf16)
+    with memoised_forward(theirs, image, TOKENS) as raw, MoGeModel.from_pretrained(
+            path, device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0, warmup_variants="none",
+            precision="fp32") as ours:  # parity is the exact path (the CPU default is bf16)
         for options in OPTIONS:
             ref = theirs.infer(image, num_tokens=TOKENS, use_fp16=False, **options)
             _check_nontrivial(ref)
@@ -154,9 +161,9 @@ def test_full_size_vitl_normal_matches_upstream(checkpoint, upstream):
     theirs = upstream(path)
     canvas = (1920, 1080)
     image = calibration_image(*canvas, seed=11)[0]
-    raw_ref = _memoised_forward(theirs, image, 1800)
-    with MoGeModel.from_pretrained(path, device="cpu", resolution=canvas, num_tokens=1800, warmup=0, warmup_variants="none",
-                                 precision="fp32") as ours:
+    with memoised_forward(theirs, image, 1800) as raw_ref, MoGeModel.from_pretrained(
+            path, device="cpu", resolution=canvas, num_tokens=1800, warmup=0, warmup_variants="none",
+            precision="fp32") as ours:  # parity is the exact path (the CPU default is bf16)
         raw = ours.forward(image)
         for key in raw_ref:
             err = (raw[key] - raw_ref[key]).abs().max().item()

@@ -1,0 +1,514 @@
+"""Batch inference on Ray Data: `tt-moge batch INPUTS... -o OUT` and `run_batch(...)`, the same pipeline as
+`tt-moge predict`, spread over model replicas on one machine or a Ray cluster.
+
+The job (one Ray Data dataset, streamed):
+
+    collect_images(INPUTS)            on the driver; images whose output is complete are skipped (resume)
+    -> read + decode                  Ray tasks, in parallel: file bytes -> RGB uint8 array, or the error
+    -> predict + write                an actor pool of `replicas`; each actor loads one MoGeModel once, runs
+                                      `predict_many` on a batch and writes each image (export.write_outputs,
+                                      or one Parquet shard per batch)
+    -> per-image status               streamed back to the driver: progress bar, OUT/failures.jsonl, summary
+
+Ray is optional (`pip install 'tt-moge[ray]'`): this module imports it only inside `run_batch`, and without it
+raises `RayMissingError` (the CLI exits with code 3).
+
+Resume: an image is done when OUT/NAME/result.json exists (files; written last by write_outputs) or when its
+name is in a Parquet shard (each shard is written to a temporary name and renamed, so one that exists is
+whole). A rerun of the same command only runs the rest, and starts no Ray at all when nothing is left.
+
+Exactly once: a replica that dies (killed, out of memory) is restarted by Ray and its batch is retried
+(`max_retries`); outputs of the failed attempt are never streamed back. A retried batch rewrites the same
+files, and its Parquet shard has the same name (a hash of the batch's image names), so nothing is duplicated.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS
+
+__all__ = ["run_batch", "BatchSummary", "RayMissingError", "OUTPUT_FORMATS", "FAILURES_FILE", "SHARDS_DIR",
+           "completed_names", "local_ray_cpus", "init_local_ray"]
+
+OUTPUT_FORMATS = ("files", "parquet")
+FAILURES_FILE = "failures.jsonl"  # one JSON object per failed image of the last run: input, name, error
+RECORD_FILE = "batch.json"  # the last run: options, counts, timing
+SHARDS_DIR = "parquet"  # OUT/parquet/part-<hash>.parquet in --format parquet
+PARQUET_COLUMNS = ("name", "source", "result", "npz")
+DEFAULT_BATCH_SIZE = 4  # images per actor call (one predict_many); also images per read task
+DEFAULT_OBJECT_STORE_MB = 200  # the embedded local Ray's shared-memory object store (the machine may be shared)
+DEFAULT_MAX_RETRIES = 3  # restarts of a dead replica, and retries of the batch it was running
+READER_CPUS = 1  # logical CPUs one read task asks for (see local_ray_cpus)
+RAY_INSTALL_HINT = "pip install 'tt-moge[ray]' (or: pip install 'ray[data]>=2.9')"
+# Test-only fault injection: when this names a folder holding a file "armed", the first replica to take a batch
+# renames it to "fired" (atomic: exactly one replica wins) and kills its own process after writing the batch's
+# outputs and before reporting them, i.e. at the worst moment for exactly-once.
+CRASH_ENV = "TT_MOGE_BATCH_CRASH_ONCE"
+# Passed on to the replicas (they may run on other machines, where the driver's environment is not inherited).
+FORWARDED_ENV = ("MOGE_WEIGHTS_DIR", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", CRASH_ENV)
+
+
+class RayMissingError(ImportError):
+    """Ray Data is not installed."""
+
+
+@dataclass
+class BatchSummary:
+    """What one `run_batch` did. Counts are images; seconds is the Ray Data job (replica start-up included, Ray
+    start excluded); images_per_second = done / seconds."""
+
+    out: Path
+    total: int  # images found in the inputs
+    done: int  # computed and written by this run
+    failed: int  # this run's failures (listed in OUT/failures.jsonl)
+    skipped: int  # complete before this run (resume)
+    seconds: float
+    ray_start_seconds: float
+    replicas: int  # replicas started (0: nothing to do, no Ray)
+    output_format: str
+    failures: list = field(default_factory=list)  # [(input path, error)]
+    done_names: list = field(default_factory=list)  # output names of the images done by this run, as reported
+    arrivals: list = field(default_factory=list)  # seconds after the job start at which each image's status came
+
+    @property
+    def steady_images_per_second(self) -> float:
+        """Images/s after the first result (replica start-up and model loading left out): for benchmarks."""
+        if len(self.arrivals) < 2 or self.arrivals[-1] <= self.arrivals[0]:
+            return 0.0
+        first = sum(1 for t in self.arrivals if t == self.arrivals[0])
+        return (len(self.arrivals) - first) / (self.arrivals[-1] - self.arrivals[0])
+
+    @property
+    def images_per_second(self) -> float:
+        return self.done / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        if self.replicas == 0:
+            return f"nothing to do: all {self.total} images already done (skipped {self.skipped})"
+        rate = f", {self.images_per_second:.2f} images/s" if self.done else ""
+        return (f"{self.done} done, {self.failed} failed, {self.skipped} skipped (already done) of {self.total} images "
+                f"in {self.seconds:.1f} s{rate} with {self.replicas} replica{'s' * (self.replicas != 1)} "
+                f"(Ray start {self.ray_start_seconds:.1f} s)")
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+        import ray.data  # noqa: F401  (ray without the data extra lacks it)
+    except ImportError as exc:
+        raise RayMissingError(f"batch jobs need Ray Data, which is not installed ({exc}): {RAY_INSTALL_HINT}") from None
+    return ray
+
+
+# ------------------------------------------------------------------------------------------------ resume
+def _shard_paths(out: Path) -> list:
+    return sorted((out / SHARDS_DIR).glob("part-*.parquet"))
+
+
+def completed_names(out: Union[str, os.PathLike], names: Sequence[str], output_format: str = "files") -> set:
+    """The names (of `names`) whose output in `out` is complete: OUT/NAME/result.json exists (files), or NAME
+    is a row of a Parquet shard (parquet)."""
+    out = Path(out)
+    if output_format == "files":
+        return {n for n in names if (out / n / "result.json").is_file()}
+    import pyarrow.parquet as pq
+
+    found: set = set()
+    for shard in _shard_paths(out):
+        found.update(pq.read_table(shard, columns=["name"]).column("name").to_pylist())
+    return found & set(names)
+
+
+# ------------------------------------------------------------------------------------------- Ray set-up
+def local_ray_cpus(replicas: int, cpus_per_replica: float) -> int:
+    """Logical CPUs of the embedded local Ray: the cores of this machine, but at least enough for every replica
+    plus one read task. Replicas hold their CPUs for the whole job; with no CPU left over the read tasks never
+    run and the job waits forever (seen here: 2 replicas x 1 CPU on a 2-CPU Ray). The extra logical CPU
+    oversubscribes the cores a little: decoding a photo takes milliseconds next to the model's hundreds."""
+    return max(os.cpu_count() or 1, math.ceil(replicas * cpus_per_replica) + READER_CPUS)
+
+
+def init_local_ray(ray: Any, num_cpus: int, object_store_mb: int = DEFAULT_OBJECT_STORE_MB, quiet: bool = False) -> None:
+    """Start the embedded local Ray: always a new one (address "local", never another user's Ray on this
+    machine), no dashboard, `object_store_mb` of shared memory, the node advertised on 127.0.0.1.
+    Ray's servers still listen on every interface (Ray has no option against it); Ray's token authentication,
+    on by default for a local Ray since 2.5x, is what keeps other hosts out."""
+    ray.init(address="local", num_cpus=num_cpus, object_store_memory=object_store_mb * 2**20,
+             include_dashboard=False, _node_ip_address="127.0.0.1", **_log_options(quiet))
+
+
+def _log_options(quiet: bool) -> dict:
+    return dict(logging_level="WARNING" if quiet else "INFO", log_to_driver=not quiet)
+
+
+@contextlib.contextmanager
+def _ray_session(ray: Any, address: Optional[str], num_cpus: int, object_store_mb: int,
+                 quiet: bool) -> Iterator[tuple]:
+    """Yield (where, seconds to start). Reuses a Ray this process already started (and leaves it running);
+    else connects to `address`, or starts a local Ray (init_local_ray), and shuts it down after."""
+    t0 = time.perf_counter()
+    if ray.is_initialized():
+        yield "the Ray of this process", 0.0
+        return
+    if address:
+        ray.init(address=address, include_dashboard=False, **_log_options(quiet))
+        where = f"the Ray cluster at {address}"
+    else:
+        init_local_ray(ray, num_cpus, object_store_mb, quiet)
+        where = f"a local Ray ({num_cpus} logical CPUs, {object_store_mb} MB object store)"
+    try:
+        yield where, time.perf_counter() - t0
+    finally:
+        ray.shutdown()
+
+
+# ------------------------------------------------------------------------------------- the Ray stages
+def _read_images(batch: dict) -> dict:
+    """Ray task: {path, name} -> + rgb ((H, W, 3) uint8; (0, 0, 3) when unreadable) and error ('' or why)."""
+    import numpy as np
+
+    from .host.decode import read_image_file
+
+    rgbs, errors = [], []
+    for path in batch["path"]:
+        try:
+            rgbs.append(read_image_file(str(path)))
+            errors.append("")
+        except Exception as exc:  # a corrupt or vanished file costs only itself
+            rgbs.append(np.zeros((0, 0, 3), np.uint8))  # same ndim and dtype: Ray keeps a ragged tensor column
+            errors.append(str(exc) or type(exc).__name__)
+    return {"path": batch["path"], "name": batch["name"], "rgb": rgbs, "error": errors}
+
+
+def _maybe_crash_for_test() -> None:
+    folder = os.environ.get(CRASH_ENV)
+    if not folder:
+        return
+    try:
+        os.rename(os.path.join(folder, "armed"), os.path.join(folder, "fired"))
+    except OSError:
+        return  # not armed, or another replica took it
+    sys.stderr.flush()
+    os._exit(17)
+
+
+class _Replica:
+    """Ray actor: one MoGeModel, loaded once; each call predicts a batch and writes it."""
+
+    def __init__(self, model_kwargs: dict, out: str, output_format: str, formats: tuple, fit: str,
+                 fov_x: Optional[float], writers: int, threads: int):
+        import torch
+
+        from .model import MoGeModel
+
+        torch.set_num_threads(max(1, threads))  # this replica's share of the cores
+        self.model = MoGeModel.from_pretrained(**model_kwargs, warmup=0, warmup_variants="none")
+        self.out, self.output_format, self.formats = Path(out), output_format, formats
+        self.fit, self.fov_x = fit, fov_x
+        self.writer = ThreadPoolExecutor(writers, thread_name_prefix="tt_moge-write")
+
+    def __call__(self, batch: dict) -> dict:
+        from .cli import _predict_chunk
+
+        names, paths = [str(n) for n in batch["name"]], [str(p) for p in batch["path"]]
+        errors = [str(e) for e in batch["error"]]
+        todo = [i for i, e in enumerate(errors) if not e]
+        outputs = _predict_chunk(self.model, [batch["rgb"][i] for i in todo], self.fit, self.fov_x)
+        results: dict = {}
+        for i, output in zip(todo, outputs):
+            if isinstance(output, BaseException):
+                errors[i] = str(output) or type(output).__name__
+            else:
+                results[i] = output
+        if self.output_format == "files":
+            self._write_files(results, batch["rgb"], names, paths, errors)
+        else:
+            self._write_shard(results, names, paths, errors)
+        _maybe_crash_for_test()
+        return {"name": names, "path": paths, "error": errors}
+
+    def _write_files(self, results: dict, rgbs: Any, names: list, paths: list, errors: list) -> None:
+        from .export import write_outputs
+
+        jobs = {i: self.writer.submit(write_outputs, output, rgbs[i], self.out / names[i], self.formats, source=paths[i])
+                for i, output in results.items()}
+        for i, job in jobs.items():
+            exc = job.exception()
+            if exc is not None:
+                errors[i] = f"writing {self.out / names[i]} failed: {exc}"
+
+    def _write_shard(self, results: dict, names: list, paths: list, errors: list) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from .export import summary, to_json
+
+        rows = {key: [] for key in PARQUET_COLUMNS}
+        for i, output in results.items():
+            try:
+                npz = output.to_npz_bytes()
+                record = to_json({"source": paths[i], **summary(output)})
+            except Exception as exc:
+                errors[i] = f"{paths[i]}: could not serialise the result: {exc}"
+                continue
+            for key, value in zip(PARQUET_COLUMNS, (names[i], paths[i], record, npz)):
+                rows[key].append(value)
+        if not rows["name"]:
+            return
+        # Named by the batch's images: a retried batch replaces its own shard instead of adding a second one.
+        digest = hashlib.sha1("\n".join(sorted(rows["name"])).encode()).hexdigest()[:20]
+        shard = self.out / SHARDS_DIR / f"part-{digest}.parquet"
+        table = pa.table({"name": pa.array(rows["name"], pa.string()), "source": pa.array(rows["source"], pa.string()),
+                          "result": pa.array(rows["result"], pa.string()), "npz": pa.array(rows["npz"], pa.large_binary())})
+        tmp = shard.with_name(f".{shard.name}.{os.getpid()}.tmp")
+        try:
+            pq.write_table(table, tmp)
+            os.replace(tmp, shard)  # a shard that exists is whole
+        except Exception as exc:
+            for i in results:
+                if not errors[i]:
+                    errors[i] = f"writing {shard} failed: {exc}"
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+# ------------------------------------------------------------------------------------------ the driver
+def _check_options(output_format: str, formats: Sequence[str], replicas: int, cpus: Optional[float],
+                   gpus: Optional[float], batch_size: int, max_retries: int, object_store_mb: int) -> tuple:
+    from .export import _check_formats
+
+    if output_format not in OUTPUT_FORMATS:
+        raise ValueError(f"output_format must be one of {OUTPUT_FORMATS}, got {output_format!r}")
+    formats = _check_formats(formats)
+    if not formats:
+        raise ValueError("formats: expected at least one of maps, npz, ply, glb")
+    for name, value, low in (("replicas", replicas, 1), ("batch_size", batch_size, 1), ("max_retries", max_retries, 0),
+                             ("object_store_mb", object_store_mb, 80)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    for name, value in (("cpus_per_replica", cpus), ("gpus_per_replica", gpus)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0):
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    if cpus == 0:
+        raise ValueError("cpus_per_replica must be > 0 (a replica runs the host steps on the CPU)")
+    return formats
+
+
+def _default_device(device: Optional[str], gpus: float, local: bool) -> str:
+    if device is not None:
+        return device
+    if gpus > 0:
+        return "cuda"
+    if local:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cpu"  # a cluster: ask for GPUs with gpus_per_replica (or device="cuda")
+
+
+def run_batch(inputs: Sequence[Union[str, os.PathLike]], out: Union[str, os.PathLike], *,
+              weights: Union[str, os.PathLike, None] = None, revision: Optional[str] = "default",
+              device: Optional[str] = None, resolution: tuple = DEFAULT_CANVAS,
+              num_tokens: int = DEFAULT_NUM_TOKENS, fit: str = "pad", fov_x: Optional[float] = None,
+              formats: Sequence[str] = ("maps", "npz", "ply", "glb"), output_format: str = "files",
+              replicas: int = 1, cpus_per_replica: Optional[float] = None, gpus_per_replica: Optional[float] = None,
+              batch_size: int = DEFAULT_BATCH_SIZE, writers: int = 2, max_retries: int = DEFAULT_MAX_RETRIES,
+              address: Optional[str] = None, object_store_mb: int = DEFAULT_OBJECT_STORE_MB, quiet: bool = False,
+              progress: bool = True, on_failure: Optional[Callable[[str, str], None]] = None) -> BatchSummary:
+    """Run MoGe-2 over every image of `inputs` (files, folders, glob patterns: `collect_images`) on Ray Data and
+    write the results into `out`; returns a BatchSummary.
+
+    output_format "files": OUT/NAME/ as `tt-moge predict` writes it (`formats` picks the files); "parquet":
+    OUT/parquet/part-*.parquet, one row per image (name, source, result = result.json text, npz = the npz bytes).
+    Images already complete in `out` are skipped. Failed images go to OUT/failures.jsonl (rewritten by each
+    run); `on_failure(path, error)` is called for each as it arrives.
+
+    Ray: `address` (or $RAY_ADDRESS) joins a cluster; without one a local Ray starts on this machine (loopback
+    only, `object_store_mb`), and stops at the end; a Ray already started in this process is used as it is.
+    Each of `replicas` actors takes `cpus_per_replica` (default: local CPU device, the cores / replicas; else 1)
+    and `gpus_per_replica` (default 1 when `device` is CUDA, else 0) and runs torch with that many threads.
+    weights/revision/device/resolution/num_tokens are those of MoGeModel.from_pretrained (weights None: the
+    default repo, or $MOGE_WEIGHTS_DIR); fit/fov_x those of predict.
+
+    Raises RayMissingError without Ray, InputPathError for inputs that name nothing, ValueError for bad options,
+    CheckpointError / OSError / RuntimeError when the weights or the device are unusable.
+    """
+    from .inputs import collect_images
+    from .weights import DEFAULT_REPO, DEFAULT_REVISION
+
+    formats = _check_options(output_format, formats, replicas, cpus_per_replica, gpus_per_replica, batch_size,
+                             max_retries, object_store_mb)
+    out = Path(out)
+    images = collect_images([os.fspath(i) for i in inputs], exclude=out)
+    if not images:
+        raise ValueError(f"inputs: no PNG or JPEG images found in {', '.join(map(str, inputs))}")
+    ray = _import_ray()
+    out.mkdir(parents=True, exist_ok=True)
+    if output_format == "parquet":
+        (out / SHARDS_DIR).mkdir(exist_ok=True)
+    done_before = completed_names(out, [im.name for im in images], output_format)
+    todo = [im for im in images if im.name not in done_before]
+    failures_path = out / FAILURES_FILE
+
+    summary = BatchSummary(out=out, total=len(images), done=0, failed=0, skipped=len(images) - len(todo), seconds=0.0,
+                           ray_start_seconds=0.0, replicas=replicas, output_format=output_format)
+    options = {"output_format": output_format, "formats": list(formats) if output_format == "files" else None,
+               "fit": fit, "fov_x": fov_x, "batch_size": batch_size, "max_retries": max_retries}
+    if not todo:  # nothing to do: no Ray, no model
+        summary.replicas = 0
+        failures_path.write_text("")
+        _write_record(out, summary, "nowhere (nothing to do)", None, options)
+        return summary
+
+    replicas = min(replicas, math.ceil(len(todo) / batch_size))  # no idle replicas for a short remainder
+    summary.replicas = replicas
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    local = address is None and not ray.is_initialized()
+    gpus = gpus_per_replica if gpus_per_replica is not None else (1.0 if (device or "").startswith("cuda") else 0.0)
+    cpus = cpus_per_replica if cpus_per_replica is not None else (
+        float(max(1, (os.cpu_count() or 1) // replicas)) if local and gpus == 0 else 1.0)
+    device = _default_device(device, gpus, local)
+    if device.startswith("cuda") and gpus == 0:
+        raise ValueError(f"device {device!r} needs GPUs for the replicas: gpus_per_replica > 0 (--gpus-per-replica)")
+    options.update(replicas=replicas, cpus_per_replica=cpus, gpus_per_replica=gpus)
+    weights = DEFAULT_REPO if weights is None else weights
+    revision = DEFAULT_REVISION if revision == "default" else revision
+    if address is None:  # the replicas share this file system: resolve (and download) the weights once, here
+        from .weights import resolve_checkpoint
+
+        weights = str(resolve_checkpoint(weights, revision)[0].resolve())
+        revision = None
+    model_kwargs = dict(pretrained_model_name_or_path=os.fspath(weights), revision=revision, device=device,
+                        resolution=list(resolution), num_tokens=num_tokens)
+    model_record = dict(model_kwargs)
+    if address is not None and os.environ.get("MOGE_WEIGHTS_DIR"):  # the replicas resolve it, and it wins over a repo id
+        model_record["MOGE_WEIGHTS_DIR"] = os.environ["MOGE_WEIGHTS_DIR"]
+
+    with _ray_session(ray, address, local_ray_cpus(replicas, cpus), object_store_mb, quiet) as (where, start_s):
+        summary.ray_start_seconds = start_s
+        _check_resources(ray, replicas, cpus, gpus, strict=address is None)
+        if not quiet:
+            print(f"tt-moge batch: {len(todo)} images to do ({summary.skipped} already done) on {where}, "
+                  f"{replicas} replica(s) x ({cpus:g} CPU, {gpus:g} GPU), device {device}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        with _ray_data_output(ray, quiet):
+            dataset = _build_dataset(ray, todo, out, output_format, formats, fit, fov_x, model_kwargs, replicas, cpus,
+                                     gpus, batch_size, writers, max_retries, address is None)
+            _collect(dataset, summary, failures_path, len(todo), progress and not quiet, on_failure, t0)
+        summary.seconds = time.perf_counter() - t0
+    _write_record(out, summary, where, model_record, options)
+    return summary
+
+
+def _check_resources(ray: Any, replicas: int, cpus: float, gpus: float, strict: bool) -> None:
+    """Every replica, plus one read task, must fit in the Ray cluster, or the job waits forever."""
+    have = ray.cluster_resources()
+    short = [f"{need:g} {kind} ({replicas} replica(s) x {per:g}{' + 1 read task' * (kind == 'CPU')}), it has "
+             f"{have.get(kind, 0):g}" for kind, per, need in (("CPU", cpus, replicas * cpus + READER_CPUS),
+                                                               ("GPU", gpus, replicas * gpus))
+             if need > have.get(kind, 0) + 1e-9]
+    if not short:
+        return
+    message = "the job needs " + "; ".join(short)
+    if strict:
+        raise ValueError(f"{message}: ask for fewer replicas or fewer CPUs/GPUs per replica")
+    print(f"tt-moge batch: warning: {message}; it waits until the cluster has them (autoscaling)", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _ray_data_output(ray: Any, quiet: bool) -> Iterator[None]:
+    """Ray Data's progress bars and log lines, off when quiet; its settings are restored afterwards."""
+    import logging
+
+    context, logger = ray.data.DataContext.get_current(), logging.getLogger("ray.data")
+    saved = context.enable_progress_bars, logger.level
+    if quiet:
+        context.enable_progress_bars = False
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        context.enable_progress_bars, _ = saved
+        logger.setLevel(saved[1])
+
+
+def _write_record(out: Path, summary: BatchSummary, where: str, model: Optional[dict], options: dict) -> None:
+    from .export import to_json
+
+    (out / RECORD_FILE).write_text(to_json({
+        "tt_moge": _version(), "where": where, "model": model, "options": options,
+        "total": summary.total, "done": summary.done, "failed": summary.failed, "skipped": summary.skipped,
+        "seconds": round(summary.seconds, 3), "images_per_second": round(summary.images_per_second, 3),
+        "ray_start_seconds": round(summary.ray_start_seconds, 3)}))
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _build_dataset(ray: Any, todo: list, out: Path, output_format: str, formats: tuple, fit: str,
+                   fov_x: Optional[float], model_kwargs: dict, replicas: int, cpus: float, gpus: float,
+                   batch_size: int, writers: int, max_retries: int, local: bool) -> Any:
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    if local:  # workers import the very tt_moge this driver runs, installed or not (a source tree, a script's sys.path)
+        here = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join([here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    runtime_env = {"env_vars": env} if env else None
+    items = [{"path": str(im.path.resolve()), "name": im.name} for im in todo]
+    blocks = min(len(items), max(1, math.ceil(len(items) / batch_size)))  # one read task per batch of images
+    try:
+        dataset = ray.data.from_items(items, override_num_blocks=blocks)
+    except TypeError:  # Ray < 2.10 names it parallelism
+        dataset = ray.data.from_items(items, parallelism=blocks)
+    dataset = dataset.map_batches(_read_images, batch_size=batch_size, num_cpus=READER_CPUS, runtime_env=runtime_env)
+    with warnings.catch_warnings():
+        # Ray Data has no named parameter for the actors' fault tolerance yet; its default is to restart a dead
+        # replica and retry its batch without limit, which never ends on an image that kills the process each time.
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        return dataset.map_batches(
+            _Replica, batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=replicas),
+            fn_constructor_kwargs=dict(model_kwargs=model_kwargs, out=str(out.resolve()), output_format=output_format,
+                                       formats=formats, fit=fit, fov_x=fov_x, writers=writers, threads=int(cpus)),
+            num_cpus=cpus, num_gpus=gpus or None, runtime_env=runtime_env,
+            max_restarts=max_retries, max_task_retries=max_retries)
+
+
+def _collect(dataset: Any, summary: BatchSummary, failures_path: Path, total: int, progress: bool,
+             on_failure: Optional[Callable[[str, str], None]], t0: float) -> None:
+    """Stream the per-image statuses: count them, append failures to the failures file as they come."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="img", desc="tt-moge batch", file=sys.stderr, dynamic_ncols=True, disable=not progress)
+    try:
+        with open(failures_path, "w") as failures:
+            for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
+                arrived = time.perf_counter() - t0
+                for name, path, error in zip(batch["name"], batch["path"], batch["error"]):
+                    if error:
+                        summary.failed += 1
+                        summary.failures.append((str(path), str(error)))
+                        failures.write(json.dumps({"input": str(path), "name": str(name), "error": str(error)}) + "\n")
+                        failures.flush()
+                        if on_failure is not None:
+                            on_failure(str(path), str(error))
+                    else:
+                        summary.done += 1
+                        summary.done_names.append(str(name))
+                    summary.arrivals.append(arrived)
+                    bar.update(1)
+    finally:
+        bar.close()

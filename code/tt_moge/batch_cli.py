@@ -1,0 +1,159 @@
+"""`tt-moge batch`: the command-line face of tt_moge.batch.run_batch (arguments, messages, exit codes).
+Kept apart from cli.py, which only adds the subcommand; nothing here imports Ray, torch or the model."""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from pathlib import Path
+
+from .batch import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES, DEFAULT_OBJECT_STORE_MB, FAILURES_FILE, OUTPUT_FORMATS,
+                    RECORD_FILE, SHARDS_DIR)
+
+__all__ = ["add_arguments", "run", "epilog", "DESCRIPTION"]
+
+DESCRIPTION = ("Run MoGe-2 over many photos as a Ray Data job: images are read in parallel, model replicas "
+               "(one MoGeModel each) predict batches and write them. Without --address a local Ray starts on this "
+               "machine; with --address (or $RAY_ADDRESS) the same command runs on a Ray cluster. Rerunning it "
+               "skips the images already done.")
+
+
+def epilog(exit_codes: str, default_output: str) -> str:
+    return f"""\
+output (--format files, the default): the layout of tt-moge predict, one folder per image
+  OUT/NAME/result.json + the files of --maps --npz --ply --glb (all of them when none is given)
+output (--format parquet): OUT/{SHARDS_DIR}/part-<hash>.parquet, one shard per batch, one row per image:
+  name (string), source (string: the input path), result (string: the result.json text),
+  npz (bytes: the result.npz file; MoGeOutput.from_npz(row["npz"]) reads it back)
+always:
+  OUT/{FAILURES_FILE}  one JSON line per image that failed in this run: {{"input", "name", "error"}}
+  OUT/{RECORD_FILE}       the last run: options, model, counts, seconds, images/s
+
+resume: an image is done when OUT/NAME/result.json exists (written last) or its name is in a shard (shards
+  are renamed into place when whole). A rerun does only the rest; failed images are tried again. Use a new
+  OUT for other model options: done images are not recomputed when the options change.
+
+on a cluster: every node needs tt-moge[ray] installed, the inputs and OUT on a file system they all see,
+  and the weights (a path they all see, a hub id, or $MOGE_WEIGHTS_DIR, which is passed on to the replicas).
+
+examples:
+  tt-moge batch photos/ -o {default_output}/           # a local Ray, 1 replica, every file of predict
+  tt-moge batch photos/ --replicas 2 --npz             # 2 CPU replicas, only result.npz (+ result.json)
+  tt-moge batch 'frames/**/*.jpg' --format parquet --device cuda --replicas 4 --gpus-per-replica 0.25
+  tt-moge batch /data/frames --address ray://head:10001 --device cuda --replicas 8
+  RAY_ADDRESS=ray://head:10001 tt-moge batch /data/frames --device cuda
+
+{exit_codes.replace("in OUT/run.json", f"in OUT/{FAILURES_FILE}").replace("  could not start: ", "  could not start (or the Ray job stopped; rerun to resume): ")}
+"""
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .cli import DEFAULT_OUTPUT, _FORMAT_FLAGS, _add_model_arguments, _fov_x, _positive_int
+    from .constants import FITS
+
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders (recursive) or glob patterns")
+    parser.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT", help=f"output folder (default ./{DEFAULT_OUTPUT})")
+    parser.add_argument("--format", choices=OUTPUT_FORMATS, default="files", dest="output_format",
+                        help="files: a folder per image, as tt-moge predict (default); parquet: sharded Parquet rows")
+    fmt = parser.add_argument_group("files of --format files (default: all)")
+    for name, what in _FORMAT_FLAGS.items():
+        fmt.add_argument(f"--{name}", action="store_true", help=what)
+    call = parser.add_argument_group("per-image options")
+    call.add_argument("--fit", choices=FITS, default="pad", help="pad: keep the aspect ratio (default); stretch: fill the canvas")
+    call.add_argument("--fov-x", type=_fov_x, metavar="DEG", help="the horizontal field of view, if known")
+    _add_model_arguments(parser)
+    ray = parser.add_argument_group("Ray")
+    ray.add_argument("--address", default=None, metavar="ADDR",
+                     help="a Ray cluster, e.g. ray://head:10001 or auto (default: $RAY_ADDRESS, else a local Ray)")
+    ray.add_argument("--replicas", type=_positive_int, default=1, metavar="N", help="model replicas (actors), one model each (default 1)")
+    ray.add_argument("--cpus-per-replica", type=_non_negative_float, default=None, metavar="X",
+                     help="CPUs per replica, also its torch threads (default: local CPU runs, the cores / replicas; else 1)")
+    ray.add_argument("--gpus-per-replica", type=_non_negative_float, default=None, metavar="X",
+                     help="GPUs per replica, fractions share a GPU (default: 1 with --device cuda, else 0)")
+    ray.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
+                     help=f"images per replica call, one predict_many (default {DEFAULT_BATCH_SIZE})")
+    ray.add_argument("--writers", type=_positive_int, default=2, metavar="N", help="file-writing threads per replica (default 2)")
+    ray.add_argument("--max-retries", type=_non_negative_int, default=DEFAULT_MAX_RETRIES, metavar="N",
+                     help=f"restarts of a replica that died, and retries of its batch (default {DEFAULT_MAX_RETRIES})")
+    ray.add_argument("--object-store-mb", type=_positive_int, default=DEFAULT_OBJECT_STORE_MB, metavar="MB",
+                     help=f"object store of a local Ray (default {DEFAULT_OBJECT_STORE_MB})")
+    ray.add_argument("-q", "--quiet", action="store_true", help="no progress output and no summary; errors still print")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`tt-moge batch` with parsed arguments -> exit code."""
+    from .cli import EXIT_IMAGES_FAILED, EXIT_OK, EXIT_START, _check_format_libraries, _say
+    from .export import FORMATS
+    from .inputs import InputPathError
+
+    from .batch import RayMissingError, run_batch
+
+    formats = [f for f in FORMATS if getattr(args, f)]
+    if args.output_format == "parquet" and formats:
+        parser.error("--maps/--npz/--ply/--glb choose the files of --format files; parquet rows always hold the npz")
+    formats = formats or list(FORMATS)
+    missing = _check_format_libraries(formats if args.output_format == "files" else [])
+    if missing:
+        _say(missing)
+        return EXIT_START
+
+    def on_failure(path: str, error: str) -> None:
+        if not args.quiet:
+            print(f"tt-moge: failed: {error}", file=sys.stderr, flush=True)
+
+    revision = None if args.revision in ("main", "") else args.revision
+    try:
+        summary = run_batch(args.inputs, args.output, weights=args.weights, revision=revision, device=args.device,
+                            resolution=args.resolution, num_tokens=args.num_tokens, fit=args.fit, fov_x=args.fov_x,
+                            formats=formats, output_format=args.output_format, replicas=args.replicas,
+                            cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
+                            batch_size=args.batch_size, writers=args.writers, max_retries=args.max_retries,
+                            address=args.address, object_store_mb=args.object_store_mb, quiet=args.quiet,
+                            on_failure=on_failure)
+    except RayMissingError as exc:
+        _say(str(exc))
+        return EXIT_START
+    except InputPathError as exc:
+        parser.error(str(exc))
+    except (ValueError, TypeError) as exc:  # options; weights not found (CheckpointError is a ValueError)
+        if "inputs:" in str(exc):
+            parser.error(str(exc))
+        _say(f"could not start: {exc}")
+        return EXIT_START
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # Ray could not start, the replicas could not load, or the job stopped
+        _say(f"the batch job stopped: {type(exc).__name__}: {_brief(exc)}\n"
+             f"  images finished so far are kept; rerun the same command to do the rest")
+        return EXIT_START
+    if not args.quiet:
+        print(f"tt-moge batch: {summary.line()}; outputs in {Path(args.output)}/")
+        if summary.failed:
+            print(f"  failed: {summary.failed} (see {Path(args.output) / FAILURES_FILE})")
+    return EXIT_IMAGES_FAILED if summary.failed else EXIT_OK
+
+
+def _brief(exc: BaseException) -> str:
+    """A Ray error's text is a remote traceback: keep its first line and the final error line."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).rstrip() for line in str(exc).strip().splitlines()]
+    lines = [line for line in lines if line.strip()]
+    if len(lines) <= 2:
+        return "\n  ".join(lines)
+    return f"{lines[0]}\n  ...\n  {lines[-1]}"

@@ -1,0 +1,78 @@
+"""Recycled memory for the large output arrays of the finish pass.
+
+Why: one 1920x1080 result holds about 60 MB of maps. Fresh memory costs a page fault per 4 KiB page on its
+first write (10-20 ms per result on the 2-core development machine, more than the finish pass itself), and
+glibc hands freed blocks of this size back to the OS, so a loop of calls would pay it on every call.
+
+`empty(shape, dtype)` returns a numpy array on a pooled block. The array's base is a small "lease" object
+(numpy keeps the object that offered `__array_interface__` as the base); when the last array or view (or
+torch tensor made with `torch.from_numpy`) that uses the lease is gone, the block goes back to the pool. A block is reused only after nothing can see it any more. Small
+arrays (< MIN_POOLED_BYTES) use plain `np.empty`. The pool keeps at most MAX_FREE_BYTES of released blocks.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from math import prod
+
+import numpy as np
+
+__all__ = ["empty", "clear", "free_bytes", "MIN_POOLED_BYTES", "MAX_FREE_BYTES"]
+
+MIN_POOLED_BYTES = 1 << 20
+MAX_FREE_BYTES = 512 << 20
+
+_lock = threading.Lock()
+_free: dict[int, list] = {}  # nbytes -> released blocks (uint8 arrays)
+_free_total = 0
+
+
+def empty(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array, like np.empty, whose memory is recycled (see the module doc)."""
+    dtype = np.dtype(dtype)
+    nbytes = prod(shape) * dtype.itemsize
+    if nbytes < MIN_POOLED_BYTES:
+        return np.empty(shape, dtype)
+    global _free_total
+    with _lock:
+        blocks = _free.get(nbytes)
+        block = blocks.pop() if blocks else None
+        if block is not None:
+            _free_total -= nbytes
+    if block is None:
+        block = np.empty(nbytes, np.uint8)
+    lease = _Lease(block, shape, dtype)
+    weakref.finalize(lease, _release, block)
+    return np.asarray(lease)
+
+
+class _Lease:
+    """Offers one pooled block to numpy as an array of `shape` and `dtype`; lives as long as any view."""
+
+    __slots__ = ("block", "__array_interface__", "__weakref__")
+
+    def __init__(self, block: np.ndarray, shape: tuple, dtype: np.dtype):
+        self.block = block
+        self.__array_interface__ = {"data": (block.ctypes.data, False), "shape": tuple(shape),
+                                    "typestr": dtype.str, "version": 3}
+
+
+def _release(block: np.ndarray) -> None:
+    global _free_total
+    with _lock:
+        if _free_total + block.nbytes <= MAX_FREE_BYTES:
+            _free.setdefault(block.nbytes, []).append(block)
+            _free_total += block.nbytes
+
+
+def free_bytes() -> int:
+    """Bytes of released blocks the pool holds now."""
+    return _free_total
+
+
+def clear() -> None:
+    """Drop every released block (their memory goes back to the allocator)."""
+    global _free_total
+    with _lock:
+        _free.clear()
+        _free_total = 0

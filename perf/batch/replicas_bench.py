@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Images/s of `tt-moge batch` with 1 and with 2 (or --replicas) model replicas, on the same folder of photos.
+
+Each run is what `tt-moge batch PHOTOS -o OUT --replicas N --npz` does (tt_moge.batch.run_batch): a local Ray
+starts (not timed), the replicas start and load the model, the photos are read, predicted and written. Two
+rates per run: job (done / job seconds, replica start-up included: what a user waits for) and steady (after
+the first result: the throughput of a long job). Prints medians over --runs and the ratio to the first replica
+count.
+
+    python perf/batch/replicas_bench.py                        # 40 photos 640x480, random tiny weights, CPU
+    python perf/batch/replicas_bench.py --images 16 --runs 1   # a quick check
+    python perf/batch/replicas_bench.py --weights /models/moge-2 --resolution 1920x1080 --num-tokens 1800 \\
+        --device cuda --replicas 1,2,4 --gpus-per-replica 0.25
+
+Without --weights a random-weight tiny-vits-normal checkpoint is written to a temporary folder: the geometry is
+meaningless, the work per image is that of the tiny network on the chosen canvas. On CPU, N replicas split the
+cores (each takes cores / N CPUs and torch threads, as tt-moge batch does by default).
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "code"))
+
+
+def make_photos(folder: Path, count: int, size: tuple) -> None:
+    import numpy as np
+    from PIL import Image
+
+    from tt_moge.testing import calibration_image
+
+    folder.mkdir(parents=True)
+    w, h = size
+    for i in range(count):
+        rgb = (calibration_image(w, h, seed=i)[0].permute(1, 2, 0).numpy() * 255).astype(np.uint8)
+        Image.fromarray(rgb).save(folder / f"photo{i:04d}.jpg", quality=90)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=40, help="photos in the folder (default 40)")
+    parser.add_argument("--size", default="640x480", help="photo size WxH (default 640x480)")
+    parser.add_argument("--weights", help="checkpoint (default: a random-weight tiny-vits-normal in a temp folder)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--resolution", default="448x252", help="canvas WxH (default 448x252)")
+    parser.add_argument("--num-tokens", type=int, default=1200, help="token budget (default 1200)")
+    parser.add_argument("--replicas", default="1,2", help="replica counts to compare, comma-separated (default 1,2)")
+    parser.add_argument("--cpus-per-replica", type=float, default=None, help="as tt-moge batch (default: its default)")
+    parser.add_argument("--gpus-per-replica", type=float, default=None, help="as tt-moge batch (default: its default)")
+    parser.add_argument("--batch-size", type=int, default=4, help="images per replica call (default 4)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per replica count; medians are reported (default 3)")
+    parser.add_argument("--address", default=None, help="a Ray cluster instead of a local Ray per run")
+    args = parser.parse_args(argv)
+
+    from tt_moge.batch import run_batch
+
+    counts = [int(c) for c in args.replicas.split(",")]
+    resolution = tuple(int(v) for v in args.resolution.lower().split("x"))
+    size = tuple(int(v) for v in args.size.lower().split("x"))
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="tt_moge-replicas-bench-") as tmp:
+        weights = args.weights
+        if weights is None:
+            from tt_moge.testing import make_checkpoint
+
+            weights = str(make_checkpoint(Path(tmp) / "weights", "tiny-vits-normal"))
+        photos = Path(tmp) / "photos"
+        make_photos(photos, args.images, size)
+        for run in range(args.runs):
+            for n in counts:  # interleaved, so that a change in the machine's load hits every count alike
+                t = time.perf_counter()
+                summary = run_batch([photos], Path(tmp) / f"out-{n}-{run}", weights=weights, device=args.device,
+                                    resolution=resolution, num_tokens=args.num_tokens, formats=["npz"], replicas=n,
+                                    cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
+                                    batch_size=args.batch_size, address=args.address, quiet=True)
+                if summary.done != args.images:
+                    raise SystemExit(f"run with {n} replicas: {summary.line()}")
+                results.setdefault(n, []).append(summary)
+                print(f"run {run + 1}/{args.runs}, {n} replica(s): {summary.images_per_second:.2f} images/s job, "
+                      f"{summary.steady_images_per_second:.2f} steady ({summary.seconds:.1f} s job, Ray start "
+                      f"{summary.ray_start_seconds:.1f} s, {time.perf_counter() - t:.1f} s in all)", flush=True)
+
+    print(f"\n{args.images} photos {args.size}, canvas {args.resolution}, {args.num_tokens} tokens, device {args.device}, "
+          f"medians of {args.runs} run(s):")
+    base_job = base_steady = None
+    for n in counts:
+        job = statistics.median(s.images_per_second for s in results[n])
+        steady = statistics.median(s.steady_images_per_second for s in results[n])
+        base_job, base_steady = base_job or job, base_steady or steady
+        print(f"  {n} replica(s): {job:6.2f} images/s job ({job / base_job:.2f}x)   "
+              f"{steady:6.2f} images/s steady ({steady / base_steady:.2f}x)")
+    print("\nrerun: python " + " ".join(shlex.quote(a) for a in [str(Path(__file__).relative_to(ROOT)), *sys.argv[1:]]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
