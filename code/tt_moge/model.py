@@ -27,8 +27,8 @@ from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, MAX_CANVAS_SIDE
 from .host import CallOptions, InputError, Stopwatch, native, postprocess, prepare
 from .network import validate_token_budget
 from .output import MoGeOutput
-from .runners.base import RawMaps, Runner
-from .runners.torch_runner import TorchRunner
+from .runners import make_runner, resolve_precision
+from .runners.base import PendingMaps, RawMaps, Runner
 from .warmup import canonical_variant, expand_variants, synthetic_photo
 from .weights import DEFAULT_REPO, DEFAULT_REVISION, load_network
 
@@ -122,8 +122,13 @@ class MoGeModel:
         warmup: int = 2,
         warmup_variants: Any = "default",
         verbose: bool = False,
+        precision: str = "auto",
     ) -> "MoGeModel":
         """Load the weights, build the runner for the device, run `warmup` device forwards, warm the host paths.
+
+        `precision`: "auto" (default: bf16 on CPUs with bfloat16 instructions, else fp32; fp16 on CUDA), "fp32"
+        (the reference network, exact), "bf16", "fp16" (CUDA only) or "int8" (CPU only, opt-in: int8 ViT
+        matmuls). See `tt_moge.runners.precision`.
 
         `dispatch` and `num_command_queues` are Tenstorrent options: validated here, used by the ttnn runner
         (not part of this build), ignored by the CPU and CUDA runners.
@@ -141,10 +146,11 @@ class MoGeModel:
             raise ValueError(f"warmup must be a non-negative int (device forwards at load), got {warmup!r}")
         variants = expand_variants(warmup_variants, resolution)
         torch_device = select_device(device, device_id)
+        resolve_precision(precision, torch_device)  # a bad value fails before the weights are read
 
         network, ckpt = load_network(pretrained_model_name_or_path, revision)
         _log(verbose, f"loaded {ckpt.source} ({network.config.describe()}) in {time.perf_counter() - t0:.1f} s")
-        runner = TorchRunner(network, resolution, num_tokens, torch_device)
+        runner = make_runner(network, resolution, num_tokens, torch_device, precision)
         model = cls(runner, network_config=network.config, source=ckpt.source, revision=ckpt.revision,
                     resolution=resolution, num_tokens=num_tokens, verbose=verbose)
         try:
@@ -186,7 +192,8 @@ class MoGeModel:
         return {
             "model": self.source, "revision": self.revision, "architecture": self.config.describe(),
             "device": self.device, "runner": self._runner.describe(), "canvas": list(self.resolution),
-            "num_tokens": self.num_tokens, "normal": self.has_normal, "host": native.host_path(),
+            "num_tokens": self.num_tokens, "precision": self._runner.precision, "normal": self.has_normal,
+            "host": native.host_path(),
             "version": __version__,
         }
 
@@ -202,16 +209,22 @@ class MoGeModel:
     def _forward_raw(self, canvas: torch.Tensor, timing: Optional[dict] = None) -> RawMaps:
         """The device forward, one canvas at a time; `timing` gets "device_wait" (waiting for the device while
         another call runs) and "device" (the forward only), in ms."""
-        replay = getattr(self._thread, "replay", None)
-        if replay is not None:
-            return replay
         watch = Stopwatch(timing)
-        with self._device_lock:
-            watch.lap("device_wait")
-            self._check_open()
-            raw = self._runner.forward(canvas)
+        pending = self._submit_raw(canvas, watch)
+        raw = pending.result()
         watch.lap("device")
         return raw
+
+    def _submit_raw(self, canvas: torch.Tensor, watch: Optional[Stopwatch] = None) -> PendingMaps:
+        """Start the device forward (on CUDA it returns before the maps are back; `.result()` waits)."""
+        replay = getattr(self._thread, "replay", None)
+        if replay is not None:
+            return PendingMaps(replay)
+        with self._device_lock:
+            if watch is not None:
+                watch.lap("device_wait")
+            self._check_open()
+            return self._runner.submit(canvas)
 
     def predict(self, image: Any, *, fit: str = "pad", fov_x: Optional[float] = None, apply_mask: bool = True,
                 force_projection: bool = True, timing: Optional[dict] = None) -> MoGeOutput:
@@ -244,13 +257,16 @@ class MoGeModel:
             return []
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tt_moge-host") as pool:
             next_prepared = pool.submit(prepare, images[0], self.resolution, opts, None, "images[0]")
-            finishing = []
+            finishing, running = [], None  # running: (pending raw maps, plan) of the image on the device
             for i in range(len(images)):
                 prepared = next_prepared.result()
                 if i + 1 < len(images):
                     next_prepared = pool.submit(prepare, images[i + 1], self.resolution, opts, None, f"images[{i + 1}]")
-                raw = self._forward_raw(prepared.canvas)
-                finishing.append(pool.submit(postprocess, raw, prepared.plan, opts))
+                pending = self._submit_raw(prepared.canvas)  # on CUDA, starts while image i-1 still copies back
+                if running is not None:
+                    finishing.append(pool.submit(postprocess, running[0].result(), running[1], opts))
+                running = (pending, prepared.plan)
+            finishing.append(pool.submit(postprocess, running[0].result(), running[1], opts))
             return [f.result() for f in finishing]
 
     def forward(self, image: Any) -> dict:

@@ -39,6 +39,21 @@ def view_plane_uv(width: int, height: int, aspect_ratio: float, dtype=torch.floa
     return torch.stack(torch.meshgrid(u, v, indexing="xy"), dim=-1)
 
 
+def remap_points(points: torch.Tensor, kind: str) -> torch.Tensor:
+    """MoGe-2's output remap of the raw (..., 3) point channels: "linear", "exp" (xy * e^z, e^z), "sinh",
+    "sinh_exp"."""
+    if kind == "exp":
+        xy, z = points.split([2, 1], dim=-1)
+        z = torch.exp(z)
+        return torch.cat([xy * z, z], dim=-1)
+    if kind == "sinh":
+        return torch.sinh(points)
+    if kind == "sinh_exp":
+        xy, z = points.split([2, 1], dim=-1)
+        return torch.cat([torch.sinh(xy), torch.exp(z)], dim=-1)
+    return points
+
+
 class DINOv2Encoder(nn.Module):
     """Resize to the token grid, normalise, run the ViT, project and sum the intermediate layers."""
 
@@ -97,19 +112,6 @@ class MoGe2Network(nn.Module):
             self._uv_cache = {key: planes}
         return planes
 
-    def _remap_points(self, points: torch.Tensor) -> torch.Tensor:
-        kind = self.config.remap_output
-        if kind == "exp":
-            xy, z = points.split([2, 1], dim=-1)
-            z = torch.exp(z)
-            return torch.cat([xy * z, z], dim=-1)
-        if kind == "sinh":
-            return torch.sinh(points)
-        if kind == "sinh_exp":
-            xy, z = points.split([2, 1], dim=-1)
-            return torch.cat([torch.sinh(xy), torch.exp(z)], dim=-1)
-        return points
-
     def neck_features(self, image: torch.Tensor, num_tokens: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Encoder + neck: the per-level features every head reads, and the class token."""
         b, _, h, w = image.shape
@@ -134,7 +136,7 @@ class MoGe2Network(nn.Module):
                 continue
             y = head(neck_out, last_only=True)[-1]
             out[name] = F.interpolate(y, (h, w), mode="bilinear", align_corners=False)
-        out["points"] = self._remap_points(out["points"].permute(0, 2, 3, 1))
+        out["points"] = remap_points(out["points"].permute(0, 2, 3, 1), self.config.remap_output)
         if "normal" in out:
             out["normal"] = F.normalize(out["normal"].permute(0, 2, 3, 1), dim=-1)
         if "mask" in out:

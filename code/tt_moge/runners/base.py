@@ -21,18 +21,42 @@ class RawMaps:
     metric_scale: Optional[float]
 
 
+    @classmethod
+    def from_outputs(cls, out: dict) -> "RawMaps":
+        """From the network's raw dict (batch of 1, float32, on the host)."""
+        maps = {k: v[0] for k, v in out.items()}
+        scale = maps.get("metric_scale")
+        return cls(maps["points"], maps.get("normal"), maps.get("mask"), None if scale is None else float(scale))
+
+
+class PendingMaps:
+    """The raw maps of a forward that may still be running or copying; `result()` waits for them."""
+
+    def __init__(self, maps: RawMaps):
+        self._maps = maps
+
+    def result(self) -> RawMaps:
+        return self._maps
+
+
 class Runner:
     """Runs the fixed-shape MoGe-2 forward for one canvas size and token budget on one device."""
 
     name = "base"
     device = "none"
+    precision = "fp32"
 
     def forward(self, canvas: torch.Tensor) -> RawMaps:
         """canvas (1, 3, H, W) float32 in [0, 1], on the host -> RawMaps on the host."""
         raise NotImplementedError
 
+    def submit(self, canvas: torch.Tensor) -> PendingMaps:
+        """Start a forward and return at once where the device allows it (the CUDA runner); the caller may
+        prepare the next canvas before calling `result()`. The default runs `forward` now."""
+        return PendingMaps(self.forward(canvas))
+
     def describe(self) -> dict:
-        return {"runner": self.name, "device": str(self.device)}
+        return {"runner": self.name, "device": str(self.device), "precision": self.precision}
 
     def close(self) -> None:
         pass

@@ -1,4 +1,4 @@
-"""The torch runner: the reference network on a torch device (CPU for now)."""
+"""The reference runner: `MoGe2Network` itself, float32, on a torch device. Bit-identical to the reference."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +9,7 @@ from .base import RawMaps, Runner
 
 class TorchRunner(Runner):
     name = "torch"
+    precision = "fp32"
 
     def __init__(self, network: MoGe2Network, canvas_size: tuple, num_tokens: int, device: torch.device):
         self.network = network.to(device)
@@ -19,9 +20,7 @@ class TorchRunner(Runner):
     @torch.inference_mode()
     def forward(self, canvas: torch.Tensor) -> RawMaps:
         out = self.network(canvas.to(self.device, torch.float32), self.num_tokens)
-        host = {k: v[0].to("cpu", torch.float32) for k, v in out.items()}
-        scale = host.get("metric_scale")
-        return RawMaps(host["points"], host.get("normal"), host.get("mask"), None if scale is None else float(scale))
+        return RawMaps.from_outputs({k: v.to("cpu", torch.float32) for k, v in out.items()})
 
     def close(self) -> None:
         self.network = None

@@ -32,13 +32,16 @@ TEST_TOKENS = 1200
 
 @pytest.fixture(scope="session")
 def tiny_model(checkpoint):
-    """A loaded tiny model (ViT-S backbone, 4 blocks used) on a small canvas, shared by the API tests."""
+    """A loaded tiny model (ViT-S backbone, 4 blocks used) on a small canvas, shared by the API tests.
+
+    precision="fp32": the reference network, so that the host tests see the same raw maps on every machine
+    ("auto" is bf16 only on CPUs with bfloat16 instructions); the bf16 path is tested in test_runners.py."""
     from tt_moge import MoGeModel
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # loading with an explicit device must not warn
         model = MoGeModel.from_pretrained(checkpoint("tiny-vits-normal"), device="cpu", resolution=TEST_CANVAS,
-                                          num_tokens=TEST_TOKENS, warmup=1, warmup_variants="none")
+                                          num_tokens=TEST_TOKENS, warmup=1, warmup_variants="none", precision="fp32")
     yield model
     model.close()
 

@@ -123,11 +123,11 @@ def test_tenstorrent_options_are_validated(checkpoint):
 
 
 def test_warmup_counts_device_forwards(checkpoint, monkeypatch):
-    from tt_moge.runners.torch_runner import TorchRunner
+    from tt_moge.runners.base import Runner
 
     calls = []
-    original = TorchRunner.forward
-    monkeypatch.setattr(TorchRunner, "forward", lambda self, canvas: calls.append(1) or original(self, canvas))
+    original = Runner.submit  # every runner's device entry point (the CPU default is the bf16 graph runner)
+    monkeypatch.setattr(Runner, "submit", lambda self, canvas: calls.append(1) or original(self, canvas))
     with load(checkpoint("tiny-vits-normal"), warmup=2, warmup_variants="default") as m:
         assert len(calls) == 2  # host variants reuse the device warm-up's raw maps
         assert len(m.warmed_variants) == len(PRESETS["default"])

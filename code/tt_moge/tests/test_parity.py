@@ -92,7 +92,8 @@ def test_infer_matches_upstream(checkpoint, upstream, preset):
     image = calibration_image(*CANVAS, seed=5)[0]
     plan = plan_canvas(CANVAS, CANVAS, "pad")
     with memoised_forward(theirs, image, TOKENS) as raw, MoGeModel.from_pretrained(
-            path, device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0, warmup_variants="none") as ours:
+            path, device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0, warmup_variants="none",
+            precision="fp32") as ours:  # parity is the exact path (the CPU default is bf16)
         for options in OPTIONS:
             ref = theirs.infer(image, num_tokens=TOKENS, use_fp16=False, **options)
             _check_nontrivial(ref)
@@ -161,7 +162,8 @@ def test_full_size_vitl_normal_matches_upstream(checkpoint, upstream):
     canvas = (1920, 1080)
     image = calibration_image(*canvas, seed=11)[0]
     with memoised_forward(theirs, image, 1800) as raw_ref, MoGeModel.from_pretrained(
-            path, device="cpu", resolution=canvas, num_tokens=1800, warmup=0, warmup_variants="none") as ours:
+            path, device="cpu", resolution=canvas, num_tokens=1800, warmup=0, warmup_variants="none",
+            precision="fp32") as ours:  # parity is the exact path (the CPU default is bf16)
         raw = ours.forward(image)
         for key in raw_ref:
             err = (raw[key] - raw_ref[key]).abs().max().item()

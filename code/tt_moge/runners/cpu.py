@@ -1,0 +1,72 @@
+"""The fast CPU runner: the fixed-shape graph (`FixedShapeMoGe2`) in bfloat16, channels-last, head-by-head
+attention, with the constant work done at load. See the README section "Devices and precision" for what it
+costs in accuracy against the float32 reference (`TorchRunner`, precision="fp32")."""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import torch
+
+from ..network import MoGe2Network
+from .base import RawMaps, Runner
+from .fixed_graph import FixedShapeMoGe2
+from .precision import DTYPES
+
+__all__ = ["CpuGraphRunner", "keep_freed_memory", "MALLOC_TUNING_ENV"]
+
+MALLOC_TUNING_ENV = "TT_MOGE_CPU_MALLOC_TUNING"  # "0" leaves glibc's malloc settings alone
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
+_KEEP_BYTES = 1 << 30
+_malloc_tuned = False
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to serve large blocks from the heap and keep freed memory (up to 1 GiB) for reuse.
+
+    By default glibc maps every block above ~32 MB fresh from the kernel and unmaps it on free, so each
+    forward page-faults its big activations in again: about 200 000 faults, 0.6 s of kernel time per ViT-L
+    1920x1080 forward on one thread here. Process-wide and idempotent; glibc on Linux only; set
+    TT_MOGE_CPU_MALLOC_TUNING=0 to opt out. Returns whether the settings are in effect.
+    """
+    global _malloc_tuned
+    if _malloc_tuned:
+        return True
+    if os.environ.get(MALLOC_TUNING_ENV, "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl)
+        return False
+    _malloc_tuned = bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
+    return _malloc_tuned
+
+
+class CpuGraphRunner(Runner):
+    """`FixedShapeMoGe2` on the CPU in bfloat16 ("bf16"), bfloat16 with int8 ViT matmuls ("int8"), or float32
+    (for tests of the graph itself)."""
+
+    name = "cpu-graph"
+
+    def __init__(self, network: MoGe2Network, canvas_size: tuple, num_tokens: int, precision: str = "bf16"):
+        if precision not in ("bf16", "int8", "fp32"):
+            raise ValueError(f"the CPU graph runner runs 'bf16', 'int8' or 'fp32', got {precision!r}")
+        self.precision = precision
+        self.device = torch.device("cpu")
+        self.canvas_size = tuple(canvas_size)
+        self.num_tokens = num_tokens
+        self.malloc_tuned = keep_freed_memory()
+        self.graph = FixedShapeMoGe2(network.to("cpu"), canvas_size, num_tokens, DTYPES[precision],
+                                     attention="heads", vit_int8=precision == "int8").eval()
+
+    @torch.inference_mode()
+    def forward(self, canvas: torch.Tensor) -> RawMaps:
+        return RawMaps.from_outputs(self.graph(canvas.to("cpu", torch.float32)))
+
+    def describe(self) -> dict:
+        return {**super().describe(), "threads": torch.get_num_threads(), "malloc_tuned": self.malloc_tuned}
+
+    def close(self) -> None:
+        self.graph = None

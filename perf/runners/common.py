@@ -1,0 +1,72 @@
+"""Shared helpers of the runner benchmarks: the full-size random checkpoint, the test photo, medians, upstream."""
+from __future__ import annotations
+
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CODE = HERE.parent.parent / "code"
+if str(CODE) not in sys.path:  # run from a checkout without installing the package
+    sys.path.insert(0, str(CODE))
+
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tt_moge" / "bench"
+
+
+def full_size_checkpoint(path: str | None, preset: str = "vitl-normal") -> Path:
+    """The given model.pt, or a random-weight, well-posed ViT-L checkpoint written once into the cache (1.3 GB)."""
+    if path:
+        return Path(path)
+    from tt_moge.testing import make_checkpoint
+
+    target = DEFAULT_CACHE / preset / "model.pt"
+    if not target.is_file():
+        print(f"writing a random-weight {preset} checkpoint to {target} (once; about 30 s)", flush=True)
+        make_checkpoint(target, preset)
+    return target
+
+
+def photo(size: tuple):
+    """The benchmark image: a photo-like (H, W, 3) uint8 array of `size` = (width, height)."""
+    from tt_moge.warmup import synthetic_photo
+
+    return synthetic_photo(size, seed=1)
+
+
+def load_upstream(path: Path):
+    """microsoft/MoGe's own MoGeModel (PyPI dlr-moge) on the same checkpoint, checked to load every weight."""
+    import moge.model.v2 as upstream_v2
+
+    from tt_moge.weights import read_checkpoint
+
+    model = upstream_v2.MoGeModel.from_pretrained(str(path)).eval()
+    _, state = read_checkpoint(path)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"upstream did not load the checkpoint cleanly: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def timed_both(fn) -> tuple:
+    """(wall seconds, CPU seconds of this process) of one call. On a shared machine the CPU seconds move much
+    less with other jobs' load than the wall time does (but count OpenMP spin-waiting too)."""
+    t, c = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t, time.process_time() - c
+
+
+def median(values: list) -> float:
+    return statistics.median(values)
+
+
+def rerun_command() -> str:
+    return "python " + " ".join(shlex.quote(a) for a in sys.argv)
