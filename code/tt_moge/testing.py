@@ -229,8 +229,8 @@ def make_checkpoint(path: Union[str, os.PathLike], preset: Union[str, dict] = "t
     """
     path = Path(path)
     if path.suffix != ".pt":
-        path.mkdir(parents=True, exist_ok=True)
         path = path / "model.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
     net = make_network(preset, seed=seed, **well_posed_kwargs)
     tmp = path.with_suffix(".tmp")
     torch.save({"model_config": model_config(preset), "model": net.state_dict()}, tmp)
