@@ -321,7 +321,8 @@ def _default_device(device: Optional[str], gpus: float, local: bool) -> str:
 def run_batch(inputs: Sequence[Union[str, os.PathLike]], out: Union[str, os.PathLike], *,
               weights: Union[str, os.PathLike, None] = None, revision: Optional[str] = "default",
               device: Optional[str] = None, resolution: tuple = DEFAULT_CANVAS,
-              num_tokens: int = DEFAULT_NUM_TOKENS, fit: str = "pad", fov_x: Optional[float] = None,
+              num_tokens: int = DEFAULT_NUM_TOKENS, precision: str = "auto", fit: str = "pad",
+              fov_x: Optional[float] = None,
               formats: Sequence[str] = ("maps", "npz", "ply", "glb"), output_format: str = "files",
               replicas: int = 1, cpus_per_replica: Optional[float] = None, gpus_per_replica: Optional[float] = None,
               batch_size: int = DEFAULT_BATCH_SIZE, writers: int = 2, max_retries: int = DEFAULT_MAX_RETRIES,
@@ -339,7 +340,7 @@ def run_batch(inputs: Sequence[Union[str, os.PathLike]], out: Union[str, os.Path
     only, `object_store_mb`), and stops at the end; a Ray already started in this process is used as it is.
     Each of `replicas` actors takes `cpus_per_replica` (default: local CPU device, the cores / replicas; else 1)
     and `gpus_per_replica` (default 1 when `device` is CUDA, else 0) and runs torch with that many threads.
-    weights/revision/device/resolution/num_tokens are those of MoGeModel.from_pretrained (weights None: the
+    weights/revision/device/resolution/num_tokens/precision are those of MoGeModel.from_pretrained (weights None: the
     default repo, or $MOGE_WEIGHTS_DIR); fit/fov_x those of predict.
 
     Raises RayMissingError without Ray, InputPathError for inputs that name nothing, ValueError for bad options,
@@ -391,7 +392,7 @@ def run_batch(inputs: Sequence[Union[str, os.PathLike]], out: Union[str, os.Path
         weights = str(resolve_checkpoint(weights, revision)[0].resolve())
         revision = None
     model_kwargs = dict(pretrained_model_name_or_path=os.fspath(weights), revision=revision, device=device,
-                        resolution=list(resolution), num_tokens=num_tokens)
+                        resolution=list(resolution), num_tokens=num_tokens, precision=precision)
     model_record = dict(model_kwargs)
     if address is not None and os.environ.get("MOGE_WEIGHTS_DIR"):  # the replicas resolve it, and it wins over a repo id
         model_record["MOGE_WEIGHTS_DIR"] = os.environ["MOGE_WEIGHTS_DIR"]

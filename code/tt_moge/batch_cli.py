@@ -121,7 +121,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     revision = None if args.revision in ("main", "") else args.revision
     try:
         summary = run_batch(args.inputs, args.output, weights=args.weights, revision=revision, device=args.device,
-                            resolution=args.resolution, num_tokens=args.num_tokens, fit=args.fit, fov_x=args.fov_x,
+                            resolution=args.resolution, num_tokens=args.num_tokens, precision=args.precision,
+                            fit=args.fit, fov_x=args.fov_x,
                             formats=formats, output_format=args.output_format, replicas=args.replicas,
                             cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
                             batch_size=args.batch_size, writers=args.writers, max_retries=args.max_retries,

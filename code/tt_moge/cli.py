@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from . import __version__
-from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, DEPTH_EDGE_RTOL, FITS
+from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, DEPTH_EDGE_RTOL, FITS, PRECISIONS
 
 __all__ = ["main", "build_parser", "predict_images", "EXIT_CODES"]
 
@@ -94,6 +94,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"the canvas every image is fitted onto (default {DEFAULT_CANVAS[0]}x{DEFAULT_CANVAS[1]})")
     group.add_argument("--num-tokens", type=_num_tokens, default=DEFAULT_NUM_TOKENS, metavar="N",
                        help=f"ViT token budget, 1200-3600 (default {DEFAULT_NUM_TOKENS})")
+    group.add_argument("--precision", default="auto", choices=PRECISIONS,
+                       help="arithmetic of the forward (default auto: bf16 on CPUs with bfloat16 instructions, else "
+                            "fp32; fp16 on CUDA). fp32 is the exact reference; int8 is an opt-in CPU mode")
     group.add_argument("-v", "--verbose", action="store_true", help="print model loading steps")
 
 
@@ -207,7 +210,7 @@ def _load_model(args: argparse.Namespace) -> Any:
             # No warm-up: a run over many images does not need its first call to be fast.
             model = MoGeModel.from_pretrained(args.weights, device=args.device, revision=revision,
                                               resolution=args.resolution, num_tokens=args.num_tokens,
-                                              warmup=0, warmup_variants="none", verbose=args.verbose)
+                                              precision=args.precision, warmup=0, warmup_variants="none", verbose=args.verbose)
         except (ValueError, TypeError, OSError, RuntimeError) as exc:
             _say(f"could not load the model: {exc}")
             return None

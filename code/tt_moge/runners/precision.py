@@ -20,7 +20,7 @@ import torch
 
 __all__ = ["PRECISIONS", "DTYPES", "cpu_has_native_bf16", "cpu_has_int8_dot", "resolve_precision"]
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8")
+from ..constants import PRECISIONS
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16}  # int8: + ViT
 
 

@@ -12,7 +12,7 @@ import socket
 import sys
 from typing import Any
 
-from ..constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS
+from ..constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, PRECISIONS
 from ..weights import DEFAULT_REPO, DEFAULT_REVISION
 from .settings import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT, ServerSettings
 
@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--resolution", type=_resolution, default=DEFAULT_CANVAS, metavar="WxH",
                        help=f"the canvas every image is fitted onto (default: {DEFAULT_CANVAS[0]}x{DEFAULT_CANVAS[1]})")
     model.add_argument("--num-tokens", type=int, default=DEFAULT_NUM_TOKENS, help=f"ViT token budget (default: {DEFAULT_NUM_TOKENS})")
+    model.add_argument("--precision", default="auto", choices=PRECISIONS,
+                       help="arithmetic of the forward (default auto: bf16 on CPUs with bfloat16 instructions, else fp32; fp16 on CUDA)")
     model.add_argument("--warmup", type=int, default=2, help="device forwards at load (default: 2)")
     model.add_argument("--warmup-variants", type=_warmup_variants, default="default", metavar="SPEC",
                        help="host warm-up: a preset (default, all, minimal, none), presets separated by commas, or JSON "
@@ -119,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     def load() -> MoGeModel:
         return MoGeModel.from_pretrained(
             args.weights, device=args.device, device_id=args.device_id, revision=args.revision, resolution=resolution,
-            num_tokens=args.num_tokens, dispatch=args.dispatch, num_command_queues=args.num_command_queues,
+            num_tokens=args.num_tokens, precision=args.precision, dispatch=args.dispatch, num_command_queues=args.num_command_queues,
             warmup=args.warmup, warmup_variants=args.warmup_variants, verbose=args.verbose)
 
     server: Any = None

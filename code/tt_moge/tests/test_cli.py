@@ -324,6 +324,15 @@ def test_info(ckpt):
     assert info["host"].split()[0] in ("native", "torch")
 
 
+def test_precision_reaches_the_model(ckpt):
+    code, stdout, _ = run_cli(["info", "--weights", ckpt, *MODEL_ARGS, "--precision", "fp32", "--json"])
+    assert code == 0
+    info = json.loads(stdout)
+    assert info["precision"] == "fp32" and info["runner"]["runner"] == "torch"  # the exact reference network
+    code, _, err = run_cli(["info", "--weights", ckpt, *MODEL_ARGS, "--precision", "fp64"])
+    assert code == 2 and "--precision" in err
+
+
 def test_serve_and_bench_forward_their_arguments(monkeypatch):
     calls = {}
 
