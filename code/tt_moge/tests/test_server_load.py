@@ -71,7 +71,7 @@ def check_result(request: dict, response) -> str:
     return ""
 
 
-def test_bounded_concurrent_load_loses_nothing(tmp_path_factory):
+def test_bounded_concurrent_load_loses_nothing(tmp_path_factory, capsys):
     server = shared_server(tmp_path_factory.mktemp("server-weights"))
     with httpx.Client(base_url=server.url, headers=auth_headers(), timeout=60) as probe:
         before = probe.get("/health").json()["responses"]
@@ -138,9 +138,10 @@ def test_bounded_concurrent_load_loses_nothing(tmp_path_factory):
     answered = sum(outcomes[k] for k in ("2xx", "4xx", "503", "other"))
     p50 = statistics.median(latencies) if latencies else float("nan")
     p95 = sorted(latencies)[int(0.95 * (len(latencies) - 1))] if latencies else float("nan")
-    print(f"\n[load] {CLIENTS} clients x {REQUESTS} requests in {seconds:.1f} s: sent {sent}, 2xx {outcomes['2xx']}, "
-          f"4xx {outcomes['4xx']} (bad uploads sent: {kinds[400]} truncated, {kinds[415]} not images), 503 {outcomes['503']}, other {outcomes['other']}, "
-          f"lost {sent - answered}; 2xx latency p50 {p50:.2f} s, p95 {p95:.2f} s; server health: {health}")
+    with capsys.disabled():  # the counts show in every run, CI included (pytest captures prints otherwise)
+        print(f"\n[load] {CLIENTS} clients x {REQUESTS} requests in {seconds:.1f} s: sent {sent}, 2xx {outcomes['2xx']}, "
+              f"4xx {outcomes['4xx']} (bad uploads sent: {kinds[400]} truncated, {kinds[415]} not images), 503 {outcomes['503']}, other {outcomes['other']}, "
+              f"lost {sent - answered}; 2xx latency p50 {p50:.2f} s, p95 {p95:.2f} s; server health: {health}")
 
     assert not problems, "\n".join(problems[:20])
     assert answered == sent and outcomes["lost"] == 0 and outcomes["other"] == 0
