@@ -153,6 +153,7 @@ class MoGeModel:
         runner = make_runner(network, resolution, num_tokens, torch_device, precision)
         model = cls(runner, network_config=network.config, source=ckpt.source, revision=ckpt.revision,
                     resolution=resolution, num_tokens=num_tokens, verbose=verbose)
+        del network  # the runner holds what it needs (a graph runner: only its folded copy)
         try:
             native.library()  # build (first use on this machine) and load the native host library now, not in a call
             model._device_warmup(warmup)

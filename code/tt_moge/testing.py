@@ -21,7 +21,7 @@ import copy
 import math
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 import torch.nn as nn
@@ -137,7 +137,6 @@ def _require_linear_finest_level(stack, name: str) -> None:
 @torch.no_grad()
 def _make_well_posed(net: MoGe2Network, focal: float, depth: float, tilt: float, image_detail: float,
                      invalid_share: float, metric_scale: float) -> None:
-    cfg = net.config
     neck, points = net.neck, net.points_head
     _require_linear_finest_level(neck, "neck")
     _require_linear_finest_level(points, "points_head")

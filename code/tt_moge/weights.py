@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -36,8 +36,6 @@ class Checkpoint:
     path: Path
     source: str  # what the user asked for: repo id (+ revision), directory or file
     revision: Optional[str]
-    config: dict
-    state_dict: dict
 
 
 def _looks_like_path(name: str) -> bool:
@@ -159,4 +157,4 @@ def load_network(name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, revision:
     path, source, rev = resolve_checkpoint(name_or_path, revision)
     config, state_dict = read_checkpoint(path)
     net = build_network(config, state_dict, source=str(path))
-    return net, Checkpoint(path=path, source=source, revision=rev, config=config, state_dict=state_dict)
+    return net, Checkpoint(path=path, source=source, revision=rev)

@@ -23,7 +23,6 @@ itself (`TorchRunner`) is the exact float32 path.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Optional
 
 import torch
@@ -38,7 +37,6 @@ from ..network.vit import Block
 __all__ = ["FixedShapeMoGe2", "HEADS"]
 
 HEADS = ("points", "normal", "mask")
-_OUT_CHANNELS = {"points": 3, "normal": 3, "mask": 1}
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> nn.Linear:
@@ -180,10 +178,11 @@ def _const(t: torch.Tensor, dtype: torch.dtype, channels_last: bool) -> torch.Te
     return t.contiguous(memory_format=torch.channels_last) if channels_last and t.dim() == 4 else t.contiguous()
 
 
-def _matrix(conv: nn.Module, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight (out, in), bias (out,)) of a 1x1 conv, or the identity for nn.Identity (float32)."""
+def _matrix(conv: nn.Module, channels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight (out, in), bias (out,)) of a 1x1 conv, or the identity for nn.Identity (float32, on `device`:
+    the network's, so that the folds also build on a GPU)."""
     if isinstance(conv, nn.Identity):
-        return torch.eye(channels), torch.zeros(channels)
+        return torch.eye(channels, device=device), torch.zeros(channels, device=device)
     if not (isinstance(conv, nn.Conv2d) and conv.kernel_size == (1, 1)):
         raise ValueError(f"expected a 1x1 conv or identity, got {conv}")
     return conv.weight.detach().float()[:, :, 0, 0], conv.bias.detach().float()
@@ -273,7 +272,7 @@ class FixedShapeMoGe2(nn.Module):
         w_feat, w_uv = w_in[:, :feat_dim], w_in[:, feat_dim:]
         mats, bias = [], in0.bias.detach().float().clone()
         for proj in network.encoder.output_projections:
-            p_w, p_b = _matrix(proj, 0)
+            p_w, p_b = _matrix(proj, 0, proj.weight.device)
             mats.append(w_feat @ p_w)
             bias += w_feat @ p_b
         self.neck_in0 = _linear(torch.cat(mats, dim=1), torch.zeros_like(bias), self.dtype)
@@ -296,8 +295,8 @@ class FixedShapeMoGe2(nn.Module):
                 raise ValueError(f"the finest-level fold needs no residual blocks at the finest level ({name} has some)")
         n_up, n_conv = _split_resampler(neck.resamplers[last - 1])
         self.neck_up = _to_layout(n_up, self.dtype, self.channels_last)
-        on_w, _ = _matrix(neck.output_blocks[last], n_conv.out_channels)
-        kernels_neck, kernels_head, consts = [], [], []
+        on_w, _ = _matrix(neck.output_blocks[last], n_conv.out_channels, n_conv.weight.device)
+        kernels_neck, consts = [], []
         self.head_ups = nn.ModuleList()
         self.head_convs = nn.ModuleList()
         zero_neck = torch.zeros(1, n_conv.in_channels, *neck_const.shape[-2:], device=neck_const.device)
@@ -305,8 +304,8 @@ class FixedShapeMoGe2(nn.Module):
         for h in heads:
             stack = getattr(network, h + "_head")
             h_up, h_conv = _split_resampler(stack.resamplers[last - 1])
-            ih_w, _ = _matrix(stack.input_blocks[last], h_conv.out_channels)
-            oh_w, _ = _matrix(stack.output_blocks[last], h_conv.out_channels)
+            ih_w, _ = _matrix(stack.input_blocks[last], h_conv.out_channels, h_conv.weight.device)
+            oh_w, _ = _matrix(stack.output_blocks[last], h_conv.out_channels, h_conv.weight.device)
             kernels_neck.append(_fold_kernel(oh_w @ ih_w @ on_w, n_conv))
             conv = skip_init(nn.Conv2d, h_conv.in_channels, oh_w.shape[0], 3, padding=1, padding_mode="replicate",
                              bias=False, device=oh_w.device)

@@ -50,7 +50,6 @@ SLACK_MS = 1.5
 # ------------------------------------------------------------------------------------------- worker
 def _inputs(variant: dict, seed: int, folder: Path) -> list:
     """Fresh inputs of the variant's kind and size (a different synthetic photo per seed)."""
-    import numpy as np
     import torch
     from PIL import Image
 

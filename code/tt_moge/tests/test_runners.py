@@ -10,8 +10,6 @@
 """
 from __future__ import annotations
 
-import threading
-import warnings
 
 import numpy as np
 import pytest
