@@ -139,12 +139,13 @@ def local_ray_cpus(replicas: int, cpus_per_replica: float) -> int:
     return max(os.cpu_count() or 1, math.ceil(replicas * cpus_per_replica) + READER_CPUS)
 
 
-def init_local_ray(ray: Any, num_cpus: int, object_store_mb: int = DEFAULT_OBJECT_STORE_MB, quiet: bool = False) -> None:
+def init_local_ray(ray: Any, num_cpus: int, object_store_mb: int = DEFAULT_OBJECT_STORE_MB, quiet: bool = False,
+                   num_gpus: Optional[int] = None) -> None:
     """Start the embedded local Ray: always a new one (address "local", never another user's Ray on this
     machine), no dashboard, `object_store_mb` of shared memory, the node advertised on 127.0.0.1.
     Ray's servers still listen on every interface (Ray has no option against it); Ray's token authentication,
     on by default for a local Ray since 2.5x, is what keeps other hosts out."""
-    ray.init(address="local", num_cpus=num_cpus, object_store_memory=object_store_mb * 2**20,
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_mb * 2**20,
              include_dashboard=False, _node_ip_address="127.0.0.1", **_log_options(quiet))
 
 
@@ -327,7 +328,7 @@ def run_batch(inputs: Sequence[Union[str, os.PathLike]], out: Union[str, os.Path
               replicas: int = 1, cpus_per_replica: Optional[float] = None, gpus_per_replica: Optional[float] = None,
               batch_size: int = DEFAULT_BATCH_SIZE, writers: int = 2, max_retries: int = DEFAULT_MAX_RETRIES,
               address: Optional[str] = None, object_store_mb: int = DEFAULT_OBJECT_STORE_MB, quiet: bool = False,
-              progress: bool = True, on_failure: Optional[Callable[[str, str], None]] = None) -> BatchSummary:
+              progress: bool = True, verbose: bool = False, on_failure: Optional[Callable[[str, str], None]] = None) -> BatchSummary:
     """Run MoGe-2 over every image of `inputs` (files, folders, glob patterns: `collect_images`) on Ray Data and
     write the results into `out`; returns a BatchSummary.
 
@@ -346,7 +347,7 @@ def run_batch(inputs: Sequence[Union[str, os.PathLike]], out: Union[str, os.Path
     Raises RayMissingError without Ray, InputPathError for inputs that name nothing, ValueError for bad options,
     CheckpointError / OSError / RuntimeError when the weights or the device are unusable.
     """
-    from .inputs import collect_images
+    from .inputs import InputPathError, collect_images
     from .weights import DEFAULT_REPO, DEFAULT_REVISION
 
     formats = _check_options(output_format, formats, replicas, cpus_per_replica, gpus_per_replica, batch_size,
@@ -354,7 +355,7 @@ def run_batch(inputs: Sequence[Union[str, os.PathLike]], out: Union[str, os.Path
     out = Path(out)
     images = collect_images([os.fspath(i) for i in inputs], exclude=out)
     if not images:
-        raise ValueError(f"inputs: no PNG or JPEG images found in {', '.join(map(str, inputs))}")
+        raise InputPathError(f"inputs: no PNG or JPEG images found in {', '.join(map(str, inputs))}")
     ray = _import_ray()
     out.mkdir(parents=True, exist_ok=True)
     if output_format == "parquet":
@@ -392,7 +393,7 @@ def run_batch(inputs: Sequence[Union[str, os.PathLike]], out: Union[str, os.Path
         weights = str(resolve_checkpoint(weights, revision)[0].resolve())
         revision = None
     model_kwargs = dict(pretrained_model_name_or_path=os.fspath(weights), revision=revision, device=device,
-                        resolution=list(resolution), num_tokens=num_tokens, precision=precision)
+                        resolution=list(resolution), num_tokens=num_tokens, precision=precision, verbose=verbose)
     model_record = dict(model_kwargs)
     if address is not None and os.environ.get("MOGE_WEIGHTS_DIR"):  # the replicas resolve it, and it wins over a repo id
         model_record["MOGE_WEIGHTS_DIR"] = os.environ["MOGE_WEIGHTS_DIR"]

@@ -1,5 +1,5 @@
 """`tt-moge batch`: the command-line face of tt_moge.batch.run_batch (arguments, messages, exit codes).
-Kept apart from cli.py, which only adds the subcommand; nothing here imports Ray, torch or the model."""
+Kept apart from cli.py, which only adds the subcommand; Ray is imported only when a job runs."""
 from __future__ import annotations
 
 import argparse
@@ -65,7 +65,8 @@ def _non_negative_int(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .cli import DEFAULT_OUTPUT, _FORMAT_FLAGS, _add_model_arguments, _fov_x, _positive_int
+    from . import argtypes
+    from .cli import DEFAULT_OUTPUT, _FORMAT_FLAGS, _add_model_arguments
     from .constants import FITS
 
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders (recursive) or glob patterns")
@@ -77,22 +78,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         fmt.add_argument(f"--{name}", action="store_true", help=what)
     call = parser.add_argument_group("per-image options")
     call.add_argument("--fit", choices=FITS, default="pad", help="pad: keep the aspect ratio (default); stretch: fill the canvas")
-    call.add_argument("--fov-x", type=_fov_x, metavar="DEG", help="the horizontal field of view, if known")
+    call.add_argument("--fov-x", type=argtypes.fov_degrees, metavar="DEG", help="the horizontal field of view, if known")
     _add_model_arguments(parser)
     ray = parser.add_argument_group("Ray")
     ray.add_argument("--address", default=None, metavar="ADDR",
                      help="a Ray cluster, e.g. ray://head:10001 or auto (default: $RAY_ADDRESS, else a local Ray)")
-    ray.add_argument("--replicas", type=_positive_int, default=1, metavar="N", help="model replicas (actors), one model each (default 1)")
+    ray.add_argument("--replicas", type=argtypes.positive_int, default=1, metavar="N", help="model replicas (actors), one model each (default 1)")
     ray.add_argument("--cpus-per-replica", type=_non_negative_float, default=None, metavar="X",
                      help="CPUs per replica, also its torch threads (default: local CPU runs, the cores / replicas; else 1)")
     ray.add_argument("--gpus-per-replica", type=_non_negative_float, default=None, metavar="X",
                      help="GPUs per replica, fractions share a GPU (default: 1 with --device cuda, else 0)")
-    ray.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
+    ray.add_argument("--batch-size", type=argtypes.positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
                      help=f"images per replica call, one predict_many (default {DEFAULT_BATCH_SIZE})")
-    ray.add_argument("--writers", type=_positive_int, default=2, metavar="N", help="file-writing threads per replica (default 2)")
+    ray.add_argument("--writers", type=argtypes.positive_int, default=2, metavar="N", help="file-writing threads per replica (default 2)")
     ray.add_argument("--max-retries", type=_non_negative_int, default=DEFAULT_MAX_RETRIES, metavar="N",
                      help=f"restarts of a replica that died, and retries of its batch (default {DEFAULT_MAX_RETRIES})")
-    ray.add_argument("--object-store-mb", type=_positive_int, default=DEFAULT_OBJECT_STORE_MB, metavar="MB",
+    ray.add_argument("--object-store-mb", type=argtypes.positive_int, default=DEFAULT_OBJECT_STORE_MB, metavar="MB",
                      help=f"object store of a local Ray (default {DEFAULT_OBJECT_STORE_MB})")
     ray.add_argument("-q", "--quiet", action="store_true", help="no progress output and no summary; errors still print")
 
@@ -127,6 +128,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                             cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
                             batch_size=args.batch_size, writers=args.writers, max_retries=args.max_retries,
                             address=args.address, object_store_mb=args.object_store_mb, quiet=args.quiet,
+                            verbose=args.verbose,
                             on_failure=on_failure)
     except RayMissingError as exc:
         _say(str(exc))
@@ -134,12 +136,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except InputPathError as exc:
         parser.error(str(exc))
     except (ValueError, TypeError) as exc:  # options; weights not found (CheckpointError is a ValueError)
-        if "inputs:" in str(exc):
-            parser.error(str(exc))
         _say(f"could not start: {exc}")
         return EXIT_START
-    except KeyboardInterrupt:
-        raise
     except Exception as exc:  # Ray could not start, the replicas could not load, or the job stopped
         _say(f"the batch job stopped: {type(exc).__name__}: {_brief(exc)}\n"
              f"  images finished so far are kept; rerun the same command to do the rest")

@@ -22,27 +22,19 @@ from typing import Any, Optional
 STAGES = ("decode", "canvas", "device", "solve", "finish", "total")
 DEMO_IMAGE = Path(__file__).resolve().parents[2] / "media" / "source.png"
 
-__all__ = ["STAGES", "main", "parse_size", "add_model_arguments", "load_model", "default_image"]
-
-
-def parse_size(text: str) -> tuple:
-    """'1920x1080' -> (1920, 1080)."""
-    try:
-        w, h = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 1920x1080, got {text!r}") from None
-    return w, h
+__all__ = ["STAGES", "main", "add_model_arguments", "load_model", "default_image"]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model options shared by the benchmark scripts."""
+    from .argtypes import wxh
     from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS
 
     parser.add_argument("--weights", help="hub id, folder with model.pt, or model.pt (default: the published model)")
     parser.add_argument("--random-weights", metavar="PRESET",
                         help="use a random-weight checkpoint of this tt_moge.testing preset instead (e.g. tiny-vits-normal)")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: CUDA if present, else the CPU)")
-    parser.add_argument("--resolution", type=parse_size, default=DEFAULT_CANVAS, help="canvas WxH (default %(default)s)")
+    parser.add_argument("--resolution", type=wxh, default=DEFAULT_CANVAS, help="canvas WxH (default %(default)s)")
     parser.add_argument("--num-tokens", type=int, default=DEFAULT_NUM_TOKENS)
 
 

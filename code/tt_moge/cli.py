@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import re
 import sys
 import time
 import warnings
@@ -17,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from . import __version__
+from . import __version__, argtypes
 from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, DEPTH_EDGE_RTOL, FITS, PRECISIONS
 
 __all__ = ["main", "build_parser", "predict_images", "EXIT_CODES"]
@@ -43,43 +41,6 @@ def _say(message: str) -> None:
 
 
 # -------------------------------------------------------------------------------------- arguments
-def _resolution(text: str) -> tuple:
-    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT, e.g. 1920x1080, got {text!r}")
-    from .model import _validate_resolution
-
-    try:
-        return _validate_resolution((int(match[1]), int(match[2])))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _num_tokens(text: str) -> int:
-    from .network import validate_token_budget
-
-    try:
-        return validate_token_budget(int(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc) if text.strip().lstrip("-").isdigit() else f"expected an integer, got {text!r}") from None
-
-
-def _fov_x(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected degrees, e.g. 60, got {text!r}") from None
-    if not (math.isfinite(value) and 0 < value < 180):
-        raise argparse.ArgumentTypeError(f"the horizontal field of view must be in (0, 180) degrees, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     from .weights import DEFAULT_REPO, DEFAULT_REVISION, WEIGHTS_DIR_ENV
 
@@ -90,9 +51,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--revision", default=DEFAULT_REVISION,
                        help="Hub revision of a repo id (default: the pinned revision of the published numbers; 'main' for the newest)")
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when present, else the CPU)")
-    group.add_argument("--resolution", type=_resolution, default=DEFAULT_CANVAS, metavar="WxH",
+    group.add_argument("--resolution", type=argtypes.canvas, default=DEFAULT_CANVAS, metavar="WxH",
                        help=f"the canvas every image is fitted onto (default {DEFAULT_CANVAS[0]}x{DEFAULT_CANVAS[1]})")
-    group.add_argument("--num-tokens", type=_num_tokens, default=DEFAULT_NUM_TOKENS, metavar="N",
+    group.add_argument("--num-tokens", type=argtypes.token_budget, default=DEFAULT_NUM_TOKENS, metavar="N",
                        help=f"ViT token budget, 1200-3600 (default {DEFAULT_NUM_TOKENS})")
     group.add_argument("--precision", default="auto", choices=PRECISIONS,
                        help="arithmetic of the forward (default auto: bf16 on CPUs with bfloat16 instructions, else "
@@ -165,12 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     call = predict.add_argument_group("per-image options")
     call.add_argument("--fit", choices=FITS, default="pad",
                       help="pad: keep the aspect ratio, gray bars (default); stretch: fill the canvas")
-    call.add_argument("--fov-x", type=_fov_x, metavar="DEG", help="the horizontal field of view, if known (then only the depth shift is solved)")
+    call.add_argument("--fov-x", type=argtypes.fov_degrees, metavar="DEG", help="the horizontal field of view, if known (then only the depth shift is solved)")
     _add_model_arguments(predict)
     run = predict.add_argument_group("run")
-    run.add_argument("--chunk-size", type=_positive_int, default=DEFAULT_CHUNK, metavar="N",
+    run.add_argument("--chunk-size", type=argtypes.positive_int, default=DEFAULT_CHUNK, metavar="N",
                      help=f"images per predict_many call; the next chunk is decoded meanwhile (default {DEFAULT_CHUNK})")
-    run.add_argument("--writers", type=_positive_int, default=2, metavar="N", help="threads writing files (default 2)")
+    run.add_argument("--writers", type=argtypes.positive_int, default=2, metavar="N", help="threads writing files (default 2)")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary; errors still print")
     predict.set_defaults(command_parser=predict)
 
@@ -430,7 +391,7 @@ def _run_forwarded(command: str, argv: list) -> int:
         if command == "bench":
             from .bench_breakdown import main as bench_main
         else:
-            from .server.cli import add_arguments, run
+            from .server.cli import EXIT_CODES as SERVE_EXIT_CODES, add_arguments, run
     except ImportError as exc:
         where = "tt_moge.bench_breakdown" if command == "bench" else "tt_moge.server.cli (install the server extra: pip install 'tt-moge[server]')"
         _say(f"{command}: not available in this installation: {where} could not be imported ({exc})")
@@ -440,7 +401,7 @@ def _run_forwarded(command: str, argv: list) -> int:
             return int(bench_main(argv) or 0)
         parser = argparse.ArgumentParser(prog="tt-moge serve", formatter_class=_Formatter,
                                          description="Serve MoGe-2 over HTTP (POST /predict); one model, loaded at start-up.",
-                                         epilog=EXIT_CODES)
+                                         epilog=SERVE_EXIT_CODES)
         add_arguments(parser)
         return int(run(parser.parse_args(argv)) or 0)
     except SystemExit as exc:  # argparse inside the command: --help (0) or a usage error (2)

@@ -42,7 +42,7 @@ def _log(enabled: bool, message: str) -> None:
         print(f"[tt_moge] {message}", file=sys.stderr, flush=True)
 
 
-def _validate_resolution(resolution: Any) -> tuple:
+def validate_resolution(resolution: Any) -> tuple:
     if (not isinstance(resolution, (tuple, list)) or len(resolution) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in resolution)):
         raise ValueError(f"resolution must be a (width, height) pair of ints, got {resolution!r}")
@@ -62,7 +62,7 @@ def select_device(device: Any = None, device_id: int = 0) -> torch.device:
                 raise ValueError(f"device_id {device_id}: only {torch.cuda.device_count()} CUDA device(s) present")
             return torch.device("cuda", device_id)
         warnings.warn("no CUDA GPU found (and the Tenstorrent runner is not part of this build): running MoGe-2 on the CPU; "
-                      "pass device='cpu' to choose it explicitly", RuntimeWarning, stacklevel=3)
+                      "pass device='cpu' to choose it explicitly", RuntimeWarning, stacklevel=4)
         return torch.device("cpu")
     if type(device).__module__.split(".")[0] == "ttnn":
         raise ValueError("device: an open ttnn device was given, but this build has no Tenstorrent runner yet; use device='cpu' or 'cuda'")
@@ -82,6 +82,27 @@ def select_device(device: Any = None, device_id: int = 0) -> torch.device:
     if dev.type != "cpu":
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
     return dev
+
+
+def check_load_options(*, resolution: Any = DEFAULT_CANVAS, num_tokens: Any = DEFAULT_NUM_TOKENS, dispatch: Any = "eth",
+                       num_command_queues: Any = None, warmup: Any = 2, warmup_variants: Any = "default",
+                       device: Any = None, device_id: Any = 0, precision: Any = "auto") -> tuple:
+    """Validate the options of `from_pretrained` before any weights are read (the server checks them before it
+    binds its port). Returns (resolution, num_tokens, warm-up variants, torch device, precision)."""
+    resolution = validate_resolution(tuple(resolution) if isinstance(resolution, list) else resolution)
+    num_tokens = validate_token_budget(num_tokens)
+    if dispatch not in _DISPATCH:
+        raise ValueError(f"dispatch must be one of {_DISPATCH}, got {dispatch!r}")
+    if num_command_queues not in (None, 1, 2):
+        raise ValueError(f"num_command_queues must be None, 1 or 2, got {num_command_queues!r}")
+    if num_command_queues == 2 and dispatch != "worker":
+        raise ValueError("num_command_queues=2 needs dispatch='worker' (ETH dispatch supports 1 command queue)")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative int (device forwards at load), got {warmup!r}")
+    variants = expand_variants(warmup_variants, resolution)
+    torch_device = select_device(device, device_id)
+    resolve_precision(precision, torch_device)  # a bad value fails before the weights are read
+    return resolution, num_tokens, variants, torch_device, precision
 
 
 class MoGeModel:
@@ -134,19 +155,9 @@ class MoGeModel:
         (not part of this build), ignored by the CPU and CUDA runners.
         """
         t0 = time.perf_counter()
-        resolution = _validate_resolution(tuple(resolution) if isinstance(resolution, list) else resolution)
-        num_tokens = validate_token_budget(num_tokens)
-        if dispatch not in _DISPATCH:
-            raise ValueError(f"dispatch must be one of {_DISPATCH}, got {dispatch!r}")
-        if num_command_queues not in (None, 1, 2):
-            raise ValueError(f"num_command_queues must be None, 1 or 2, got {num_command_queues!r}")
-        if num_command_queues == 2 and dispatch != "worker":
-            raise ValueError("num_command_queues=2 needs dispatch='worker' (ETH dispatch supports 1 command queue)")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup must be a non-negative int (device forwards at load), got {warmup!r}")
-        variants = expand_variants(warmup_variants, resolution)
-        torch_device = select_device(device, device_id)
-        resolve_precision(precision, torch_device)  # a bad value fails before the weights are read
+        resolution, num_tokens, variants, torch_device, precision = check_load_options(
+            resolution=resolution, num_tokens=num_tokens, dispatch=dispatch, num_command_queues=num_command_queues,
+            warmup=warmup, warmup_variants=warmup_variants, device=device, device_id=device_id, precision=precision)
 
         network, ckpt = load_network(pretrained_model_name_or_path, revision)
         _log(verbose, f"loaded {ckpt.source} ({network.config.describe()}) in {time.perf_counter() - t0:.1f} s")

@@ -29,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "code"))
 
+from tt_moge.argtypes import wxh  # noqa: E402
+
 
 def make_photos(folder: Path, count: int, size: tuple) -> None:
     import numpy as np
@@ -46,10 +48,10 @@ def make_photos(folder: Path, count: int, size: tuple) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=40, help="photos in the folder (default 40)")
-    parser.add_argument("--size", default="640x480", help="photo size WxH (default 640x480)")
+    parser.add_argument("--size", type=wxh, default=(640, 480), help="photo size WxH (default 640x480)")
     parser.add_argument("--weights", help="checkpoint (default: a random-weight tiny-vits-normal in a temp folder)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    parser.add_argument("--resolution", default="448x252", help="canvas WxH (default 448x252)")
+    parser.add_argument("--resolution", type=wxh, default=(448, 252), help="canvas WxH (default 448x252)")
     parser.add_argument("--num-tokens", type=int, default=1200, help="token budget (default 1200)")
     parser.add_argument("--replicas", default="1,2", help="replica counts to compare, comma-separated (default 1,2)")
     parser.add_argument("--cpus-per-replica", type=float, default=None, help="as tt-moge batch (default: its default)")
@@ -62,8 +64,7 @@ def main(argv=None) -> int:
     from tt_moge.batch import run_batch
 
     counts = [int(c) for c in args.replicas.split(",")]
-    resolution = tuple(int(v) for v in args.resolution.lower().split("x"))
-    size = tuple(int(v) for v in args.size.lower().split("x"))
+    resolution, size = args.resolution, args.size
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="tt_moge-replicas-bench-") as tmp:
         weights = args.weights
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
                       f"{summary.steady_images_per_second:.2f} steady ({summary.seconds:.1f} s job, Ray start "
                       f"{summary.ray_start_seconds:.1f} s, {time.perf_counter() - t:.1f} s in all)", flush=True)
 
-    print(f"\n{args.images} photos {args.size}, canvas {args.resolution}, {args.num_tokens} tokens, device {args.device}, "
+    print(f"\n{args.images} photos {args.size[0]}x{args.size[1]}, canvas {args.resolution[0]}x{args.resolution[1]}, {args.num_tokens} tokens, device {args.device}, "
           f"medians of {args.runs} run(s):")
     base_job = base_steady = None
     for n in counts:

@@ -25,13 +25,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "code"))
 
+from tt_moge.argtypes import wxh  # noqa: E402
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--image", default=str(ROOT / "media" / "source.png"), help="the image (default media/source.png)")
     parser.add_argument("--weights", help="checkpoint (default: a random-weight tiny-vits-normal in a temp folder)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    parser.add_argument("--resolution", default="448x252", help="canvas WxH (default 448x252: the model call is not what is timed)")
+    parser.add_argument("--resolution", type=wxh, default=(448, 252), help="canvas WxH (default 448x252: the model call is not what is timed)")
     parser.add_argument("--num-tokens", type=int, default=1200, help="token budget (default 1200)")
     parser.add_argument("--runs", type=int, default=5, help="writes per format group (default 5)")
     args = parser.parse_args(argv)
@@ -46,8 +48,7 @@ def main(argv=None) -> int:
             from tt_moge.testing import make_checkpoint
 
             weights = str(make_checkpoint(Path(tmp) / "weights", "tiny-vits-normal"))
-        w, h = (int(v) for v in args.resolution.lower().split("x"))
-        model = MoGeModel.from_pretrained(weights, device=args.device, resolution=(w, h), num_tokens=args.num_tokens,
+        model = MoGeModel.from_pretrained(weights, device=args.device, resolution=args.resolution, num_tokens=args.num_tokens,
                                           warmup=1, warmup_variants="none")
         rgb = to_rgb_array(args.image)
         model.predict(rgb)
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
         call = statistics.median(call_times)
         print(f"image {args.image} ({output.size[0]}x{output.size[1]}), valid {output.valid_fraction:.1%}, "
               f"kept for 3D {kept_pixels(output).mean():.1%}; model call median {call * 1e3:.0f} ms "
-              f"({args.resolution}, {args.num_tokens} tokens, {args.device})")
+              f"({args.resolution[0]}x{args.resolution[1]}, {args.num_tokens} tokens, {args.device})")
         print(f"{'formats':<22}{'median ms':>10}{'min ms':>9}   files (MB)")
         groups = [(f,) for f in FORMATS] + [FORMATS]
         totals = {}

@@ -25,16 +25,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "code"))
 
-
-def parse_size(text: str) -> tuple:
-    w, h = text.lower().split("x")
-    return int(w), int(h)
+from tt_moge.argtypes import wxh  # noqa: E402
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", help="a model.pt (default: a random-weight tiny-vits-normal checkpoint)")
-    parser.add_argument("--resolution", type=parse_size, default=(1920, 1080), help="canvas and image size WxH")
+    parser.add_argument("--resolution", type=wxh, default=(1920, 1080), help="canvas and image size WxH")
     parser.add_argument("--num-tokens", type=int, default=1800)
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--threads", type=int, help="native host threads (default: $MOGE_SERVE_THREADS or the cores)")

@@ -5,12 +5,13 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from .cli import add_arguments, run
+from .cli import EXIT_CODES, add_arguments, run
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tt_moge.server",
-                                     description="Serve MoGe-2 over HTTP: POST an image to /predict, get an npz back.")
+                                     description="Serve MoGe-2 over HTTP: POST an image to /predict, get an npz back.",
+                                     epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import argtypes
+
 
 def _median_ms(fn, repeats: int) -> float:
     times = []
@@ -171,11 +173,11 @@ def main(argv=None) -> int:
     parser.add_argument("what", choices=["encode", "serve", "all"])
     parser.add_argument("--weights", help="checkpoint (default: a random tiny one in a temporary directory)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
-    parser.add_argument("--resolution", type=lambda s: tuple(int(v) for v in s.split("x")), default=(448, 252),
+    parser.add_argument("--resolution", type=argtypes.wxh, default=(448, 252),
                         metavar="WxH", help="canvas (default: 448x252; use 1920x1080 with real weights)")
     parser.add_argument("--num-tokens", type=int, default=1200)
     parser.add_argument("--image", help="a PNG/JPEG file (default: a synthetic photo of --image-size)")
-    parser.add_argument("--image-size", type=lambda s: tuple(int(v) for v in s.split("x")), default=(1920, 1080), metavar="WxH")
+    parser.add_argument("--image-size", type=argtypes.wxh, default=(1920, 1080), metavar="WxH")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--clients", type=int, default=4, help="concurrent clients in the serve run (default: 4)")
     args = parser.parse_args(argv)

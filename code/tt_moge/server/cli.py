@@ -10,8 +10,10 @@ import json
 import logging
 import socket
 import sys
+import warnings
 from typing import Any
 
+from .. import argtypes
 from ..constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, PRECISIONS
 from ..weights import DEFAULT_REPO, DEFAULT_REVISION
 from .settings import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT, ServerSettings
@@ -20,14 +22,6 @@ __all__ = ["add_arguments", "run"]
 
 _DEFAULTS = ServerSettings()
 _MB = 1024 * 1024
-
-
-def _resolution(text: str) -> tuple:
-    try:
-        w, h = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 1920x1080, got {text!r}") from None
-    return w, h
 
 
 def _warmup_variants(text: str) -> Any:
@@ -41,6 +35,12 @@ def _warmup_variants(text: str) -> Any:
     return names[0] if len(names) == 1 else names
 
 
+EXIT_CODES = """exit codes:
+  0  stopped cleanly (Ctrl-C / SIGTERM)
+  1  the model failed to load (the reason is in the log)
+  2  bad flags (checked before the port is bound)"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (as MoGeModel.from_pretrained)")
     model.add_argument("--weights", default=DEFAULT_REPO, metavar="PATH_OR_REPO",
@@ -49,9 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--revision", default=DEFAULT_REVISION, help="weights revision on the Hub (default: the pinned one)")
     model.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA if present, else the CPU)")
     model.add_argument("--device-id", type=int, default=0, help="device index when --device is not given (default: 0)")
-    model.add_argument("--resolution", type=_resolution, default=DEFAULT_CANVAS, metavar="WxH",
+    model.add_argument("--resolution", type=argtypes.canvas, default=DEFAULT_CANVAS, metavar="WxH",
                        help=f"the canvas every image is fitted onto (default: {DEFAULT_CANVAS[0]}x{DEFAULT_CANVAS[1]})")
-    model.add_argument("--num-tokens", type=int, default=DEFAULT_NUM_TOKENS, help=f"ViT token budget (default: {DEFAULT_NUM_TOKENS})")
+    model.add_argument("--num-tokens", type=argtypes.token_budget, default=DEFAULT_NUM_TOKENS, help=f"ViT token budget (default: {DEFAULT_NUM_TOKENS})")
     model.add_argument("--precision", default="auto", choices=PRECISIONS,
                        help="arithmetic of the forward (default auto: bf16 on CPUs with bfloat16 instructions, else fp32; fp16 on CUDA)")
     model.add_argument("--warmup", type=int, default=2, help="device forwards at load (default: 2)")
@@ -98,8 +98,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
     from PIL import Image
 
-    from ..model import MoGeModel, _validate_resolution
-    from ..warmup import expand_variants
+    from ..model import MoGeModel, check_load_options
     from .app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="[tt_moge] %(levelname)s %(message)s", stream=sys.stderr)
@@ -108,8 +107,12 @@ def run(args: argparse.Namespace) -> int:
             max_body_bytes=int(args.max_body_mb * _MB), max_pixels=args.max_pixels, queue_size=args.queue_size,
             host_threads=args.host_threads, max_connections=args.max_connections, read_timeout_s=args.read_timeout,
             api_key=args.api_key or ServerSettings.api_key_from_env())
-        resolution = _validate_resolution(tuple(args.resolution))
-        expand_variants(args.warmup_variants, resolution)  # fail now on a bad spec, not after binding
+        with warnings.catch_warnings():  # the load repeats the check, and its device warning
+            warnings.simplefilter("ignore")
+            resolution, *_ = check_load_options(  # bad model options fail now (exit 2), not after binding
+                resolution=args.resolution, num_tokens=args.num_tokens, dispatch=args.dispatch,
+                num_command_queues=args.num_command_queues, warmup=args.warmup, warmup_variants=args.warmup_variants,
+                device=args.device, device_id=args.device_id, precision=args.precision)
         sock = _bind(args.host, args.port)
     except (ValueError, TypeError, OSError) as exc:
         print(f"tt-moge serve: error: {exc}", file=sys.stderr)

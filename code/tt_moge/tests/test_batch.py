@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tt_moge.batch import CRASH_ENV, FAILURES_FILE, SHARDS_DIR, init_local_ray, local_ray_cpus, run_batch
+from tt_moge.batch import CRASH_ENV, FAILURES_FILE, SHARDS_DIR, init_local_ray, run_batch
 from tt_moge.cli import main
 from tt_moge.output import MoGeOutput
 
@@ -26,6 +26,7 @@ CANVAS, TOKENS = (448, 252), 1200
 MODEL_ARGS = ["--device", "cpu", "--resolution", f"{CANVAS[0]}x{CANVAS[1]}", "--num-tokens", str(TOKENS)]
 REPLICAS = 2
 CORRUPT = "zz_broken.jpg"
+CALL = {"fit": "stretch", "fov_x": 60.0}  # non-default call options: they must reach the replicas
 CODE_DIR = Path(__file__).resolve().parents[2]
 
 
@@ -60,7 +61,7 @@ def local_ray():
     ray = pytest.importorskip("ray", reason="the batch tests need the ray extra: pip install 'code/[ray]'")
     pytest.importorskip("ray.data")
     assert not ray.is_initialized()
-    init_local_ray(ray, local_ray_cpus(REPLICAS, 1.0), quiet=True)
+    init_local_ray(ray, 3, num_gpus=0, quiet=True)  # 2 replicas x 1 CPU + a read task, on any machine
     yield ray
     ray.shutdown()
 
@@ -83,7 +84,7 @@ def expected(ckpt, photos) -> dict:
     try:
         with MoGeModel.from_pretrained(ckpt, device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0,
                                       warmup_variants="none") as model:
-            return {name: model(path).npz_arrays() for name, path in photos["valid"].items()}
+            return {name: model(path, **CALL).npz_arrays() for name, path in photos["valid"].items()}
     finally:
         torch.set_num_threads(threads)
 
@@ -106,7 +107,8 @@ def file_times(out: Path) -> dict:
 def files_run(local_ray, ckpt, photos, tmp_path_factory):
     out = tmp_path_factory.mktemp("batch_files")
     code, stdout, stderr = run_cli(["batch", photos["root"], "-o", out, "--weights", ckpt, *MODEL_ARGS,
-                                    "--replicas", REPLICAS, "--batch-size", 3, "--npz"])
+                                    "--replicas", REPLICAS, "--batch-size", 3, "--npz",
+                                    "--fit", CALL["fit"], "--fov-x", CALL["fov_x"]])
     return code, stdout, stderr, out
 
 
@@ -167,7 +169,7 @@ def test_replica_killed_mid_job_every_image_done_exactly_once(local_ray, ckpt, p
     monkeypatch.setenv(CRASH_ENV, str(trap))
     out = tmp_path / "out"
     summary = run_batch([inputs], out, weights=ckpt, device="cpu", resolution=CANVAS, num_tokens=TOKENS,
-                        output_format="parquet", replicas=REPLICAS, batch_size=3, progress=False)
+                        output_format="parquet", replicas=REPLICAS, batch_size=3, progress=False, **CALL)
     assert (trap / "fired").exists() and not (trap / "armed").exists(), "a replica died mid-job"
     assert (summary.done, summary.failed, summary.skipped) == (20, 1, 0)
     assert sorted(summary.done_names) == sorted(expected), "each image reported once"

@@ -345,7 +345,7 @@ def test_serve_and_bench_forward_their_arguments(monkeypatch):
 
     server = types.ModuleType("tt_moge.server")
     server_cli = types.ModuleType("tt_moge.server.cli")
-    server_cli.add_arguments, server_cli.run = add_arguments, run
+    server_cli.add_arguments, server_cli.run, server_cli.EXIT_CODES = add_arguments, run, ""
     bench = types.ModuleType("tt_moge.bench_breakdown")
 
     def bench_main(argv):

@@ -278,18 +278,22 @@ def test_missing_weights_stop_the_server_with_exit_code_1(tmp_path):
 
 
 def test_bad_flags_exit_with_code_2(capsys):
-    import argparse
+    """Bad model or server flags stop `python -m tt_moge.server` with code 2 before it binds a port or reads
+    weights (the weights below do not exist: reaching the load would exit with 1)."""
+    from tt_moge.server.__main__ import main
 
-    from tt_moge.server.cli import add_arguments, run
+    def exit_code(*flags):
+        try:
+            return main(["--weights", "/nonexistent/model.pt", "--port", "0", *flags])
+        except SystemExit as exc:  # argparse usage errors
+            return exc.code
 
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert run(parser.parse_args(["--resolution", "10x10", "--port", "0"])) == 2
-    assert "resolution" in capsys.readouterr().err
-    assert run(parser.parse_args(["--queue-size", "0", "--port", "0"])) == 2
-    assert "queue_size" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--resolution", "wide"])
+    for flags, word in [(("--resolution", "10x10"), "resolution"), (("--resolution", "wide"), "resolution"),
+                        (("--num-tokens", "99"), "num_tokens"), (("--queue-size", "0"), "queue_size"),
+                        (("--num-command-queues", "2"), "num_command_queues"), (("--precision", "fp64"), "precision"),
+                        (("--warmup-variants", "fast"), "preset"), (("--device", "tpu"), "device")]:
+        assert exit_code(*flags) == 2, flags
+        assert word in capsys.readouterr().err, flags
 
 
 def test_openapi_error_bodies_are_documented(client):

@@ -1,0 +1,61 @@
+"""argparse types shared by every command line (tt-moge predict/info/batch/serve, the benchmarks): each
+turns a bad value into a usage error (exit code 2) that says what was expected."""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+
+def _usage(fn):
+    def wrapped(text: str):
+        try:
+            return fn(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    wrapped.__name__ = fn.__name__  # argparse names the type in its messages
+    return wrapped
+
+
+@_usage
+def wxh(text: str) -> tuple:
+    """'1920x1080' -> (1920, 1080)."""
+    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not match:
+        raise ValueError(f"expected WIDTHxHEIGHT, e.g. 1920x1080, got {text!r}")
+    return int(match[1]), int(match[2])
+
+
+@_usage
+def canvas(text: str) -> tuple:
+    """A canvas size WxH that MoGeModel.from_pretrained accepts."""
+    from .model import validate_resolution
+
+    return validate_resolution(wxh(text))
+
+
+@_usage
+def token_budget(text: str) -> int:
+    from .network.config import validate_token_budget
+
+    if not text.strip().lstrip("-").isdigit():
+        raise ValueError(f"expected an integer, got {text!r}")
+    return validate_token_budget(int(text))
+
+
+@_usage
+def fov_degrees(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected degrees, e.g. 60, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value < 180):
+        raise ValueError(f"the horizontal field of view must be in (0, 180) degrees, got {text}")
+    return value
+
+
+@_usage
+def positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"expected a positive integer, got {text!r}")
+    return int(text)
