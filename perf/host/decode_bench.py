@@ -1,7 +1,7 @@
 """PNG and JPEG decoders side by side: median ms per decode of the same bytes, and whether each is exact.
 
 Candidates (each only if importable): Pillow (the reference), OpenCV, pyspng (libspng), simplejpeg and
-PyTurboJPEG (libjpeg-turbo), and tt_moge's decoder (PNG: ISA-L inflate + native unfilter; JPEG: OpenCV).
+PyTurboJPEG (libjpeg-turbo), and tt_moge's decoder (PNG: ISA-L inflate + native unfilter; JPEG: libjpeg-turbo through simplejpeg when installed, else OpenCV).
 "exact" = the same (H, W, 3) uint8 pixels as Pillow's `convert("RGB")`.
 
     python perf/host/decode_bench.py                       # media/source.png if present, else a synthetic photo

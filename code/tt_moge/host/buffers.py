@@ -1,4 +1,4 @@
-"""Recycled memory for the large output arrays of the finish pass.
+"""Recycled memory for the large arrays of the host steps (decoded images, canvases, the finish outputs).
 
 Why: one 1920x1080 result holds about 60 MB of maps. Fresh memory costs a page fault per 4 KiB page on its
 first write (10-20 ms per result on the 2-core development machine, more than the finish pass itself), and

@@ -6,8 +6,8 @@
 
 Resampling uses OpenCV: INTER_AREA when shrinking on both axes (no aliasing), INTER_LINEAR otherwise.
 An image that already has the canvas size is used as is (a float one without any 8-bit rounding).
-With the native host library, the gray bars and the uint8 -> [0, 1] float conversion are one multithreaded
-pass into a recycled buffer (the same values: value / 255 by IEEE division, as torch's div_).
+With the native host library, the gray bars and the uint8 -> [0, 1] float conversion are one pass into a
+recycled buffer (the same values: value / 255 by IEEE division, as torch's div_).
 """
 from __future__ import annotations
 

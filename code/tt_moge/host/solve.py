@@ -1,7 +1,7 @@
 """Focal and z-shift recovery from an affine point map (MoGe's camera solve), on the valid content region.
 
 The network predicts points up to an unknown shift along z. With uv the view-plane coordinates of each pixel
-(normalised by the canvas half diagonal, see `view_plane_uv`), the camera solve is
+(normalised by the canvas half diagonal, see `view_plane_axes`), the camera solve is
 
     minimise over (focal, shift):   sum_i || focal * xy_i / (z_i + shift) - uv_i ||^2
 

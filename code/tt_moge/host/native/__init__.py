@@ -6,7 +6,7 @@ with ctypes. Which host path runs is chosen per process:
 
 * ``$MOGE_HOST`` or `set_host_path()`: ``"auto"`` (default) = native when the library builds and loads, else
   the torch/numpy path with one RuntimeWarning; ``"native"`` = native or a NativeBuildError; ``"torch"`` = the
-  torch/numpy reference path (`tt_moge/host/finish.py`, `solve.py`, Pillow for PNG unfiltering).
+  torch/numpy reference path (`tt_moge/host/finish.py`, `solve.py`, `canvas.py`, Pillow for PNG).
   Both paths give the same results: masks identical, floats within a few ulp (tests/test_native.py).
 * ``$MOGE_SERVE_THREADS``: threads of the native kernels (default: the usable cores, at most 16);
   `set_threads()` changes it at run time.

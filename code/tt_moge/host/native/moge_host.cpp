@@ -1,6 +1,7 @@
-// tt_moge native host library: the fused finish pass, the focal/shift solve and PNG unfiltering.
+// tt_moge native host library: the fused finish pass, the focal/shift solve, PNG unfiltering and the
+// uint8 -> float canvas.
 //
-// Built on first use by tt_moge/host/native/__init__.py (g++ -O3 -ffp-contract=off), loaded with ctypes.
+// Built on first use by tt_moge/host/native/build.py (g++ -O3 -ffp-contract=off), loaded with ctypes.
 // The Python/torch code in tt_moge/host/{finish,solve}.py is the reference: every step here follows the same
 // order of float operations, so masks are identical and floats agree to a few ulp (tests/test_native.py).
 // The functions allocate only small per-call tables; the caller owns every input and output buffer.
@@ -110,7 +111,8 @@ struct BlockTaps {
 
 // All channels of one pixel at once, so each tap's columns and weights are loaded once per pixel (1.6x
 // faster than one channel at a time on the development machine).
-template <int64_t kPointsSx, int64_t kNormalSx>  // 0: runtime stride
+// kRays: also resample the ray directions (only read without force_projection; the default skips them).
+template <int64_t kPointsSx, int64_t kNormalSx, bool kRays>  // strides: 0 = runtime stride
 void gather_resized_impl(const FinishArgs& a, int64_t r0, int64_t r1, const BlockTaps& t, int n, Block& b) {
   const int64_t psx = kPointsSx ? kPointsSx : a.points.sx, nsx = kNormalSx ? kNormalSx : a.normal.sx;
   const int64_t psc = a.points.sc, nsc = a.normal.sc;
@@ -126,8 +128,10 @@ void gather_resized_impl(const FinishArgs& a, int64_t r0, int64_t r1, const Bloc
   auto ray = [shift, psc](const float* q, float& rx, float& ry, float& inv) {
     const float d = q[2 * psc] + shift;
     inv = d > 0.0f ? 1.0f / d : 0.0f;
-    rx = q[0] * inv;
-    ry = q[psc] * inv;
+    if (kRays) {
+      rx = q[0] * inv;
+      ry = q[psc] * inv;
+    }
   };
   for (int i = 0; i < n; ++i) {
     const int64_t c0 = t.c0[i], c1 = t.c1[i];
@@ -138,7 +142,7 @@ void gather_resized_impl(const FinishArgs& a, int64_t r0, int64_t r1, const Bloc
     ray(q01, r[0][1], r[1][1], r[2][1]);
     ray(q10, r[0][2], r[1][2], r[2][2]);
     ray(q11, r[0][3], r[1][3], r[2][3]);
-    for (int c = 0; c < 3; ++c) b.ch[c][i] = taps4(r[c][0], r[c][1], r[c][2], r[c][3], w00, w01, w10, w11);
+    for (int c = kRays ? 0 : 2; c < 3; ++c) b.ch[c][i] = taps4(r[c][0], r[c][1], r[c][2], r[c][3], w00, w01, w10, w11);
     if (has_normal) {
       const float *e00 = n0 + c0 * nsx, *e01 = n0 + c1 * nsx, *e10 = n1 + c0 * nsx, *e11 = n1 + c1 * nsx;
       for (int c = 0; c < 3; ++c)
@@ -151,14 +155,23 @@ void gather_resized_impl(const FinishArgs& a, int64_t r0, int64_t r1, const Bloc
   }
 }
 
-void gather_resized(const FinishArgs& a, int64_t r0, int64_t r1, const BlockTaps& t, int n, Block& b) {
-  // The layouts of the torch runner: points (H, W, 3) contiguous; normal contiguous or channel-planar.
-  if (a.points.sx == 3 && a.normal.sx == 3)
-    gather_resized_impl<3, 3>(a, r0, r1, t, n, b);
+template <bool kRays>
+void gather_resized_rays(const FinishArgs& a, int64_t r0, int64_t r1, const BlockTaps& t, int n, Block& b) {
+  // The layouts of the runners: points (H, W, 3) contiguous; normal contiguous, channel-planar or absent.
+  const bool normal_3 = a.normal.data == nullptr || a.normal.sx == 3;
+  if (a.points.sx == 3 && normal_3)
+    gather_resized_impl<3, 3, kRays>(a, r0, r1, t, n, b);
   else if (a.points.sx == 3 && a.normal.sx == 1)
-    gather_resized_impl<3, 1>(a, r0, r1, t, n, b);
+    gather_resized_impl<3, 1, kRays>(a, r0, r1, t, n, b);
   else
-    gather_resized_impl<0, 0>(a, r0, r1, t, n, b);
+    gather_resized_impl<0, 0, kRays>(a, r0, r1, t, n, b);
+}
+
+void gather_resized(const FinishArgs& a, int64_t r0, int64_t r1, const BlockTaps& t, int n, Block& b) {
+  if (a.col_factor)  // force_projection: x and y come from the depth, the ray directions are not needed
+    gather_resized_rays<false>(a, r0, r1, t, n, b);
+  else
+    gather_resized_rays<true>(a, r0, r1, t, n, b);
 }
 
 void gather_cropped(const Map& m, int first, int channels, int64_t r, int64_t x0, int n, Block& b) {
@@ -513,7 +526,7 @@ int moge_set_threads(int threads) {
 
 int moge_threads() { return pool().threads(); }
 
-// The fused finish pass (tt_moge/host/finish.py steps 1-7 minus the intrinsics): reads the content box of the
+// The fused finish pass (tt_moge/host/finish.py steps 1-8 minus 5, the intrinsics): reads the content box of the
 // canvas maps once, writes every output once. Strides are in float elements. Returns 0.
 int moge_finish(const float* points, int64_t p_sy, int64_t p_sx, int64_t p_sc, const float* normal, int64_t n_sy,
                 int64_t n_sx, int64_t n_sc, const float* prob, int64_t m_sy, int64_t m_sx, int64_t x0, int64_t y0,
