@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from .network import MoGe2Config, MoGe2Network, token_grid
 
-__all__ = ["PRESETS", "model_config", "make_checkpoint", "make_network", "calibration_image"]
+__all__ = ["PRESETS", "model_config", "make_checkpoint", "make_network", "calibration_image", "add_outlier_channels"]
 
 _RESAMPLERS = ["conv_transpose", "conv_transpose", "conv_transpose", "bilinear"]
 
@@ -204,6 +204,24 @@ def _make_well_posed(net: MoGe2Network, focal: float, depth: float, tilt: float,
         lin.bias.mul_(0.1)
         current = float(net.scale_head(cls_token)[0, 0])
         lin.bias.add_(math.log(metric_scale) - current)
+
+
+def add_outlier_channels(net: MoGe2Network, seed: int = 1) -> MoGe2Network:
+    """Give the ViT of `net` (in place) the activation outliers of trained ViTs (DINOv2 among them): in every
+    block 4 LayerNorm channels 40x larger before attention and before the MLP (the inputs of qkv and fc1), and 8
+    MLP hidden channels 20x larger (the input of fc2). The test case of the int8 smoothing."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for block in net.encoder.backbone.blocks:
+            for norm in (block.norm1, block.norm2):
+                idx = torch.randperm(norm.weight.numel(), generator=gen)[:4]
+                norm.weight[idx] *= 40
+                norm.bias[idx] *= 40
+            fc1 = block.mlp.fc1 if hasattr(block.mlp, "fc1") else block.mlp.w12
+            idx = torch.randperm(fc1.out_features, generator=gen)[:8]
+            fc1.weight[idx] *= 20
+            fc1.bias[idx] *= 20
+    return net
 
 
 def make_network(preset: Union[str, dict] = "tiny-vits-normal", seed: int = 0, well_posed: bool = True,

@@ -10,6 +10,7 @@ say "n/a"; the raw rows still compare.
 
     python perf/runners/accuracy.py                      # bf16 vs fp32, 2 checkpoints x 2 images
     python perf/runners/accuracy.py --precision fp16     # on a CUDA machine: --device cuda
+    python perf/runners/accuracy.py --precision bf16,int8 --outliers   # networks with outlier channels
 """
 from __future__ import annotations
 
@@ -72,6 +73,9 @@ def main() -> None:
     ap.add_argument("--size", type=int, nargs=2, default=(1920, 1080), metavar=("W", "H"))
     ap.add_argument("--tokens", type=int, default=1800)
     ap.add_argument("--images", type=int, default=2, help="test images per checkpoint (photo-like, different seeds)")
+    ap.add_argument("--outliers", action="store_true",
+                    help="give every checkpoint's ViT the outlier channels of trained ViTs first "
+                         "(tt_moge.testing.add_outlier_channels): what the int8 smoothing is for")
     args = ap.parse_args()
 
     import torch
@@ -81,7 +85,7 @@ def main() -> None:
     from tt_moge.host.finish import finish
     from tt_moge.host.solve import recover_camera
     from tt_moge.runners import make_runner
-    from tt_moge.testing import make_checkpoint
+    from tt_moge.testing import add_outlier_channels, make_checkpoint
     from tt_moge.warmup import synthetic_photo
     from tt_moge.weights import load_network
 
@@ -102,6 +106,8 @@ def main() -> None:
         results = {}
         for precision in ["fp32"] + compared:
             network, _ = load_network(path, None)
+            if args.outliers:
+                add_outlier_channels(network)
             runner = make_runner(network, size, args.tokens, args.device, precision)
             del network
             outs = []
@@ -122,7 +128,8 @@ def main() -> None:
 
     for precision, table in rows.items():
         keys = list(dict.fromkeys(k for _, r in table for k in r))
-        print(f"\n{precision} vs fp32, {size[0]}x{size[1]}, {args.tokens} tokens, device {args.device}, torch {torch.__version__}\n")
+        extra = ", ViT with outlier channels" if args.outliers else ""
+        print(f"\n{precision} vs fp32{extra}, {size[0]}x{size[1]}, {args.tokens} tokens, device {args.device}, torch {torch.__version__}\n")
         print("| metric | " + " | ".join(name for name, _ in table) + " |")
         print("|---|" + "---:|" * len(table))
         for k in keys:

@@ -3,6 +3,7 @@ activations) and per operator (torch.profiler), for the reference network or the
 
     python perf/runners/profile_forward.py --precision bf16 --threads 1
     python perf/runners/profile_forward.py --precision fp32 --threads 1     # the reference network
+    python perf/runners/profile_forward.py --precision int8 --torch-glue    # int8 quantisation in torch ops
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ def main() -> None:
     ap.add_argument("--size", type=int, nargs=2, default=(1920, 1080), metavar=("W", "H"))
     ap.add_argument("--tokens", type=int, default=1800)
     ap.add_argument("--rows", type=int, default=15, help="operators to list")
+    ap.add_argument("--passes", type=int, default=3, help="unprofiled passes for the stage times (median)")
+    ap.add_argument("--torch-glue", action="store_true",
+                    help="int8: quantise/dequantise with the torch reference ops instead of the native kernels")
     args = ap.parse_args()
 
     import torch
@@ -36,6 +40,12 @@ def main() -> None:
     size = tuple(args.size)
     network, _ = load_network(common.full_size_checkpoint(args.checkpoint), None)
     runner = make_runner(network, size, args.tokens, "cpu", args.precision)
+    if args.torch_glue:
+        from tt_moge.runners.fixed_graph import Int8Linear
+
+        for module in runner.graph.modules():
+            if isinstance(module, Int8Linear):
+                module.lib = None
     canvas = torch.from_numpy(synthetic_photo(size, seed=1)).permute(2, 0, 1)[None].float().div(255)
     if args.precision == "fp32":
         net = runner.network
@@ -68,13 +78,15 @@ def main() -> None:
 
     with torch.inference_mode():
         runner.forward(canvas)  # warm
-        enc, dec, out = stages(canvas)
+        runs = [stages(canvas) for _ in range(args.passes)]
+        enc, dec, out = (common.median([r[k] for r in runs]) for k in range(3))
         t = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             runner.forward(canvas)
         total = time.perf_counter() - t
-    print(f"{args.precision}, {size[0]}x{size[1]}, {args.tokens} tokens, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"stages (one unprofiled pass): ViT encoder {enc:.2f} s, neck + heads {dec:.2f} s, resize to canvas {out:.3f} s")
+    glue = " (torch int8 glue)" if args.torch_glue else ""
+    print(f"{args.precision}{glue}, {size[0]}x{size[1]}, {args.tokens} tokens, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"stages (median of {args.passes} unprofiled passes): ViT encoder {enc:.2f} s, neck + heads {dec:.2f} s, resize to canvas {out:.3f} s")
     print(f"profiled forward: {total:.2f} s")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
     print(f"rerun: {common.rerun_command()}")

@@ -1,5 +1,6 @@
 """The fast CPU runner: the fixed-shape graph (`FixedShapeMoGe2`) in bfloat16, channels-last, head-by-head
-attention, with the constant work done at load. See the README section "Devices and precision" for what it
+attention, with the constant work done at load; "int8" adds smoothed int8 ViT matmuls whose quantisation glue
+runs in the native library (`cpu_kernels`) when it is available. See the README section "Devices and precision" for what it
 costs in accuracy against the float32 reference (`TorchRunner`, precision="fp32")."""
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from ..network import MoGe2Network
 from .base import RawMaps, Runner
+from .cpu_kernels import native_library
 from .fixed_graph import FixedShapeMoGe2
 from .precision import DTYPES
 
@@ -58,15 +60,21 @@ class CpuGraphRunner(Runner):
         self.canvas_size = tuple(canvas_size)
         self.num_tokens = num_tokens
         self.malloc_tuned = keep_freed_memory()
+        self.native = native_library() if precision == "int8" else None
         self.graph = FixedShapeMoGe2(network.to("cpu"), canvas_size, num_tokens, DTYPES[precision],
-                                     attention="heads", vit_int8=precision == "int8").eval()
+                                     attention="heads", vit_int8=precision == "int8", native=self.native).eval()
 
     @torch.inference_mode()
     def forward(self, canvas: torch.Tensor) -> RawMaps:
+        if self.native is not None:  # the native kernels use as many threads as torch does now
+            self.native.moge_runner_set_threads(torch.get_num_threads())
         return RawMaps.from_outputs(self.graph(canvas.to("cpu", torch.float32)))
 
     def describe(self) -> dict:
-        return {**super().describe(), "threads": torch.get_num_threads(), "malloc_tuned": self.malloc_tuned}
+        info = {**super().describe(), "threads": torch.get_num_threads(), "malloc_tuned": self.malloc_tuned}
+        if self.precision == "int8":
+            info.update(native_int8_glue=self.native is not None, int8_smoothing=self.graph.int8_smoothing)
+        return info
 
     def close(self) -> None:
         self.graph = None

@@ -16,7 +16,9 @@ shape done once at construction:
   constant map`, with the 1x1 convs multiplied into the 3x3 kernels: 7 output channels instead of 4 x 32.
 
 Matrix work runs in `dtype` (bfloat16/float16 on the fast paths), channels-last; the residual stream of the
-ViT, the head outputs, the final resize to the canvas and the output activations stay float32. In float32
+ViT, the head outputs, the final resize to the canvas and the output activations stay float32. With
+`vit_int8` (the CPU's opt-in "int8") the ViT's linear layers are `Int8Linear`, smoothed per input channel with
+activation ranges calibrated at construction (one `dtype` pass over a synthetic photo at <= 600 tokens). In float32
 the result equals the reference network up to float round-off (the folds reassociate sums); the reference
 itself (`TorchRunner`) is the exact float32 path.
 """
@@ -33,10 +35,12 @@ from torch.nn.utils import skip_init
 from ..network import MoGe2Network, token_grid
 from ..network.moge2 import remap_points
 from ..network.vit import Block
+from .cpu_kernels import dequantize, quantize_rows
 
 __all__ = ["FixedShapeMoGe2", "HEADS"]
 
 HEADS = ("points", "normal", "mask")
+CALIBRATION_TOKENS = 600  # token budget of the int8 calibration forward (at load)
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> nn.Linear:
@@ -53,25 +57,41 @@ class Int8Linear(nn.Module):
 
     About 2x the bfloat16 GEMM rate on an AVX512-VNNI EPYC (fc1 of ViT-L, 1825 tokens, one thread: 47 vs 95 ms
     with the quantisation and rescaling included); about 3x the bfloat16 rounding error.
+
+    `act_max` (per input channel, the largest |x| seen in calibration) turns on SmoothQuant-style smoothing
+    (Xiao et al. 2023): channel j of x is divided by s_j = act_max_j^alpha / max_i |W_ij|^(1 - alpha) and column j
+    of W multiplied by it, which leaves x W^T unchanged but moves outlier channels' range from the activations
+    (one int8 scale per token) into the weights (one scale per output channel). With `lib` (the native host
+    library) the quantisation and the rescaling are one native pass each (`cpu_kernels`), bit-identical to
+    the torch ops.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype, lib=None,
+                 act_max: Optional[torch.Tensor] = None, alpha: float = 0.5):
         super().__init__()
         weight = weight.float()
-        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.dtype = dtype
+        self.lib = lib
+        inv_smooth = None
+        if act_max is not None:
+            act_max = act_max.float().to(weight.device)
+            w_max = weight.abs().amax(dim=0)
+            smooth = act_max.clamp_min(1e-12) ** alpha / w_max.clamp_min(1e-12) ** (1 - alpha)
+            smooth = torch.where((act_max > 0) & (w_max > 0), smooth, torch.ones_like(smooth))
+            weight = weight * smooth[None, :]
+            inv_smooth = 1 / smooth
+        self.register_buffer("inv_smooth", inv_smooth)  # None: no smoothing
+        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127
         self.register_buffer("weight_t", torch.round(weight / scale[:, None]).to(torch.int8).t().contiguous())  # (in, out)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", bias.float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        token_scale = x.abs().amax(dim=1, keepdim=True).float().clamp_min_(1e-12).div_(127)
-        x8 = torch.round(x.float() / token_scale).to(torch.int8)
-        y = torch._int_mm(x8, self.weight_t).float().mul_(token_scale).mul_(self.weight_scale).add_(self.bias)
-        return y.to(self.dtype).view(*shape[:-1], self.out_features)
+        x8, token_scale = quantize_rows(x.reshape(-1, shape[-1]), self.lib, self.inv_smooth)
+        y = dequantize(torch._int_mm(x8, self.weight_t), token_scale, self.weight_scale, self.bias, self.dtype, self.lib)
+        return y.view(*shape[:-1], self.out_features)
 
 
 class HeadByHeadAttention:
@@ -114,16 +134,25 @@ class HeadByHeadAttention:
 
 class FastBlock(nn.Module):
     """A DINOv2 block with LayerScale folded into `attn_out` and `ffn_out`, and the attention scale into the q
-    rows of `qkv`; matmuls in `dtype`. Attention: PyTorch SDPA, or `HeadByHeadAttention` (batch 1).
+    rows of `qkv`; matmuls in `dtype`, or `Int8Linear` with `int8` (smoothed with `act_max`: {linear name: per
+    input channel max |x|}). Attention: PyTorch SDPA, or `HeadByHeadAttention` (batch 1).
 
     The residual stream `x` (B, N, C) stays in its own dtype (float32 by default): every block adds small
     updates to it, and bfloat16 would round them away. LayerNorm runs on it in that dtype.
     """
 
+    LINEARS = ("qkv", "attn_out", "ffn_in", "ffn_out")
+
     def __init__(self, block: Block, dtype: torch.dtype, head_by_head: Optional[HeadByHeadAttention] = None,
-                 int8: bool = False):
+                 int8: bool = False, lib=None, act_max: Optional[dict] = None, alpha: float = 0.5):
         super().__init__()
-        make = (lambda w, b, dt: Int8Linear(w, b, dt)) if int8 else _linear
+        names = iter(self.LINEARS)  # the order of the make() calls below
+
+        def make(weight, bias, dt):
+            if not int8:
+                return _linear(weight, bias, dt)
+            return Int8Linear(weight, bias, dt, lib, None if act_max is None else act_max[next(names)], alpha)
+
         self.dtype = dtype
         self.head_by_head = head_by_head
         self.num_heads = block.attn.num_heads
@@ -210,7 +239,7 @@ class FixedShapeMoGe2(nn.Module):
 
     def __init__(self, network: MoGe2Network, canvas_size: tuple, num_tokens: int, dtype: torch.dtype = torch.bfloat16,
                  *, residual_dtype: torch.dtype = torch.float32, channels_last: bool = True, attention: str = "sdpa",
-                 vit_int8: bool = False):
+                 vit_int8: bool = False, native=None, int8_smoothing: Optional[float] = 0.5):
         super().__init__()
         cfg = network.config
         width, height = (int(v) for v in canvas_size)
@@ -222,8 +251,10 @@ class FixedShapeMoGe2(nn.Module):
             raise ValueError(f"attention must be 'sdpa' or 'heads', got {attention!r}")
         self.attention = attention
         self.vit_int8 = vit_int8
+        self.native = native  # the native host library for the int8 glue (`cpu_kernels`), or None: torch ops
+        self.int8_smoothing = int8_smoothing  # SmoothQuant's alpha for the int8 ViT (None: no smoothing)
         self.remap = cfg.remap_output
-        aspect = width / height
+        self.aspect = aspect = width / height
         self.rows, self.cols = rows, cols = token_grid(num_tokens, aspect)
         device = next(network.parameters()).device
         with torch.no_grad():
@@ -249,15 +280,55 @@ class FixedShapeMoGe2(nn.Module):
         self.patch_embed.bias.copy_(b)
         self.patch_embed = _to_layout(self.patch_embed, self.dtype, self.channels_last)
         pos = vit.position_embedding(rows, cols).detach().float()
+        self.register_buffer("token_prefix", self._token_prefix(vit, pos))  # (1, P, C)
+        self.register_buffer("patch_pos", pos[:, 1:].to(self.residual_dtype))  # (1, rows*cols, C)
+        workspace = HeadByHeadAttention() if self.attention == "heads" else None  # one workspace for all blocks
+        blocks = vit.blocks[: max(self.layers) + 1]
+        act_max, alpha = [None] * len(blocks), 0.5
+        if self.vit_int8 and self.int8_smoothing is not None:
+            act_max, alpha = self._activation_maxima(vit, blocks), self.int8_smoothing
+        self.blocks = nn.ModuleList(FastBlock(blk, self.dtype, workspace, self.vit_int8, self.native, a, alpha)
+                                    for blk, a in zip(blocks, act_max))
+        self.final_norm = copy.deepcopy(vit.norm).float().requires_grad_(False)
+
+    def _token_prefix(self, vit, pos: torch.Tensor) -> torch.Tensor:
+        """The class token (+ its position embedding) and the register tokens, (1, P, C) in the residual dtype."""
         prefix = [vit.cls_token.detach().float() + pos[:, :1]]
         if vit.register_tokens is not None:
             prefix.append(vit.register_tokens.detach().float())
-        self.register_buffer("token_prefix", torch.cat(prefix, dim=1).to(self.residual_dtype))  # (1, P, C)
-        self.register_buffer("patch_pos", pos[:, 1:].to(self.residual_dtype))  # (1, rows*cols, C)
-        workspace = HeadByHeadAttention() if self.attention == "heads" else None  # one workspace for all blocks
-        self.blocks = nn.ModuleList(FastBlock(blk, self.dtype, workspace, self.vit_int8)
-                                    for blk in vit.blocks[: max(self.layers) + 1])
-        self.final_norm = copy.deepcopy(vit.norm).float().requires_grad_(False)
+        return torch.cat(prefix, dim=1).to(self.residual_dtype)
+
+    def _embed(self, image: torch.Tensor, prefix: torch.Tensor, patch_pos: torch.Tensor) -> torch.Tensor:
+        """image (1, 3, rows * patch, cols * patch) in [0, 1] -> the ViT's input tokens (1, P + rows * cols, C)."""
+        if self.channels_last:
+            image = image.contiguous(memory_format=torch.channels_last)
+        patches = self.patch_embed(image.to(self.dtype)).flatten(2).transpose(1, 2)  # (1, rows*cols, C)
+        return torch.cat([prefix, patches.to(self.residual_dtype) + patch_pos], dim=1)
+
+    def _activation_maxima(self, vit, blocks) -> list:
+        """Calibration of the int8 smoothing: per block, {linear name: per input channel max |x|} of the
+        `dtype` graph on a synthetic photo at a reduced token budget (at most CALIBRATION_TOKENS; the channels
+        with outliers are the same at every size)."""
+        from ..warmup import synthetic_photo
+
+        rows, cols = token_grid(min(CALIBRATION_TOKENS, self.rows * self.cols), self.aspect)
+        pos = vit.position_embedding(rows, cols).detach().float()
+        device = self.patch_pos.device
+        photo = torch.from_numpy(synthetic_photo((cols * self.patch, rows * self.patch), seed=0))
+        tokens = self._embed(photo.permute(2, 0, 1)[None].to(device, torch.float32).div(255),
+                             self._token_prefix(vit, pos), pos[:, 1:].to(self.residual_dtype))
+        maxima = []
+        for block in blocks:
+            fast = FastBlock(block, self.dtype)  # SDPA attention: every linear is called as a module
+            seen: dict = {}
+            hooks = [getattr(fast, name).register_forward_pre_hook(
+                lambda module, args, name=name: seen.__setitem__(name, args[0].abs().flatten(0, -2).amax(dim=0).float()))
+                for name in FastBlock.LINEARS]
+            tokens = fast(tokens)
+            for hook in hooks:
+                hook.remove()
+            maxima.append(seen)
+        return maxima
 
     def _build_decoder(self, network: MoGe2Network, uv: list) -> None:
         neck = network.neck
@@ -332,10 +403,7 @@ class FixedShapeMoGe2(nn.Module):
         """canvas (1, 3, H, W) float32 -> neck level-0 input (1, d0, rows, cols) in `dtype`, class token (1, C) float32."""
         size = (self.rows * self.patch, self.cols * self.patch)
         x = F.interpolate(canvas, size, mode="bilinear", align_corners=False, antialias=True)
-        if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        patches = self.patch_embed(x.to(self.dtype)).flatten(2).transpose(1, 2)  # (1, rows*cols, C)
-        tokens = torch.cat([self.token_prefix, patches.to(self.residual_dtype) + self.patch_pos], dim=1)
+        tokens = self._embed(x, self.token_prefix, self.patch_pos)
         taps = {}
         wanted = set(self.layers)
         for i, block in enumerate(self.blocks):

@@ -25,7 +25,7 @@ __all__ = ["HOST_PATHS", "NativeBuildError", "host_path", "library", "set_host_p
            "default_threads"]
 
 HOST_PATHS = ("auto", "native", "torch")
-ABI_VERSION = 1  # must match kAbiVersion in moge_host.cpp
+ABI_VERSION = 2  # must match kAbiVersion in moge_host.cpp
 MAX_DEFAULT_THREADS = 16
 
 _lock = threading.Lock()
@@ -130,6 +130,10 @@ _SIGNATURES = {
                                    _P, _P, _I64, _I64, ctypes.c_double, _P, _P]),
     "moge_png_unfilter": (ctypes.c_int, [_P, _I64, _I64, _I64, ctypes.c_int, _P, _P]),
     "moge_canvas_to_unit": (ctypes.c_int, [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _P]),
+    # cpu_kernels.cpp (the CPU runner's int8 matmul glue)
+    "moge_runner_set_threads": (ctypes.c_int, [ctypes.c_int]),
+    "moge_quantize_rows": (ctypes.c_int, [_P, ctypes.c_int, _I64, _I64, _I64, _P, _P, _P]),
+    "moge_dequantize": (ctypes.c_int, [_P, _I64, _I64, _P, _P, _P, ctypes.c_int, _P]),
 }
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 __all__ = ["NativeBuildError", "FLAGS", "SOURCES", "cache_dir", "compiler", "library_path", "build"]
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("moge_host.cpp",)
+SOURCES = ("moge_host.cpp", "cpu_kernels.cpp")
 HEADERS = ("thread_pool.h",)
 # -ffp-contract=off: no fused multiply-adds that the compiler adds on its own, so the float results follow the
 # torch reference op for op (the code writes std::fma itself where ATen's kernels fuse).
