@@ -136,7 +136,17 @@ class MoGeOutput:
     @classmethod
     def from_npz(cls, source: Union[str, os.PathLike, bytes]) -> "MoGeOutput":
         """Read an npz written by `save_npz` or returned by the server (normal comes back as float32)."""
-        data = np.load(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source)
+        try:
+            data = np.load(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source, allow_pickle=False)
+        except (zipfile.BadZipFile, EOFError, ValueError) as exc:
+            raise ValueError(f"not a tt_moge npz ({exc})") from None
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("not a tt_moge npz (a single .npy array)")
+        with data:  # closes the file
+            return cls._from_arrays(data)
+
+    @classmethod
+    def _from_arrays(cls, data) -> "MoGeOutput":
         try:
             normal = data["normal"].astype(np.float32) if "normal" in data.files else None
             return cls(

@@ -4,10 +4,7 @@ latencies (printed; run with -s). Skipped, with the reason, where there is no CU
 Weights: the real ones when $MOGE_WEIGHTS_DIR points at them, else a random-weight full-size ViT-L
 (`tt_moge.testing`, written once per session, 1.3 GB). Canvas 1920x1080, 1800 tokens, default precision.
 
-API == server: when `tt_moge.server.app` is importable, the npz of POST /predict must equal the npz layout
-of `model(bytes)` array for array. Without the server (it is built on another branch), the test compares
-`model(bytes)` against `model(array)` of the decoded image through `MoGeOutput.to_npz_bytes` instead, and
-says so.
+API == server: the npz of POST /predict must equal the npz layout of `model(bytes)` array for array.
 
     python -m pytest tt_moge/tests/test_api_device.py -q -s
 """
@@ -68,18 +65,14 @@ def _assert_npz_equal(a: dict, b: dict) -> None:
 
 
 def test_api_equals_server_npz_bit_for_bit(gpu_model, photo_png):
-    rgb, png = photo_png
+    _, png = photo_png
     ours = gpu_model(png)
     assert 0.05 < ours.valid_fraction < 0.99 and np.isfinite(ours.depth[ours.mask]).all()
     api = _npz(ours.to_npz_bytes())
-    try:
-        from fastapi.testclient import TestClient
+    from fastapi.testclient import TestClient
 
-        from tt_moge.server.app import create_app
-    except ImportError as exc:
-        print(f"\n[test_api_device] no server in this build ({exc}): comparing model(bytes) with model(array) instead")
-        _assert_npz_equal(api, _npz(gpu_model(rgb).to_npz_bytes()))
-        return
+    from tt_moge.server.app import create_app
+
     with TestClient(create_app(gpu_model)) as client:
         r = client.post("/predict", content=png, headers={"Content-Type": "image/png"}, params={"compress": "false"})
     assert r.status_code == 200, r.text

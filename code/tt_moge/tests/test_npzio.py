@@ -66,3 +66,17 @@ def test_moge_output_npz_uses_it(tiny_model):
         back = type(out).from_npz(out.to_npz_bytes(compress=compress))
         assert np.array_equal(back.depth, out.depth) and np.array_equal(back.mask, out.mask)
         assert np.array_equal(back.normal, out.normal.astype(np.float16).astype(np.float32))
+        assert out.to_npz_bytes(compress=compress) == npz_bytes(out.npz_arrays(), compress=compress)
+
+
+def test_from_npz_refuses_what_is_not_our_npz(tmp_path):
+    from tt_moge import MoGeOutput
+
+    buf = io.BytesIO()
+    np.save(buf, np.zeros(3))
+    for bad, reason in [(b"not a zip at all", "not a tt_moge npz"), (buf.getvalue(), "single .npy"),
+                        (npz_bytes({"points": np.zeros(3)}), "not a tt_moge npz")]:
+        with pytest.raises(ValueError, match=reason):
+            MoGeOutput.from_npz(bad)
+    with pytest.raises(FileNotFoundError):
+        MoGeOutput.from_npz(tmp_path / "missing.npz")
