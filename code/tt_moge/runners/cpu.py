@@ -60,7 +60,7 @@ class CpuGraphRunner(Runner):
         self.canvas_size = tuple(canvas_size)
         self.num_tokens = num_tokens
         self.malloc_tuned = keep_freed_memory()
-        self.native = native_library() if precision == "int8" else None
+        self.native = native_library() if precision != "fp32" else None  # fused attention, int8 glue
         self.graph = FixedShapeMoGe2(network.to("cpu"), canvas_size, num_tokens, DTYPES[precision],
                                      attention="heads", vit_int8=precision == "int8", native=self.native).eval()
 
@@ -71,7 +71,8 @@ class CpuGraphRunner(Runner):
         return RawMaps.from_outputs(self.graph(canvas.to("cpu", torch.float32)))
 
     def describe(self) -> dict:
-        info = {**super().describe(), "threads": torch.get_num_threads(), "malloc_tuned": self.malloc_tuned}
+        info = {**super().describe(), "threads": torch.get_num_threads(), "malloc_tuned": self.malloc_tuned,
+                "attention": "native fused" if self.graph.blocks[0].lib is not None else "torch head by head"}
         if self.precision == "int8":
             info.update(native_int8_glue=self.native is not None, int8_smoothing=self.graph.int8_smoothing)
         return info

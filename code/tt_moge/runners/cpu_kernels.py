@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["native_library", "quantize_rows", "dequantize", "quantize_rows_reference",
+__all__ = ["native_library", "quantize_rows", "dequantize", "native_attention_supported", "attention_bf16", "quantize_rows_reference",
            "dequantize_reference"]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -84,4 +84,29 @@ def dequantize(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tens
     out = torch.empty(rows, cols, dtype=dtype)
     lib.moge_dequantize(acc.data_ptr(), rows, cols, row_scale.data_ptr(), col_scale.data_ptr(), bias.data_ptr(),
                         _DTYPE_CODES[dtype], out.data_ptr())
+    return out
+
+
+NATIVE_HEAD_DIM = 64  # the fused attention's head size (every DINOv2 ViT: S, B, L, g)
+
+
+def native_attention_supported(lib, head_dim: int) -> bool:
+    """Whether `attention_bf16` can run: the library was built for a CPU with AVX512-BF16, heads of 64."""
+    return lib is not None and head_dim == NATIVE_HEAD_DIM and bool(lib.moge_attention_supported())
+
+
+def attention_bf16(qkv: torch.Tensor, num_heads: int, lib) -> torch.Tensor:
+    """Fused multi-head softmax attention of one image: qkv (N, 3C) bfloat16 rows [q | k | v] with q already
+    scaled by 1/sqrt(head_dim) -> (N, C) bfloat16. Scores and sums in float32, the probabilities rounded to
+    bfloat16 for the product with v (as the unfused bfloat16 path); the score matrix never reaches memory."""
+    _check(qkv, "qkv", (torch.bfloat16,))
+    n, three_c = qkv.shape
+    c = three_c // 3
+    if three_c != 3 * c or c != num_heads * NATIVE_HEAD_DIM:
+        raise ValueError(f"qkv: expected (N, 3 * {num_heads} * {NATIVE_HEAD_DIM}), got {tuple(qkv.shape)}")
+    qkv = qkv.contiguous()
+    out = torch.empty(n, c, dtype=torch.bfloat16)
+    status = lib.moge_attention_bf16(qkv.data_ptr(), n, c, num_heads, out.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"moge_attention_bf16 failed ({status}): this build has no AVX512-BF16 attention")
     return out

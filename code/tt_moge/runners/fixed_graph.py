@@ -35,7 +35,7 @@ from torch.nn.utils import skip_init
 from ..network import MoGe2Network, token_grid
 from ..network.moge2 import remap_points
 from ..network.vit import Block
-from .cpu_kernels import dequantize, quantize_rows
+from .cpu_kernels import attention_bf16, dequantize, native_attention_supported, quantize_rows
 
 __all__ = ["FixedShapeMoGe2", "HEADS"]
 
@@ -156,6 +156,9 @@ class FastBlock(nn.Module):
         self.dtype = dtype
         self.head_by_head = head_by_head
         self.num_heads = block.attn.num_heads
+        # the fused native attention where it can run (CPU path, bfloat16, AVX512-BF16 build, heads of 64)
+        self.lib = lib if (head_by_head is not None and dtype == torch.bfloat16
+                           and native_attention_supported(lib, block.attn.qkv.in_features // self.num_heads)) else None
         self.norm1 = copy.deepcopy(block.norm1).float()
         self.norm2 = copy.deepcopy(block.norm2).float()
         g1, g2 = block.ls1.gamma.detach().float(), block.ls2.gamma.detach().float()
@@ -177,6 +180,8 @@ class FastBlock(nn.Module):
     def attend(self, h: torch.Tensor) -> torch.Tensor:
         """Normed tokens (B, N, C) in `dtype` -> attention output before `attn_out`, (B, N, C)."""
         b, n, c = h.shape
+        if self.lib is not None and b == 1:
+            return attention_bf16(self.qkv(h[0]), self.num_heads, self.lib)[None]
         if self.head_by_head is not None and b == 1:
             if isinstance(self.qkv, nn.Linear):
                 qkv_t = torch.addmm(self.qkv.bias[:, None], self.qkv.weight, h[0].t())  # (3C, N), no copy

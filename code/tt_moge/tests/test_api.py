@@ -483,6 +483,29 @@ def test_truncated_files(tiny_model, photo, photo_out, tmp_path):
     assert_same(tiny_model(photo), photo_out)
 
 
+def test_a_load_that_fails_in_warm_up_closes_its_runner(checkpoint, monkeypatch):
+    """A failure after the runner exists (here: a host warm-up variant) releases the runner before it propagates."""
+    from tt_moge import model as model_mod
+
+    closed = []
+    real_make_runner = model_mod.make_runner
+
+    def tracking_make_runner(*args, **kwargs):
+        runner = real_make_runner(*args, **kwargs)
+        real_close = runner.close
+        runner.close = lambda: (closed.append(runner), real_close())
+        return runner
+
+    def broken_variant(self, key, photos=None):
+        raise RuntimeError("warm-up failed")
+
+    monkeypatch.setattr(model_mod, "make_runner", tracking_make_runner)
+    monkeypatch.setattr(MoGeModel, "_warm_variant", broken_variant)
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        load(checkpoint("tiny-vits-normal"), warmup_variants="minimal")
+    assert len(closed) == 1
+
+
 def test_bad_load_arguments_leave_no_model_half_open(checkpoint):
     with pytest.raises(ValueError):
         load(checkpoint("tiny-vits-normal"), warmup_variants={"input": "tiff"})

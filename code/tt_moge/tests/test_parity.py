@@ -22,7 +22,8 @@ import moge.utils.geometry_torch as upstream_geo
 from tt_moge import MoGeModel
 from tt_moge.host.canvas import plan_canvas
 from tt_moge.host.finish import finish
-from tt_moge.host.solve import objective, solve_focal_shift, solve_samples, solve_shift
+from tt_moge.host import native
+from tt_moge.host.solve import native_solve, objective, solve_focal_shift, solve_samples, solve_shift
 from tt_moge.runners.base import RawMaps
 from tt_moge.testing import calibration_image
 
@@ -142,16 +143,26 @@ def test_solver_matches_upstream_sampling_and_is_at_least_as_good(checkpoint, up
         assert objective(uv, xyz, shift_only, 0.9) <= objective(uv, xyz, float(their_shift_only), 0.9) * (1 + 1e-9)
 
 
-def test_solver_recovers_a_known_camera():
-    """Exact synthetic samples: a pinhole camera of focal 1.3 and an affine shift of 0.7 come back to 1e-9."""
+@pytest.mark.parametrize("solver", ["numpy", "native"])
+def test_solver_recovers_a_known_camera(solver):
+    """Exact synthetic samples: a pinhole camera of focal 1.3 and an affine shift of 0.7 come back to 1e-9, from
+    the numpy solver and from the native one (tt_moge/host/native)."""
     rng = np.random.default_rng(1)
     uv = rng.uniform(-0.8, 0.8, (2000, 2))
     depth = rng.uniform(2.0, 9.0, 2000)
     xyz = np.concatenate([uv * depth[:, None] / 1.3, (depth - 0.7)[:, None]], axis=1)
-    focal, shift = solve_focal_shift(uv, xyz)
-    assert abs(focal - 1.3) < 1e-9 and abs(shift - 0.7) < 1e-9
-    assert abs(solve_shift(uv, xyz, 1.3) - 0.7) < 1e-9
-    assert solve_focal_shift(uv[:1], xyz[:1]) == (1.0, 0.0)  # too few samples: upstream's fallback
+    if solver == "native":
+        both, shift_only = native_solve, (lambda uv, xyz, f: native_solve(uv, xyz, f)[1])
+    else:
+        both, shift_only = solve_focal_shift, solve_shift
+    previous = native.set_host_path("native")  # native_solve needs the library; the numpy solver ignores this
+    try:
+        focal, shift = both(uv, xyz)
+        assert abs(focal - 1.3) < 1e-9 and abs(shift - 0.7) < 1e-9
+        assert abs(shift_only(uv, xyz, 1.3) - 0.7) < 1e-9
+        assert both(uv[:1], xyz[:1]) == (1.0, 0.0)  # too few samples: upstream's fallback
+    finally:
+        native.set_host_path(previous)
 
 
 @pytest.mark.full_size

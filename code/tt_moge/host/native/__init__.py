@@ -25,7 +25,7 @@ __all__ = ["HOST_PATHS", "NativeBuildError", "host_path", "library", "set_host_p
            "default_threads"]
 
 HOST_PATHS = ("auto", "native", "torch")
-ABI_VERSION = 2  # must match kAbiVersion in moge_host.cpp
+ABI_VERSION = 3  # must match kAbiVersion in moge_host.cpp
 MAX_DEFAULT_THREADS = 16
 
 _lock = threading.Lock()
@@ -130,10 +130,12 @@ _SIGNATURES = {
                                    _P, _P, _I64, _I64, ctypes.c_double, _P, _P]),
     "moge_png_unfilter": (ctypes.c_int, [_P, _I64, _I64, _I64, ctypes.c_int, _P, _P]),
     "moge_canvas_to_unit": (ctypes.c_int, [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _P]),
-    # cpu_kernels.cpp (the CPU runner's int8 matmul glue)
+    # cpu_kernels.cpp (the CPU runner's int8 matmul glue and fused bfloat16 attention)
     "moge_runner_set_threads": (ctypes.c_int, [ctypes.c_int]),
     "moge_quantize_rows": (ctypes.c_int, [_P, ctypes.c_int, _I64, _I64, _I64, _P, _P, _P]),
     "moge_dequantize": (ctypes.c_int, [_P, _I64, _I64, _P, _P, _P, ctypes.c_int, _P]),
+    "moge_attention_supported": (ctypes.c_int, []),
+    "moge_attention_bf16": (ctypes.c_int, [_P, _I64, _I64, _I64, _P]),
 }
 
 

@@ -19,7 +19,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 2;  // bump when an exported signature changes (the Python side checks it)
+constexpr int kAbiVersion = 3;  // bump when an exported signature changes (the Python side checks it)
 
 std::mutex g_pool_mutex;
 std::unique_ptr<moge::ThreadPool> g_pool;
