@@ -95,7 +95,8 @@ class Int8Linear(nn.Module):
 
 
 class HeadByHeadAttention:
-    """Multi-head softmax attention a few heads at a time, into preallocated buffers (the CPU path).
+    """Multi-head softmax attention a few heads at a time, into preallocated buffers (the CPU path where the
+    fused native attention, `cpu_kernels.attention_bf16`, cannot run: no AVX512-BF16, MOGE_HOST=torch, float32).
 
     On CPU this beats PyTorch's flash-attention kernel in bfloat16 by a third or more (an AVX-512 BF16 EPYC,
     16 heads x 1825 tokens: 62 vs 98 ms on 2 threads): the score matrices of `heads_per_step` heads stay in the
@@ -135,7 +136,8 @@ class HeadByHeadAttention:
 class FastBlock(nn.Module):
     """A DINOv2 block with LayerScale folded into `attn_out` and `ffn_out`, and the attention scale into the q
     rows of `qkv`; matmuls in `dtype`, or `Int8Linear` with `int8` (smoothed with `act_max`: {linear name: per
-    input channel max |x|}). Attention: PyTorch SDPA, or `HeadByHeadAttention` (batch 1).
+    input channel max |x|}). Attention: PyTorch SDPA, or with `head_by_head` (the CPU path, batch 1) the fused
+    native attention of `lib` where it runs, else `HeadByHeadAttention`.
 
     The residual stream `x` (B, N, C) stays in its own dtype (float32 by default): every block adds small
     updates to it, and bfloat16 would round them away. LayerNorm runs on it in that dtype.

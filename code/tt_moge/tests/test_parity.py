@@ -145,8 +145,8 @@ def test_solver_matches_upstream_sampling_and_is_at_least_as_good(checkpoint, up
 
 @pytest.mark.parametrize("solver", ["numpy", "native"])
 def test_solver_recovers_a_known_camera(solver):
-    """Exact synthetic samples: a pinhole camera of focal 1.3 and an affine shift of 0.7 come back to 1e-9, from
-    the numpy solver and from the native one (tt_moge/host/native)."""
+    """Exact synthetic samples: a pinhole camera of focal 1.3 and an affine shift of 0.7 come back to 1e-8 (the
+    solvers' own stopping tolerance is below that), from the numpy solver and from the native one."""
     rng = np.random.default_rng(1)
     uv = rng.uniform(-0.8, 0.8, (2000, 2))
     depth = rng.uniform(2.0, 9.0, 2000)
@@ -158,8 +158,8 @@ def test_solver_recovers_a_known_camera(solver):
     previous = native.set_host_path("native")  # native_solve needs the library; the numpy solver ignores this
     try:
         focal, shift = both(uv, xyz)
-        assert abs(focal - 1.3) < 1e-9 and abs(shift - 0.7) < 1e-9
-        assert abs(shift_only(uv, xyz, 1.3) - 0.7) < 1e-9
+        assert abs(focal - 1.3) < 1e-8 and abs(shift - 0.7) < 1e-8
+        assert abs(shift_only(uv, xyz, 1.3) - 0.7) < 1e-8
         assert both(uv[:1], xyz[:1]) == (1.0, 0.0)  # too few samples: upstream's fallback
     finally:
         native.set_host_path(previous)

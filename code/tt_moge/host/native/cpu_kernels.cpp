@@ -1,13 +1,15 @@
 // Kernels of the CPU runner (tt_moge/runners/fixed_graph.py), in the same native library as the host code:
 //
 // * moge_quantize_rows: float32/bfloat16 rows -> int8 with one scale per row (the activations of the int8 ViT
-//   matmuls), one pass where torch needs six;
+//   matmuls, optionally smoothed per column), one pass where torch needs six;
 // * moge_dequantize: the int32 accumulators of those matmuls -> acc * row_scale * col_scale + bias in bfloat16 or
-//   float32, one pass where torch needs five.
+//   float32, one pass where torch needs five;
+// * moge_attention_bf16: fused multi-head softmax attention in bfloat16 (AVX512-BF16 builds only).
 //
-// Both follow the torch reference (tt_moge/runners/cpu_kernels.py) operation for operation, so the results are
-// bit-identical to it. They run on their own thread pool (moge_runner_set_threads), apart from the host
-// kernels' pool. (A native bfloat16 softmax for the attention was tried and dropped: ATen's was faster.)
+// The first two follow the torch reference (tt_moge/runners/cpu_kernels.py) operation for operation, so the
+// results are bit-identical to it. Everything runs on its own thread pool (moge_runner_set_threads), apart from
+// the host kernels' pool. (A native bfloat16 softmax alone was tried and dropped: ATen's was faster; fusing it
+// between the two products is what pays.)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
