@@ -19,9 +19,15 @@ def test_quickstart_from_another_directory(checkpoint, tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("MoGeOutput(1920x1080, valid ")
     out = tmp_path / "moge_output"
-    for name in ("depth.png", "normal.png", "result.npz", "result.json"):
+    for name in ("depth.png", "normal.png", "mask.png", "depth.exr", "result.npz", "result.json"):
         assert (out / name).stat().st_size > 0, name
     data = np.load(out / "result.npz")
     assert data["depth"].shape == (1080, 1920) and 0.05 < data["mask"].mean() < 0.95
+    import OpenEXR
+    from PIL import Image
+
+    assert np.array_equal(np.asarray(Image.open(out / "mask.png")) > 0, data["mask"].astype(bool))
+    with OpenEXR.File(str(out / "depth.exr")) as exr:
+        assert np.array_equal(exr.channels()["Y"].pixels, data["depth"])
     record = json.loads((out / "result.json").read_text())
     assert record["width"] == 1920 and record["source"].endswith("media/source.png")
