@@ -21,16 +21,14 @@ from typing import Optional
 
 import torch
 
-__all__ = ["native_library", "quantize_rows", "dequantize", "native_attention_supported", "attention_bf16", "quantize_rows_reference",
-           "dequantize_reference"]
+__all__ = ["native_library", "quantize_rows", "dequantize", "quantize_rows_reference", "dequantize_reference",
+           "native_attention_supported", "attention_bf16"]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def native_library(use_native: bool = True):
+def native_library():
     """The loaded host library with its runner pool sized to torch's threads, or None (torch path)."""
-    if not use_native:
-        return None
     from ..host import native
 
     lib = native.library()

@@ -258,7 +258,7 @@ class FixedShapeMoGe2(nn.Module):
             raise ValueError(f"attention must be 'sdpa' or 'heads', got {attention!r}")
         self.attention = attention
         self.vit_int8 = vit_int8
-        self.native = native  # the native host library for the int8 glue (`cpu_kernels`), or None: torch ops
+        self.native = native  # the native host library (`cpu_kernels`: fused attention, int8 glue), or None: torch
         self.int8_smoothing = int8_smoothing  # SmoothQuant's alpha for the int8 ViT (None: no smoothing)
         self.remap = cfg.remap_output
         self.aspect = aspect = width / height

@@ -29,14 +29,9 @@
 
 namespace {
 
-std::mutex g_runner_pool_mutex;
-std::unique_ptr<moge::ThreadPool> g_runner_pool;
+moge::LazyPool g_runner_pool;  // the runner kernels' threads (apart from the host kernels')
 
-moge::ThreadPool& runner_pool() {
-  std::lock_guard<std::mutex> lock(g_runner_pool_mutex);
-  if (!g_runner_pool) g_runner_pool.reset(new moge::ThreadPool(1));
-  return *g_runner_pool;
-}
+moge::ThreadPool& runner_pool() { return g_runner_pool.get(); }
 
 constexpr int kFloat32 = 0, kBFloat16 = 1;
 
@@ -265,14 +260,7 @@ void attention_head(const uint16_t* qkv, int64_t n, int64_t ld, int64_t c, int64
 
 extern "C" {
 
-int moge_runner_set_threads(int threads) {
-  std::lock_guard<std::mutex> lock(g_runner_pool_mutex);
-  if (!g_runner_pool)
-    g_runner_pool.reset(new moge::ThreadPool(threads));
-  else if (g_runner_pool->threads() != threads)
-    g_runner_pool->resize(threads);
-  return g_runner_pool->threads();
-}
+int moge_runner_set_threads(int threads) { return g_runner_pool.set_threads(threads); }
 
 // x: rows x cols (row stride ld elements), float32 (dtype 0) or bfloat16 (1), each column multiplied by
 // inv_smooth[col] first unless inv_smooth is null -> out: rows x cols int8 (contiguous), scales: rows.

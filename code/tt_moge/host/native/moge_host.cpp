@@ -21,14 +21,9 @@ namespace {
 
 constexpr int kAbiVersion = 3;  // bump when an exported signature changes (the Python side checks it)
 
-std::mutex g_pool_mutex;
-std::unique_ptr<moge::ThreadPool> g_pool;
+moge::LazyPool g_pool;  // the host kernels' threads
 
-moge::ThreadPool& pool() {
-  std::lock_guard<std::mutex> lock(g_pool_mutex);
-  if (!g_pool) g_pool.reset(new moge::ThreadPool(1));
-  return *g_pool;
-}
+moge::ThreadPool& pool() { return g_pool.get(); }
 
 // ---------------------------------------------------------------------------------------------- finish
 // The float arithmetic of ATen's channels-last kernels on x86-64 with FMA: they are compiled with fused
@@ -515,14 +510,7 @@ extern "C" {
 
 int moge_abi_version() { return kAbiVersion; }
 
-int moge_set_threads(int threads) {
-  std::lock_guard<std::mutex> lock(g_pool_mutex);
-  if (!g_pool)
-    g_pool.reset(new moge::ThreadPool(threads));
-  else if (g_pool->threads() != threads)
-    g_pool->resize(threads);
-  return g_pool->threads();
-}
+int moge_set_threads(int threads) { return g_pool.set_threads(threads); }
 
 int moge_threads() { return pool().threads(); }
 

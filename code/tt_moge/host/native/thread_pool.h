@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -106,6 +107,29 @@ class ThreadPool {
   int active_ = 0;
   uint64_t generation_ = 0;
   bool stopping_ = false;
+};
+
+// A process-wide pool made on first use (one thread until set_threads says otherwise).
+class LazyPool {
+ public:
+  ThreadPool& get() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!pool_) pool_.reset(new ThreadPool(1));
+    return *pool_;
+  }
+
+  int set_threads(int threads) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!pool_)
+      pool_.reset(new ThreadPool(threads));
+    else if (pool_->threads() != threads)
+      pool_->resize(threads);
+    return pool_->threads();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unique_ptr<ThreadPool> pool_;
 };
 
 }  // namespace moge
