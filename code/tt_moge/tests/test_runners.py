@@ -332,6 +332,8 @@ def test_make_runner_picks_the_runner(monkeypatch):
     assert isinstance(make_runner(net, SMALL, SMALL_TOKENS, "cpu", "fp32"), TorchRunner)
     runner = make_runner(net, SMALL, SMALL_TOKENS, "cpu", "bf16")
     assert isinstance(runner, CpuGraphRunner) and runner.describe()["precision"] == "bf16"
+    fused = native_attention_supported(native_library(), 64)
+    assert runner.describe()["attention"] == ("native fused" if fused else "torch head by head")
     runner = make_runner(net, SMALL, SMALL_TOKENS, "cpu", "int8")
     assert isinstance(runner.graph.blocks[0].ffn_in, Int8Linear) and runner.describe()["precision"] == "int8"
     import tt_moge.runners as runners
