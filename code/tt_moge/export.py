@@ -82,12 +82,13 @@ def _depth_label(metres: float) -> str:
     return f"{metres:.2f} m" if metres < 10 else f"{metres:.1f} m" if metres < 100 else f"{metres:.0f} m"
 
 
-def colorize_depth(depth: np.ndarray, mask: np.ndarray) -> tuple:
+def colorize_depth(depth: np.ndarray, mask: np.ndarray, percentiles: Optional[tuple] = None) -> tuple:
     """Depth (H, W) metres -> ((H, W + bar, 3) uint8 RGB picture, (near, far) metres).
 
     Colours follow inverse depth (turbo colour map, near = red, far = blue) between the 1st and 99th
-    percentile of the valid depths; invalid pixels are black. A colour bar with depth labels (metres) is drawn
-    to the right. (near, far) is (nan, nan) when no pixel is valid."""
+    percentile of the valid depths (`percentiles`: those two values when the caller has them already);
+    invalid pixels are black. A colour bar with depth labels (metres) is drawn to the right. (near, far) is
+    (nan, nan) when no pixel is valid."""
     import cv2
 
     h, w = depth.shape
@@ -95,7 +96,7 @@ def colorize_depth(depth: np.ndarray, mask: np.ndarray) -> tuple:
     picture = np.zeros((h, w, 3), np.uint8)
     if not valid.any():
         return _with_bar(picture, None, None), (math.nan, math.nan)
-    near, far = (float(v) for v in np.percentile(depth[valid], [1.0, 99.0]))
+    near, far = (float(v) for v in (percentiles or np.percentile(depth[valid], [1.0, 99.0])))
     far = max(far, near * (1 + 1e-6) + 1e-9)  # a flat scene still gets a usable range
     with np.errstate(divide="ignore", invalid="ignore"):
         t = (1.0 / depth - 1.0 / far) / (1.0 / near - 1.0 / far)  # 1 at near, 0 at far
@@ -256,7 +257,8 @@ def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str,
     record: dict = {"source": source, **summary(output)}
     written: list = []
     if "maps" in formats:
-        depth_picture, (near, far) = colorize_depth(output.depth, output.mask)
+        known = (record["depth_p1_m"], record["depth_p99_m"])  # summary() took them from the same pixels
+        depth_picture, (near, far) = colorize_depth(output.depth, output.mask, None if None in known else known)
         _write_png(out / "depth.png", depth_picture)
         record["depth_png_range_m"] = [_finite_or_none(near), _finite_or_none(far)]
         written.append("depth.png")
