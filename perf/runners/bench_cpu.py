@@ -12,7 +12,6 @@ runs it once in a subprocess and reports its time or that it did not finish with
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -116,12 +115,9 @@ def main() -> None:
     if args.upstream_fp16_cap > 0:
         result["upstream_fp16_capped"] = _upstream_fp16_capped(path, size, args.tokens, args.upstream_fp16_cap)
         print(f"upstream infer(use_fp16=True), one call: {result['upstream_fp16_capped']}")
-    print(f"rerun: {common.rerun_command()}")
     for model in models.values():
         model.close()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    common.finish_report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ NOT YET RUN: this session had no GPU. The script needs CUDA and says so without 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import common
@@ -80,11 +79,8 @@ def main() -> None:
     if up:
         for name in list(rows)[:2]:
             print(f"ratio {name.split(' (')[0]} / upstream infer: {rows[name][0] / up[0]:.3f}")
-    print(f"rerun: {common.rerun_command()}")
     ours.close()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    common.finish_report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -70,3 +70,13 @@ def median(values: list) -> float:
 
 def rerun_command() -> str:
     return "python " + " ".join(shlex.quote(a) for a in sys.argv)
+
+
+def finish_report(result: dict, json_path: str | None) -> None:
+    """The last lines of every benchmark: how to rerun it, and the numbers as JSON when asked (--json)."""
+    print(f"rerun: {rerun_command()}")
+    if json_path:
+        import json
+
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
