@@ -31,7 +31,7 @@ def make_runner(network: MoGe2Network, canvas_size: tuple, num_tokens: int, devi
         if chosen == "fp32":
             return TorchRunner(network, canvas_size, num_tokens, device)
         if not cpu_has_native_bf16():
-            warnings.warn("precision='bf16': this CPU has no bfloat16 dot-product instructions (AVX512-BF16 / AMX), "
+            warnings.warn(f"precision={chosen!r}: this CPU has no bfloat16 dot-product instructions (AVX512-BF16 / AMX), "
                           "so PyTorch emulates them and the forward is slower than 'fp32'", RuntimeWarning, stacklevel=2)
         if chosen == "int8" and not cpu_has_int8_dot():
             warnings.warn("precision='int8': this CPU has no int8 dot-product instructions (VNNI / AMX), so the int8 "

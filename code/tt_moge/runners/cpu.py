@@ -61,21 +61,23 @@ class CpuGraphRunner(Runner):
         self.num_tokens = num_tokens
         self.malloc_tuned = keep_freed_memory()
         self.native = native_library() if precision != "fp32" else None  # fused attention, int8 glue
-        self.graph = FixedShapeMoGe2(network.to("cpu"), canvas_size, num_tokens, DTYPES[precision],
+        dtype = torch.bfloat16 if precision == "int8" else DTYPES[precision]  # int8: bf16 + int8 ViT matmuls
+        self.graph = FixedShapeMoGe2(network.to("cpu"), canvas_size, num_tokens, dtype,
                                      attention="heads", vit_int8=precision == "int8", native=self.native).eval()
+        self._kernels = {"attention": "native fused" if self.graph.blocks[0].lib is not None else "torch head by head"}
+        if precision == "int8":
+            self._kernels.update(native_int8_glue=self.native is not None, int8_smoothing=self.graph.int8_smoothing)
 
     @torch.inference_mode()
     def forward(self, canvas: torch.Tensor) -> RawMaps:
-        if self.native is not None:  # the native kernels use as many threads as torch does now
+        if self.native is not None:  # the native kernels use as many threads as torch does now (chosen at load:
+            # MOGE_HOST=torch set later does not take them away)
             self.native.moge_runner_set_threads(torch.get_num_threads())
         return RawMaps.from_outputs(self.graph(canvas.to("cpu", torch.float32)))
 
     def describe(self) -> dict:
-        info = {**super().describe(), "threads": torch.get_num_threads(), "malloc_tuned": self.malloc_tuned,
-                "attention": "native fused" if self.graph.blocks[0].lib is not None else "torch head by head"}
-        if self.precision == "int8":
-            info.update(native_int8_glue=self.native is not None, int8_smoothing=self.graph.int8_smoothing)
-        return info
+        return {**super().describe(), "threads": torch.get_num_threads(), "malloc_tuned": self.malloc_tuned,
+                **self._kernels}
 
     def close(self) -> None:
         self.graph = None

@@ -7,13 +7,13 @@ dequantisation) with a torch reference for each.
   per layer where the torch head-by-head path takes 65-78 ms, and 10x closer to float32 (its scores are not
   rounded to bfloat16). Built only where the compiler targets AVX512-BF16 (`-march=native`); elsewhere the torch
   path runs.
-* int8 glue: bit-identical to the torch reference ops (the same float operations in the same order,
+* int8 glue: for finite inputs bit-identical to the torch reference ops (the same float operations in the same order,
   tests/test_runners.py), one pass each where torch makes five or six over activations of up to 1825 x 4096.
   In the ViT-L 1920x1080 int8 forward that saved 0.02-0.2 s of a ~4 s encoder on this 2-core machine
   (`perf/runners/profile_forward.py --precision int8 [--torch-glue]`).
 
-They run when the host library is available (not with MOGE_HOST=torch), on as many threads as torch uses
-(`torch.get_num_threads()`).
+They run when the host library is available when the runner is built (not with MOGE_HOST=torch then), on as
+many threads as torch uses (`torch.get_num_threads()`, set per forward by `CpuGraphRunner`).
 """
 from __future__ import annotations
 
@@ -28,13 +28,11 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def native_library():
-    """The loaded host library with its runner pool sized to torch's threads, or None (torch path)."""
+    """The loaded host library, or None (torch path). Its runner kernels use one thread until
+    `moge_runner_set_threads` (CpuGraphRunner sets torch's thread count before each forward)."""
     from ..host import native
 
-    lib = native.library()
-    if lib is not None:
-        lib.moge_runner_set_threads(torch.get_num_threads())
-    return lib
+    return native.library()
 
 
 def quantize_rows_reference(x: torch.Tensor, inv_smooth: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

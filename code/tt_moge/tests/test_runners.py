@@ -202,8 +202,9 @@ def test_native_int8_glue_is_bit_identical_to_the_torch_ops(dtype, smooth):
 def test_int8_graph_with_native_glue_equals_the_torch_glue():
     net = _network("tiny-vits-normal")
     image = calibration_image(*SMALL, seed=6)
-    graph = FixedShapeMoGe2(net, SMALL, SMALL_TOKENS, torch.bfloat16, attention="heads", vit_int8=True,
-                            native=native_library())
+    lib = native_library()
+    assert lib is not None, "the native host library did not build"
+    graph = FixedShapeMoGe2(net, SMALL, SMALL_TOKENS, torch.bfloat16, attention="heads", vit_int8=True, native=lib)
     with torch.inference_mode():
         native_out = graph(image)
         for module in graph.modules():
@@ -316,6 +317,10 @@ def test_fp16_is_refused_on_cpu_and_int8_on_cuda():
         MoGeModel.from_pretrained("/nonexistent/model.pt", device="cpu", precision="fp16")
     with pytest.raises(ValueError, match="precision='int8' is a CPU option"):
         resolve_precision("int8", torch.device("cuda"))
+    from tt_moge.runners.cuda import CudaGraphRunner  # its argument check runs before anything touches CUDA
+
+    with pytest.raises(ValueError, match="got 'int8'"):
+        CudaGraphRunner(_network("tiny-vits"), SMALL, SMALL_TOKENS, torch.device("cuda"), "int8")
 
 
 def test_auto_precision_per_device(monkeypatch):
@@ -344,6 +349,22 @@ def test_make_runner_picks_the_runner(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA GPU"):
             make_runner(net, SMALL, SMALL_TOKENS, "cuda", "auto")
+
+
+def test_host_path_torch_keeps_the_cpu_runner_off_native_kernels():
+    """MOGE_HOST=torch (here set_host_path) at load: torch attention and torch int8 glue, and describe() says so."""
+    from tt_moge.host import native
+
+    previous = native.set_host_path("torch")
+    try:
+        runner = make_runner(_network("tiny-vits"), SMALL, SMALL_TOKENS, "cpu", "int8")
+    finally:
+        native.set_host_path(previous)
+    info = runner.describe()
+    assert info["attention"] == "torch head by head" and info["native_int8_glue"] is False
+    assert all(m.lib is None for m in runner.graph.modules() if isinstance(m, Int8Linear))
+    runner.close()
+    assert runner.describe()["precision"] == "int8"  # still answers after close
 
 
 def test_graph_rejects_another_canvas():
