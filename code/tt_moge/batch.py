@@ -211,9 +211,12 @@ class _Replica:
                  fov_x: Optional[float], writers: int, threads: int):
         import torch
 
+        from .host import native
         from .model import MoGeModel
 
-        torch.set_num_threads(max(1, threads))  # this replica's share of the cores
+        torch.set_num_threads(max(1, threads))  # this replica's share of the cores, for torch ...
+        if not os.environ.get("MOGE_SERVE_THREADS"):
+            native.set_threads(max(1, threads))  # ... and for the native host kernels
         self.model = MoGeModel.from_pretrained(**model_kwargs, warmup=0, warmup_variants="none")
         self.out, self.output_format, self.formats = Path(out), output_format, formats
         self.fit, self.fov_x = fit, fov_x

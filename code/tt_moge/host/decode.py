@@ -46,6 +46,7 @@ def decode_bytes(data: bytes, name: str = "image") -> np.ndarray:
     """Encoded image bytes -> (H, W, 3) uint8 RGB, EXIF orientation not applied."""
     if not data:
         raise InputError(f"{name}: empty image data")
+    _check_pixel_count(data, name)
     if data.startswith(_PNG_SIGNATURE):
         arr = _decode_png_fast(data, name)
         if arr is not None:
@@ -55,6 +56,20 @@ def decode_bytes(data: bytes, name: str = "image") -> np.ndarray:
         if arr is not None:
             return arr
     return decode_with_pillow(data, name)
+
+
+def _check_pixel_count(data: bytes, name: str) -> None:
+    """Pillow's decompression-bomb limit (`PIL.Image.MAX_IMAGE_PIXELS`) for every decoder, checked from the header
+    before anything is inflated or allocated (the fast decoders would otherwise skip it)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)):
+            pass
+    except Image.DecompressionBombError as exc:
+        raise InputError(f"{name}: {exc}") from None
+    except Exception:  # noqa: BLE001 - damaged or unknown data: the decoders below name the error
+        pass
 
 
 def decode_with_pillow(data: bytes, name: str = "image") -> np.ndarray:

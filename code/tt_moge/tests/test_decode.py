@@ -172,3 +172,13 @@ def test_bad_data_raises_input_error(photo, tmp_path):
         with pytest.raises(InputError, match="bad.bin"):
             to_rgb_array(str(path))
     assert np.array_equal(decode_bytes(png), photo)  # the decoder keeps working afterwards
+
+
+def test_a_decompression_bomb_is_refused_before_decoding():
+    """A header that claims 30000 x 30000 pixels (above Pillow's MAX_IMAGE_PIXELS limit) is an InputError on the
+    fast native PNG path too, before anything is inflated or allocated."""
+    header = struct.pack(">IIBBBBB", 30000, 30000, 8, 2, 0, 0, 0)
+    data = (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(b"\0" * 64))
+            + _chunk(b"IEND", b""))
+    with pytest.raises(InputError, match=r"^image: .*exceeds limit"):
+        decode_bytes(data)
