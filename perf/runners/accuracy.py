@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, nargs=2, default=(1920, 1080), metavar=("W", "H"))
     ap.add_argument("--tokens", type=int, default=1800)
     ap.add_argument("--images", type=int, default=2, help="test images per checkpoint (photo-like, different seeds)")
+    ap.add_argument("--json", help="write the numbers to this file")
     ap.add_argument("--outliers", action="store_true",
                     help="give every checkpoint's ViT the outlier channels of trained ViTs first "
                          "(tt_moge.testing.add_outlier_channels): what the int8 smoothing is for")
@@ -135,7 +136,9 @@ def main() -> None:
         for k in keys:
             cells = ["n/a" if r.get(k) is None else f"{r[k]:.3g}" for _, r in table]
             print(f"| {k} | " + " | ".join(cells) + " |")
-    print(f"\nrerun: {common.rerun_command()}")
+    print()
+    common.finish_report({p: {name: {k: float(v) for k, v in r.items()} for name, r in table} for p, table in rows.items()},
+                         args.json)
 
 
 if __name__ == "__main__":

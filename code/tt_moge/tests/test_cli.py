@@ -329,6 +329,8 @@ def test_precision_reaches_the_model(ckpt):
     assert code == 0
     info = json.loads(stdout)
     assert info["precision"] == "fp32" and info["runner"]["runner"] == "torch"  # the exact reference network
+    code, stdout, _ = run_cli(["info", "--weights", ckpt, *MODEL_ARGS, "--precision", "int8", "--json"])
+    assert code == 0 and json.loads(stdout)["runner"]["runner"] == "cpu-graph"  # int8 is never the default
     code, _, err = run_cli(["info", "--weights", ckpt, *MODEL_ARGS, "--precision", "fp64"])
     assert code == 2 and "--precision" in err
 
