@@ -59,3 +59,21 @@ def positive_int(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
         raise ValueError(f"expected a positive integer, got {text!r}")
     return int(text)
+
+
+@_usage
+def non_negative_int(text: str) -> int:
+    if not text.strip().isdigit():
+        raise ValueError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
+
+
+@_usage
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"expected a number >= 0, got {text!r}")
+    return value

@@ -3,7 +3,6 @@ Kept apart from cli.py, which only adds the subcommand; Ray is imported only whe
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 from pathlib import Path
@@ -48,22 +47,6 @@ examples:
 """
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    if not text.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return int(text)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from . import argtypes
     from .cli import DEFAULT_OUTPUT, _FORMAT_FLAGS, _add_model_arguments
@@ -84,14 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ray.add_argument("--address", default=None, metavar="ADDR",
                      help="a Ray cluster, e.g. ray://head:10001 or auto (default: $RAY_ADDRESS, else a local Ray)")
     ray.add_argument("--replicas", type=argtypes.positive_int, default=1, metavar="N", help="model replicas (actors), one model each (default 1)")
-    ray.add_argument("--cpus-per-replica", type=_non_negative_float, default=None, metavar="X",
+    ray.add_argument("--cpus-per-replica", type=argtypes.non_negative_float, default=None, metavar="X",
                      help="CPUs per replica, also its torch threads (default: local CPU runs, the cores / replicas; else 1)")
-    ray.add_argument("--gpus-per-replica", type=_non_negative_float, default=None, metavar="X",
+    ray.add_argument("--gpus-per-replica", type=argtypes.non_negative_float, default=None, metavar="X",
                      help="GPUs per replica, fractions share a GPU (default: 1 with --device cuda, else 0)")
     ray.add_argument("--batch-size", type=argtypes.positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
                      help=f"images per replica call, one predict_many (default {DEFAULT_BATCH_SIZE})")
     ray.add_argument("--writers", type=argtypes.positive_int, default=2, metavar="N", help="file-writing threads per replica (default 2)")
-    ray.add_argument("--max-retries", type=_non_negative_int, default=DEFAULT_MAX_RETRIES, metavar="N",
+    ray.add_argument("--max-retries", type=argtypes.non_negative_int, default=DEFAULT_MAX_RETRIES, metavar="N",
                      help=f"restarts of a replica that died, and retries of its batch (default {DEFAULT_MAX_RETRIES})")
     ray.add_argument("--object-store-mb", type=argtypes.positive_int, default=DEFAULT_OBJECT_STORE_MB, metavar="MB",
                      help=f"object store of a local Ray (default {DEFAULT_OBJECT_STORE_MB})")
