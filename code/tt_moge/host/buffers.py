@@ -7,12 +7,15 @@ glibc hands freed blocks of this size back to the OS, so a loop of calls would p
 `empty(shape, dtype)` returns a numpy array on a pooled block. The array's base is a small "lease" object
 (numpy keeps the object that offered `__array_interface__` as the base); when the last array or view (or
 torch tensor made with `torch.from_numpy`) that uses the lease is gone, the block goes back to the pool. A block is reused only after nothing can see it any more. Small
-arrays (< MIN_POOLED_BYTES) use plain `np.empty`. The pool keeps at most MAX_FREE_BYTES of released blocks.
+arrays (< MIN_POOLED_BYTES) use plain `np.empty`. The pool keeps at most MAX_FREE_BYTES of released blocks; when
+a release would exceed that, the blocks released longest ago go first (so a server whose photo sizes change
+keeps the sizes it sees now, not the first ones it saw).
 """
 from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 from math import prod
 
 import numpy as np
@@ -23,7 +26,7 @@ MIN_POOLED_BYTES = 1 << 20
 MAX_FREE_BYTES = 512 << 20
 
 _lock = threading.Lock()
-_free: dict[int, list] = {}  # nbytes -> released blocks (uint8 arrays)
+_free: "OrderedDict[int, np.ndarray]" = OrderedDict()  # id -> released block (uint8 array), oldest release first
 _free_total = 0
 
 
@@ -35,8 +38,8 @@ def empty(shape: tuple, dtype) -> np.ndarray:
         return np.empty(shape, dtype)
     global _free_total
     with _lock:
-        blocks = _free.get(nbytes)
-        block = blocks.pop() if blocks else None
+        key = next((k for k in reversed(_free) if _free[k].nbytes == nbytes), None)  # the newest of this size
+        block = _free.pop(key) if key is not None else None
         if block is not None:
             _free_total -= nbytes
     if block is None:
@@ -59,10 +62,13 @@ class _Lease:
 
 def _release(block: np.ndarray) -> None:
     global _free_total
+    if block.nbytes > MAX_FREE_BYTES:
+        return
     with _lock:
-        if _free_total + block.nbytes <= MAX_FREE_BYTES:
-            _free.setdefault(block.nbytes, []).append(block)
-            _free_total += block.nbytes
+        while _free_total + block.nbytes > MAX_FREE_BYTES:
+            _free_total -= _free.popitem(last=False)[1].nbytes  # the oldest release
+        _free[id(block)] = block
+        _free_total += block.nbytes
 
 
 def free_bytes() -> int:

@@ -197,6 +197,27 @@ def test_output_buffers_are_reused_only_after_release():
     assert buffers.empty((10, 10), np.float32).base is None  # small arrays: plain numpy
 
 
+def test_output_buffer_pool_keeps_the_newest_sizes(monkeypatch):
+    """Over its budget the pool drops the blocks released longest ago: a new size is pooled, not refused."""
+    buffers.clear()
+    mib = 1 << 20
+    monkeypatch.setattr(buffers, "MAX_FREE_BYTES", 3 * mib)
+    old = [buffers.empty((mib,), np.uint8) for _ in range(3)]
+    old_addresses = {a.ctypes.data for a in old}
+    del old
+    assert buffers.free_bytes() == 3 * mib
+    new = buffers.empty((2 * mib,), np.uint8)  # a size the pool has not seen
+    new_address = new.ctypes.data
+    del new
+    assert buffers.free_bytes() == 3 * mib  # two old blocks made room for it
+    again = buffers.empty((2 * mib,), np.uint8)
+    assert again.ctypes.data == new_address and buffers.free_bytes() == mib  # taken from the pool
+    del again
+    survivor = buffers.empty((mib,), np.uint8)
+    assert survivor.ctypes.data in old_addresses  # the newest old block is still there
+    buffers.clear()
+
+
 def test_invalid_settings_are_named(monkeypatch):
     with pytest.raises(ValueError, match="host path"):
         native.set_host_path("gpu")
