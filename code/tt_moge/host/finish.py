@@ -151,7 +151,7 @@ def _finish_native(lib, raw: RawMaps, plan: CanvasPlan, intrinsics: np.ndarray, 
         points.data_ptr(), *points.stride(),
         None if normal is None else normal.data_ptr(), *(normal.stride() if normal is not None else (0, 0, 0)),
         None if prob is None else prob.data_ptr(), *(prob.stride() if prob is not None else (0, 0)),
-        x0, y0, x1 - x0, y1 - y0, w, h, shift, 1.0 if scale is None else scale, scale is not None,
+        x0, y0, x1 - x0, y1 - y0, w, h, shift, 1.0 if scale is None else scale, MASK_THRESHOLD, scale is not None,
         None if col is None else col.data_ptr(), None if row is None else row.data_ptr(), apply_mask,
         out_points.ctypes.data, out_depth.ctypes.data, None if out_normal is None else out_normal.ctypes.data,
         out_mask.ctypes.data)

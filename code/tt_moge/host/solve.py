@@ -226,7 +226,7 @@ def _recover_camera_native(lib, points: torch.Tensor, mask: Optional[torch.Tenso
     lib.moge_recover_camera(
         points.data_ptr(), *points.stride(), None if mask_u8 is None else mask_u8.data_ptr(),
         None if prob is None else prob.data_ptr(), *(m.stride() if m is not None else (0, 0)), w, h,
-        x0, y0, x1, y1, u.data_ptr(), v.data_ptr(), SOLVE_GRID[0], SOLVE_GRID[1],
+        x0, y0, x1, y1, u.data_ptr(), v.data_ptr(), SOLVE_GRID[0], SOLVE_GRID[1], MASK_THRESHOLD,
         math.nan if focal is None else focal, ctypes.addressof(out), ctypes.addressof(out) + 8)
     return float(out[0]), float(out[1])
 

@@ -115,6 +115,21 @@ def test_postprocess_native_equals_torch(raw, size, fit, options):
     _assert_same_output(ref, got, _ulp_limit(plan))
 
 
+def test_native_path_uses_the_shared_mask_threshold(raw, monkeypatch):
+    """The native solve and finish take MASK_THRESHOLD from Python: change it and both paths still agree (and
+    the mask does change)."""
+    from tt_moge.host import finish as finish_mod, solve as solve_mod
+
+    plan = plan_canvas((300, 300), (448, 252), "pad")
+    default, _ = _both_paths(lambda: postprocess(raw, plan, CallOptions()))
+    threshold = float(np.quantile(raw.mask.numpy(), 0.6))  # moves the valid share a lot from the 0.5 default
+    monkeypatch.setattr(finish_mod, "MASK_THRESHOLD", threshold)
+    monkeypatch.setattr(solve_mod, "MASK_THRESHOLD", threshold)
+    ref, got = _both_paths(lambda: postprocess(raw, plan, CallOptions()))
+    assert not np.array_equal(ref.mask, default.mask)
+    _assert_same_output(ref, got)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "no-normal", "no-mask"])
 def test_finish_native_handles_layouts_and_missing_maps(raw, layout):
     normal, mask = raw.normal, raw.mask

@@ -25,7 +25,7 @@ __all__ = ["HOST_PATHS", "NativeBuildError", "host_path", "library", "set_host_p
            "default_threads"]
 
 HOST_PATHS = ("auto", "native", "torch")
-ABI_VERSION = 3  # must match kAbiVersion in moge_host.cpp
+ABI_VERSION = 4  # must match kAbiVersion in moge_host.cpp
 MAX_DEFAULT_THREADS = 16
 
 _lock = threading.Lock()
@@ -123,11 +123,12 @@ _SIGNATURES = {
     "moge_set_threads": (ctypes.c_int, [ctypes.c_int]),
     "moge_threads": (ctypes.c_int, []),
     "moge_finish": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64,
-                                   _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, ctypes.c_int,
+                                   _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, ctypes.c_float,
+                                   ctypes.c_int,
                                    _P, _P, ctypes.c_int, _P, _P, _P, _P]),
     "moge_solve": (ctypes.c_int, [_P, _P, _I64, ctypes.c_double, _P, _P]),
     "moge_recover_camera": (_I64, [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-                                   _P, _P, _I64, _I64, ctypes.c_double, _P, _P]),
+                                   _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_double, _P, _P]),
     "moge_png_unfilter": (ctypes.c_int, [_P, _I64, _I64, _I64, ctypes.c_int, _P, _P]),
     "moge_canvas_to_unit": (ctypes.c_int, [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _P]),
     # cpu_kernels.cpp (the CPU runner's int8 matmul glue and fused bfloat16 attention)

@@ -19,7 +19,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 3;  // bump when an exported signature changes (the Python side checks it)
+constexpr int kAbiVersion = 4;  // bump when an exported signature changes (the Python side checks it)
 
 moge::LazyPool g_pool;  // the host kernels' threads
 
@@ -66,7 +66,7 @@ struct Map {
 struct FinishArgs {
   Map points, normal, prob;  // normal.data / prob.data may be null
   int64_t x0, y0, content_w, content_h, out_w, out_h;
-  float shift, scale;
+  float shift, scale, mask_threshold;  // valid: probability > mask_threshold (constants.MASK_THRESHOLD)
   bool has_scale, apply_mask;
   const float* col_factor;  // (out_w,) (u - cx) / fx; null: no force_projection
   const float* row_factor;  // (out_h,) (v - cy) / fy
@@ -225,7 +225,7 @@ void finish_rows(const FinishArgs& a, const std::vector<Tap>& tx, const std::vec
       } else {
         for (int i = 0; i < n; ++i) depth[i] = b.ch[2][i] + a.shift;
       }
-      for (int i = 0; i < n; ++i) valid[i] = (has_prob ? prob[i] > 0.5f : true) & (depth[i] > 0.0f);
+      for (int i = 0; i < n; ++i) valid[i] = (has_prob ? prob[i] > a.mask_threshold : true) & (depth[i] > 0.0f);
       if (a.col_factor) {
         const float* col = a.col_factor + xb;
         const float row = a.row_factor[y];
@@ -519,10 +519,10 @@ int moge_threads() { return pool().threads(); }
 int moge_finish(const float* points, int64_t p_sy, int64_t p_sx, int64_t p_sc, const float* normal, int64_t n_sy,
                 int64_t n_sx, int64_t n_sc, const float* prob, int64_t m_sy, int64_t m_sx, int64_t x0, int64_t y0,
                 int64_t content_w, int64_t content_h, int64_t out_w, int64_t out_h, float shift, float scale,
-                int has_scale, const float* col_factor, const float* row_factor, int apply_mask, float* out_points,
+                float mask_threshold, int has_scale, const float* col_factor, const float* row_factor, int apply_mask, float* out_points,
                 float* out_depth, float* out_normal, uint8_t* out_mask) {
   FinishArgs a{{points, p_sy, p_sx, p_sc}, {normal, n_sy, n_sx, n_sc}, {prob, m_sy, m_sx, 0}, x0, y0, content_w,
-               content_h, out_w, out_h, shift, scale, has_scale != 0, apply_mask != 0, col_factor, row_factor,
+               content_h, out_w, out_h, shift, scale, mask_threshold, has_scale != 0, apply_mask != 0, col_factor, row_factor,
                out_points, out_depth, normal ? out_normal : nullptr, out_mask};
   std::vector<Tap> tx, ty;
   if (content_w != out_w || content_h != out_h) {
@@ -561,7 +561,8 @@ int moge_solve(const double* uv, const double* xyz, int64_t n, double focal_in, 
 int64_t moge_recover_camera(const float* points, int64_t p_sy, int64_t p_sx, int64_t p_sc, const uint8_t* mask_u8,
                             const float* prob, int64_t m_sy, int64_t m_sx, int64_t canvas_w, int64_t canvas_h,
                             int64_t x0, int64_t y0, int64_t x1, int64_t y1, const float* u, const float* v,
-                            int64_t grid_h, int64_t grid_w, double focal_in, double* focal_out, double* shift_out) {
+                            int64_t grid_h, int64_t grid_w, float mask_threshold, double focal_in, double* focal_out,
+                            double* shift_out) {
   std::vector<double> uv, xyz;
   uv.reserve(2 * grid_h * grid_w);
   xyz.reserve(3 * grid_h * grid_w);
@@ -572,7 +573,7 @@ int64_t moge_recover_camera(const float* points, int64_t p_sy, int64_t p_sx, int
       const int64_t c = j * canvas_w / grid_w;
       if (c < x0 || c >= x1) continue;
       if (mask_u8 && !mask_u8[r * m_sy + c * m_sx]) continue;
-      if (prob && !(prob[r * m_sy + c * m_sx] > 0.5f)) continue;
+      if (prob && !(prob[r * m_sy + c * m_sx] > mask_threshold)) continue;
       const float* q = points + r * p_sy + c * p_sx;
       uv.push_back(u[c]);
       uv.push_back(v[r]);
