@@ -88,7 +88,7 @@ def check_load_options(*, resolution: Any = DEFAULT_CANVAS, num_tokens: Any = DE
                        num_command_queues: Any = None, warmup: Any = 2, warmup_variants: Any = "default",
                        device: Any = None, device_id: Any = 0, precision: Any = "auto") -> tuple:
     """Validate the options of `from_pretrained` before any weights are read (the server checks them before it
-    binds its port). Returns (resolution, num_tokens, warm-up variants, torch device, precision)."""
+    binds its port). Returns (resolution, num_tokens, warm-up variants, torch device, resolved precision)."""
     resolution = validate_resolution(tuple(resolution) if isinstance(resolution, list) else resolution)
     num_tokens = validate_token_budget(num_tokens)
     if dispatch not in _DISPATCH:
@@ -101,7 +101,7 @@ def check_load_options(*, resolution: Any = DEFAULT_CANVAS, num_tokens: Any = DE
         raise ValueError(f"warmup must be a non-negative int (device forwards at load), got {warmup!r}")
     variants = expand_variants(warmup_variants, resolution)
     torch_device = select_device(device, device_id)
-    resolve_precision(precision, torch_device)  # a bad value fails before the weights are read
+    precision = resolve_precision(precision, torch_device)  # "auto" -> what runs; a bad value fails before loading
     return resolution, num_tokens, variants, torch_device, precision
 
 
