@@ -43,12 +43,16 @@ def token_budget(text: str) -> int:
     return validate_token_budget(int(text))
 
 
+def _number(text: str, expected: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected {expected}, got {text!r}") from None
+
+
 @_usage
 def fov_degrees(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"expected degrees, e.g. 60, got {text!r}") from None
+    value = _number(text, "degrees, e.g. 60")
     if not (math.isfinite(value) and 0 < value < 180):
         raise ValueError(f"the horizontal field of view must be in (0, 180) degrees, got {text}")
     return value
@@ -70,10 +74,7 @@ def non_negative_int(text: str) -> int:
 
 @_usage
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"expected a number, got {text!r}") from None
+    value = _number(text, "a number")
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"expected a number >= 0, got {text!r}")
     return value
