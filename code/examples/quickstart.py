@@ -21,9 +21,8 @@ try:
 except ImportError:  # a source checkout without `pip install -e code/`
     sys.path.insert(0, str(HERE.parent))
 
-from tt_moge import MoGeModel  # noqa: E402
+from tt_moge import MoGeModel, load_image  # noqa: E402
 from tt_moge.export import write_outputs  # noqa: E402
-from tt_moge.host.decode import to_rgb_array  # noqa: E402
 
 
 def main() -> int:
@@ -43,7 +42,7 @@ def main() -> int:
     K = out.intrinsics_pixels  # (3, 3) camera matrix in pixels
     print(f"depth {depth.shape}, points {points.shape}, fx {K[0, 0]:.1f} px, fy {K[1, 1]:.1f} px")
 
-    write_outputs(out, to_rgb_array(args.image), args.out, formats=("maps", "npz"), source=args.image)
+    write_outputs(out, load_image(args.image), args.out, formats=("maps", "npz"), source=args.image)
     print(f"wrote depth.png, normal.png, mask.png, depth.exr, result.npz, result.json to {Path(args.out).resolve()}")
     return 0
 

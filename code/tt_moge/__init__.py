@@ -1,7 +1,29 @@
-"""tt_moge: MoGe-2 monocular geometry (metric depth, points, normals, mask, intrinsics) from Python, a shell and HTTP."""
+"""tt_moge: MoGe-2 monocular geometry (metric depth, points, normals, mask, intrinsics) from Python, a shell and HTTP.
+
+    from tt_moge import MoGeModel
+    with MoGeModel.from_pretrained() as model:
+        out = model("photo.jpg")
+
+`MoGeModel` (the model facade), `MoGeOutput` (one result) and `load_image` (any supported image input -> an
+(H, W, 3) RGB array, as the model decodes it) are imported on first use, so that subpackages that do not need
+torch (the Tenstorrent graph, the command line's --help) can be imported without it.
+"""
 __version__ = "0.1.0"
 
-from .model import MoGeModel  # noqa: E402
-from .output import MoGeOutput  # noqa: E402
+__all__ = ["MoGeModel", "MoGeOutput", "load_image", "__version__"]
 
-__all__ = ["MoGeModel", "MoGeOutput", "__version__"]
+
+def __getattr__(name: str):
+    if name == "MoGeModel":
+        from .model import MoGeModel
+
+        return MoGeModel
+    if name == "MoGeOutput":
+        from .output import MoGeOutput
+
+        return MoGeOutput
+    if name == "load_image":
+        from .host.decode import to_rgb_array
+
+        return to_rgb_array
+    raise AttributeError(f"module 'tt_moge' has no attribute {name!r}")

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
-from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS
+from .export import FORMATS, check_formats
 
-__all__ = ["run_batch", "BatchSummary", "RayMissingError", "OUTPUT_FORMATS", "FAILURES_FILE", "SHARDS_DIR",
+__all__ = ["run_batch", "BatchJob", "BatchSummary", "RayMissingError", "OUTPUT_FORMATS", "FAILURES_FILE", "SHARDS_DIR",
            "completed_names", "local_ray_cpus", "init_local_ray"]
 
 OUTPUT_FORMATS = ("files", "parquet")
@@ -211,24 +211,24 @@ class _Replica:
                  fov_x: Optional[float], writers: int, threads: int):
         import torch
 
-        from .host import native
+        from . import native
         from .model import MoGeModel
 
         torch.set_num_threads(max(1, threads))  # this replica's share of the cores, for torch ...
         if not os.environ.get("MOGE_SERVE_THREADS"):
             native.set_threads(max(1, threads))  # ... and for the native host kernels
-        self.model = MoGeModel.from_pretrained(**model_kwargs, warmup=0, warmup_variants="none")
+        self.model = MoGeModel.from_pretrained(**{**model_kwargs, "warmup": 0, "warmup_variants": "none"})
         self.out, self.output_format, self.formats = Path(out), output_format, formats
         self.fit, self.fov_x = fit, fov_x
         self.writer = ThreadPoolExecutor(writers, thread_name_prefix="tt_moge-write")
 
     def __call__(self, batch: dict) -> dict:
-        from .cli import _predict_chunk
+        from .jobs import predict_chunk
 
         names, paths = [str(n) for n in batch["name"]], [str(p) for p in batch["path"]]
         errors = [str(e) for e in batch["error"]]
         todo = [i for i, e in enumerate(errors) if not e]
-        outputs = _predict_chunk(self.model, [batch["rgb"][i] for i in todo], self.fit, self.fov_x)
+        outputs = predict_chunk(self.model, [batch["rgb"][i] for i in todo], self.fit, self.fov_x)
         results: dict = {}
         for i, output in zip(todo, outputs):
             if isinstance(output, BaseException):
@@ -256,13 +256,13 @@ class _Replica:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from .export import summary, to_json
+        from .export import to_json
 
         rows = {key: [] for key in PARQUET_COLUMNS}
         for i, output in results.items():
             try:
                 npz = output.to_npz_bytes()
-                record = to_json({"source": paths[i], **summary(output)})
+                record = to_json({"source": paths[i], **output.summary(depth_percentiles=True)})
             except Exception as exc:
                 errors[i] = f"{paths[i]}: could not serialise the result: {exc}"
                 continue
@@ -288,26 +288,68 @@ class _Replica:
 
 
 # ------------------------------------------------------------------------------------------ the driver
-def _check_options(output_format: str, formats: Sequence[str], replicas: int, cpus: Optional[float],
-                   gpus: Optional[float], batch_size: int, max_retries: int, object_store_mb: int) -> tuple:
-    from .export import _check_formats
+@dataclass
+class BatchJob:
+    """One batch job: which images, where the results go, the model, and how Ray spreads the work.
 
-    if output_format not in OUTPUT_FORMATS:
-        raise ValueError(f"output_format must be one of {OUTPUT_FORMATS}, got {output_format!r}")
-    formats = _check_formats(formats)
-    if not formats:
-        raise ValueError("formats: expected at least one of maps, npz, ply, glb")
-    for name, value, low in (("replicas", replicas, 1), ("batch_size", batch_size, 1), ("max_retries", max_retries, 0),
-                             ("object_store_mb", object_store_mb, 80)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    for name, value in (("cpus_per_replica", cpus), ("gpus_per_replica", gpus)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or value < 0):
-            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-    if cpus == 0:
-        raise ValueError("cpus_per_replica must be > 0 (a replica runs the host steps on the CPU)")
-    return formats
+    `model` holds keyword arguments of `MoGeModel.from_pretrained` (pretrained_model_name_or_path, revision,
+    device, resolution, num_tokens, precision, ...); each replica loads its own model with them (without
+    warm-up). A missing `pretrained_model_name_or_path` is the default repo (or $MOGE_WEIGHTS_DIR); a missing
+    `device` is CUDA when the replicas get GPUs (or, on a local Ray, when this machine has one), else the CPU.
+
+    output_format "files": OUT/NAME/ as `tt-moge predict` writes it (`formats` picks the files); "parquet":
+    OUT/parquet/part-*.parquet, one row per image (name, source, result = result.json text, npz = the npz bytes).
+    Ray: `address` (or $RAY_ADDRESS) joins a cluster; without one a local Ray starts on this machine (loopback
+    only, `object_store_mb`) and stops at the end; a Ray already started in this process is used as it is.
+    Each of `replicas` actors takes `cpus_per_replica` (default: local CPU device, the cores / replicas; else 1)
+    and `gpus_per_replica` (default 1 when the device is CUDA, else 0) and runs torch with that many threads.
+    """
+
+    inputs: Sequence[Union[str, os.PathLike]]
+    out: Union[str, os.PathLike]
+    model: dict = field(default_factory=dict)
+    fit: str = "pad"
+    fov_x: Optional[float] = None
+    formats: Sequence[str] = tuple(FORMATS)
+    output_format: str = "files"
+    replicas: int = 1
+    cpus_per_replica: Optional[float] = None
+    gpus_per_replica: Optional[float] = None
+    batch_size: int = DEFAULT_BATCH_SIZE
+    writers: int = 2
+    max_retries: int = DEFAULT_MAX_RETRIES
+    address: Optional[str] = None
+    object_store_mb: int = DEFAULT_OBJECT_STORE_MB
+    quiet: bool = False
+    progress: bool = True
+
+    def checked_formats(self) -> tuple:
+        """Validate the job's own options (a ValueError naming the field); returns the format groups."""
+        if self.output_format not in OUTPUT_FORMATS:
+            raise ValueError(f"output_format must be one of {OUTPUT_FORMATS}, got {self.output_format!r}")
+        formats = check_formats(self.formats)
+        if not formats:
+            raise ValueError(f"formats: expected at least one of {', '.join(FORMATS)}")
+        for name, low in (("replicas", 1), ("batch_size", 1), ("max_retries", 0), ("object_store_mb", 80), ("writers", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name in ("cpus_per_replica", "gpus_per_replica"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value < 0):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.cpus_per_replica == 0:
+            raise ValueError("cpus_per_replica must be > 0 (a replica runs the host steps on the CPU)")
+        unknown = set(self.model) - _MODEL_KEYS
+        if unknown:
+            raise ValueError(f"model: unknown from_pretrained argument(s) {sorted(unknown)}")
+        return formats
+
+
+# from_pretrained arguments a batch job passes on (warm-up is always off in replicas)
+_MODEL_KEYS = {"pretrained_model_name_or_path", "revision", "device", "device_id", "resolution", "num_tokens",
+               "precision", "dispatch", "num_command_queues", "warmup", "warmup_variants", "verbose"}
 
 
 def _default_device(device: Optional[str], gpus: float, local: bool) -> str:
@@ -322,96 +364,80 @@ def _default_device(device: Optional[str], gpus: float, local: bool) -> str:
     return "cpu"  # a cluster: ask for GPUs with gpus_per_replica (or device="cuda")
 
 
-def run_batch(inputs: Sequence[Union[str, os.PathLike]], out: Union[str, os.PathLike], *,
-              weights: Union[str, os.PathLike, None] = None, revision: Optional[str] = "default",
-              device: Optional[str] = None, resolution: tuple = DEFAULT_CANVAS,
-              num_tokens: int = DEFAULT_NUM_TOKENS, precision: str = "auto", fit: str = "pad",
-              fov_x: Optional[float] = None,
-              formats: Sequence[str] = ("maps", "npz", "ply", "glb"), output_format: str = "files",
-              replicas: int = 1, cpus_per_replica: Optional[float] = None, gpus_per_replica: Optional[float] = None,
-              batch_size: int = DEFAULT_BATCH_SIZE, writers: int = 2, max_retries: int = DEFAULT_MAX_RETRIES,
-              address: Optional[str] = None, object_store_mb: int = DEFAULT_OBJECT_STORE_MB, quiet: bool = False,
-              progress: bool = True, verbose: bool = False, on_failure: Optional[Callable[[str, str], None]] = None) -> BatchSummary:
-    """Run MoGe-2 over every image of `inputs` (files, folders, glob patterns: `collect_images`) on Ray Data and
-    write the results into `out`; returns a BatchSummary.
+def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = None) -> BatchSummary:
+    """Run MoGe-2 over every image of `job.inputs` (files, folders, glob patterns: `collect_images`) on Ray Data
+    and write the results into `job.out`; returns a BatchSummary.
 
-    output_format "files": OUT/NAME/ as `tt-moge predict` writes it (`formats` picks the files); "parquet":
-    OUT/parquet/part-*.parquet, one row per image (name, source, result = result.json text, npz = the npz bytes).
-    Images already complete in `out` are skipped. Failed images go to OUT/failures.jsonl (rewritten by each
-    run); `on_failure(path, error)` is called for each as it arrives.
-
-    Ray: `address` (or $RAY_ADDRESS) joins a cluster; without one a local Ray starts on this machine (loopback
-    only, `object_store_mb`), and stops at the end; a Ray already started in this process is used as it is.
-    Each of `replicas` actors takes `cpus_per_replica` (default: local CPU device, the cores / replicas; else 1)
-    and `gpus_per_replica` (default 1 when `device` is CUDA, else 0) and runs torch with that many threads.
-    weights/revision/device/resolution/num_tokens/precision are those of MoGeModel.from_pretrained (weights None: the
-    default repo, or $MOGE_WEIGHTS_DIR); fit/fov_x those of predict.
+    Images already complete in OUT are skipped. Failed images go to OUT/failures.jsonl (rewritten by each run);
+    `on_failure(path, error)` is called for each as it arrives.
 
     Raises RayMissingError without Ray, InputPathError for inputs that name nothing, ValueError for bad options,
     CheckpointError / OSError / RuntimeError when the weights or the device are unusable.
     """
     from .inputs import InputPathError, collect_images
+    from .options import normalize_revision
     from .weights import DEFAULT_REPO, DEFAULT_REVISION
 
-    formats = _check_options(output_format, formats, replicas, cpus_per_replica, gpus_per_replica, batch_size,
-                             max_retries, object_store_mb)
-    out = Path(out)
-    images = collect_images([os.fspath(i) for i in inputs], exclude=out)
+    formats = job.checked_formats()
+    out = Path(job.out)
+    images = collect_images([os.fspath(i) for i in job.inputs], exclude=out)
     if not images:
-        raise InputPathError(f"inputs: no PNG or JPEG images found in {', '.join(map(str, inputs))}")
+        raise InputPathError(f"inputs: no PNG or JPEG images found in {', '.join(map(str, job.inputs))}")
     ray = _import_ray()
     out.mkdir(parents=True, exist_ok=True)
-    if output_format == "parquet":
+    if job.output_format == "parquet":
         (out / SHARDS_DIR).mkdir(exist_ok=True)
-    done_before = completed_names(out, [im.name for im in images], output_format)
+    done_before = completed_names(out, [im.name for im in images], job.output_format)
     todo = [im for im in images if im.name not in done_before]
     failures_path = out / FAILURES_FILE
 
     summary = BatchSummary(out=out, total=len(images), done=0, failed=0, skipped=len(images) - len(todo), seconds=0.0,
-                           ray_start_seconds=0.0, replicas=replicas, output_format=output_format)
-    options = {"output_format": output_format, "formats": list(formats) if output_format == "files" else None,
-               "fit": fit, "fov_x": fov_x, "batch_size": batch_size, "max_retries": max_retries}
+                           ray_start_seconds=0.0, replicas=job.replicas, output_format=job.output_format)
+    options = {"output_format": job.output_format, "formats": list(formats) if job.output_format == "files" else None,
+               "fit": job.fit, "fov_x": job.fov_x, "batch_size": job.batch_size, "max_retries": job.max_retries}
     if not todo:  # nothing to do: no Ray, no model
         summary.replicas = 0
         failures_path.write_text("")
         _write_record(out, summary, "nowhere (nothing to do)", None, options)
         return summary
 
-    replicas = min(replicas, math.ceil(len(todo) / batch_size))  # no idle replicas for a short remainder
+    replicas = min(job.replicas, math.ceil(len(todo) / job.batch_size))  # no idle replicas for a short remainder
     summary.replicas = replicas
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    address = job.address or os.environ.get("RAY_ADDRESS") or None
     local = address is None and not ray.is_initialized()
-    gpus = gpus_per_replica if gpus_per_replica is not None else (1.0 if (device or "").startswith("cuda") else 0.0)
-    cpus = cpus_per_replica if cpus_per_replica is not None else (
+    model_kwargs = dict(job.model)
+    device = model_kwargs.get("device")
+    gpus = job.gpus_per_replica if job.gpus_per_replica is not None else (1.0 if (device or "").startswith("cuda") else 0.0)
+    cpus = job.cpus_per_replica if job.cpus_per_replica is not None else (
         float(max(1, (os.cpu_count() or 1) // replicas)) if local and gpus == 0 else 1.0)
-    device = _default_device(device, gpus, local)
+    device = model_kwargs["device"] = _default_device(device, gpus, local)
     if device.startswith("cuda") and gpus == 0:
         raise ValueError(f"device {device!r} needs GPUs for the replicas: gpus_per_replica > 0 (--gpus-per-replica)")
     options.update(replicas=replicas, cpus_per_replica=cpus, gpus_per_replica=gpus)
-    weights = DEFAULT_REPO if weights is None else weights
-    revision = DEFAULT_REVISION if revision == "default" else revision
+    weights = os.fspath(model_kwargs.get("pretrained_model_name_or_path") or DEFAULT_REPO)
+    revision = normalize_revision(model_kwargs.get("revision", DEFAULT_REVISION))
     if address is None:  # the replicas share this file system: resolve (and download) the weights once, here
         from .weights import resolve_checkpoint
 
         weights = str(resolve_checkpoint(weights, revision)[0].resolve())
         revision = None
-    model_kwargs = dict(pretrained_model_name_or_path=os.fspath(weights), revision=revision, device=device,
-                        resolution=list(resolution), num_tokens=num_tokens, precision=precision, verbose=verbose)
+    model_kwargs.update(pretrained_model_name_or_path=weights, revision=revision)
+    if "resolution" in model_kwargs:
+        model_kwargs["resolution"] = list(model_kwargs["resolution"])
     model_record = dict(model_kwargs)
     if address is not None and os.environ.get("MOGE_WEIGHTS_DIR"):  # the replicas resolve it, and it wins over a repo id
         model_record["MOGE_WEIGHTS_DIR"] = os.environ["MOGE_WEIGHTS_DIR"]
 
-    with _ray_session(ray, address, local_ray_cpus(replicas, cpus), object_store_mb, quiet) as (where, start_s):
+    with _ray_session(ray, address, local_ray_cpus(replicas, cpus), job.object_store_mb, job.quiet) as (where, start_s):
         summary.ray_start_seconds = start_s
         _check_resources(ray, replicas, cpus, gpus, strict=address is None)
-        if not quiet:
+        if not job.quiet:
             print(f"tt-moge batch: {len(todo)} images to do ({summary.skipped} already done) on {where}, "
                   f"{replicas} replica(s) x ({cpus:g} CPU, {gpus:g} GPU), device {device}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        with _ray_data_output(ray, quiet):
-            dataset = _build_dataset(ray, todo, out, output_format, formats, fit, fov_x, model_kwargs, replicas, cpus,
-                                     gpus, batch_size, writers, max_retries, address is None)
-            _collect(dataset, summary, failures_path, len(todo), progress and not quiet, on_failure, t0)
+        with _ray_data_output(ray, job.quiet):
+            dataset = _build_dataset(ray, job, todo, out, formats, model_kwargs, replicas, cpus, gpus, address is None)
+            _collect(dataset, summary, failures_path, len(todo), job.progress and not job.quiet, on_failure, t0)
         summary.seconds = time.perf_counter() - t0
     _write_record(out, summary, where, model_record, options)
     return summary
@@ -465,9 +491,9 @@ def _version() -> str:
     return __version__
 
 
-def _build_dataset(ray: Any, todo: list, out: Path, output_format: str, formats: tuple, fit: str,
-                   fov_x: Optional[float], model_kwargs: dict, replicas: int, cpus: float, gpus: float,
-                   batch_size: int, writers: int, max_retries: int, local: bool) -> Any:
+def _build_dataset(ray: Any, job: BatchJob, todo: list, out: Path, formats: tuple, model_kwargs: dict, replicas: int,
+                   cpus: float, gpus: float, local: bool) -> Any:
+    batch_size, max_retries = job.batch_size, job.max_retries
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     if local:  # workers import the very tt_moge this driver runs, installed or not (a source tree, a script's sys.path)
         here = str(Path(__file__).resolve().parents[1])
@@ -486,8 +512,9 @@ def _build_dataset(ray: Any, todo: list, out: Path, output_format: str, formats:
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
         return dataset.map_batches(
             _Replica, batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=replicas),
-            fn_constructor_kwargs=dict(model_kwargs=model_kwargs, out=str(out.resolve()), output_format=output_format,
-                                       formats=formats, fit=fit, fov_x=fov_x, writers=writers, threads=int(cpus)),
+            fn_constructor_kwargs=dict(model_kwargs=model_kwargs, out=str(out.resolve()), output_format=job.output_format,
+                                       formats=formats, fit=job.fit, fov_x=job.fov_x, writers=job.writers,
+                                       threads=int(cpus)),
             num_cpus=cpus, num_gpus=gpus or None, runtime_env=runtime_env,
             max_restarts=max_retries, max_task_retries=max_retries)
 

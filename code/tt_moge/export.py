@@ -41,10 +41,17 @@ from .output import MoGeOutput
 
 __all__ = [
     "FORMATS", "FILES", "depth_edges", "kept_pixels", "colorize_depth", "colorize_normal", "write_depth_exr",
-    "point_cloud", "image_mesh", "summary", "to_json", "write_outputs",
+    "point_cloud", "image_mesh", "to_json", "check_formats", "missing_format_library", "write_outputs",
 ]
 
-FORMATS = ("maps", "npz", "ply", "glb")
+# The format groups, in the order they are written, with what each writes (the CLI's --maps/--npz/--ply/--glb).
+FORMATS = {
+    "maps": "depth.png (colour bar), normal.png, mask.png, depth.exr (float32 metres)",
+    "npz": "result.npz: every array, the server's npz layout",
+    "ply": "points.ply: coloured point cloud with normals",
+    "glb": "mesh.glb: textured mesh, cut at depth discontinuities",
+}
+_LIBRARIES = {"maps": ("OpenEXR", "openexr"), "ply": ("trimesh", "trimesh"), "glb": ("trimesh", "trimesh")}
 FILES = {
     "maps": ("depth.png", "normal.png", "mask.png", "depth.exr"),
     "npz": ("result.npz",),
@@ -209,36 +216,33 @@ def _finite_or_none(value: float) -> Optional[float]:
     return float(value) if math.isfinite(value) else None
 
 
-def summary(output: MoGeOutput) -> dict:
-    """The result.json numbers: size, field of view (degrees), intrinsics (normalised and pixels), metric scale,
-    valid fraction, median and 1st/99th-percentile depth of the valid pixels (metres; null when none)."""
-    w, h = output.size
-    valid = output.mask & np.isfinite(output.depth)
-    p1, p99 = np.percentile(output.depth[valid], [1.0, 99.0]) if valid.any() else (math.nan, math.nan)
-    return {
-        "width": w, "height": h,
-        "fov_x_deg": float(output.fov_x), "fov_y_deg": float(output.fov_y),
-        "intrinsics": np.asarray(output.intrinsics, np.float64).tolist(),
-        "intrinsics_pixels": np.asarray(output.intrinsics_pixels, np.float64).tolist(),
-        "metric_scale": float(output.metric_scale),
-        "valid_fraction": float(output.valid_fraction),
-        "median_depth_m": _finite_or_none(output.median_depth),
-        "depth_p1_m": _finite_or_none(float(p1)), "depth_p99_m": _finite_or_none(float(p99)),
-    }
-
-
 def to_json(record: dict) -> str:
     """Indented JSON with each list of numbers on one line (a 3x3 matrix reads as three rows)."""
     text = json.dumps(record, indent=2, default=str)
     return re.sub(r"\[\s+([-+0-9.eE,\s]+?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text) + "\n"
 
 
-def _check_formats(formats: Iterable[str]) -> tuple:
+def check_formats(formats: Iterable[str]) -> tuple:
+    """The format groups asked for, without duplicates, in the order given; a ValueError for unknown ones."""
     formats = tuple(dict.fromkeys(formats))
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
-        raise ValueError(f"formats: unknown {unknown}; expected any of {FORMATS}")
+        raise ValueError(f"formats: unknown {unknown}; expected any of {tuple(FORMATS)}")
     return formats
+
+
+def missing_format_library(formats: Iterable[str]) -> Optional[str]:
+    """None when every library the formats need imports, else one line naming the package to install."""
+    import importlib
+
+    for fmt in formats:
+        if fmt in _LIBRARIES:
+            module, package = _LIBRARIES[fmt]
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                return f"--{fmt} needs the {package} package: pip install {package}"
+    return None
 
 
 def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str, os.PathLike],
@@ -250,11 +254,11 @@ def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str,
     output's size; formats: any of FORMATS (result.json is always written, last). `source` (the input's name)
     and `extra` (more keys) go into result.json. Existing files of the same names are replaced.
     """
-    formats = _check_formats(formats)
+    formats = check_formats(formats)
     rgb = _as_uint8_rgb(image_rgb, output)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    record: dict = {"source": source, **summary(output)}
+    record: dict = {"source": source, **output.summary(depth_percentiles=True)}
     written: list = []
     if "maps" in formats:
         known = (record["depth_p1_m"], record["depth_p99_m"])  # summary() took them from the same pixels

@@ -8,101 +8,34 @@ device forward runs one canvas at a time under a lock; the host stages of differ
 """
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import sys
-import tempfile
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from . import __version__
-from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, MAX_CANVAS_SIDE
-from .host import CallOptions, InputError, Stopwatch, native, postprocess, prepare
-from .network import validate_token_budget
+from . import __version__, native
+from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS
+from .host import CallOptions, InputError, Stopwatch, postprocess, prepare
+from .options import LoadOptions
 from .output import MoGeOutput
-from .runners import make_runner, resolve_precision
-from .runners.base import PendingMaps, RawMaps, Runner
-from .warmup import canonical_variant, expand_variants, synthetic_photo
+from .runners import make_runner
+from .runners.base import PendingMaps, RawMaps, ReplayRunner, Runner
+from .warmup import canonical_variant, run_variant, synthetic_photo
 from .weights import DEFAULT_REPO, DEFAULT_REVISION, load_network
 
 __all__ = ["MoGeModel"]
-
-_DISPATCH = ("eth", "worker")
 
 
 def _log(enabled: bool, message: str) -> None:
     if enabled:
         print(f"[tt_moge] {message}", file=sys.stderr, flush=True)
-
-
-def validate_resolution(resolution: Any) -> tuple:
-    if (not isinstance(resolution, (tuple, list)) or len(resolution) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in resolution)):
-        raise ValueError(f"resolution must be a (width, height) pair of ints, got {resolution!r}")
-    w, h = resolution
-    if not (64 <= w <= MAX_CANVAS_SIDE and 64 <= h <= MAX_CANVAS_SIDE and 0.25 <= w / h <= 4.0):
-        raise ValueError(f"resolution must be a canvas of 64..{MAX_CANVAS_SIDE} pixels per side with an aspect ratio in [1/4, 4], got {w}x{h}")
-    return int(w), int(h)
-
-
-def select_device(device: Any = None, device_id: int = 0) -> torch.device:
-    """The torch device to run on. None: CUDA if present, else the CPU with a RuntimeWarning."""
-    if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
-        raise ValueError(f"device_id must be a non-negative int, got {device_id!r}")
-    if device is None:
-        if torch.cuda.is_available():
-            if device_id >= torch.cuda.device_count():
-                raise ValueError(f"device_id {device_id}: only {torch.cuda.device_count()} CUDA device(s) present")
-            return torch.device("cuda", device_id)
-        warnings.warn("no CUDA GPU found (and the Tenstorrent runner is not part of this build): running MoGe-2 on the CPU; "
-                      "pass device='cpu' to choose it explicitly", RuntimeWarning, stacklevel=4)
-        return torch.device("cpu")
-    if type(device).__module__.split(".")[0] == "ttnn":
-        raise ValueError("device: an open ttnn device was given, but this build has no Tenstorrent runner yet; use device='cpu' or 'cuda'")
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device, got {type(device).__name__}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}: no CUDA GPU is available on this machine (torch {torch.__version__})")
-        index = dev.index if dev.index is not None else device_id
-        if index >= torch.cuda.device_count():
-            raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) present")
-        return torch.device("cuda", index)
-    if dev.type != "cpu":
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
-    return dev
-
-
-def check_load_options(*, resolution: Any = DEFAULT_CANVAS, num_tokens: Any = DEFAULT_NUM_TOKENS, dispatch: Any = "eth",
-                       num_command_queues: Any = None, warmup: Any = 2, warmup_variants: Any = "default",
-                       device: Any = None, device_id: Any = 0, precision: Any = "auto") -> tuple:
-    """Validate the options of `from_pretrained` before any weights are read (the server checks them before it
-    binds its port). Returns (resolution, num_tokens, warm-up variants, torch device, resolved precision)."""
-    resolution = validate_resolution(tuple(resolution) if isinstance(resolution, list) else resolution)
-    num_tokens = validate_token_budget(num_tokens)
-    if dispatch not in _DISPATCH:
-        raise ValueError(f"dispatch must be one of {_DISPATCH}, got {dispatch!r}")
-    if num_command_queues not in (None, 1, 2):
-        raise ValueError(f"num_command_queues must be None, 1 or 2, got {num_command_queues!r}")
-    if num_command_queues == 2 and dispatch != "worker":
-        raise ValueError("num_command_queues=2 needs dispatch='worker' (ETH dispatch supports 1 command queue)")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be a non-negative int (device forwards at load), got {warmup!r}")
-    variants = expand_variants(warmup_variants, resolution)
-    torch_device = select_device(device, device_id)
-    precision = resolve_precision(precision, torch_device)  # "auto" -> what runs; a bad value fails before loading
-    return resolution, num_tokens, variants, torch_device, precision
 
 
 class MoGeModel:
@@ -111,21 +44,21 @@ class MoGeModel:
     Create it with `MoGeModel.from_pretrained(...)`. Calls are thread-safe; the device runs one image at a time.
     """
 
-    def __init__(self, runner: Runner, *, network_config: Any, source: str, revision: Optional[str],
-                 resolution: tuple, num_tokens: int, verbose: bool = False):
+    def __init__(self, runner: Runner, options: LoadOptions, *, network_config: Any, source: str,
+                 revision: Optional[str]):
         self._runner = runner
+        self.options = options
         self.config = network_config
         self.source = source
         self.revision = revision
-        self.resolution = tuple(resolution)
-        self.num_tokens = num_tokens
-        self.verbose = verbose
+        self.resolution = tuple(options.resolution)
+        self.num_tokens = options.num_tokens
+        self.verbose = options.verbose
         self._device_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._closed = False
         self._warmed: dict = {}
-        self._warm_raw: Optional[RawMaps] = None  # raw maps reused by host warm-ups (see warmup())
-        self._thread = threading.local()  # .replay: raw maps that this thread's warm-up call uses instead of the device
+        self._warm_raw: Optional[RawMaps] = None  # the raw maps of the last device warm-up (host warm-ups replay them)
 
     # ------------------------------------------------------------------------------------------- load
     @classmethod
@@ -149,33 +82,36 @@ class MoGeModel:
 
         `precision`: "auto" (default: bf16 on CPUs with bfloat16 instructions, else fp32; fp16 on CUDA), "fp32"
         (the reference network, exact), "bf16", "fp16" (CUDA only) or "int8" (CPU only, opt-in: int8 ViT
-        matmuls). See `tt_moge.runners.precision`.
+        matmuls). See `tt_moge.runners.precision`. `revision` "main" (or None) is the Hub's default branch.
 
-        `dispatch` and `num_command_queues` are Tenstorrent options: validated here, used by the ttnn runner
-        (not part of this build), ignored by the CPU and CUDA runners.
+        `dispatch` and `num_command_queues` are Tenstorrent options: validated here, used by the ttnn runner,
+        ignored by the CPU and CUDA runners.
         """
-        t0 = time.perf_counter()
-        resolution, num_tokens, variants, torch_device, precision = check_load_options(
+        return cls.load(LoadOptions.resolve(
+            pretrained_model_name_or_path, device=device, device_id=device_id, revision=revision,
             resolution=resolution, num_tokens=num_tokens, dispatch=dispatch, num_command_queues=num_command_queues,
-            warmup=warmup, warmup_variants=warmup_variants, device=device, device_id=device_id, precision=precision)
+            warmup=warmup, warmup_variants=warmup_variants, verbose=verbose, precision=precision))
 
-        network, ckpt = load_network(pretrained_model_name_or_path, revision)
-        _log(verbose, f"loaded {ckpt.source} ({network.config.describe()}) in {time.perf_counter() - t0:.1f} s")
-        runner = make_runner(network, resolution, num_tokens, torch_device, precision)
-        model = cls(runner, network_config=network.config, source=ckpt.source, revision=ckpt.revision,
-                    resolution=resolution, num_tokens=num_tokens, verbose=verbose)
+    @classmethod
+    def load(cls, options: LoadOptions) -> "MoGeModel":
+        """`from_pretrained` with options already resolved (`LoadOptions.resolve`)."""
+        t0 = time.perf_counter()
+        network, ckpt = load_network(options.weights, options.revision)
+        _log(options.verbose, f"loaded {ckpt.source} ({network.config.describe()}) in {time.perf_counter() - t0:.1f} s")
+        runner = make_runner(network, options.resolution, options.num_tokens, options.device, options.precision)
+        model = cls(runner, options, network_config=network.config, source=ckpt.source, revision=ckpt.revision)
         del network  # the runner holds what it needs (a graph runner: only its folded copy)
         try:
-            native.library()  # build (first use on this machine) and load the native host library now, not in a call
-            model._device_warmup(warmup)
+            native.library()  # build (first use on this machine) and load the native library now, not in a call
+            model._device_warmup(options.warmup)
             photos: dict = {}  # one synthetic photo per size for all the variants of this load
-            for variant in variants:
+            for variant in options.warmup_variants:
                 model._warm_variant(variant, photos)
         except BaseException:
             model.close()
             raise
         gc.collect()  # the collection that load-time allocations would otherwise trigger inside the first call
-        _log(verbose, f"ready on {runner.describe()['device']} in {time.perf_counter() - t0:.1f} s")
+        _log(options.verbose, f"ready on {runner.describe()['device']} in {time.perf_counter() - t0:.1f} s")
         return model
 
     def _device_warmup(self, count: int) -> None:
@@ -229,9 +165,6 @@ class MoGeModel:
 
     def _submit_raw(self, canvas: torch.Tensor, watch: Optional[Stopwatch] = None) -> PendingMaps:
         """Start the device forward (on CUDA it returns before the maps are back; `.result()` waits)."""
-        replay = getattr(self._thread, "replay", None)
-        if replay is not None:
-            return PendingMaps(replay)
         with self._device_lock:
             if watch is not None:
                 watch.lap("device_wait")
@@ -332,54 +265,24 @@ class MoGeModel:
         with self._state_lock:
             if key in self._warmed:
                 return 0.0
-        v = dict(key)
         t = time.perf_counter()
         if self._warm_raw is None:  # no device warm-up ran: one forward for the raw maps
             self._device_warmup(1)
-        warm_raw = self._warm_raw
-        photos = {} if photos is None else photos
-        photo = photos.get(v["size"])
-        if photo is None:
-            photo = photos[v["size"]] = synthetic_photo(v["size"])
-        options = dict(fit=v["fit"], fov_x=60.0 if v["fov_x"] else None, apply_mask=v["apply_mask"],
-                       force_projection=v["force_projection"])
-        with tempfile.TemporaryDirectory(prefix="tt_moge-warmup-") as tmp:
-            inputs = [self._warm_input(v["input"], photo, Path(tmp), i) for i in range(2 if v["call"] == "predict_many" else 1)]
-            # The device part is the same fixed-shape forward for every variant (warmed by the device warm-up);
-            # variants warm the host paths, so this thread reuses its raw maps instead of running the device.
-            self._thread.replay = warm_raw
-            try:
-                if v["call"] == "forward":
-                    self.forward(inputs[0])
-                elif v["call"] == "infer":
-                    img = inputs[0]
-                    self.infer(img[0] if isinstance(img, torch.Tensor) else img, fov_x=options["fov_x"],
-                               apply_mask=v["apply_mask"], force_projection=v["force_projection"])
-                elif v["call"] == "predict_many":
-                    self.predict_many(inputs, **options)
-                else:
-                    self.predict(inputs[0], **options)
-            finally:
-                self._thread.replay = None
+        # The device part is the same fixed-shape forward for every variant (warmed by the device warm-up);
+        # variants warm the host paths, on a copy of this model whose runner replays the warm-up's raw maps.
+        run_variant(self._replaying(self._warm_raw), key, {} if photos is None else photos)
         seconds = time.perf_counter() - t
         with self._state_lock:
             self._warmed[key] = seconds
         _log(self.verbose, f"warm-up {', '.join(f'{k}={val}' for k, val in key)}: {seconds:.2f} s")
         return seconds
 
-    @staticmethod
-    def _warm_input(kind: str, photo: np.ndarray, tmp: Path, index: int) -> Any:
-        if kind == "array":
-            return photo
-        if kind == "float":
-            return torch.from_numpy(photo).permute(2, 0, 1)[None].float().div_(255)
-        from PIL import Image
-
-        if kind == "pil":
-            return Image.fromarray(photo)
-        path = tmp / f"warmup{index}.{'png' if kind == 'png' else 'jpg'}"
-        Image.fromarray(photo).save(path, quality=90) if kind == "jpeg" else Image.fromarray(photo).save(path)
-        return str(path)
+    def _replaying(self, raw: RawMaps) -> "MoGeModel":
+        """A shallow copy of this model that shares everything but the device: its runner returns `raw`."""
+        clone = copy.copy(self)
+        clone._runner = ReplayRunner(raw, like=self._runner)
+        clone._device_lock = threading.Lock()
+        return clone
 
     # --------------------------------------------------------------------------------------- close
     def close(self) -> None:

@@ -42,6 +42,11 @@ NPZ_LAYOUT: dict[str, tuple] = {
 INFER_KEYS = ("points", "intrinsics", "depth", "mask", "normal")
 
 
+def _finite(x: Any) -> Optional[float]:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
 @dataclass(repr=False, eq=False)
 class MoGeOutput:
     """The result for one image. Arrays are numpy, at the input image's resolution.
@@ -75,6 +80,29 @@ class MoGeOutput:
         d = self.depth[self.mask]
         d = d[np.isfinite(d)]
         return float(np.median(d)) if d.size else math.nan
+
+    def summary(self, depth_percentiles: bool = False) -> dict:
+        """The numbers of this result without the maps (JSON-ready; non-finite values are None): size, field of
+        view (degrees), intrinsics (normalised and pixels), metric scale, valid fraction, median depth of the
+        valid pixels (metres), whether there is a normal map; with `depth_percentiles`, also the 1st and 99th
+        percentile depth (one pass over the valid pixels). The server's /predict/summary, result.json of the CLI
+        and of batch jobs are this record (result.json adds the percentiles)."""
+        w, h = self.size
+        record = {
+            "width": w, "height": h,
+            "fov_x_deg": _finite(self.fov_x), "fov_y_deg": _finite(self.fov_y),
+            "intrinsics": [[_finite(v) for v in row] for row in np.asarray(self.intrinsics, np.float64)],
+            "intrinsics_pixels": [[_finite(v) for v in row] for row in np.asarray(self.intrinsics_pixels, np.float64)],
+            "metric_scale": _finite(self.metric_scale),
+            "valid_fraction": float(self.valid_fraction),
+            "median_depth_m": _finite(self.median_depth),
+            "has_normal": self.normal is not None,
+        }
+        if depth_percentiles:
+            valid = self.mask & np.isfinite(self.depth)
+            p1, p99 = np.percentile(self.depth[valid], [1.0, 99.0]) if valid.any() else (math.nan, math.nan)
+            record.update(depth_p1_m=_finite(p1), depth_p99_m=_finite(p99))
+        return record
 
     def __repr__(self) -> str:
         w, h = self.size

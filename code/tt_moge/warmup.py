@@ -13,23 +13,26 @@ variants. `MoGeModel.warmup(**variant)` runs one; it is idempotent per canonical
 | fov_x              |                                                               |                |
 | call               | "call", "predict_many" (2 images), "infer", "forward"         | "call"         |
 
-How a variant is warmed (MoGeModel._warm_variant): one real call of that kind with a synthetic photo-like
-image of that size (one image per size per load; a temporary PNG/JPEG file for the decoders). The device part
-is the same fixed-shape forward for every variant and is warmed by the device warm-up forwards, so host
-variants do not run the device again: the calling thread replays the raw maps of the last device warm-up.
+How a variant is warmed (`run_variant`): one real call of that kind with a synthetic photo-like image of that
+size (one image per size per load; a temporary PNG/JPEG file for the decoders). The device part is the same
+fixed-shape forward for every variant and is warmed by the device warm-up forwards, so host variants do not
+run the device again: they call a copy of the model whose runner replays the raw maps of the last device
+warm-up (`runners.base.ReplayRunner`).
 Loading therefore stays fast on a CPU device too, and only the host paths (decoder, canvas fit, solve,
 finish, their scratch and output buffers, see tt_moge/host/buffers.py) are exercised per variant.
 No result is kept, so warm-up does not change any output.
 """
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any, Iterable, Union
 
 import numpy as np
 
 from .constants import FITS
 
-__all__ = ["INPUTS", "CALLS", "PRESETS", "canonical_variant", "expand_variants", "synthetic_photo"]
+__all__ = ["INPUTS", "CALLS", "PRESETS", "canonical_variant", "expand_variants", "run_variant", "synthetic_photo"]
 
 INPUTS = ("array", "float", "png", "jpeg", "pil")
 CALLS = ("call", "predict_many", "infer", "forward")
@@ -129,3 +132,43 @@ def synthetic_photo(size: tuple, seed: int = 0) -> np.ndarray:
     img = np.where((y > 0.45 + 0.05 * np.sin(6 * x))[..., None], ground, sky)
     img = img + rng.normal(0.0, 0.02, img.shape).astype(np.float32)
     return np.rint(np.clip(img, 0, 1) * 255).astype(np.uint8)
+
+
+def run_variant(model: Any, key: tuple, photos: dict) -> None:
+    """Call `model` (a MoGeModel, normally one that replays fixed raw maps) once the way the canonical variant
+    `key` describes. `photos` caches one synthetic photo per size across the variants of a load."""
+    v = dict(key)
+    photo = photos.get(v["size"])
+    if photo is None:
+        photo = photos[v["size"]] = synthetic_photo(v["size"])
+    options = dict(fit=v["fit"], fov_x=60.0 if v["fov_x"] else None, apply_mask=v["apply_mask"],
+                   force_projection=v["force_projection"])
+    with tempfile.TemporaryDirectory(prefix="tt_moge-warmup-") as tmp:
+        inputs = [_input(v["input"], photo, Path(tmp), i) for i in range(2 if v["call"] == "predict_many" else 1)]
+        if v["call"] == "forward":
+            model.forward(inputs[0])
+        elif v["call"] == "infer":
+            image = inputs[0]
+            model.infer(image[0] if hasattr(image, "dim") else image, fov_x=options["fov_x"],
+                        apply_mask=v["apply_mask"], force_projection=v["force_projection"])
+        elif v["call"] == "predict_many":
+            model.predict_many(inputs, **options)
+        else:
+            model.predict(inputs[0], **options)
+
+
+def _input(kind: str, photo: np.ndarray, tmp: Path, index: int) -> Any:
+    """The synthetic photo as the input kind of a variant (a file path for "png" / "jpeg")."""
+    if kind == "array":
+        return photo
+    if kind == "float":
+        import torch
+
+        return torch.from_numpy(photo).permute(2, 0, 1)[None].float().div_(255)
+    from PIL import Image
+
+    if kind == "pil":
+        return Image.fromarray(photo)
+    path = tmp / f"warmup{index}.{'png' if kind == 'png' else 'jpg'}"
+    Image.fromarray(photo).save(path, quality=90) if kind == "jpeg" else Image.fromarray(photo).save(path)
+    return str(path)

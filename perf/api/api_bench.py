@@ -4,30 +4,28 @@ Rows: model.forward(float32 canvas); model(uint8 array) at the canvas size and a
 predict_many of PNG paths and of arrays (per image). The image is media/source.png when the repo has it,
 else a synthetic photo-like PNG of the canvas size.
 
-    python perf/api/api_bench.py --weights path/to/model.pt --runs 30
-    python perf/api/api_bench.py --random-weights tiny-vits-normal --resolution 448x252 --num-tokens 1200 --runs 5
+    python -m perf.api.api_bench --weights path/to/model.pt --runs 30
+    python -m perf.api.api_bench --random-weights tiny-vits-normal --resolution 448x252 --num-tokens 1200 --runs 5
 """
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "code"))
+from perf import common
 
 BATCH = 4  # images per predict_many call
 
 
 def main(argv=None) -> int:
-    from tt_moge.bench_breakdown import add_model_arguments, default_image, load_model
+    from tt_moge.cli.bench import add_bench_model_arguments, default_image, load_bench_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(parser)
+    add_bench_model_arguments(parser)
     parser.add_argument("--image", help="PNG file (default: media/source.png or a synthetic PNG)")
     parser.add_argument("--runs", type=int, default=30, help="timed calls per row (default %(default)s)")
     args = parser.parse_args(argv)
@@ -36,7 +34,7 @@ def main(argv=None) -> int:
     import torch
     from PIL import Image
 
-    from tt_moge.host import native
+    from tt_moge import native
 
     with tempfile.TemporaryDirectory(prefix="tt_moge-api-bench-") as scratch:
         png = args.image or default_image(args.resolution, scratch)
@@ -53,7 +51,7 @@ def main(argv=None) -> int:
             paths.append(str(p))
         arrays = [canvas_rgb.copy() for _ in range(BATCH)]
 
-        with load_model(args, scratch, warmup_variants="all") as model:
+        with load_bench_model(args, scratch, warmup_variants="all") as model:
             rows = [
                 ("model.forward(image), float32 canvas", lambda: model.forward(canvas_float), 1),
                 (f"model(array), uint8 {canvas_rgb.shape[1]}x{canvas_rgb.shape[0]}", lambda: model(canvas_rgb), 1),
@@ -73,7 +71,7 @@ def main(argv=None) -> int:
                     fn()
                     times.append((time.perf_counter() - t) * 1e3 / per)
                 print(f"{name:62s} {statistics.median(times):10.2f} {min(times):9.2f}")
-    print("rerun: python perf/api/api_bench.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])))
+    print(f"rerun: {common.rerun_command(argv)}")
     return 0
 
 

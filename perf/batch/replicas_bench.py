@@ -7,9 +7,9 @@ rates per run: job (done / job seconds, replica start-up included: what a user w
 the first result: the throughput of a long job). Prints medians over --runs and the ratio to the first replica
 count.
 
-    python perf/batch/replicas_bench.py                        # 40 photos 640x480, random tiny weights, CPU
-    python perf/batch/replicas_bench.py --images 16 --runs 1   # a quick check
-    python perf/batch/replicas_bench.py --weights /models/moge-2 --resolution 1920x1080 --num-tokens 1800 \\
+    python -m perf.batch.replicas_bench                        # 40 photos 640x480, random tiny weights, CPU
+    python -m perf.batch.replicas_bench --images 16 --runs 1   # a quick check
+    python -m perf.batch.replicas_bench --weights /models/moge-2 --resolution 1920x1080 --num-tokens 1800 \\
         --device cuda --replicas 1,2,4 --gpus-per-replica 0.25
 
 Without --weights a random-weight tiny-vits-normal checkpoint is written to a temporary folder: the geometry is
@@ -19,17 +19,15 @@ cores (each takes cores / N CPUs and torch threads, as tt-moge batch does by def
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "code"))
+from perf import common
 
-from tt_moge.argtypes import wxh  # noqa: E402
+from tt_moge.cli.argtypes import wxh  # noqa: E402
 
 
 def make_photos(folder: Path, count: int, size: tuple) -> None:
@@ -61,7 +59,7 @@ def main(argv=None) -> int:
     parser.add_argument("--address", default=None, help="a Ray cluster instead of a local Ray per run")
     args = parser.parse_args(argv)
 
-    from tt_moge.batch import run_batch
+    from tt_moge.batch import BatchJob, run_batch
 
     counts = [int(c) for c in args.replicas.split(",")]
     resolution, size = args.resolution, args.size
@@ -77,10 +75,12 @@ def main(argv=None) -> int:
         for run in range(args.runs):
             for n in counts:  # interleaved, so that a change in the machine's load hits every count alike
                 t = time.perf_counter()
-                summary = run_batch([photos], Path(tmp) / f"out-{n}-{run}", weights=weights, device=args.device,
-                                    resolution=resolution, num_tokens=args.num_tokens, formats=["npz"], replicas=n,
-                                    cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
-                                    batch_size=args.batch_size, address=args.address, quiet=True)
+                model = {"pretrained_model_name_or_path": weights, "device": args.device, "resolution": resolution,
+                         "num_tokens": args.num_tokens}
+                summary = run_batch(BatchJob([photos], Path(tmp) / f"out-{n}-{run}", model=model, formats=["npz"],
+                                             replicas=n, cpus_per_replica=args.cpus_per_replica,
+                                             gpus_per_replica=args.gpus_per_replica, batch_size=args.batch_size,
+                                             address=args.address, quiet=True))
                 if summary.done != args.images:
                     raise SystemExit(f"run with {n} replicas: {summary.line()}")
                 results.setdefault(n, []).append(summary)
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         base_job, base_steady = base_job or job, base_steady or steady
         print(f"  {n} replica(s): {job:6.2f} images/s job ({job / base_job:.2f}x)   "
               f"{steady:6.2f} images/s steady ({steady / base_steady:.2f}x)")
-    print("\nrerun: python " + " ".join(shlex.quote(a) for a in [str(Path(__file__).relative_to(ROOT)), *sys.argv[1:]]))
+    print(f"\nrerun: {common.rerun_command()}")
     return 0
 
 

@@ -5,8 +5,8 @@ One model call makes a MoGeOutput for the image; then each format group is writt
 temporary folder. Prints the median and minimum per group, the file sizes, the model call time and the ratio
 (all formats / model call): above 1 / --writers, file writing, not the model, limits `tt-moge predict`.
 
-    python perf/cli/export_bench.py                                   # media/source.png, random weights
-    python perf/cli/export_bench.py --weights /models/moge-2 --image photo.jpg --runs 10 --device cuda
+    python -m perf.cli.export_bench                                   # media/source.png, random weights
+    python -m perf.cli.export_bench --weights /models/moge-2 --image photo.jpg --runs 10 --device cuda
 
 Without --weights a random-weight tiny checkpoint is written to a temporary folder (the geometry is then
 meaningless, but the file sizes and times are those of a real image of that size; random weights mask about a
@@ -15,17 +15,16 @@ quarter of the pixels).
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "code"))
+from perf import common
+from perf.common import ROOT
 
-from tt_moge.argtypes import wxh  # noqa: E402
+from tt_moge.cli.argtypes import wxh  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -76,7 +75,7 @@ def main(argv=None) -> int:
             sizes = ", ".join(f"{p.name} {p.stat().st_size / 1e6:.1f}" for p in sorted(out.iterdir()) if p.name != "result.json")
             print(f"{'+'.join(group):<22}{totals[group] * 1e3:>10.0f}{min(times) * 1e3:>9.0f}   {sizes}")
         print(f"all formats / model call: {totals[FORMATS] / call:.2f}")
-    print("rerun: python " + " ".join(shlex.quote(a) for a in [str(Path(__file__).relative_to(ROOT))] + list(sys.argv[1:] if argv is None else argv)))
+    print(f"rerun: {common.rerun_command(argv)}")
     return 0
 
 

@@ -4,14 +4,13 @@ Candidates (each only if importable): Pillow (the reference), OpenCV, pyspng (li
 PyTurboJPEG (libjpeg-turbo), and tt_moge's decoder (PNG: ISA-L inflate + native unfilter; JPEG: libjpeg-turbo through simplejpeg when installed, else OpenCV).
 "exact" = the same (H, W, 3) uint8 pixels as Pillow's `convert("RGB")`.
 
-    python perf/host/decode_bench.py                       # media/source.png if present, else a synthetic photo
-    python perf/host/decode_bench.py --image photo.png --runs 30
+    python -m perf.host.decode_bench                       # media/source.png if present, else a synthetic photo
+    python -m perf.host.decode_bench --image photo.png --runs 30
 """
 from __future__ import annotations
 
 import argparse
 import io
-import shlex
 import statistics
 import sys
 import time
@@ -19,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "code"))
+from perf import common
+from perf.common import ROOT
 
 
 def pillow(data: bytes) -> np.ndarray:
@@ -138,7 +137,7 @@ def main(argv=None) -> int:
         if kind == "png":
             for name, fn in inflate_only(data).items():
                 print(f"  png  inflate-only {name:6s} {median_ms(fn, args.runs):7.2f} ms")
-    print("rerun: python " + " ".join(shlex.quote(a) for a in [str(Path(__file__).relative_to(ROOT))] + (argv if argv is not None else sys.argv[1:])))
+    print(f"rerun: {common.rerun_command(argv)}")
     return 0
 
 

@@ -7,25 +7,22 @@ upstream's own `infer` with its `forward` replaced by a function that hands back
 the same maps, with the native host library and with the torch path. The runs alternate between the two so
 that load changes on a shared machine hit both alike.
 
-    python perf/host/postprocess_vs_upstream.py                      # random-weight checkpoint, 1920x1080
-    python perf/host/postprocess_vs_upstream.py --weights model.pt --runs 50
+    python -m perf.host.postprocess_vs_upstream                      # random-weight checkpoint, 1920x1080
+    python -m perf.host.postprocess_vs_upstream --weights model.pt --runs 50
 
 Needs the upstream oracle (pip install --no-deps dlr-moge==2.0.0 dlr-utils3d==1.3).
 """
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "code"))
+from perf import common
 
-from tt_moge.argtypes import wxh  # noqa: E402
+from tt_moge.cli.argtypes import wxh  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -45,7 +42,8 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message="In CPU autocast")  # upstream's fp32 autocast block on the CPU
 
     from tt_moge import MoGeModel
-    from tt_moge.host import CallOptions, native, plan_canvas, postprocess
+    from tt_moge import native
+    from tt_moge.host import CallOptions, plan_canvas, postprocess
     from tt_moge.runners.base import RawMaps
     from tt_moge.testing import calibration_image, make_checkpoint
     from tt_moge.weights import read_checkpoint
@@ -117,7 +115,7 @@ def main(argv=None) -> int:
         print(f"  tt_moge {path:6s} solve {solve:6.2f} + finish {fin:6.2f} = {total:8.2f} ms "
               f"({min(t['solve'] + t['finish'] for t in ours[path]):.2f}){extra}   ratio to upstream {total / up_ms:.3f} "
               f"(1/{up_ms / total:.1f})")
-    print("rerun: python " + " ".join(shlex.quote(a) for a in [str(Path(__file__).relative_to(ROOT))] + (argv if argv is not None else sys.argv[1:])))
+    print(f"rerun: {common.rerun_command(argv)}")
     tmp.cleanup()
     return 0
 

@@ -8,9 +8,9 @@ the map's scale, normal angle, mask probability, metric scale) and output errors
 A plain random checkpoint has degenerate geometry (its mask is often all invalid), so its output rows may
 say "n/a"; the raw rows still compare.
 
-    python perf/runners/accuracy.py                      # bf16 vs fp32, 2 checkpoints x 2 images
-    python perf/runners/accuracy.py --precision fp16     # on a CUDA machine: --device cuda
-    python perf/runners/accuracy.py --precision bf16,int8 --outliers   # networks with outlier channels
+    python -m perf.runners.accuracy                      # bf16 vs fp32, 2 checkpoints x 2 images
+    python -m perf.runners.accuracy --precision fp16     # on a CUDA machine: --device cuda
+    python -m perf.runners.accuracy --precision bf16,int8 --outliers   # networks with outlier channels
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-import common
+from perf import common
 
 
 def _angle_deg(a: np.ndarray, b: np.ndarray) -> np.ndarray:

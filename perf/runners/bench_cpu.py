@@ -6,8 +6,8 @@ a machine's changing load hits both alike; the script prints per-call medians, t
 rerun it. Upstream's default `infer(use_fp16=True)` is far too slow on CPU to repeat: `--upstream-fp16-cap S`
 runs it once in a subprocess and reports its time or that it did not finish within S seconds.
 
-    python perf/runners/bench_cpu.py --repeats 5
-    python perf/runners/bench_cpu.py --precision bf16,int8 --threads 1   # steadier on a shared machine
+    python -m perf.runners.bench_cpu --repeats 5
+    python -m perf.runners.bench_cpu --precision bf16,int8 --threads 1   # steadier on a shared machine
 """
 from __future__ import annotations
 
@@ -16,19 +16,19 @@ import subprocess
 import sys
 import time
 
-import common
+from perf import common
 
 
 def _upstream_fp16_capped(path, size, tokens, cap_s: float) -> str:
     code = (
-        "import sys, time, torch; sys.path.insert(0, %r); import common; "
+        "import time, torch; from perf import common; "
         "m = common.load_upstream(%r); a = common.photo(%r); "
         "x = torch.from_numpy(a).permute(2, 0, 1).float() / 255; t = time.perf_counter(); "
         "m.infer(x, num_tokens=%d); print(time.perf_counter() - t)"
-    ) % (str(common.HERE), str(path), tuple(size), tokens)
+    ) % (str(path), tuple(size), tokens)
     t = time.perf_counter()
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=cap_s)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=cap_s, cwd=common.ROOT)
     except subprocess.TimeoutExpired:
         return f"did not finish in {cap_s:.0f} s (stopped; load + call)"
     if out.returncode != 0:

@@ -8,14 +8,14 @@ bare `forward` under fp16 autocast. Prints per-call medians, the ratios and the 
 
 NOT YET RUN: this session had no GPU. The script needs CUDA and says so without it.
 
-    python perf/runners/bench_cuda.py --calls 50
+    python -m perf.runners.bench_cuda --calls 50
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-import common
+from perf import common
 
 
 def _median_ms(fn, calls: int, sync) -> tuple:

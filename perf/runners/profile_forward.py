@@ -1,16 +1,16 @@
 """Where the CPU forward's time goes: per stage (ViT encoder, neck + heads, resize to the canvas + output
 activations) and per operator (torch.profiler), for the reference network or the fixed-shape graph.
 
-    python perf/runners/profile_forward.py --precision bf16 --threads 1
-    python perf/runners/profile_forward.py --precision fp32 --threads 1     # the reference network
-    python perf/runners/profile_forward.py --precision int8 --torch-glue    # int8 quantisation in torch ops
+    python -m perf.runners.profile_forward --precision bf16 --threads 1
+    python -m perf.runners.profile_forward --precision fp32 --threads 1     # the reference network
+    python -m perf.runners.profile_forward --precision int8 --torch-glue    # int8 quantisation in torch ops
 """
 from __future__ import annotations
 
 import argparse
 import time
 
-import common
+from perf import common
 
 
 def main() -> None:

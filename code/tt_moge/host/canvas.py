@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from ..constants import FITS, PAD_GRAY
-from . import buffers, native
+from .. import native
+from . import buffers
 from .decode import InputError, float_to_uint8
 
 __all__ = ["CanvasPlan", "plan_canvas", "fit_to_canvas", "validate_fit"]

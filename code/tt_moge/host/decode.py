@@ -109,7 +109,8 @@ def _inflater():
 
 def _decode_png_fast(data: bytes, name: str) -> Optional[np.ndarray]:
     """8-bit non-interlaced gray/RGB/RGBA PNG -> (H, W, 3) uint8, or None when Pillow must decode it."""
-    from . import buffers, native
+    from .. import native
+    from . import buffers
 
     lib = native.library()
     if lib is None or len(data) < 33 or data[12:16] != b"IHDR":

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from ..constants import MASK_THRESHOLD
 from ..output import MoGeOutput
 from ..runners.base import RawMaps
-from . import buffers, native
+from .. import native
+from . import buffers
 from .canvas import CanvasPlan
 
 __all__ = ["camera_intrinsics", "finish", "projection_factors"]

@@ -1,44 +1,58 @@
 """Device runners: each turns a canvas into raw maps on one kind of device.
 
 `make_runner(network, canvas_size, num_tokens, device, precision)` picks the runner for a device and a
-precision (see `precision.py` for the table): the float32 reference (`TorchRunner`), the bfloat16 CPU graph
-(`CpuGraphRunner`) or the CUDA-graph runner (`CudaGraphRunner`).
+concrete precision (resolved once by `tt_moge.options.LoadOptions`; see `precision.py` for the table): the
+float32 reference (`TorchRunner`), the bfloat16 CPU graph (`CpuGraphRunner`) or the CUDA-graph runner
+(`CudaGraphRunner`). The names are imported on first use, so that `runners.ttnn`'s device graph (numpy and
+ttnn only) imports without torch.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any
-
-import torch
-
-from ..network import MoGe2Network
-from .base import PendingMaps, RawMaps, Runner
-from .cpu import CpuGraphRunner
-from .precision import PRECISIONS, cpu_has_int8_dot, cpu_has_native_bf16, resolve_precision
-from .torch_runner import TorchRunner
 
 __all__ = ["PRECISIONS", "PendingMaps", "RawMaps", "Runner", "TorchRunner", "CpuGraphRunner", "make_runner",
            "resolve_precision", "cpu_has_native_bf16"]
 
+_LAZY = {"PendingMaps": "base", "RawMaps": "base", "Runner": "base", "CpuGraphRunner": "cpu",
+         "TorchRunner": "torch_runner", "PRECISIONS": "precision", "resolve_precision": "precision",
+         "cpu_has_native_bf16": "precision", "cpu_has_int8_dot": "precision", "DTYPES": "precision"}
 
-def make_runner(network: MoGe2Network, canvas_size: tuple, num_tokens: int, device: Any = "cpu",
-                precision: str = "auto") -> Runner:
-    """The runner for `device` ("cpu", "cuda[:N]" or a torch.device) at `precision` ("auto", "fp32", "bf16",
-    "fp16", "int8"). Takes ownership of `network` (it may be moved or converted)."""
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def make_runner(network: Any, canvas_size: tuple, num_tokens: int, device: Any = "cpu", precision: str = "bf16") -> Any:
+    """The runner for `device` ("cpu", "cuda[:N]" or a torch.device) at a concrete `precision` ("fp32", "bf16",
+    "fp16", "int8"; see `resolve_precision` for "auto"). Takes ownership of `network` (it may be moved or
+    converted)."""
+    import warnings
+
+    import torch
+
+    from . import precision as precisions
+    from .cpu import CpuGraphRunner
+    from .torch_runner import TorchRunner
+
     device = torch.device(device)
-    chosen = resolve_precision(precision, device)
+    if precision not in (*precisions.DTYPES, "int8"):
+        raise ValueError(f"make_runner takes a resolved precision {(*precisions.DTYPES, 'int8')}, got {precision!r}")
     if device.type == "cpu":
-        if chosen == "fp32":
+        if precision == "fp32":
             return TorchRunner(network, canvas_size, num_tokens, device)
-        if not cpu_has_native_bf16():
-            warnings.warn(f"precision={chosen!r}: this CPU has no bfloat16 dot-product instructions (AVX512-BF16 / AMX), "
+        if not precisions.cpu_has_native_bf16():
+            warnings.warn(f"precision={precision!r}: this CPU has no bfloat16 dot-product instructions (AVX512-BF16 / AMX), "
                           "so PyTorch emulates them and the forward is slower than 'fp32'", RuntimeWarning, stacklevel=2)
-        if chosen == "int8" and not cpu_has_int8_dot():
+        if precision == "int8" and not precisions.cpu_has_int8_dot():
             warnings.warn("precision='int8': this CPU has no int8 dot-product instructions (VNNI / AMX), so the int8 "
                           "matmuls are slower than 'bf16'", RuntimeWarning, stacklevel=2)
-        return CpuGraphRunner(network, canvas_size, num_tokens, chosen)
+        return CpuGraphRunner(network, canvas_size, num_tokens, precision)
     if not torch.cuda.is_available():
         raise ValueError(f"device={str(device)!r}: no CUDA GPU is available on this machine (torch {torch.__version__})")
     from .cuda import CudaGraphRunner  # imported here: nothing CUDA-specific runs on CPU-only machines
 
-    return CudaGraphRunner(network, canvas_size, num_tokens, device, chosen)
+    return CudaGraphRunner(network, canvas_size, num_tokens, device, precision)

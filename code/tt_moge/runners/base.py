@@ -60,3 +60,21 @@ class Runner:
 
     def close(self) -> None:
         pass
+
+
+class ReplayRunner(Runner):
+    """Returns the same raw maps for every canvas: the host warm-ups of `MoGeModel` run every host path of a
+    call kind without running the device again (see `tt_moge.warmup`)."""
+
+    name = "replay"
+
+    def __init__(self, maps: RawMaps, like: Runner):
+        self._maps = maps
+        self.device = like.device
+        self.precision = like.precision
+
+    def forward(self, canvas: torch.Tensor) -> RawMaps:
+        return self._maps
+
+    def submit(self, canvas: torch.Tensor) -> PendingMaps:
+        return PendingMaps(self._maps)

@@ -1,4 +1,4 @@
-"""The CPU runner's native kernels (`tt_moge/host/native/cpu_kernels.cpp`, in the host library): the fused
+"""The CPU runner's native kernels (`tt_moge/native/cpu_kernels.cpp`, in the host library): the fused
 bfloat16 attention, and the int8 glue (per-row quantisation with the smoothing of `Int8Linear`, int32 -> float
 dequantisation) with a torch reference for each.
 
@@ -30,7 +30,7 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 def native_library():
     """The loaded host library, or None (torch path). Its runner kernels use one thread until
     `moge_runner_set_threads` (CpuGraphRunner sets torch's thread count before each forward)."""
-    from ..host import native
+    from .. import native
 
     return native.library()
 

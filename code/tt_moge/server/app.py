@@ -15,7 +15,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -90,23 +89,6 @@ class Health(BaseModel):
 
 class Ready(BaseModel):
     ready: bool
-
-
-def _finite(x: Any) -> Optional[float]:
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def summarize(out: MoGeOutput) -> dict:
-    """The fields of `Summary` but timing_ms (added once the request is done)."""
-    w, h = out.size
-    return dict(
-        width=w, height=h, valid_fraction=out.valid_fraction, median_depth_m=_finite(out.median_depth),
-        fov_x_deg=_finite(out.fov_x), fov_y_deg=_finite(out.fov_y), metric_scale=_finite(out.metric_scale),
-        intrinsics=[[_finite(v) for v in row] for row in out.intrinsics],
-        intrinsics_pixels=[[_finite(v) for v in row] for row in out.intrinsics_pixels],
-        has_normal=out.normal is not None,
-    )
 
 
 def _is_loopback(request: Request) -> bool:
@@ -344,7 +326,7 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
                               apply_mask: bool = mask_q, force_projection: bool = proj_q) -> JSONResponse:
         check_query(request, OPTION_NAMES)
         options = dict(fit=fit, fov_x=fov_x, apply_mask=apply_mask, force_projection=force_projection)
-        summary, timing = await run_prediction(request, options, summarize)
+        summary, timing = await run_prediction(request, options, MoGeOutput.summary)
         body = Summary(**summary, timing_ms=Timing(**timing)).model_dump()
         return JSONResponse(body, headers=timing_headers(timing))
 

@@ -1,0 +1,249 @@
+"""`tt-moge batch` on a local Ray with 2 CPU replicas and a tiny random-weight checkpoint: a folder of 20 small
+photos plus a corrupt one. Checked: every npz is bit-identical to the Python API, the corrupt image is in the
+failures file and the rest is done, a rerun recomputes nothing, a replica killed mid-job still leaves every image
+done exactly once (Parquet: one row per image), and without Ray a clear error and exit code 3.
+
+One local Ray for the module (started with the library's own init_local_ray, shut down at the end); the jobs
+reuse it. About a minute on 2 busy cores, most of it replica start-up (torch import, model load)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tt_moge.batch import CRASH_ENV, FAILURES_FILE, SHARDS_DIR, BatchJob, init_local_ray, run_batch
+from tt_moge.cli import main
+from tt_moge.output import MoGeOutput
+
+CANVAS, TOKENS = (448, 252), 1200
+MODEL_ARGS = ["--device", "cpu", "--resolution", f"{CANVAS[0]}x{CANVAS[1]}", "--num-tokens", str(TOKENS)]
+REPLICAS = 2
+CORRUPT = "zz_broken.jpg"
+CALL = {"fit": "stretch", "fov_x": 60.0}  # non-default call options: they must reach the replicas
+
+
+def model_args(ckpt) -> dict:
+    """The from_pretrained arguments of the test model (BatchJob.model)."""
+    return {"pretrained_model_name_or_path": ckpt, "device": "cpu", "resolution": CANVAS, "num_tokens": TOKENS}
+
+
+CODE_DIR = Path(__file__).resolve().parents[1]
+
+
+def run_cli(args: list) -> tuple:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> dict:
+    """20 photos of 64-160 px (PNG and JPEG, some in a subfolder) and a corrupt JPEG -> {output name: path}."""
+    from tt_moge.testing import calibration_image
+
+    root = tmp_path_factory.mktemp("photos")
+    names = {}
+    for i in range(20):
+        w, h = 64 + 5 * i, 160 - 4 * i
+        rgb = (calibration_image(w, h, seed=i)[0].permute(1, 2, 0).numpy() * 255).astype(np.uint8)
+        rgb[h // 4:h // 2, w // 3:2 * w // 3] = (250, 240, 30)  # a sharp-edged block: depth discontinuities
+        rel = f"sub/p{i:02d}.jpg" if i % 5 == 0 else f"p{i:02d}.png"
+        (root / rel).parent.mkdir(exist_ok=True)
+        Image.fromarray(rgb).save(root / rel, quality=90)
+        names[rel.rsplit(".", 1)[0]] = root / rel
+    (root / CORRUPT).write_bytes(b"\xff\xd8\xff\xe0" + bytes(range(256)) * 4)  # a JPEG header, then noise
+    return {"root": root, "valid": names, "corrupt": root / CORRUPT}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray", reason="the batch tests need the ray extra: pip install 'code/[ray]'")
+    pytest.importorskip("ray.data")
+    assert not ray.is_initialized()
+    init_local_ray(ray, 3, num_gpus=0, quiet=True)  # 2 replicas x 1 CPU + a read task, on any machine
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ckpt(checkpoint):
+    return checkpoint("tiny-vits-normal")
+
+
+@pytest.fixture(scope="module")
+def expected(ckpt, photos) -> dict:
+    """{output name: npz arrays} from MoGeModel in this process, same checkpoint and options, one torch thread
+    like each replica (the CPU kernels' summation order depends on the thread count)."""
+    import torch
+
+    from tt_moge import MoGeModel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with MoGeModel.from_pretrained(ckpt, device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0,
+                                      warmup_variants="none") as model:
+            return {name: model(path, **CALL).npz_arrays() for name, path in photos["valid"].items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_same_arrays(got: dict, want: dict, name: str) -> None:
+    assert sorted(got) == sorted(want), name
+    for key in want:
+        assert got[key].dtype == want[key].dtype and np.array_equal(got[key], want[key], equal_nan=True), f"{name}: {key}"
+    valid = want["mask"].mean()
+    assert 0.05 < valid < 0.995, f"{name}: valid fraction {valid} (a comparison of all-valid/all-invalid maps proves little)"
+    assert np.isfinite(want["points"][want["mask"].astype(bool)]).all()
+
+
+def file_times(out: Path) -> dict:
+    return {p.relative_to(out).as_posix(): p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+
+
+# ---------------------------------------------------------------------------------------- files, CLI
+@pytest.fixture(scope="module")
+def files_run(local_ray, ckpt, photos, tmp_path_factory):
+    out = tmp_path_factory.mktemp("batch_files")
+    code, stdout, stderr = run_cli(["batch", photos["root"], "-o", out, "--weights", ckpt, *MODEL_ARGS,
+                                    "--replicas", REPLICAS, "--batch-size", 3, "--npz",
+                                    "--fit", CALL["fit"], "--fov-x", CALL["fov_x"]])
+    return code, stdout, stderr, out
+
+
+def test_every_image_is_done_and_bit_identical_to_the_api(files_run, photos, expected):
+    code, stdout, stderr, out = files_run
+    assert code == 1, f"exit code 1: one image failed\n{stdout}\n{stderr}"
+    assert "20 done, 1 failed, 0 skipped (already done) of 21 images" in stdout
+    assert "images/s with 2 replicas" in stdout
+    for name, want in expected.items():
+        record = json.loads((out / name / "result.json").read_text())
+        assert record["source"] == str(photos["valid"][name].resolve())
+        assert record["files"] == ["result.npz", "result.json"]
+        with np.load(out / name / "result.npz") as npz:
+            assert_same_arrays(dict(npz), want, name)
+    dirs = {p.parent.relative_to(out).as_posix() for p in out.rglob("result.json")}
+    assert dirs == set(expected), "one folder per valid image, in the layout of tt-moge predict"
+    record = json.loads((out / "batch.json").read_text())
+    assert (record["done"], record["failed"], record["skipped"], record["total"]) == (20, 1, 0, 21)
+
+
+def test_corrupt_image_is_in_the_failures_file(files_run, photos):
+    code, stdout, stderr, out = files_run
+    lines = (out / FAILURES_FILE).read_text().splitlines()
+    assert len(lines) == 1
+    failure = json.loads(lines[0])
+    assert failure["input"] == str(photos["corrupt"].resolve()) and failure["name"] == "zz_broken"
+    assert "not a decodable image" in failure["error"] and CORRUPT in failure["error"]
+    assert f"failed: image file '{photos['corrupt'].resolve()}'" in stderr, "reported while the job runs"
+    assert not (out / "zz_broken").exists()
+
+
+def test_rerun_recomputes_nothing(files_run, local_ray, ckpt, photos):
+    code, stdout, stderr, out = files_run
+    before = file_times(out)
+    again = run_batch(BatchJob([photos["root"]], out, model=model_args(ckpt), formats=["npz"], replicas=REPLICAS,
+                               batch_size=3, progress=False))
+    assert (again.done, again.failed, again.skipped, again.total) == (0, 1, 20, 21)
+    assert again.replicas == 1, "one image left: one replica, not two"
+    after = file_times(out)
+    changed = {k for k in before if before[k] != after.get(k)} - {FAILURES_FILE, "batch.json"}
+    assert not changed, f"a rerun rewrote {sorted(changed)}"
+    assert set(after) == set(before)
+    assert len((out / FAILURES_FILE).read_text().splitlines()) == 1, "the corrupt image was tried again, and failed"
+
+
+# ------------------------------------------------------------------------------ Parquet, a replica killed
+def test_replica_killed_mid_job_every_image_done_exactly_once(local_ray, ckpt, photos, expected, tmp_path,
+                                                            monkeypatch):
+    import pyarrow.parquet as pq
+
+    import shutil
+
+    inputs = tmp_path / "photos"
+    shutil.copytree(photos["root"], inputs)
+    trap = tmp_path / "trap"
+    trap.mkdir()
+    (trap / "armed").write_text("")  # the first replica to finish a batch kills itself before reporting it
+    monkeypatch.setenv(CRASH_ENV, str(trap))
+    out = tmp_path / "out"
+    summary = run_batch(BatchJob([inputs], out, model=model_args(ckpt), output_format="parquet", replicas=REPLICAS,
+                                 batch_size=3, progress=False, **CALL))
+    assert (trap / "fired").exists() and not (trap / "armed").exists(), "a replica died mid-job"
+    assert (summary.done, summary.failed, summary.skipped) == (20, 1, 0)
+    assert sorted(summary.done_names) == sorted(expected), "each image reported once"
+    assert [Path(p).name for p, _ in summary.failures] == [CORRUPT]
+
+    rows = [row for shard in sorted((out / SHARDS_DIR).glob("*.parquet")) for row in pq.read_table(shard).to_pylist()]
+    names = [row["name"] for row in rows]
+    assert sorted(names) == sorted(expected), "every image exactly once on disk: no duplicate, none missing"
+    assert not list((out / SHARDS_DIR).glob(".*")), "no temporary shard left behind"
+    for row in rows:
+        assert_same_arrays(MoGeOutput.from_npz(row["npz"]).npz_arrays(), expected[row["name"]], row["name"])
+        assert json.loads(row["result"])["source"] == row["source"] == str((inputs / photos["valid"][row["name"]].relative_to(photos["root"])).resolve())
+
+    # resume from the shards: with the corrupt file gone, the same command has nothing left to do (no job at all)
+    (inputs / CORRUPT).unlink()
+    resumed = run_batch(BatchJob([inputs], out, model={"pretrained_model_name_or_path": ckpt}, output_format="parquet",
+                                 replicas=REPLICAS, progress=False))
+    assert (resumed.done, resumed.failed, resumed.skipped, resumed.seconds) == (0, 0, 20, 0.0)
+
+
+# ----------------------------------------------------------------------------------- no Ray, bad usage
+def test_without_ray_a_clear_error_and_exit_code_3(photos, tmp_path, monkeypatch):
+    from tt_moge.batch import RayMissingError
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    monkeypatch.setitem(sys.modules, "ray.data", None)
+    with pytest.raises(RayMissingError, match=r"tt-moge\[ray\]"):
+        run_batch(BatchJob([photos["root"]], tmp_path / "out", model={"pretrained_model_name_or_path": "unused"}))
+    code, stdout, stderr = run_cli(["batch", photos["root"], "-o", tmp_path / "out2", "-q"])
+    assert code == 3 and "pip install 'tt-moge[ray]'" in stderr
+
+
+def test_the_package_imports_without_ray():
+    script = ("import sys; sys.modules['ray'] = None\n"
+              "import tt_moge, tt_moge.cli, tt_moge.batch, tt_moge.cli.batch\n"
+              "assert tt_moge.cli.main(['batch', '--help']) == 0\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=CODE_DIR, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--replicas" in done.stdout and "RAY_ADDRESS" in done.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--format", "parquet", "--npz"], "choose the files of --format files"),
+    (["--replicas", "0"], "expected a positive integer"),
+    (["--gpus-per-replica", "-1"], "expected a number >= 0"),
+    (["--format", "csv"], "invalid choice"),
+])
+def test_bad_command_lines_exit_2(photos, tmp_path, args, message):
+    code, stdout, stderr = run_cli(["batch", photos["root"], "-o", tmp_path / "out", *args])
+    assert code == 2 and message in stderr
+
+
+def test_missing_input_exits_2_before_anything_starts(tmp_path):
+    code, stdout, stderr = run_cli(["batch", tmp_path / "nope", "-o", tmp_path / "out"])
+    assert code == 2 and "no such file or folder" in stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_job_that_cannot_fit_stops_before_it_starts(local_ray, ckpt, photos, tmp_path):
+    # The module's Ray has 3 logical CPUs and no GPU: a GPU replica, or 3 replicas x 1 CPU + a read task, would wait forever.
+    code, stdout, stderr = run_cli(["batch", photos["root"], "-o", tmp_path / "gpu", "--weights", ckpt,
+                                    "--device", "cuda", "-q"])
+    assert code == 3 and "the job needs 1 GPU (1 replica(s) x 1), it has 0" in stderr
+    with pytest.raises(ValueError, match=r"the job needs 4 CPU \(3 replica\(s\) x 1 \+ 1 read task\), it has 3"):
+        run_batch(BatchJob([photos["root"]], tmp_path / "cpu", model=model_args(ckpt), replicas=3, cpus_per_replica=1,
+                           progress=False))
+    with pytest.raises(ValueError, match="needs GPUs for the replicas"):
+        run_batch(BatchJob([photos["root"]], tmp_path / "cpu", model={"pretrained_model_name_or_path": ckpt, "device": "cuda"},
+                           gpus_per_replica=0))
+    assert not list((tmp_path / "cpu").rglob("result.json"))

@@ -1,0 +1,124 @@
+"""The load options of `MoGeModel.from_pretrained`, validated and resolved once, before any weights are read.
+
+`LoadOptions.resolve(...)` takes the arguments as a caller gives them (the API, the server's and the CLI's
+flags) and returns one frozen record in which every choice is made: the weights source and revision, the
+torch device, the concrete precision, the canvas, the token budget, the Tenstorrent dispatch options and the
+canonical warm-up variants. The server resolves its flags this way before it binds its port, then loads from
+the same record; nothing downstream validates or resolves an option again.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, MAX_CANVAS_SIDE
+from .network import validate_token_budget
+from .runners.precision import resolve_precision
+from .warmup import expand_variants
+from .weights import DEFAULT_REPO, DEFAULT_REVISION
+
+__all__ = ["LoadOptions", "DISPATCH", "validate_resolution", "select_device", "normalize_revision"]
+
+DISPATCH = ("eth", "worker")
+DEFAULT_BRANCH_NAMES = ("main", "")  # revision names that mean "the default branch" (revision None)
+
+
+def validate_resolution(resolution: Any) -> tuple:
+    """A canvas (width, height) of ints, 64..MAX_CANVAS_SIDE per side, aspect ratio in [1/4, 4]."""
+    if isinstance(resolution, list):
+        resolution = tuple(resolution)
+    if (not isinstance(resolution, tuple) or len(resolution) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in resolution)):
+        raise ValueError(f"resolution must be a (width, height) pair of ints, got {resolution!r}")
+    w, h = resolution
+    if not (64 <= w <= MAX_CANVAS_SIDE and 64 <= h <= MAX_CANVAS_SIDE and 0.25 <= w / h <= 4.0):
+        raise ValueError(f"resolution must be a canvas of 64..{MAX_CANVAS_SIDE} pixels per side with an aspect ratio in [1/4, 4], got {w}x{h}")
+    return int(w), int(h)
+
+
+def normalize_revision(revision: Optional[str]) -> Optional[str]:
+    """The Hub revision to ask for: None (the default branch) for None, "" and "main"; else the name itself."""
+    if revision is not None and not isinstance(revision, str):
+        raise TypeError(f"revision must be a string or None, got {type(revision).__name__}")
+    return None if revision is None or revision.strip() in DEFAULT_BRANCH_NAMES else revision.strip()
+
+
+def select_device(device: Any = None, device_id: int = 0) -> torch.device:
+    """The torch device to run on. None: CUDA if present, else the CPU with a RuntimeWarning."""
+    if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
+        raise ValueError(f"device_id must be a non-negative int, got {device_id!r}")
+    if device is None:
+        if torch.cuda.is_available():
+            if device_id >= torch.cuda.device_count():
+                raise ValueError(f"device_id {device_id}: only {torch.cuda.device_count()} CUDA device(s) present")
+            return torch.device("cuda", device_id)
+        warnings.warn("no CUDA GPU found (and the Tenstorrent runner is not part of this build): running MoGe-2 on the CPU; "
+                      "pass device='cpu' to choose it explicitly", RuntimeWarning, stacklevel=4)
+        return torch.device("cpu")
+    if type(device).__module__.split(".")[0] == "ttnn":
+        raise ValueError("device: an open ttnn device was given, but this build has no Tenstorrent runner yet; use device='cpu' or 'cuda'")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: no CUDA GPU is available on this machine (torch {torch.__version__})")
+        index = dev.index if dev.index is not None else device_id
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) present")
+        return torch.device("cuda", index)
+    if dev.type != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    return dev
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """Every load-time choice of a MoGeModel, resolved (see `resolve`)."""
+
+    weights: str  # a Hub repo id, a folder holding model.pt, or a model.pt path, as given
+    revision: Optional[str]  # None: the default branch
+    device: torch.device
+    precision: str  # concrete: "fp32", "bf16", "fp16" or "int8"
+    resolution: tuple  # the canvas (width, height)
+    num_tokens: int
+    dispatch: str  # Tenstorrent: "eth" or "worker"
+    num_command_queues: Optional[int]  # Tenstorrent: None (1) or 1 or 2 (worker dispatch only)
+    warmup: int  # device forwards at load
+    warmup_variants: tuple  # canonical variants (see tt_moge.warmup)
+    verbose: bool = False
+
+    @classmethod
+    def resolve(cls, pretrained_model_name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, *,
+                device: Any = None, device_id: int = 0, revision: Optional[str] = DEFAULT_REVISION,
+                resolution: Sequence[int] = DEFAULT_CANVAS, num_tokens: int = DEFAULT_NUM_TOKENS,
+                dispatch: str = "eth", num_command_queues: Optional[int] = None, warmup: int = 2,
+                warmup_variants: Any = "default", verbose: bool = False, precision: str = "auto") -> "LoadOptions":
+        """Validate the arguments of `from_pretrained` (a ValueError/TypeError naming the argument) and resolve
+        them: the device (None -> CUDA, else the CPU with a RuntimeWarning), "auto" precision, "main" revision."""
+        if not isinstance(pretrained_model_name_or_path, (str, os.PathLike)):
+            raise TypeError("pretrained_model_name_or_path must be a repo id or a path, "
+                            f"got {type(pretrained_model_name_or_path).__name__}")
+        canvas = validate_resolution(resolution)
+        tokens = validate_token_budget(num_tokens)
+        if dispatch not in DISPATCH:
+            raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
+        if num_command_queues not in (None, 1, 2):
+            raise ValueError(f"num_command_queues must be None, 1 or 2, got {num_command_queues!r}")
+        if num_command_queues == 2 and dispatch != "worker":
+            raise ValueError("num_command_queues=2 needs dispatch='worker' (ETH dispatch supports 1 command queue)")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup must be a non-negative int (device forwards at load), got {warmup!r}")
+        variants = tuple(expand_variants(warmup_variants, canvas))
+        torch_device = select_device(device, device_id)
+        return cls(weights=os.fspath(pretrained_model_name_or_path), revision=normalize_revision(revision),
+                   device=torch_device, precision=resolve_precision(precision, torch_device), resolution=canvas,
+                   num_tokens=tokens, dispatch=dispatch, num_command_queues=num_command_queues, warmup=warmup,
+                   warmup_variants=variants, verbose=bool(verbose))
