@@ -1,4 +1,4 @@
-"""Host geometry against exact ground truth: the ray-cast demo scene (tt_moge.scene).
+"""Host geometry against exact ground truth: the ray-cast demo scene (tt_moge.testing.scene).
 
 The raw forward output is replaced by what a perfect network would predict for the canvas: the true canvas
 point map made affine (an unknown scale s and z-shift t: s * (X, Y, Z + t)), the true normals, a mask that is

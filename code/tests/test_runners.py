@@ -5,7 +5,7 @@
   (channels-last or not, head-by-head attention or SDPA, configs with norms, other resamplers, registers, no
   residual blocks): this is what proves the folds exact.
 * The graph in bfloat16 (the CPU default where the hardware has it) and float16 (the CUDA default; checked
-  here on CPU through the same code) stay within the tolerances documented in the README, and the check
+  here on CPU through the same code) stay within the tolerances documented in docs/devices-and-precision.md, and the check
   fails when one weight is broken.
 """
 from __future__ import annotations
@@ -123,7 +123,7 @@ def test_graph_in_fp32_equals_the_reference_to_roundoff(preset, channels_last, a
 
 # ------------------------------------------------------------------------------- reduced precision
 
-# Documented tolerances (README, "Devices and precision") for the tiny random test networks. Observed over
+# Documented tolerances (docs/devices-and-precision.md) for the tiny random test networks. Observed over
 # 3 presets x 2 images in bfloat16 (float16 is about 10x closer): points 3.5e-3, normal 0.64 deg, mask
 # probability 0.011, mask agreement 0.9986, scale 1.8e-3, encoder output 0.008 (relative rms), class token 0.006.
 REDUCED_LIMITS = {"points": 0.008, "normal_deg": 1.5, "mask_prob": 0.025, "mask_agree": 0.997, "scale": 0.005,

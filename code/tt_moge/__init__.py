@@ -6,7 +6,7 @@
 
 `MoGeModel` (the model facade), `MoGeOutput` (one result) and `load_image` (any supported image input -> an
 (H, W, 3) RGB array, as the model decodes it) are imported on first use, so that subpackages that do not need
-torch (the Tenstorrent graph, the command line's --help) can be imported without it.
+torch (the Tenstorrent device graph, which runs in a ttnn environment) can be imported without it.
 """
 __version__ = "0.1.0"
 

@@ -5,7 +5,7 @@ the maps of one 1920x1080 result (2 shared cores, loaded): zlib-6 28.7 MB in abo
 in about 85 ms; stored 47.7 MB. The writer below deflates each member once with ISA-L (zlib level 1 without the
 `isal` package), takes CRC-32 from ISA-L too (10x faster than zlib's), and copies each array once. Members
 smaller than `MIN_DEFLATE_BYTES` (intrinsics, scalars) are stored: deflate only makes them larger. The result
-is an ordinary zip: `np.load`, `zipfile` and `unzip -t` read it. `python -m tt_moge.server.bench encode` measures it.
+is an ordinary zip: `np.load`, `zipfile` and `unzip -t` read it. `python -m perf.server.server_bench encode` measures it.
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST}, this machine only)")
     server.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port; 0 = any free port (default: {DEFAULT_PORT})")
     server.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer KEY' on /predict and /info (default: ${API_KEY_ENV}, "
+                        help=f"require 'Authorization: Bearer KEY' on /predict, /predict/summary and /info (default: ${API_KEY_ENV}, "
                              "else no key; prefer the variable: a flag shows in the process list)")
     server.add_argument("--max-body-mb", type=float, default=_DEFAULTS.max_body_bytes / _MB,
                         help=f"largest request body in MiB (default: {_DEFAULTS.max_body_bytes / _MB:g})")

@@ -7,7 +7,7 @@ Accepted inputs (the spec's list, plus encoded bytes, which the server uses):
   * a torch tensor (3, H, W) / (1, 3, H, W) float in [0, 1], or (H, W, 3) uint8.
 EXIF orientation is not applied (as upstream MoGe reads pixels: in stored order).
 
-Encoded PNG and JPEG data take a fast path when it applies (see `perf/host/decode_bench.py` for the
+Encoded PNG and JPEG data take a fast path when it applies (see `python -m perf.host.decode_bench` for the
 measurements behind the choice), and Pillow otherwise; both give the same pixels:
   * PNG, 8-bit gray / gray+alpha / RGB / RGBA, not interlaced: the IDAT stream is inflated with ISA-L
     (`isal`, about 3x faster than zlib; zlib without it) and unfiltered by the native host library, straight

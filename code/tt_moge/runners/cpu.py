@@ -1,6 +1,6 @@
 """The fast CPU runner: the fixed-shape graph (`FixedShapeMoGe2`) in bfloat16, channels-last, with the constant
 work done at load and the fused native attention (`cpu_kernels`) where the CPU has AVX512-BF16; "int8" adds
-smoothed int8 ViT matmuls. See the README section "Devices and precision" for what it costs in accuracy against
+smoothed int8 ViT matmuls. See docs/devices-and-precision.md for what it costs in accuracy against
 the float32 reference (`TorchRunner`, precision="fp32")."""
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ dequantisation) with a torch reference for each.
 * int8 glue: for finite inputs bit-identical to the torch reference ops (the same float operations in the same order,
   tests/test_runners.py), one pass each where torch makes five or six over activations of up to 1825 x 4096.
   In the ViT-L 1920x1080 int8 forward that saved 0.02-0.2 s of a ~4 s encoder on this 2-core machine
-  (`perf/runners/profile_forward.py --precision int8 [--torch-glue]`).
+  (`python -m perf.runners.profile_forward --precision int8 [--torch-glue]`).
 
 They run when the host library is available when the runner is built (not with MOGE_HOST=torch then), on as
 many threads as torch uses (`torch.get_num_threads()`, set per forward by `CpuGraphRunner`).

@@ -8,7 +8,7 @@ forward of `from_pretrained`), after a few eager passes on the side stream that 
 their kernels.
 
 NOT YET RUN ON A GPU: written against the documented `torch.cuda.CUDAGraph` / `torch.cuda.graph` API and
-checked on CPU only through the code it shares (`FixedShapeMoGe2`). See the README, "Speed (device)".
+checked on CPU only through the code it shares (`FixedShapeMoGe2`). See docs/devices-and-precision.md.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Server limits and defaults: the one place their values are set (the CLI flags and the README read them)."""
+"""Server limits and defaults: the one place their values are set (the CLI flags and docs/server.md read them)."""
 from __future__ import annotations
 
 import os
