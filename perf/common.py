@@ -68,6 +68,30 @@ def median(values: list) -> float:
     return statistics.median(values)
 
 
+def cpu_line() -> str:
+    """This machine's CPU for a benchmark's output: model name, cores, and the flags that decide its fast paths."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512f", "avx2")
+    have = [f for f in wanted if f in flags]
+    return f"CPU: {model}, {os.cpu_count()} logical cores; {' '.join(have) or 'none of ' + ' '.join(wanted)}"
+
+
+def kernel_line(runner_info: dict) -> str:
+    """The CPU runner's chosen kernels (and why) from `model.info()["runner"]` / `runner.describe()`."""
+    chosen = [f"{key[:-4]}: {value}" for key, value in runner_info.items() if key.endswith("_why")]
+    return "kernels: " + ("; ".join(chosen) if chosen else "none chosen (not the CPU graph runner)")
+
+
 def rerun_command(argv=None) -> str:
     """The command that reruns the running benchmark with the same arguments: python -m perf.<group>.<name> ..."""
     spec = getattr(sys.modules["__main__"], "__spec__", None)

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
+# CPU kernel choices of this test session (and of the servers it starts) in a file of their own
+os.environ.setdefault("MOGE_KERNEL_CACHE", os.path.join(tempfile.mkdtemp(prefix="tt_moge-kernels-"), "kernels.json"))
 
 
 @pytest.fixture(scope="session")

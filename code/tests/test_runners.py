@@ -10,7 +10,9 @@
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -25,6 +27,7 @@ from tt_moge.runners import precision as precision_mod
 from tt_moge.runners.cpu_kernels import (attention_bf16, dequantize, dequantize_reference, native_attention_supported,
                                          native_library, quantize_rows, quantize_rows_reference)
 from tt_moge.runners.fixed_graph import FixedShapeMoGe2, HeadByHeadAttention, Int8Linear
+from tt_moge.runners.kernel_choice import FORCE_ENV, KernelCache, choose, fastest, forced_choices
 from tt_moge.testing import add_outlier_channels, calibration_image, make_network, model_config
 from tt_moge.warmup import synthetic_photo
 
@@ -167,12 +170,16 @@ INT8_LIMITS = {**REDUCED_LIMITS, "scale": 0.012, "cls_token": 0.04}
 
 
 @pytest.mark.parametrize("preset", ["tiny-vits-normal", "tiny-norms"])
-@pytest.mark.parametrize("precision", ["bf16", "fp16", "int8"])
-def test_reduced_precision_graph_is_within_documented_tolerance(preset, precision):
+@pytest.mark.parametrize("precision,attention", [("bf16", "heads"), ("bf16", "sdpa"), ("bf16", "native"),
+                                                 ("fp16", "sdpa"), ("int8", "heads"), ("int8", "native")])
+def test_reduced_precision_graph_is_within_documented_tolerance(preset, precision, attention):
+    """Every attention kernel the CPU runner may choose (and the CUDA path's SDPA in float16) stays within the
+    documented limits, so the chooser may pick any of them by speed alone."""
+    native = None if precision == "fp16" else native_library()  # as CpuGraphRunner: fused attention, int8 glue
+    if attention == "native" and not native_attention_supported(native, 64):
+        pytest.skip("the native attention needs an AVX512-BF16 build (this CPU has none)")
     net = _network(preset)
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
-    attention = "sdpa" if precision == "fp16" else "heads"  # the CUDA and the CPU paths
-    native = None if precision == "fp16" else native_library()  # as CpuGraphRunner: fused attention, int8 glue
     graph = FixedShapeMoGe2(net, SMALL, SMALL_TOKENS, dtype, attention=attention, vit_int8=precision == "int8",
                             native=native)
     err = _graph_errors(graph, net, calibration_image(*SMALL, seed=6))
@@ -339,8 +346,11 @@ def test_make_runner_picks_the_runner(monkeypatch):
     runner = make_runner(net, SMALL, SMALL_TOKENS, "cpu", "bf16")
     assert isinstance(runner, CpuGraphRunner) and runner.describe()["precision"] == "bf16"
     fused = native_attention_supported(native_library(), 64)
-    assert runner.describe()["attention"] == ("native fused" if fused else "torch head by head")
-    runner = make_runner(net, SMALL, SMALL_TOKENS, "cpu", "int8")
+    info = runner.describe()
+    assert info["attention"] in (("native", "sdpa", "heads") if fused else ("sdpa", "heads"))
+    assert info["attention"] == runner.graph.blocks[0].attention and info["attention_why"].startswith(info["attention"])
+    with _forced("attention=sdpa,int8_matmul=int8"):
+        runner = make_runner(net, SMALL, SMALL_TOKENS, "cpu", "int8")
     assert isinstance(runner.graph.blocks[0].ffn_in, Int8Linear) and runner.describe()["precision"] == "int8"
     monkeypatch.setattr(precision_mod, "cpu_has_native_bf16", lambda: False)
     with pytest.warns(RuntimeWarning, match="emulates"):
@@ -356,14 +366,71 @@ def test_host_path_torch_keeps_the_cpu_runner_off_native_kernels():
 
     previous = native.set_host_path("torch")
     try:
-        runner = make_runner(_network("tiny-vits"), SMALL, SMALL_TOKENS, "cpu", "int8")
+        with _forced("int8_matmul=int8"):
+            runner = make_runner(_network("tiny-vits"), SMALL, SMALL_TOKENS, "cpu", "int8")
     finally:
         native.set_host_path(previous)
     info = runner.describe()
-    assert info["attention"] == "torch head by head" and info["native_int8_glue"] is False
+    assert info["attention"] in ("sdpa", "heads") and info["native_int8_glue"] is False
     assert all(m.lib is None for m in runner.graph.modules() if isinstance(m, Int8Linear))
     runner.close()
     assert runner.describe()["precision"] == "int8"  # still answers after close
+
+
+@contextlib.contextmanager
+def _forced(choices: str):
+    """$MOGE_CPU_KERNELS set for the duration (the kernel chooser reads it at load)."""
+    previous = os.environ.get(FORCE_ENV)
+    os.environ[FORCE_ENV] = choices
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(FORCE_ENV)
+        else:
+            os.environ[FORCE_ENV] = previous
+
+
+def test_kernel_chooser_picks_the_faster_candidate_and_caches_it(tmp_path):
+    """Given the speeds (a fake timer: no timing in the test), the faster kernel wins, the choice is cached per
+    key, a cached choice is not timed again, and $MOGE_CPU_KERNELS overrides both."""
+    speeds = {"slow": 5.0, "fast": 2.0}
+    timed = []
+
+    def timer(fn, repeats):
+        name = fn()
+        timed.append(name)
+        return speeds[name]
+
+    candidates = {"slow": lambda: "slow", "fast": lambda: "fast"}
+    cache = KernelCache(tmp_path / "kernels.json")
+    first = choose("attention", candidates, "cpu A", cache=cache, forced={}, timer=timer)
+    assert (first.kernel, first.how, sorted(timed)) == ("fast", "measured", ["fast", "slow"])
+    assert first.times_ms == speeds and "fast 2.0 ms" in first.describe()
+    timed.clear()
+    again = choose("attention", candidates, "cpu A", cache=KernelCache(tmp_path / "kernels.json"), forced={}, timer=timer)
+    assert (again.kernel, again.how, timed) == ("fast", "cached", [])
+    speeds.update(slow=1.0)  # another machine (key) where the other one is faster
+    assert choose("attention", candidates, "cpu B", cache=cache, forced={}, timer=timer).kernel == "slow"
+    assert choose("attention", candidates, "cpu A", cache=cache, forced={"attention": "slow"}, timer=timer).how == "forced"
+    with pytest.raises(ValueError, match="cannot run here"):
+        choose("attention", candidates, "cpu A", cache=cache, forced={"attention": "amx"}, timer=timer)
+    assert fastest({"a": 1.0, "b": 1.0}) == "a" and fastest({"a": 2.0, "b": 1.0}) == "b"
+    assert forced_choices("attention=sdpa, int8_matmul=bf16") == {"attention": "sdpa", "int8_matmul": "bf16"}
+    with pytest.raises(ValueError, match=FORCE_ENV):
+        forced_choices("attention")
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "heads", "native"])
+def test_forced_attention_kernel_runs_in_the_graph(attention, tmp_path):
+    """Each kernel the chooser may pick runs in the CPU runner when forced, and the graph uses it."""
+    if attention == "native" and not native_attention_supported(native_library(), 64):
+        pytest.skip("the native attention needs an AVX512-BF16 build (this CPU has none)")
+    with _forced(f"attention={attention}"):
+        runner = CpuGraphRunner(_network("tiny-vits"), SMALL, SMALL_TOKENS, "bf16", cache=KernelCache(tmp_path / "k.json"))
+    assert {block.attention for block in runner.graph.blocks} == {attention}
+    assert runner.describe()["attention_why"] == f"{attention} (forced)"
+    assert np.isfinite(runner.forward(calibration_image(*SMALL, seed=3)).points.numpy()).all()
 
 
 def test_graph_rejects_another_canvas():

@@ -66,9 +66,9 @@ def main() -> None:
         model = MoGeModel.from_pretrained(path, device="cpu", resolution=size, num_tokens=args.tokens, warmup=1,
                                           warmup_variants="minimal", precision=precision)
         models[f"ours {model.info()['precision']}"] = model
-        print(f"ours, precision={precision}: {model.info()['runner']}, loaded + warmed in {time.perf_counter() - t:.1f} s",
-              flush=True)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+        print(f"ours, precision={precision}: {common.kernel_line(model.info()['runner'])}; loaded + warmed in "
+              f"{time.perf_counter() - t:.1f} s", flush=True)
+    print(f"{common.cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     calls = {name: (lambda m: lambda timing: m.predict(image, timing=timing))(m) for name, m in models.items()}  # = model(array)
     if not args.no_upstream:
         upstream = common.load_upstream(path)
@@ -95,7 +95,8 @@ def main() -> None:
     arch = next(iter(models.values())).info()["architecture"]
     print(f"\n{arch}, {size[0]}x{size[1]}, {args.tokens} tokens, {args.repeats} calls each, {torch.get_num_threads()} threads: "
           f"median wall s / CPU s")
-    result: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    result: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": common.cpu_line(),
+                    "kernels": {name: m.info()["runner"] for name, m in models.items()}}
     for name in calls:
         wall, cpu = (common.median([t[k] for t in times[name]]) for k in (0, 1))
         result[name] = {"median_s": wall, "median_cpu_s": cpu}

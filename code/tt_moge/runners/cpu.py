@@ -1,19 +1,22 @@
 """The fast CPU runner: the fixed-shape graph (`FixedShapeMoGe2`) in bfloat16, channels-last, with the constant
-work done at load and the fused native attention (`cpu_kernels`) where the CPU has AVX512-BF16; "int8" adds
-smoothed int8 ViT matmuls. See docs/devices-and-precision.md for what it costs in accuracy against
-the float32 reference (`TorchRunner`, precision="fp32")."""
+work done at load; "int8" adds smoothed int8 ViT matmuls. The attention kernel (PyTorch SDPA, head by head, or
+the fused native kernel of `cpu_kernels` where the CPU has AVX512-BF16) and the int8 matmul (int8 or bfloat16)
+are chosen by measurement on this machine at load (`kernel_choice`). See docs/devices-and-precision.md for
+what it costs in accuracy against the float32 reference (`TorchRunner`, precision="fp32")."""
 from __future__ import annotations
 
 import ctypes
 import os
 import sys
+from typing import Optional
 
 import torch
 
-from ..network import MoGe2Network
+from ..network import MoGe2Network, token_grid
 from .base import RawMaps, Runner
-from .cpu_kernels import native_library
-from .fixed_graph import FixedShapeMoGe2
+from .cpu_kernels import attention_bf16, native_attention_supported, native_library
+from .fixed_graph import FixedShapeMoGe2, HeadByHeadAttention, Int8Linear, make_linear
+from .kernel_choice import KernelCache, choose, cpu_signature
 from .precision import DTYPES
 
 __all__ = ["CpuGraphRunner", "keep_freed_memory", "MALLOC_TUNING_ENV"]
@@ -52,7 +55,8 @@ class CpuGraphRunner(Runner):
 
     name = "cpu-graph"
 
-    def __init__(self, network: MoGe2Network, canvas_size: tuple, num_tokens: int, precision: str = "bf16"):
+    def __init__(self, network: MoGe2Network, canvas_size: tuple, num_tokens: int, precision: str = "bf16",
+                 cache: Optional[KernelCache] = None):
         if precision not in ("bf16", "int8", "fp32"):
             raise ValueError(f"the CPU graph runner runs 'bf16', 'int8' or 'fp32', got {precision!r}")
         self.precision = precision
@@ -62,11 +66,50 @@ class CpuGraphRunner(Runner):
         self.malloc_tuned = keep_freed_memory()
         self.native = native_library() if precision != "fp32" else None  # fused attention, int8 glue
         dtype = torch.bfloat16 if precision == "int8" else DTYPES[precision]  # int8: bf16 + int8 ViT matmuls
-        self.graph = FixedShapeMoGe2(network.to("cpu"), canvas_size, num_tokens, dtype,
-                                     attention="heads", vit_int8=precision == "int8", native=self.native).eval()
-        self._kernels = {"attention": "native fused" if self.graph.blocks[0].lib is not None else "torch head by head"}
+        network = network.to("cpu")
+        self.choices = self._choose_kernels(network, dtype, KernelCache() if cache is None else cache)
+        int8 = precision == "int8" and self.choices["int8_matmul"].kernel == "int8"
+        self.graph = FixedShapeMoGe2(network, canvas_size, num_tokens, dtype, attention=self.choices["attention"].kernel,
+                                     vit_int8=int8, native=self.native).eval()
+        self._kernels: dict = {}
+        for point, choice in self.choices.items():
+            self._kernels.update({point: choice.kernel, f"{point}_why": choice.describe()})
         if precision == "int8":
-            self._kernels.update(native_int8_glue=self.native is not None, int8_smoothing=self.graph.int8_smoothing)
+            self._kernels.update(native_int8_glue=int8 and self.native is not None,
+                                 int8_smoothing=self.graph.int8_smoothing if int8 else None)
+
+    @torch.inference_mode()
+    def _choose_kernels(self, network: MoGe2Network, dtype: torch.dtype, cache: KernelCache) -> dict:
+        """Time the candidate kernels of each choice point on this graph's shapes (once per machine: cached)."""
+        spec = network.encoder.backbone.spec
+        rows, cols = token_grid(self.num_tokens, self.canvas_size[0] / self.canvas_size[1])
+        tokens, dim, heads = rows * cols + 1 + spec.num_register_tokens, spec.embed_dim, spec.num_heads
+        threads = torch.get_num_threads()
+        if self.native is not None:
+            self.native.moge_runner_set_threads(threads)
+        key = f"{cpu_signature()} | torch {torch.__version__} | {threads} threads | {dtype} | {tokens}x{dim}, {heads} heads"
+        gen = torch.Generator().manual_seed(0)
+        qkv = torch.randn(tokens, 3 * dim, generator=gen).div_(4).to(dtype)
+        qkv_t = qkv.t().contiguous()
+        workspace = HeadByHeadAttention()
+
+        def sdpa() -> torch.Tensor:
+            q, k, v = qkv.view(1, tokens, 3, heads, dim // heads).permute(2, 0, 3, 1, 4)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0)
+
+        attention = {"sdpa": sdpa, "heads": lambda: workspace(qkv_t, heads)}
+        if dtype == torch.bfloat16 and native_attention_supported(self.native, dim // heads):
+            attention = {"native": lambda: attention_bf16(qkv, heads, self.native), **attention}
+        choices = {"attention": choose("attention", attention, key, cache=cache)}
+        if self.precision == "int8":
+            hidden = network.encoder.backbone.blocks[0].mlp
+            hidden = (hidden.w12 if hasattr(hidden, "w12") else hidden.fc1).out_features
+            weight, bias = torch.randn(hidden, dim, generator=gen).div_(dim ** 0.5), torch.zeros(hidden)
+            x = torch.randn(tokens, dim, generator=gen).to(dtype)
+            int8_layer, bf16_layer = Int8Linear(weight, bias, dtype, self.native), make_linear(weight, bias, dtype)
+            matmul = {"int8": lambda: int8_layer(x), "bf16": lambda: bf16_layer(x)}
+            choices["int8_matmul"] = choose("int8_matmul", matmul, f"{key} | ffn {dim}->{hidden}", cache=cache)
+        return choices
 
     @torch.inference_mode()
     def forward(self, canvas: torch.Tensor) -> RawMaps:

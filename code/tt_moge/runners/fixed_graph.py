@@ -37,13 +37,14 @@ from ..network.moge2 import remap_points
 from ..network.vit import Block
 from .cpu_kernels import attention_bf16, dequantize, native_attention_supported, quantize_rows
 
-__all__ = ["FixedShapeMoGe2", "HEADS"]
+__all__ = ["FixedShapeMoGe2", "FastBlock", "HeadByHeadAttention", "Int8Linear", "make_linear", "ATTENTION_KINDS", "HEADS"]
 
 HEADS = ("points", "normal", "mask")
 CALIBRATION_TOKENS = 600  # token budget of the int8 calibration forward (at load)
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> nn.Linear:
+def make_linear(weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> nn.Linear:
+    """An inference-only nn.Linear in `dtype` holding copies of `weight` (out, in) and `bias`."""
     layer = skip_init(nn.Linear, weight.shape[1], weight.shape[0], device=weight.device, dtype=dtype)
     with torch.no_grad():
         layer.weight.copy_(weight)
@@ -133,11 +134,14 @@ class HeadByHeadAttention:
         return out.transpose(0, 1).reshape(n, c)
 
 
+ATTENTION_KINDS = ("sdpa", "heads", "native")
+
+
 class FastBlock(nn.Module):
     """A DINOv2 block with LayerScale folded into `attn_out` and `ffn_out`, and the attention scale into the q
     rows of `qkv`; matmuls in `dtype`, or `Int8Linear` with `int8` (smoothed with `act_max`: {linear name: per
-    input channel max |x|}). Attention: PyTorch SDPA, or with `head_by_head` (the CPU path, batch 1) the fused
-    native attention of `lib` where it runs, else `HeadByHeadAttention`.
+    input channel max |x|}). Attention (`attention`): "sdpa" (PyTorch), "heads" (`HeadByHeadAttention`, batch 1,
+    with the shared `workspace`) or "native" (the fused bfloat16 kernel of `lib`, batch 1).
 
     The residual stream `x` (B, N, C) stays in its own dtype (float32 by default): every block adds small
     updates to it, and bfloat16 would round them away. LayerNorm runs on it in that dtype.
@@ -145,22 +149,27 @@ class FastBlock(nn.Module):
 
     LINEARS = ("qkv", "attn_out", "ffn_in", "ffn_out")
 
-    def __init__(self, block: Block, dtype: torch.dtype, head_by_head: Optional[HeadByHeadAttention] = None,
-                 int8: bool = False, lib=None, act_max: Optional[dict] = None, alpha: float = 0.5):
+    def __init__(self, block: Block, dtype: torch.dtype, attention: str = "sdpa",
+                 workspace: Optional[HeadByHeadAttention] = None, int8: bool = False, lib=None,
+                 act_max: Optional[dict] = None, alpha: float = 0.5):
         super().__init__()
         names = iter(self.LINEARS)  # the order of the make() calls below
 
         def make(weight, bias, dt):
             if not int8:
-                return _linear(weight, bias, dt)
+                return make_linear(weight, bias, dt)
             return Int8Linear(weight, bias, dt, lib, None if act_max is None else act_max[next(names)], alpha)
 
         self.dtype = dtype
-        self.head_by_head = head_by_head
         self.num_heads = block.attn.num_heads
-        # the fused native attention where it can run (CPU path, bfloat16, AVX512-BF16 build, heads of 64)
-        self.lib = lib if (head_by_head is not None and dtype == torch.bfloat16
-                           and native_attention_supported(lib, block.attn.qkv.in_features // self.num_heads)) else None
+        head_dim = block.attn.qkv.in_features // self.num_heads
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+        if attention == "native" and not (dtype == torch.bfloat16 and native_attention_supported(lib, head_dim)):
+            raise ValueError("attention='native' needs bfloat16, heads of 64 and the native library built with AVX512-BF16")
+        self.attention = attention
+        self.workspace = workspace or (HeadByHeadAttention() if attention == "heads" else None)
+        self.lib = lib
         self.norm1 = copy.deepcopy(block.norm1).float()
         self.norm2 = copy.deepcopy(block.norm2).float()
         g1, g2 = block.ls1.gamma.detach().float(), block.ls2.gamma.detach().float()
@@ -182,14 +191,14 @@ class FastBlock(nn.Module):
     def attend(self, h: torch.Tensor) -> torch.Tensor:
         """Normed tokens (B, N, C) in `dtype` -> attention output before `attn_out`, (B, N, C)."""
         b, n, c = h.shape
-        if self.lib is not None and b == 1:
+        if self.attention == "native" and b == 1:
             return attention_bf16(self.qkv(h[0]), self.num_heads, self.lib)[None]
-        if self.head_by_head is not None and b == 1:
+        if self.attention == "heads" and b == 1:
             if isinstance(self.qkv, nn.Linear):
                 qkv_t = torch.addmm(self.qkv.bias[:, None], self.qkv.weight, h[0].t())  # (3C, N), no copy
             else:
                 qkv_t = self.qkv(h[0]).t().contiguous()
-            return self.head_by_head(qkv_t, self.num_heads)[None]
+            return self.workspace(qkv_t, self.num_heads)[None]
         q, k, v = self.qkv(h).view(b, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
         return F.scaled_dot_product_attention(q, k, v, scale=1.0).transpose(1, 2).reshape(b, n, c)
 
@@ -254,8 +263,8 @@ class FixedShapeMoGe2(nn.Module):
         self.dtype = dtype
         self.residual_dtype = residual_dtype
         self.channels_last = channels_last
-        if attention not in ("sdpa", "heads"):
-            raise ValueError(f"attention must be 'sdpa' or 'heads', got {attention!r}")
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         self.attention = attention
         self.vit_int8 = vit_int8
         self.native = native  # the native host library (`cpu_kernels`: fused attention, int8 glue), or None: torch
@@ -294,7 +303,7 @@ class FixedShapeMoGe2(nn.Module):
         act_max, alpha = [None] * len(blocks), 0.5
         if self.vit_int8 and self.int8_smoothing is not None:
             act_max, alpha = self._activation_maxima(vit, blocks), self.int8_smoothing
-        self.blocks = nn.ModuleList(FastBlock(blk, self.dtype, workspace, self.vit_int8, self.native, a, alpha)
+        self.blocks = nn.ModuleList(FastBlock(blk, self.dtype, self.attention, workspace, self.vit_int8, self.native, a, alpha)
                                     for blk, a in zip(blocks, act_max))
         self.final_norm = copy.deepcopy(vit.norm).float().requires_grad_(False)
 
@@ -353,7 +362,7 @@ class FixedShapeMoGe2(nn.Module):
             p_w, p_b = _matrix(proj, 0, proj.weight.device)
             mats.append(w_feat @ p_w)
             bias += w_feat @ p_b
-        self.neck_in0 = _linear(torch.cat(mats, dim=1), torch.zeros_like(bias), self.dtype)
+        self.neck_in0 = make_linear(torch.cat(mats, dim=1), torch.zeros_like(bias), self.dtype)
         uv0 = uv[0][0].flatten(1)  # (2, rows*cols)
         self.register_buffer("neck_in0_const", (w_uv @ uv0 + bias[:, None]).t().contiguous())  # (rows*cols, d0) float32
         # The neck's uv inputs of levels 1..last are constant maps (the last one goes into the finest fold).
