@@ -1,10 +1,13 @@
-"""On a CUDA machine: the API against the server's npz, bit for bit, the CUDA graph against eager, and the call
-latencies (printed; run with -s). Skipped, with the reason, where there is no CUDA GPU.
+"""On a device machine (a CUDA GPU, a Tenstorrent chip, or both): the API against the server's npz, bit for bit,
+the captured graph / trace against an eager forward, the accuracy against the float32 reference, and the call
+latencies (printed; run with -s). Each device kind is skipped, with the reason, where it is absent.
 
 Weights: the real ones when $MOGE_WEIGHTS_DIR points at them, else a random-weight full-size ViT-L
 (`tt_moge.testing`, written once per session, 1.3 GB). Canvas 1920x1080, 1800 tokens, default precision.
 
 API == server: the npz of POST /predict must equal the npz layout of `model(bytes)` array for array.
+Tenstorrent only: PCC >= 0.99 per head against the float32 reference network, and 1 vs 2 command queues
+(worker dispatch) bit-identical.
 
     python -m pytest tests/test_api_device.py -q -s
 """
@@ -19,23 +22,37 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason=f"needs a CUDA GPU (torch {torch.__version__}, CUDA available: no): the CPU runners are tested in test_runners.py")
+from tt_moge.runners.ttnn.device import chips_here
 
 CANVAS = (1920, 1080)
 TOKENS = 1800
 CALLS = 20
+HAVE = {"cuda": torch.cuda.is_available(), "tt": chips_here() > 0}
+REASON = {"cuda": f"needs a CUDA GPU (torch {torch.__version__} sees none)",
+          "tt": "needs a Tenstorrent chip (ttnn imports and sees one)"}
+needs_tt = pytest.mark.skipif(not HAVE["tt"], reason=REASON["tt"])
 
 
-@pytest.fixture(scope="module")
-def gpu_model(checkpoint):
-    from tt_moge import MoGeModel
+def _source(checkpoint):
     from tt_moge.weights import DEFAULT_REPO
 
-    source = DEFAULT_REPO if os.environ.get("MOGE_WEIGHTS_DIR") else checkpoint("vitl-normal")
-    model = MoGeModel.from_pretrained(source, device="cuda", resolution=CANVAS, num_tokens=TOKENS)
-    assert model.info()["runner"]["runner"] == "cuda-graph" and model.info()["runner"]["cuda_graph"]
+    return DEFAULT_REPO if os.environ.get("MOGE_WEIGHTS_DIR") else checkpoint("vitl-normal")
+
+
+@pytest.fixture(scope="module", params=["cuda", "tt"])
+def gpu_model(request, checkpoint):
+    """The model on each device kind present (named for the CUDA case it was written for)."""
+    kind = request.param
+    if not HAVE[kind]:
+        pytest.skip(REASON[kind])
+    from tt_moge import MoGeModel
+
+    model = MoGeModel.from_pretrained(_source(checkpoint), device=kind, resolution=CANVAS, num_tokens=TOKENS)
+    runner = model.info()["runner"]
+    if kind == "cuda":
+        assert runner["runner"] == "cuda-graph" and runner["cuda_graph"]
+    else:
+        assert runner["runner"] == "ttnn" and runner["trace"]
     yield model
     model.close()
 
@@ -80,15 +97,66 @@ def test_api_equals_server_npz_bit_for_bit(gpu_model, photo_png):
 
 
 def test_graph_replay_equals_eager_forward(gpu_model):
-    """The captured graph computes what the same module computes eagerly (same kernels, same inputs)."""
+    """The captured graph (CUDA) or trace (Tenstorrent) computes what the same graph computes eagerly."""
     runner = gpu_model._runner
     canvas = torch.rand(1, 3, CANVAS[1], CANVAS[0], generator=torch.Generator().manual_seed(4))
     replayed = runner.forward(canvas)
-    with torch.no_grad(), runner._kernel_choice():
-        eager = {k: v.cpu() for k, v in runner.module(canvas.to(runner.device)).items()}
+    if runner.name == "ttnn":
+        runner.trace = False
+        try:
+            eager = runner.forward(canvas)
+        finally:
+            runner.trace = True
+        eager = {"points": eager.points[None], "normal": eager.normal[None], "mask": eager.mask[None]}
+    else:
+        with torch.no_grad(), runner._kernel_choice():
+            eager = {k: v.cpu() for k, v in runner.module(canvas.to(runner.device)).items()}
     for key, value in (("points", replayed.points), ("normal", replayed.normal), ("mask", replayed.mask)):
         ref = eager[key][0]
         assert torch.allclose(value, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), key
+
+
+def _pcc(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    a, b = a - a.mean(), b - b.mean()
+    return float((a @ b) / (a.norm() * b.norm()))
+
+
+@needs_tt
+def test_tenstorrent_heads_against_the_float32_reference(checkpoint):
+    """PCC >= 0.99 per head of the chip's raw maps against the float32 reference network on the CPU."""
+    from tt_moge import MoGeModel
+    from tt_moge.warmup import synthetic_photo
+
+    photo = synthetic_photo(CANVAS, seed=22)
+    raw = {}
+    for device, precision in (("tt", "auto"), ("cpu", "fp32")):
+        with MoGeModel.from_pretrained(_source(checkpoint), device=device, precision=precision, resolution=CANVAS,
+                                       num_tokens=TOKENS, warmup=1, warmup_variants="none") as model:
+            raw[device] = model.forward(photo)
+    valid = float((raw["cpu"]["mask"] > 0.5).float().mean())
+    assert 0.05 < valid < 0.99, f"valid share {valid:.3f}: the comparison would be trivial"
+    pccs = {key: _pcc(raw["tt"][key], raw["cpu"][key]) for key in ("points", "normal", "mask")}
+    scale = float(raw["tt"]["metric_scale"] / raw["cpu"]["metric_scale"])
+    print(f"\n[test_api_device] tt vs fp32 reference: PCC {pccs}, metric scale ratio {scale:.5f}")
+    assert all(p >= 0.99 for p in pccs.values()), pccs
+    assert abs(scale - 1) < 0.01
+
+
+@needs_tt
+def test_tenstorrent_one_and_two_command_queues_are_bit_identical(checkpoint):
+    """Worker dispatch with 1 and with 2 command queues (the read-back on the second): the same maps, bit for bit."""
+    from tt_moge import MoGeModel
+    from tt_moge.warmup import synthetic_photo
+
+    photo = synthetic_photo(CANVAS, seed=23)
+    outs = []
+    for queues in (1, 2):
+        with MoGeModel.from_pretrained(_source(checkpoint), device="tt", dispatch="worker", num_command_queues=queues,
+                                       resolution=CANVAS, num_tokens=TOKENS, warmup=1, warmup_variants="none") as model:
+            assert model.info()["runner"]["command_queues"] == queues
+            outs.append(model(photo).to_npz_bytes())
+    _assert_npz_equal(_npz(outs[0]), _npz(outs[1]))
 
 
 def test_predict_many_equals_single_calls(gpu_model, photo_png):
@@ -122,5 +190,6 @@ def test_call_latencies(gpu_model, photo_png, tmp_path):
     t = time.perf_counter()
     gpu_model.predict_many([rgb] * 8)
     lines.append(f"predict_many(8 arrays): {(time.perf_counter() - t) * 1e3 / 8:.2f} ms per image")
-    print(f"\n[test_api_device] {torch.cuda.get_device_name()}, {gpu_model.info()['precision']}, {CALLS} warm calls:")
+    where = torch.cuda.get_device_name() if gpu_model.device.startswith("cuda") else f"Tenstorrent {gpu_model.device}"
+    print(f"\n[test_api_device] {where}, {gpu_model.info()['precision']}, {CALLS} warm calls:")
     print("\n".join("  " + line for line in lines))

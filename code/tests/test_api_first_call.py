@@ -99,7 +99,7 @@ def _digest(result) -> str:
     return h.hexdigest()
 
 
-def worker(checkpoint: str, warmup_variants: str) -> None:
+def worker(checkpoint: str, warmup_variants: str, device: str = "cpu") -> None:
     """Prints one JSON line per default variant: times (ms) of the first and the steady calls."""
     import torch
 
@@ -107,7 +107,7 @@ def worker(checkpoint: str, warmup_variants: str) -> None:
     from tt_moge import MoGeModel
     from tt_moge.warmup import PRESETS, canonical_variant
 
-    model = MoGeModel.from_pretrained(checkpoint, device="cpu", resolution=CANVAS, num_tokens=TOKENS,
+    model = MoGeModel.from_pretrained(checkpoint, device=device, resolution=CANVAS, num_tokens=TOKENS,
                                       warmup_variants=warmup_variants)
     device = {"wall": 0.0, "cpu": 0.0}
     forward = model._runner.forward
@@ -140,28 +140,25 @@ def worker(checkpoint: str, warmup_variants: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------- test
-def _run_workers(checkpoint, warmup_presets: list) -> list:
-    """One fresh worker process per entry of `warmup_presets`, PARALLEL at a time; their parsed JSON lines."""
+def _run_workers(checkpoint, warmup_presets: list, device: str = "cpu", parallel: int = PARALLEL) -> list:
+    """One fresh worker process per entry of `warmup_presets`, `parallel` at a time; their parsed JSON lines."""
     from concurrent.futures import ThreadPoolExecutor
 
     code_dir = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(code_dir) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
     def run(preset: str) -> list:
-        p = subprocess.run([sys.executable, __file__, "--worker", str(checkpoint), preset], env=env,
+        p = subprocess.run([sys.executable, __file__, "--worker", str(checkpoint), preset, device], env=env,
                            capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, f"worker failed:\n{p.stderr[-3000:]}"
         return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
 
-    with ThreadPoolExecutor(PARALLEL) as pool:
+    with ThreadPoolExecutor(parallel) as pool:
         return list(pool.map(run, warmup_presets))
 
 
-@pytest.fixture(scope="module")
-def worker_runs(tmp_path_factory):
-    """{"default": [PROCESSES runs], "none": [1 run]}. PARALLEL processes run at once: the default CPU clock
-    does not count the time they take from each other (the wall clock does: for MOGE_FIRST_CALL_CLOCK=wall,
-    set PARALLEL to 1 and run this file alone on a quiet machine)."""
+def _small_checkpoint(folder):
+    """The forward is not what this file tests: one ViT block, a narrow decoder without residual blocks."""
     from tt_moge.testing import make_checkpoint, model_config
 
     # the forward is not what this file tests: one ViT block, a narrow decoder without residual blocks
@@ -175,20 +172,46 @@ def worker_runs(tmp_path_factory):
             config[part]["dim_in"] = list(dims)
         config[part]["dim_res_blocks"] = list(dims)
         config[part]["num_res_blocks"] = [0] * len(dims)
-    path = make_checkpoint(tmp_path_factory.mktemp("first-call"), config)
+    return make_checkpoint(folder, config)
+
+
+@pytest.fixture(scope="module")
+def worker_runs(tmp_path_factory):
+    """{"default": [PROCESSES runs], "none": [1 run]}. PARALLEL processes run at once: the default CPU clock
+    does not count the time they take from each other (the wall clock does: for MOGE_FIRST_CALL_CLOCK=wall,
+    set PARALLEL to 1 and run this file alone on a quiet machine)."""
+    path = _small_checkpoint(tmp_path_factory.mktemp("first-call"))
     runs = _run_workers(path, [WARMUP] * PROCESSES + ["none"])
     return {"default": runs[:PROCESSES], "none": runs[PROCESSES:]}
 
 
 @pytest.mark.skipif(CLOCK not in ("cpu", "wall"), reason="MOGE_FIRST_CALL_CLOCK must be cpu or wall")
 def test_first_call_of_each_warmed_variant_is_as_fast_as_steady(worker_runs):
+    _check_first_calls(worker_runs["default"], CLOCK)
+
+
+def _tt_chip_present() -> bool:
+    from tt_moge.runners.ttnn.device import chips_here
+
+    return chips_here() > 0
+
+
+@pytest.mark.skipif(not _tt_chip_present(), reason="needs a Tenstorrent chip (ttnn imports and sees one): the CPU runs "
+                    "the same check above")
+def test_first_call_on_a_tenstorrent_chip(tmp_path):
+    """The same check with the ttnn runner (one process at a time: one chip), on the wall clock: the device's
+    time is not process CPU time."""
+    path = _small_checkpoint(tmp_path)
+    _check_first_calls(_run_workers(path, [WARMUP] * 2, device="tt", parallel=1), "wall")
+
+
+def _check_first_calls(worker_runs: list, clock: str) -> None:
     from tt_moge.warmup import PRESETS
 
-    worker_runs = worker_runs["default"]
     assert all(len(run) == len(PRESETS["default"]) for run in worker_runs)
     failures, lines = [], []
     for index, spec in enumerate(PRESETS["default"]):
-        for part, key in (("call", CLOCK), ("host", f"host_{CLOCK}")):
+        for part, key in (("call", clock), ("host", f"host_{clock}")):
             firsts = [run[index]["times"][0][key] for run in worker_runs]
             steadies = [statistics.median(t[key] for t in run[index]["times"][1:]) for run in worker_runs]
             assert min(steadies) > 0.5, f"{spec}: a steady {part} time of {min(steadies):.2f} ms cannot be right"
@@ -198,7 +221,7 @@ def test_first_call_of_each_warmed_variant_is_as_fast_as_steady(worker_runs):
                          f"ratio {first / steady:5.2f}  over the limit by {excess:+8.2f} ms")
             if excess > 0:
                 failures.append(lines[-1])
-    print(f"\nclock: {CLOCK}; first and steady: medians of {len(worker_runs)} fresh processes; excess: the best process\n" + "\n".join(lines))
+    print(f"\nclock: {clock}; first and steady: medians of {len(worker_runs)} fresh processes; excess: the best process\n" + "\n".join(lines))
     assert not failures, "first call slower than steady:\n" + "\n".join(failures)
 
 
@@ -208,5 +231,5 @@ def test_warm_up_does_not_change_outputs(worker_runs):
         assert [r["digest"] for r in warm] == [r["digest"] for r in cold]
 
 
-if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
-    worker(sys.argv[2], sys.argv[3])
+if __name__ == "__main__" and len(sys.argv) in (4, 5) and sys.argv[1] == "--worker":
+    worker(*sys.argv[2:])

@@ -8,5 +8,5 @@ FITS = ("pad", "stretch")
 MASK_THRESHOLD = 0.5  # a pixel is valid where the mask probability exceeds this
 SOLVE_GRID = (64, 64)  # (height, width) of the nearest-neighbour grid the focal/shift solve runs on
 MAX_CANVAS_SIDE = 4096
-PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8")  # precision= of from_pretrained (see runners/precision.py)
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8", "bfp8")  # precision= of from_pretrained (see runners/precision.py)
 DEPTH_EDGE_RTOL = 0.04  # 3D exports drop a pixel whose 3x3 neighbourhood spans more than this share of its depth

@@ -98,7 +98,9 @@ class MoGeModel:
         t0 = time.perf_counter()
         network, ckpt = load_network(options.weights, options.revision)
         _log(options.verbose, f"loaded {ckpt.source} ({network.config.describe()}) in {time.perf_counter() - t0:.1f} s")
-        runner = make_runner(network, options.resolution, options.num_tokens, options.device, options.precision)
+        runner = make_runner(network, options.resolution, options.num_tokens, options.device, options.precision,
+                             dispatch=options.dispatch, num_command_queues=options.num_command_queues,
+                             verbose=options.verbose)
         model = cls(runner, options, network_config=network.config, source=ckpt.source, revision=ckpt.revision)
         del network  # the runner holds what it needs (a graph runner: only its folded copy)
         try:

@@ -21,7 +21,7 @@ from .runners.precision import resolve_precision
 from .warmup import expand_variants
 from .weights import DEFAULT_REPO, DEFAULT_REVISION
 
-__all__ = ["LoadOptions", "DISPATCH", "validate_resolution", "select_device", "normalize_revision"]
+__all__ = ["LoadOptions", "TtChip", "DISPATCH", "validate_resolution", "select_device", "normalize_revision"]
 
 DISPATCH = ("eth", "worker")
 DEFAULT_BRANCH_NAMES = ("main", "")  # revision names that mean "the default branch" (revision None)
@@ -47,26 +47,71 @@ def normalize_revision(revision: Optional[str]) -> Optional[str]:
     return None if revision is None or revision.strip() in DEFAULT_BRANCH_NAMES else revision.strip()
 
 
-def select_device(device: Any = None, device_id: int = 0) -> torch.device:
-    """The torch device to run on. None: CUDA if present, else the CPU with a RuntimeWarning."""
+@dataclass(frozen=True, eq=False)
+class TtChip:
+    """A Tenstorrent chip: `handle` is an open ttnn device the caller owns (the model never closes it), or None
+    when the runner opens chip `device_id` itself (and closes it in `close()`)."""
+
+    device_id: int
+    handle: Any = None
+    type = "tt"
+
+    def __str__(self) -> str:
+        return f"tt:{self.device_id}"
+
+
+def _tt_chip(text: str, device_id: int, verbose: bool) -> TtChip:
+    """device='tt' or 'tt:N': that chip, or a ValueError saying why it cannot be used."""
+    from .runners.ttnn.device import TtnnUnavailableError, device_count, import_ttnn
+
+    index_text = text[3:] if text.startswith("tt:") else ""
+    if text not in ("tt",) and not index_text.isdigit():
+        raise ValueError(f"device must be 'tt' or 'tt:N' for a Tenstorrent chip, got {text!r}")
+    index = int(index_text) if index_text else device_id
+    try:
+        count = device_count(import_ttnn(verbose))
+    except TtnnUnavailableError as exc:
+        raise ValueError(f"device={text!r}: {exc}") from None
+    if index >= count:
+        raise ValueError(f"device={text!r}: no Tenstorrent chip {index} here ({count} found by ttnn)")
+    return TtChip(index)
+
+
+def select_device(device: Any = None, device_id: int = 0, verbose: bool = False) -> Union[torch.device, TtChip]:
+    """Where to run. None: a Tenstorrent chip (`device_id`) when ttnn imports and sees one, else CUDA, else the
+    CPU with a RuntimeWarning. An open ttnn device is used as it is (never closed by the model); "tt" / "tt:N"
+    name a chip; "cpu", "cuda", "cuda:N" or a torch.device a torch device."""
     if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
         raise ValueError(f"device_id must be a non-negative int, got {device_id!r}")
     if device is None:
+        from .runners.ttnn.device import chips_here
+
+        if chips_here(verbose) > device_id:
+            return TtChip(device_id)
         if torch.cuda.is_available():
             if device_id >= torch.cuda.device_count():
                 raise ValueError(f"device_id {device_id}: only {torch.cuda.device_count()} CUDA device(s) present")
             return torch.device("cuda", device_id)
-        warnings.warn("no CUDA GPU found (and the Tenstorrent runner is not part of this build): running MoGe-2 on the CPU; "
-                      "pass device='cpu' to choose it explicitly", RuntimeWarning, stacklevel=4)
+        warnings.warn("no Tenstorrent chip or CUDA GPU found: running MoGe-2 on the CPU; pass device='cpu' to choose "
+                      "it explicitly", RuntimeWarning, stacklevel=4)
         return torch.device("cpu")
-    if type(device).__module__.split(".")[0] == "ttnn":
-        raise ValueError("device: an open ttnn device was given, but this build has no Tenstorrent runner yet; use device='cpu' or 'cuda'")
+    from .runners.ttnn.device import TtnnUnavailableError, import_ttnn, is_ttnn_device
+
+    if is_ttnn_device(device):
+        try:
+            import_ttnn(verbose)
+        except TtnnUnavailableError as exc:
+            raise ValueError(f"device: an open ttnn device was given, but {exc}") from None
+        return TtChip(device_id, handle=device)
+    if isinstance(device, str) and device.strip().lower().startswith("tt"):
+        return _tt_chip(device.strip().lower(), device_id, verbose)
     if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device, got {type(device).__name__}")
+        raise TypeError("device must be None, 'cpu', 'cuda', 'cuda:N', 'tt', 'tt:N', an open ttnn device or a "
+                        f"torch.device, got {type(device).__name__}")
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
-        raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+        raise ValueError(f"device must be None, 'cpu', 'cuda', 'cuda:N', 'tt' or 'tt:N', got {device!r}") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={device!r}: no CUDA GPU is available on this machine (torch {torch.__version__})")
@@ -85,7 +130,7 @@ class LoadOptions:
 
     weights: str  # a Hub repo id, a folder holding model.pt, or a model.pt path, as given
     revision: Optional[str]  # None: the default branch
-    device: torch.device
+    device: Union[torch.device, TtChip]
     precision: str  # concrete: "fp32", "bf16", "fp16" or "int8"
     resolution: tuple  # the canvas (width, height)
     num_tokens: int
@@ -102,7 +147,8 @@ class LoadOptions:
                 dispatch: str = "eth", num_command_queues: Optional[int] = None, warmup: int = 2,
                 warmup_variants: Any = "default", verbose: bool = False, precision: str = "auto") -> "LoadOptions":
         """Validate the arguments of `from_pretrained` (a ValueError/TypeError naming the argument) and resolve
-        them: the device (None -> CUDA, else the CPU with a RuntimeWarning), "auto" precision, "main" revision."""
+        them: the device (None -> a Tenstorrent chip, else CUDA, else the CPU with a RuntimeWarning), "auto"
+        precision, "main" revision."""
         if not isinstance(pretrained_model_name_or_path, (str, os.PathLike)):
             raise TypeError("pretrained_model_name_or_path must be a repo id or a path, "
                             f"got {type(pretrained_model_name_or_path).__name__}")
@@ -117,8 +163,8 @@ class LoadOptions:
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup must be a non-negative int (device forwards at load), got {warmup!r}")
         variants = tuple(expand_variants(warmup_variants, canvas))
-        torch_device = select_device(device, device_id)
+        chosen = select_device(device, device_id, bool(verbose))
         return cls(weights=os.fspath(pretrained_model_name_or_path), revision=normalize_revision(revision),
-                   device=torch_device, precision=resolve_precision(precision, torch_device), resolution=canvas,
+                   device=chosen, precision=resolve_precision(precision, chosen), resolution=canvas,
                    num_tokens=tokens, dispatch=dispatch, num_command_queues=num_command_queues, warmup=warmup,
                    warmup_variants=variants, verbose=bool(verbose))

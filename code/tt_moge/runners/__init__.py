@@ -26,13 +26,20 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def make_runner(network: Any, canvas_size: tuple, num_tokens: int, device: Any = "cpu", precision: str = "bf16") -> Any:
-    """The runner for `device` ("cpu", "cuda[:N]" or a torch.device) at a concrete `precision` ("fp32", "bf16",
-    "fp16", "int8"; see `resolve_precision` for "auto"). Takes ownership of `network` (it may be moved or
-    converted)."""
+def make_runner(network: Any, canvas_size: tuple, num_tokens: int, device: Any = "cpu", precision: str = "bf16",
+                **tt_options: Any) -> Any:
+    """The runner for `device` ("cpu", "cuda[:N]", a torch.device, or a Tenstorrent chip: `options.TtChip`) at a
+    concrete `precision` ("fp32", "bf16", "fp16", "int8", "bfp8"; see `resolve_precision` for "auto").
+    `tt_options` (dispatch, num_command_queues, verbose) reach the Tenstorrent runner only. Takes ownership of
+    `network` (it may be moved or converted)."""
     import warnings
 
     import torch
+
+    if getattr(device, "type", None) == "tt" and not isinstance(device, torch.device):
+        from .ttnn.runner import TtnnRunner  # imported here: ttnn only where it is used
+
+        return TtnnRunner(network, canvas_size, num_tokens, device, precision=precision, **tt_options)
 
     from . import precision as precisions
     from .cpu import CpuGraphRunner

@@ -37,7 +37,8 @@ from ..network.moge2 import remap_points
 from ..network.vit import Block
 from .cpu_kernels import attention_bf16, dequantize, native_attention_supported, quantize_rows
 
-__all__ = ["FixedShapeMoGe2", "FastBlock", "HeadByHeadAttention", "Int8Linear", "make_linear", "ATTENTION_KINDS", "HEADS"]
+__all__ = ["FixedShapeMoGe2", "FastBlock", "HeadByHeadAttention", "Int8Linear", "make_linear", "raw_outputs", "ATTENTION_KINDS",
+           "HEADS"]
 
 HEADS = ("points", "normal", "mask")
 CALIBRATION_TOKENS = 600  # token budget of the int8 calibration forward (at load)
@@ -464,16 +465,23 @@ class FixedShapeMoGe2(nn.Module):
             raise ValueError(f"canvas: this graph runs {self.canvas_size[0]}x{self.canvas_size[1]}, got {width}x{height}")
         level0, cls_token = self.encode(canvas)
         maps = F.interpolate(self.decode(level0), (height, width), mode="bilinear", align_corners=False)
-        out: dict = {}
-        start = 0
-        for name, channels in zip(self.head_names, self.head_channels):
-            out[name] = maps[:, start:start + channels]
-            start += channels
-        out["points"] = remap_points(out["points"].permute(0, 2, 3, 1), self.remap).contiguous()
-        if "normal" in out:
-            out["normal"] = F.normalize(out["normal"].permute(0, 2, 3, 1), dim=-1).contiguous()
-        if "mask" in out:
-            out["mask"] = out["mask"][:, 0].sigmoid()
+        out = raw_outputs(maps, self.head_names, self.head_channels, self.remap)
         if self.scale_head is not None:
             out["metric_scale"] = self.scale_head(cls_token).squeeze(1).exp()
         return out
+
+
+def raw_outputs(maps: torch.Tensor, head_names: list, head_channels: list, remap: str) -> dict:
+    """The heads' stacked maps at the canvas (1, sum of channels, H, W) -> the reference's raw dict: `points`
+    (1, H, W, 3) after the output remap, `normal` (1, H, W, 3) unit, `mask` (1, H, W) probability."""
+    out: dict = {}
+    start = 0
+    for name, channels in zip(head_names, head_channels):
+        out[name] = maps[:, start:start + channels]
+        start += channels
+    out["points"] = remap_points(out["points"].permute(0, 2, 3, 1), remap).contiguous()
+    if "normal" in out:
+        out["normal"] = F.normalize(out["normal"].permute(0, 2, 3, 1), dim=-1).contiguous()
+    if "mask" in out:
+        out["mask"] = out["mask"][:, 0].sigmoid()
+    return out

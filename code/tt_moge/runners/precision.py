@@ -7,10 +7,14 @@
 | "fp16"    | refused: CPUs have no fast float16 convolutions           | the fixed-shape graph in float16         |
 | "int8"    | "bf16", but the ViT's matmuls in int8 (weights per output | refused                                  |
 |           | channel, activations per token, at run time): opt-in,     |                                          |
-|           | checked on random weights only (see the README)           |                                          |
+|           | checked on random weights only (docs/)                    |                                          |
 | "auto"    | "bf16" where the CPU has bfloat16 dot products            | "fp16" (upstream's own default: it is    |
 |           | (AVX512-BF16 or AMX), else "fp32"                         | validated on the real weights, and has   |
 |           |                                                          | 3 more mantissa bits than bfloat16)      |
+
+On a Tenstorrent chip the ttnn graph runs bfloat16 ("auto" and "bf16"), or with the ViT's matmul weights in
+bfloat8_b ("bfp8", opt-in); the other names are refused there, and "bfp8" everywhere else (see
+`runners/ttnn/graph.py` for which tensors stay in float32 and why).
 """
 from __future__ import annotations
 
@@ -55,11 +59,19 @@ def cpu_has_int8_dot() -> bool:
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
 
 
-def resolve_precision(precision: Any, device: torch.device) -> str:
-    """Validate `precision` and turn "auto" into the concrete choice for `device` ("fp32", "bf16" or "fp16")."""
+def resolve_precision(precision: Any, device: Any) -> str:
+    """Validate `precision` and turn "auto" into the concrete choice for `device` (a torch device or name, or a
+    Tenstorrent chip: anything with `.type == "tt"`)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    kind = torch.device(device).type
+    kind = getattr(device, "type", None) if not isinstance(device, str) else None
+    kind = kind or torch.device(device).type
+    if kind == "tt":
+        if precision not in ("auto", "bf16", "bfp8"):
+            raise ValueError(f"precision={precision!r} is not available on a Tenstorrent chip; use 'bf16', 'bfp8' or 'auto'")
+        return "bf16" if precision == "auto" else precision
+    if precision == "bfp8":
+        raise ValueError("precision='bfp8' (bfloat8_b ViT weights) is a Tenstorrent option; use 'bf16', 'fp32' or 'auto'")
     if kind == "cpu":
         if precision == "fp16":
             raise ValueError("precision='fp16' is not available on the CPU (PyTorch has no fast float16 convolutions "

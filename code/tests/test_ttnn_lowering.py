@@ -1,0 +1,512 @@
+"""The Tenstorrent graph (`tt_moge.runners.ttnn.graph`) against the float32 reference network, on CPU, through the
+ttnn emulator (`tests/ttnn_emulator.py`): the numerics of the lowering, without a device.
+
+* Emulated in float32 ("exact"), the graph equals the reference to float round-off: every raw map at PCC >=
+  0.9999 and within 1e-5 relative, the ViT's output and class token too, for the structures the graph runs
+  (with or without the normal head, with register tokens, a nearest-upsample last level).
+* In the device formats (bfloat16 activations and weights, float32 residual stream; bfloat8_b ViT weights for
+  "bfp8-vit") it stays within the same limits as the CPU bfloat16 graph (test_runners.py, docs/
+  devices-and-precision.md), plus the depth after the full host pipeline.
+* Per module, tt-metal style: one ViT block, the encoder, the decoder, each against the reference modules.
+* Each check fails when the lowering breaks (`test_checks_catch_broken_lowerings`).
+* ViT-L at the spec case (1920x1080, 1800 tokens) is the one `full_size` test.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tt_moge.host import CallOptions, postprocess
+from tt_moge.host.canvas import plan_canvas
+from tt_moge.runners.base import RawMaps
+from tt_moge.runners.ttnn import Formats, Prepared, TtnnGraph, host_input, host_output, prepare_weights
+from tt_moge.runners.ttnn.prepare import depth_to_space, phase_fold, resize_antialiased, resize_bilinear
+from tt_moge.testing import calibration_image, make_network, model_config
+
+from .ttnn_emulator import TtnnEmulator, round_bf16, round_bfp8
+
+SMALL, SMALL_TOKENS = (224, 126), 300  # a small 16:9 canvas: seconds on 2 cores
+
+
+def _config(kind: str) -> dict:
+    cfg = model_config("tiny-vits-normal")
+    if kind == "registers":
+        cfg["encoder"]["backbone"] = "dinov2_vits14_reg"
+    elif kind == "nearest":
+        for stack in ("neck", "points_head", "normal_head", "mask_head"):
+            cfg[stack]["resamplers"][-1] = "nearest"
+    return cfg
+
+
+_NETWORKS: dict = {}
+_PREPARED: dict = {}
+
+
+def _network(preset: str):
+    if preset not in _NETWORKS:
+        _NETWORKS[preset] = make_network(_config(preset) if preset in ("registers", "nearest") else preset)
+    return _NETWORKS[preset]
+
+
+def _prepared(preset: str, canvas=SMALL, tokens=SMALL_TOKENS) -> Prepared:
+    key = (preset, canvas, tokens)
+    if key not in _PREPARED:
+        _PREPARED[key] = prepare_weights(_network(preset), canvas, tokens)
+    return _PREPARED[key]
+
+
+def _graph(prepared: Prepared, formats="bf16", exact=False, prepare_convs=False) -> TtnnGraph:
+    """The graph on a fresh emulator. prepare_convs: run load()'s conv-preparing forward first, so that the
+    forward under test reuses "device-prepared" conv weights (as on a chip); the other tests skip it."""
+    emulator = TtnnEmulator(exact=exact)
+    graph = TtnnGraph(emulator, emulator.open_device(), prepared, formats=formats)
+    graph.load(prepare_convs=prepare_convs)
+    return graph
+
+
+# ------------------------------------------------------------------------------------------- references
+
+
+def _reference(net, image: torch.Tensor, tokens: int) -> dict:
+    with torch.inference_mode():
+        ref = {k: v[0].numpy() for k, v in net(image, tokens).items()}
+    ref["metric_scale"] = float(ref["metric_scale"])
+    valid = float((ref["mask"] > 0.5).mean())
+    assert 0.05 < valid < 0.95, f"valid share {valid:.3f}: the comparison would be trivial"
+    return ref
+
+
+def _encoder_reference(net, image: torch.Tensor, plan: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The neck's level-0 input (rows * cols, d0) (after its 1x1 conv over features + uv) and the class token."""
+    rows, cols = plan["rows"], plan["cols"]
+    with torch.inference_mode():
+        features, cls_token = net.encoder(image, rows, cols)
+        uv0 = net.uv_planes(rows, cols, image.shape[-1] / image.shape[-2], torch.float32, None)[0]
+        level0 = net.neck.input_blocks[0](torch.cat([features, uv0], dim=1))
+    return level0[0].permute(1, 2, 0).reshape(rows * cols, -1).numpy(), cls_token[0].numpy()
+
+
+def _run(graph: TtnnGraph, prepared: Prepared, image: torch.Tensor) -> tuple[dict, np.ndarray, np.ndarray]:
+    """The graph on one canvas: (raw maps, level-0 map (rows * cols, d0), class token)."""
+    plan = prepared.plan
+    level0, cls_token = graph.encode(graph.upload(host_input(plan, image.numpy())))
+    level0_np = graph.to_host(level0, (plan["grid_tokens"], plan["neck_in0_dim"]))
+    finest = graph.decode(level0)
+    raw = host_output(prepared, graph.read({"finest": finest, "cls_token": cls_token}))
+    return raw, level0_np, graph.to_host(cls_token, (plan["dim"],))
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+def _pcc(a, b) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(np.corrcoef(a, b)[0, 1])
+
+
+def _angle_deg(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.degrees(2 * np.arcsin(np.minimum(np.linalg.norm(a - b, axis=-1) / 2, 1)))
+
+
+def _raw_maps(d: dict) -> RawMaps:
+    t = lambda k: None if d.get(k) is None else torch.from_numpy(np.ascontiguousarray(d[k]))
+    return RawMaps(t("points"), t("normal"), t("mask"), d["metric_scale"])
+
+
+def _finish(raw: dict, canvas):
+    return postprocess(_raw_maps(raw), plan_canvas(canvas, canvas, "stretch"), CallOptions())
+
+
+def _depth_error(ours: dict, ref: dict, canvas) -> float:
+    """Max relative depth error after the host pipeline (camera solve, finish) over pixels valid in both."""
+    b = ref["finished"] if "finished" in ref else _finish(ref, canvas)
+    a = _finish(ours, canvas)
+    both = a.mask & b.mask & np.isfinite(b.depth) & (b.depth > 0)
+    assert both.mean() > 0.05, "no pixel valid in both: the depth comparison would be trivial"
+    return float((np.abs(a.depth[both] - b.depth[both]) / b.depth[both]).max())
+
+
+def _errors(ours: dict, ref: dict, level0, level0_ref, cls_token, cls_ref, canvas=SMALL) -> dict:
+    """The metrics of test_runners.py / perf/runners/accuracy.py, the ViT's share on its own, and PCCs."""
+    assert sorted(k for k, v in ours.items() if v is not None) == sorted(k for k in ref if k != "finished")
+    for k, v in ours.items():
+        assert v is None or np.isfinite(v).all(), k
+    p, q = ours["points"], ref["points"]
+    err = {"points": float((np.abs(p - q) / (np.abs(q) + np.abs(q).max())).max()), "pcc_points": _pcc(p, q)}
+    if "normal" in ref:
+        angle = _angle_deg(ours["normal"], ref["normal"])
+        err.update(normal_deg=float(angle.max()), normal_deg_p99=float(np.quantile(angle, 0.99)),
+                   pcc_normal=_pcc(ours["normal"], ref["normal"]))
+    err.update(mask_prob=float(np.abs(ours["mask"] - ref["mask"]).max()), pcc_mask=_pcc(ours["mask"], ref["mask"]),
+               mask_agree=float(((ours["mask"] > 0.5) == (ref["mask"] > 0.5)).mean()),
+               scale=abs(ours["metric_scale"] / ref["metric_scale"] - 1),
+               encoder_rms=float(np.sqrt(((level0 - level0_ref) ** 2).mean() / (level0_ref ** 2).mean())),
+               pcc_encoder=_pcc(level0, level0_ref),
+               cls_token=float(np.abs(cls_token - cls_ref).max() / np.abs(cls_ref).max()),
+               depth=_depth_error(ours, ref, canvas))
+    return err
+
+
+# Emulated in float32: round-off only (the folds reassociate sums).
+EXACT_LIMITS = {"points": 1e-5, "normal_deg": 0.01, "mask_prob": 1e-5, "scale": 1e-5, "encoder_rms": 1e-5,
+                "cls_token": 1e-5, "depth": 1e-5}
+# Device formats, bf16 weights and activations with a float32 residual stream: the CPU bf16 graph's documented
+# limits (test_runners.REDUCED_LIMITS), the normal angle's p99, and the depth after the host pipeline. Observed
+# (emulator, tiny-vits-normal 224x126 / 300 tokens): points 1.2e-4, normal p99 / max 0.15 / 0.33 deg, mask
+# probability 4.7e-3, mask agreement 0.9994, scale 2.6e-5, encoder output 0.0062 (relative rms), class token
+# 0.0036, depth 1.6e-4; ViT-L 1920x1080 / 1800 tokens: see test_full_size_vitl_in_device_formats.
+DEVICE_LIMITS = {"points": 0.008, "normal_deg": 1.5, "normal_deg_p99": 0.5, "mask_prob": 0.025, "mask_agree": 0.997,
+                 "scale": 0.005, "encoder_rms": 0.02, "cls_token": 0.02, "depth": 2e-3}
+# bfloat8_b ViT weights: the class token moves most (observed 0.009 tiny, 0.022 ViT-L), the scale follows
+# (2.9e-4 tiny, 1.9e-4 ViT-L); everything else as bf16.
+BFP8_VIT_LIMITS = {**DEVICE_LIMITS, "cls_token": 0.04}
+LIMITS = {"bf16": DEVICE_LIMITS, "bfp8-vit": BFP8_VIT_LIMITS}
+
+
+def _check(err: dict, limits: dict, min_pcc: float = 0.0) -> None:
+    for key, limit in limits.items():
+        if key in err:
+            ok = err[key] >= limit if key == "mask_agree" else err[key] <= limit
+            assert ok, f"{key}: {err[key]:.4g} beyond the limit {limit} ({err})"
+    for key, value in err.items():
+        if key.startswith("pcc_"):
+            assert value >= min_pcc, f"{key}: {value:.7f} < {min_pcc} ({err})"
+
+
+_REFERENCES: dict = {}
+
+
+def _references(preset: str, seed: int, canvas, tokens) -> tuple:
+    """(raw maps + their finished output, level-0 map, class token) of the reference, cached."""
+    key = (preset, seed, canvas, tokens)
+    if key not in _REFERENCES:
+        net, plan = _network(preset), _prepared(preset, canvas, tokens).plan
+        image = calibration_image(*canvas, seed=seed)
+        ref = _reference(net, image, tokens)
+        ref["finished"] = _finish(ref, canvas)
+        _REFERENCES[key] = (ref, *_encoder_reference(net, image, plan))
+    return _REFERENCES[key]
+
+
+def _compare(preset: str, formats="bf16", exact=False, seed=6, canvas=SMALL, tokens=SMALL_TOKENS,
+             graph: TtnnGraph = None, prepare_convs=False) -> dict:
+    prepared = _prepared(preset, canvas, tokens)
+    graph = graph or _graph(prepared, formats, exact, prepare_convs)
+    raw, level0, cls_token = _run(graph, prepared, calibration_image(*canvas, seed=seed))
+    ref, level0_ref, cls_ref = _references(preset, seed, canvas, tokens)
+    return _errors(raw, ref, level0, level0_ref, cls_token, cls_ref, canvas)
+
+
+def _check_exact(err: dict) -> None:
+    _check(err, EXACT_LIMITS, min_pcc=0.9999)
+    assert err["pcc_encoder"] >= 0.99999, err
+
+
+# ----------------------------------------------------------------------------------------- whole graph
+
+
+@pytest.mark.parametrize("preset", ["tiny-vits-normal", "tiny-vits", "registers", "nearest"])
+def test_exact_emulation_equals_the_reference(preset):
+    """Every fold and layout choice (patch matmul, token order, tap matrices, phase-folded finest level,
+    replicate padding, host steps) is exact: float32 emulation matches the reference to round-off. The forward
+    compared is the second one, with the conv weights prepared by the first (load), as on a chip."""
+    _check_exact(_compare(preset, exact=True, prepare_convs=True))
+
+
+@pytest.mark.parametrize("formats", ["bf16", "bfp8-vit"])
+def test_device_formats_are_within_documented_limits(formats):
+    err = _compare("tiny-vits-normal", formats)
+    _check(err, LIMITS[formats], min_pcc=0.999)
+    assert err["encoder_rms"] > 1e-4, "no rounding at all: the formats were not emulated"
+
+
+# Observed: 1.6x the ViT output error and 1.7x the class-token error on this 4-block network; 2.0x and 1.5x on
+# ViT-L at 1920x1080 / 1800 tokens (2.0x and 2.2x with massive activations injected at a few tokens).
+def test_bfloat16_residual_stream_costs_vit_accuracy():
+    """The residual-format decision (graph.py's docstring), measured: the same graph with a bfloat16 residual
+    stream has a clearly larger ViT output and class-token error."""
+    fp32 = _compare("tiny-vits-normal", "bf16")
+    bf16 = _compare("tiny-vits-normal", Formats(residual="bfloat16"))
+    assert bf16["encoder_rms"] > 1.3 * fp32["encoder_rms"], (bf16, fp32)
+    assert bf16["cls_token"] > 1.3 * fp32["cls_token"], (bf16, fp32)
+
+
+# ------------------------------------------------------------------------------------------- per module
+
+
+def _block_input(net, prepared: Prepared, image: torch.Tensor) -> torch.Tensor:
+    """The ViT's input tokens in the device order ([patches, class token, registers]), (1, seq_len, C)."""
+    vit = net.encoder.backbone
+    rows, cols = prepared.plan["rows"], prepared.plan["cols"]
+    with torch.inference_mode():
+        x = F.interpolate(image, (rows * 14, cols * 14), mode="bilinear", align_corners=False, antialias=True)
+        x = (x - net.encoder.image_mean) / net.encoder.image_std
+        tokens = vit.patch_embed(x) + vit.position_embedding(rows, cols)[:, 1:]
+        prefix = [vit.cls_token + vit.position_embedding(rows, cols)[:, :1]]
+        if vit.register_tokens is not None:
+            prefix.append(vit.register_tokens)
+        return torch.cat([tokens] + prefix, dim=1)
+
+
+@pytest.mark.parametrize("exact,min_pcc", [(True, 0.999999), (False, 0.9999)])
+def test_vit_block_pcc(exact, min_pcc):
+    """One DINOv2 block (layer norms, qkv, head split, SDPA, LayerScale-folded projections, GELU MLP) against the
+    reference `Block` on the same tokens (attention is indifferent to the token order). Compared: the block's
+    update (output - input), which a broken block changes visibly; the output itself is mostly its input."""
+    net, prepared = _network("tiny-vits-normal"), _prepared("tiny-vits-normal")
+    x = _block_input(net, prepared, calibration_image(*SMALL, seed=3))
+    graph = _graph(prepared, exact=exact)
+    emulator = graph.ttnn
+    for i in (0, 2):
+        with torch.inference_mode():
+            ref = net.encoder.backbone.blocks[i](x)[0].numpy()
+        dev = emulator.Tensor(x.numpy()[None], emulator.float32, graph.device, emulator.TILE_LAYOUT)
+        out = graph.to_host(graph.block(dev, i), tuple(ref.shape))
+        x0 = x[0].numpy()
+        assert _pcc(out - x0, ref - x0) >= min_pcc, (i, _pcc(out - x0, ref - x0))
+        if exact:
+            assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref - x0).max()
+
+
+@pytest.mark.parametrize("exact,min_pcc", [(True, 0.99999), (False, 0.9999)])
+def test_encoder_pcc(exact, min_pcc):
+    """Patch matmul + token table, the blocks, the taps' norms and projections -> the neck's level-0 input and the
+    class token, against the reference encoder and level-0 conv."""
+    net, prepared = _network("tiny-vits-normal"), _prepared("tiny-vits-normal")
+    image = calibration_image(*SMALL, seed=4)
+    graph = _graph(prepared, exact=exact)
+    plan = prepared.plan
+    level0, cls_token = graph.encode(graph.upload(host_input(plan, image.numpy())))
+    level0_ref, cls_ref = _encoder_reference(net, image, plan)
+    assert _pcc(graph.to_host(level0, level0_ref.shape), level0_ref) >= min_pcc
+    assert _pcc(graph.to_host(cls_token, cls_ref.shape), cls_ref) >= min_pcc
+
+
+@pytest.mark.parametrize("exact,min_pcc", [(True, 0.99999), (False, 0.9999)])
+def test_decoder_pcc(exact, min_pcc):
+    """The conv decoder from the reference's level-0 input to the finest maps (before the resize to the canvas
+    and the activations), against the reference neck and heads."""
+    net, prepared = _network("tiny-vits-normal"), _prepared("tiny-vits-normal")
+    plan = prepared.plan
+    image = calibration_image(*SMALL, seed=5)
+    rows, cols = plan["rows"], plan["cols"]
+    with torch.inference_mode():
+        features, _ = net.encoder(image, rows, cols)
+        uv = net.uv_planes(rows, cols, SMALL[0] / SMALL[1], torch.float32, None)
+        neck_out = net.neck([torch.cat([features, uv[0]], dim=1)] + uv[1:])
+        ref = torch.cat([getattr(net, h["name"] + "_head")(neck_out, last_only=True)[-1] for h in plan["heads"]], 1)[0]
+    level0_ref, _ = _encoder_reference(net, image, plan)
+    graph = _graph(prepared, exact=exact)
+    emulator = graph.ttnn
+    level0 = emulator.Tensor(level0_ref[None, None], emulator.bfloat16, graph.device, emulator.TILE_LAYOUT)
+    fin = plan["finest"]
+    phases = graph.to_host(graph.decode(level0), (fin["in_height"] * fin["in_width"], fin["phase_channels"]))
+    ours = depth_to_space(phases, fin["in_height"], fin["in_width"]) + prepared.arrays["finest.const"]
+    ref = ref.numpy()
+    assert ours.shape == ref.shape
+    assert _pcc(ours, ref) >= min_pcc, _pcc(ours, ref)
+    for c in range(ref.shape[0]):  # every channel, not just the overall correlation
+        assert _pcc(ours[c], ref[c]) >= min_pcc, (c, _pcc(ours[c], ref[c]))
+
+
+# -------------------------------------------------------------------------------- the checks have teeth
+
+
+def _break(graph: TtnnGraph, bug: str) -> None:
+    """Inject a plausible lowering bug into a loaded graph."""
+    T, plan, w = graph.ttnn, graph.plan, graph.w
+    if bug == "head_split":  # qkv split into the wrong number of heads
+        plan["num_heads"] //= 2
+    elif bug == "transposed_weight":  # a square weight uploaded in torch's (out, in) layout
+        a = graph.prepared.arrays["blocks.1.attn_out.w"]
+        w["blocks.1.attn_out.w"] = graph._tensor(a.T, graph.formats.vit_weights)
+    elif bug == "zero_padding":  # ttnn's default conv padding instead of MoGe's replicate padding
+        make = graph._conv_config
+
+        def zeros(shard, relu):
+            config = make(shard, relu)
+            config.padding_mode = T.PaddingMode.Zeros
+            return config
+
+        graph._conv_config = zeros
+    elif bug == "phase_order":  # row and column phases swapped in the finest fold
+        for name in ["neck"] + [h["name"] for h in plan["heads"]]:
+            k = graph.prepared.arrays[f"finest.{name}.w"]
+            n = k.shape[0] // 4
+            swapped = np.concatenate([k[:n], k[2 * n:3 * n], k[n:2 * n], k[3 * n:]])
+            graph.convs[f"finest.{name}"] = (graph._tensor(swapped, "float32", device=False, layout=T.ROW_MAJOR_LAYOUT),
+                                             None)
+    elif bug == "class_row":  # the class token read from the first row (the usual prefix-first order)
+        slice_ = T.slice
+
+        def first_row(t, starts, ends, *args, **kwargs):
+            if ends[2] - starts[2] == 1:
+                starts, ends = (0, 0, 0, 0), (1, 1, 1, ends[3])
+            return slice_(t, starts, ends, *args, **kwargs)
+
+        T.slice = first_row
+    elif bug == "no_gelu":
+        for name, pc in graph.pc.items():
+            if getattr(pc, "fused_activation", None) is not None:
+                pc.fused_activation = None
+    elif bug == "double_scale":  # the attention scale applied again though it is folded into q
+        sdpa = T.transformer.scaled_dot_product_attention
+        T.transformer.scaled_dot_product_attention = lambda *a, **k: sdpa(*a, **{**k, "scale": None})
+    else:
+        raise ValueError(bug)
+
+
+@pytest.mark.parametrize("bug", ["head_split", "transposed_weight", "zero_padding", "phase_order", "class_row",
+                                 "no_gelu", "double_scale"])
+def test_checks_catch_broken_lowerings(bug):
+    """Each plausible lowering bug breaks the exact comparison (so the tests above would catch it)."""
+    prepared = _prepared("tiny-vits-normal")
+    prepared = Prepared(copy.deepcopy(prepared.plan), prepared.arrays)  # a bug may edit the plan
+    graph = _graph(prepared, exact=True)
+    _break(graph, bug)
+    with pytest.raises(AssertionError):
+        _check_exact(_compare("tiny-vits-normal", graph=graph))
+
+
+def test_persistent_input_buffer_gives_the_same_forward():
+    """upload(patches, into=allocate_input()) (the path a trace uses) feeds the forward as a fresh upload does."""
+    prepared = _prepared("tiny-vits-normal")
+    graph = _graph(prepared, exact=True)
+    patches = host_input(prepared.plan, calibration_image(*SMALL, seed=2).numpy())
+    buffer = graph.allocate_input()
+    fresh = graph.read(graph.forward(graph.upload(patches)))
+    reused = graph.read(graph.forward(graph.upload(patches, into=buffer)))
+    assert graph.upload(patches, into=buffer) is buffer
+    for key in fresh:
+        assert np.array_equal(fresh[key], reused[key]), key
+
+
+# ------------------------------------------------------------------------------------ preparation, host
+
+
+def test_prepare_refuses_structures_the_graph_does_not_run():
+    with pytest.raises(ValueError, match="norms"):
+        prepare_weights(make_network("tiny-norms", well_posed=False), SMALL, SMALL_TOKENS)
+
+
+def test_prepared_round_trips_through_npz(tmp_path):
+    prepared = _prepared("tiny-vits-normal")
+    path = tmp_path / "graph.npz"
+    prepared.save(path)
+    loaded = Prepared.load(path)
+    assert loaded.plan == prepared.plan
+    assert sorted(loaded.arrays) == sorted(prepared.arrays)
+    for k, v in prepared.arrays.items():
+        assert loaded.arrays[k].dtype == np.float32 and np.array_equal(loaded.arrays[k], v), k
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest"])
+def test_phase_fold_equals_upsample_then_conv(mode):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 5, 7, 9, generator=gen, dtype=torch.float64)
+    w = torch.randn(4, 5, 3, 3, generator=gen, dtype=torch.float64)
+    up = F.interpolate(x, scale_factor=2, mode=mode, **({"align_corners": False} if mode == "bilinear" else {}))
+    ref = F.conv2d(F.pad(up, (1, 1, 1, 1), mode="replicate"), w)[0].numpy()
+    low = F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), torch.from_numpy(phase_fold(w.numpy(), mode)).double())
+    ours = depth_to_space(low[0].permute(1, 2, 0).reshape(7 * 9, 16).numpy(), 7, 9)
+    assert np.abs(ours - ref).max() < 1e-5 * np.abs(ref).max()
+
+
+def test_host_resizes_match_pytorch():
+    gen = torch.Generator().manual_seed(1)
+    image = torch.rand(1, 3, 270, 480, generator=gen)
+    for size in ((112, 196), (300, 500)):
+        ref = F.interpolate(image, size, mode="bilinear", align_corners=False, antialias=True)[0].numpy()
+        assert np.abs(resize_antialiased(image[0].numpy(), *size) - ref).max() < 1e-5
+    maps = torch.randn(1, 7, 32, 57, generator=gen)
+    ref = F.interpolate(maps, (135, 240), mode="bilinear", align_corners=False)[0].numpy()
+    assert np.abs(resize_bilinear(maps[0].numpy(), 135, 240) - ref).max() < 1e-4
+
+
+def test_host_input_accepts_the_canvas_or_the_token_grid_image():
+    plan = _prepared("tiny-vits-normal").plan
+    canvas = calibration_image(*SMALL, seed=1)
+    size = (plan["rows"] * plan["patch"], plan["cols"] * plan["patch"])
+    resized = F.interpolate(canvas, size, mode="bilinear", align_corners=False, antialias=True)
+    a = host_input(plan, canvas.numpy())
+    b = host_input(plan, resized[0].permute(1, 2, 0).numpy())  # HWC at the token grid
+    assert a.shape == (plan["seq_len"], plan["patch_k_padded"])
+    assert np.abs(a - b).max() < 1e-5
+    assert not a[plan["grid_tokens"]:].any() and not a[:, plan["patch_k"]:].any()
+    with pytest.raises(ValueError, match="canvas"):
+        host_input(plan, np.zeros((100, 100, 3), np.float32))
+
+
+def test_emulator_formats_match_ttnn_host_conversions():
+    """bfloat16: round to nearest even. bfloat8_b: values ttnn 0.81.1's own host conversion produced (blocks of
+    16 along the last dim, shared exponent, 7-bit magnitudes, ties to even, clipped at 127)."""
+    x = torch.tensor([1.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -1.0 - 2 ** -8])
+    assert round_bf16(x).tolist() == [1.0, 1.0, 1.0 + 2 ** -6, -1.0]
+    cases = [([100, 0.5, 2.5, 1.5, 3.5, -0.5, -2.5, 0.49], [100, 0, 2, 2, 4, 0, -2, 0]),
+             ([127.6, 1.0, 0.5, 127.4], [127, 1, 0, 127]),
+             ([127.5, 126.5, 125.5, 3.0], [127, 126, 126, 3]),
+             ([3.0, 1.0 + 3 * 2 ** -8, -1.99, 0.02, 0.01], [3.0, 1.0, -2.0, 0.03125, 0.0])]
+    for values, expected in cases:
+        row = torch.zeros(32)
+        row[:len(values)] = torch.tensor(values)
+        row[16:16 + len(values)] = torch.tensor(values) / 64  # the second block has its own exponent
+        out = round_bfp8(row[None])[0]
+        assert out[:len(values)].tolist() == expected, (values, out[:len(values)].tolist())
+        assert (out[16:16 + len(values)] * 64).tolist() == expected
+
+
+# ------------------------------------------------------------------------------------------- full size
+
+
+# Observed (bf16): points 1.8e-4, normal p99 / max 0.10 / 0.22 deg, mask probability 0.030, mask agreement
+# 0.9984, scale 1.7e-4, encoder output 0.0069, class token 0.0097, depth 2.7e-4: the size of the CPU bf16
+# graph's full-size numbers in docs/performance.md. The mask probability limit is the one loosened.
+@pytest.mark.full_size
+def test_full_size_vitl_in_device_formats():
+    """ViT-L at the spec case (1920x1080, 1800 tokens: 32x57 grid, 1825 tokens, 24 blocks, 512x912 finest level)
+    in bf16, within the device limits."""
+    canvas, tokens = (1920, 1080), 1800
+    err = _compare("vitl-normal", "bf16", canvas=canvas, tokens=tokens)
+    _check(err, {**DEVICE_LIMITS, "mask_prob": 0.06}, min_pcc=0.999)
+
+
+# ------------------------------------------------------------------------------------------ the study
+
+_STUDY_FORMATS = {"bf16": "bf16", "bfp8-vit": "bfp8-vit", "bf16-res16": Formats(residual="bfloat16"),
+                  "bfp8-vit-res16": Formats(vit_weights="bfloat8_b", residual="bfloat16"),
+                  "bfp8-all": Formats(vit_weights="bfloat8_b", decoder_weights="bfloat8_b")}
+
+
+def main(argv=None) -> None:
+    """The accuracy study behind the limits above: every metric, per format, on one network and canvas.
+
+        cd code && python -m tests.test_ttnn_lowering --preset vitl-normal --size 1920 1080 --tokens 1800
+    """
+    import argparse
+    import time
+
+    ap = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny-vits-normal")
+    ap.add_argument("--size", type=int, nargs=2, default=SMALL, metavar=("W", "H"))
+    ap.add_argument("--tokens", type=int, default=SMALL_TOKENS)
+    ap.add_argument("--formats", default="exact,bf16,bf16-res16,bfp8-vit",
+                    help=f"comma-separated: exact (float32 emulation) or {sorted(_STUDY_FORMATS)}")
+    ap.add_argument("--seed", type=int, default=6)
+    args = ap.parse_args(argv)
+    canvas = tuple(args.size)
+    for name in args.formats.split(","):
+        t = time.perf_counter()
+        exact = name == "exact"
+        err = _compare(args.preset, "bf16" if exact else _STUDY_FORMATS[name], exact=exact, seed=args.seed,
+                       canvas=canvas, tokens=args.tokens)
+        cells = ", ".join(f"{k} {v:.4g}" for k, v in err.items())
+        print(f"{args.preset} {canvas[0]}x{canvas[1]} {args.tokens} tokens, {name} ({time.perf_counter() - t:.0f} s): {cells}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""The Tenstorrent runner (`tt_moge.runners.ttnn.runner.TtnnRunner`) and its place in the API, on the ttnn
+emulator (`tests/ttnn_emulator.py`, installed as the `ttnn` module where the API imports it): device selection,
+the persistent input and the trace, one or two command queues, the prepared-weights cache, close(), and the
+errors a user can meet. The numerics of the graph itself are `test_ttnn_lowering.py`'s; on a chip,
+`test_api_device.py` runs the same API calls for real.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from tt_moge import MoGeModel
+from tt_moge.options import LoadOptions, TtChip
+from tt_moge.runners.ttnn import runner as runner_mod
+from tt_moge.runners.ttnn.runner import TtnnRunner, prepared_weights
+from tt_moge.testing import calibration_image
+from tt_moge.weights import load_network
+
+from .ttnn_emulator import EmulatedDevice, TtnnEmulator
+
+CANVAS, TOKENS = (224, 126), 300  # runner tests: a small canvas (the runner takes any budget)
+API_CANVAS, API_TOKENS = (448, 252), 1200  # API tests: the smallest budget from_pretrained accepts
+
+
+@pytest.fixture
+def ttnn(monkeypatch, tmp_path):
+    """The emulator as the `ttnn` module (exact float32: results comparable with the reference to round-off),
+    its devices typed as ttnn's, and a private prepared-weights cache."""
+    emulator = TtnnEmulator(exact=True)
+    monkeypatch.setitem(sys.modules, "ttnn", emulator)
+    monkeypatch.setattr(EmulatedDevice, "__module__", "ttnn._ttnn.multi_device")
+    monkeypatch.setenv(runner_mod.CACHE_ENV, str(tmp_path / "ttnn-cache"))
+    return emulator
+
+
+@pytest.fixture(scope="module")
+def network_path(tmp_path_factory):
+    from tt_moge.testing import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("ttnn-runner"), "tiny-vits-normal", well_posed=True)
+
+
+def _network(path):
+    return load_network(path, None)[0]
+
+
+def _reference(path, image):
+    net = _network(path)
+    with torch.inference_mode():
+        out = {k: v[0] for k, v in net(image, TOKENS).items()}
+    valid = float((out["mask"] > 0.5).float().mean())
+    assert 0.05 < valid < 0.95, f"valid share {valid:.3f}: the comparison would be trivial"
+    return out
+
+
+def _runner(path, ttnn, **kwargs) -> TtnnRunner:
+    chip = kwargs.pop("chip", TtChip(0))
+    return TtnnRunner(_network(path), CANVAS, TOKENS, chip, ttnn=ttnn, **kwargs)
+
+
+def _assert_close(raw, ref, tol=2e-5):
+    for key in ("points", "normal", "mask"):
+        got, want = getattr(raw, key), ref[key]
+        assert got.shape == want.shape, key
+        assert float((got - want).abs().max() / want.abs().max()) < tol, key
+    assert abs(raw.metric_scale / float(ref["metric_scale"]) - 1) < tol
+
+
+def test_runner_equals_the_reference_and_the_trace_replays_each_new_canvas(network_path, ttnn):
+    """The trace is captured on the first call and replayed after: each call's result is its own canvas's (a
+    replay that kept reading the first input, or a fresh input tensor outside the trace, would fail here)."""
+    runner = _runner(network_path, ttnn)
+    images = [calibration_image(*CANVAS, seed=s) for s in (1, 2, 3)]
+    for image in images:
+        _assert_close(runner.forward(image), _reference(network_path, image))
+    assert len(ttnn.traces) == 1 and ttnn.op_counts["execute_trace"] == 3
+    runner.close()
+    assert ttnn.traces == {} and len(ttnn.closed) == 1, "close() releases the trace and closes the chip it opened"
+
+
+def test_two_command_queues_give_bit_identical_maps_and_read_on_queue_1(network_path, ttnn):
+    image = calibration_image(*CANVAS, seed=4)
+    one = _runner(network_path, ttnn, num_command_queues=1, dispatch="worker")
+    first = one.forward(image)
+    one.close()
+    assert ("wait", 1) not in ttnn.events
+    two = _runner(network_path, ttnn, num_command_queues=2, dispatch="worker")
+    second = two.forward(image)
+    two.close()
+    assert ttnn.events[-2:] == [("record", 0), ("wait", 1)], "the read waits on queue 1 for the forward on queue 0"
+    assert ttnn.opened[-1]["num_command_queues"] == 2 and ttnn.opened[-1]["dispatch_core_config"] == "worker"
+    for key in ("points", "normal", "mask"):
+        assert torch.equal(getattr(first, key), getattr(second, key)), key
+    assert first.metric_scale == second.metric_scale
+
+
+def test_eth_dispatch_failure_falls_back_to_worker_with_a_warning(network_path, ttnn, monkeypatch):
+    real_open = ttnn.open_device
+
+    def open_device(**kwargs):
+        if kwargs.get("dispatch_core_config") == "eth":
+            raise RuntimeError("No core coordinate found at location: (0, 12, ETH, LOGICAL)")
+        return real_open(**kwargs)
+
+    monkeypatch.setattr(ttnn, "open_device", open_device)
+    with pytest.warns(RuntimeWarning, match="ETH dispatch failed"):
+        runner = _runner(network_path, ttnn)
+    assert runner.describe()["dispatch"] == "worker"
+    runner.close()
+
+
+def test_a_callers_device_is_used_and_never_closed(network_path, ttnn):
+    handle = ttnn.open_device(device_id=0)
+    runner = _runner(network_path, ttnn, chip=TtChip(0, handle=handle))
+    runner.forward(calibration_image(*CANVAS, seed=5))
+    runner.close()
+    assert ttnn.closed == [] and len(ttnn.opened) == 1
+
+
+def test_prepared_weights_are_cached_per_checkpoint_canvas_and_tokens(network_path, ttnn, tmp_path, monkeypatch):
+    calls = []
+    real = runner_mod.prepare_weights
+    monkeypatch.setattr(runner_mod, "prepare_weights", lambda *a: calls.append(a[1:]) or real(*a))
+    net = _network(network_path)
+    first, path = prepared_weights(net, CANVAS, TOKENS, tmp_path)
+    again, same = prepared_weights(_network(network_path), CANVAS, TOKENS, tmp_path)
+    assert path == same and path.is_file() and len(calls) == 1, "the second load reads the cache"
+    assert all(np.array_equal(first.arrays[k], again.arrays[k]) for k in first.arrays)
+    prepared_weights(net, CANVAS, 320, tmp_path)
+    with torch.no_grad():
+        net.encoder.backbone.blocks[0].attn.qkv.weight.add_(1e-3)
+    _, changed = prepared_weights(net, CANVAS, TOKENS, tmp_path)
+    assert len(calls) == 3 and changed != path, "another token budget or other weights prepare again"
+
+
+def test_graph_that_does_not_fit_is_a_clear_error(network_path, ttnn, monkeypatch):
+    def overflow(self, prepare_convs=True):
+        raise RuntimeError("TT_THROW @ program.cpp:1: Statically allocated circular buffers on core range [(x=0,y=0)] "
+                           "grow to 17323136 B which is beyond max L1 size of 1572864 B\n --- backtrace")
+
+    monkeypatch.setattr(runner_mod.TtnnGraph, "load", overflow)
+    with pytest.raises(ValueError, match=r"canvas 224x126 with 300 tokens does not run on this chip.*beyond max L1"):
+        _runner(network_path, ttnn)
+    assert len(ttnn.closed) == 1, "the chip opened for the failed load is closed again"
+
+
+# --------------------------------------------------------------------------------------------- the API
+def test_api_on_a_tenstorrent_device(network_path, ttnn):
+    """MoGeModel with an open ttnn device, with "tt", and with device=None when a chip is present: the same
+    outputs as the reference runner's (float32 emulation), the device named, nothing closed that the caller
+    owns."""
+    image = (calibration_image(*API_CANVAS, seed=7)[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+    common = dict(resolution=API_CANVAS, num_tokens=API_TOKENS, warmup=1, warmup_variants="minimal")
+    with MoGeModel.from_pretrained(network_path, device="cpu", precision="fp32", **common) as cpu:
+        want = cpu(image)
+    handle = ttnn.open_device(device_id=0)
+    with MoGeModel.from_pretrained(network_path, device=handle, **common) as model:
+        got = model(image)
+        info = model.info()
+    assert info["device"] == "tt:0" and info["runner"]["runner"] == "ttnn" and info["precision"] == "bf16"
+    assert ttnn.closed == []
+    assert 0.05 < got.mask.mean() < 0.95 and np.array_equal(got.mask, want.mask)
+    valid = got.mask
+    assert np.allclose(got.depth[valid], want.depth[valid], rtol=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a chip is present: no "running on the CPU" warning
+        with MoGeModel.from_pretrained(network_path, device=None, **common) as model:
+            assert model.device == "tt:0"
+        with MoGeModel.from_pretrained(network_path, device="tt:0", precision="bfp8", **common) as model:
+            assert model.info()["runner"]["formats"] == "bfp8-vit"
+    assert len(ttnn.closed) == 2, "the chips the models opened are closed"
+
+
+def test_tenstorrent_option_errors(network_path, ttnn):
+    with pytest.raises(ValueError, match="no Tenstorrent chip 3"):
+        LoadOptions.resolve(network_path, device="tt:3")
+    with pytest.raises(ValueError, match="'tt' or 'tt:N'"):
+        LoadOptions.resolve(network_path, device="tt:x")
+    with pytest.raises(ValueError, match="num_command_queues=2 needs dispatch='worker'"):
+        LoadOptions.resolve(network_path, device="tt", num_command_queues=2)
+    with pytest.raises(ValueError, match="precision='int8' is not available on a Tenstorrent chip"):
+        LoadOptions.resolve(network_path, device="tt", precision="int8")
+    with pytest.raises(ValueError, match="bfp8.*Tenstorrent option"):
+        LoadOptions.resolve(network_path, device="cpu", precision="bfp8")
+    ttnn.device_count = 0
+    with pytest.raises(ValueError, match=r"no Tenstorrent chip 0 here \(0 found"):
+        LoadOptions.resolve(network_path, device="tt")
+    with pytest.warns(RuntimeWarning, match="no Tenstorrent chip or CUDA GPU"):
+        assert LoadOptions.resolve(network_path, device=None).device.type in ("cpu", "cuda")
+
+
+def test_without_ttnn_a_tenstorrent_device_is_a_clear_error(network_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ttnn", None)  # `import ttnn` raises ImportError
+    with pytest.raises(ValueError, match="ttnn .* does not import here"):
+        LoadOptions.resolve(network_path, device="tt")
+    with pytest.warns(RuntimeWarning, match="no Tenstorrent chip or CUDA GPU"):
+        assert LoadOptions.resolve(network_path, device=None).device.type in ("cpu", "cuda")

@@ -1,0 +1,712 @@
+"""A torch test double of the ttnn API surface that `tt_moge.runners.ttnn.graph` uses (and a few neighbours:
+softmax, concat, permute, pad, upsample): the numerics of the Tenstorrent graph, checkable on a CPU. Never
+offered to users as a device.
+
+Written from ttnn 0.81's documented semantics and its golden functions (`ttnn.get_golden_function`): linear =
+a @ b + bias with b laid out (K, N); layer_norm over the last dim; `split_query_key_value_and_split_heads`
+on (B, S, 3 H D) = [q heads | k heads | v heads]; non-causal SDPA over the logical sequence; conv2d on
+(1, 1, N*H*W, C) channels-last input with OIHW weights and a zero or replicate padding mode; conv_transpose2d
+with (C_in, C_out, kH, kW) weights; slices, reshapes, adds with broadcasting.
+
+Formats. Every tensor is a float32 torch tensor rounded to its ttnn dtype whenever it is created or written
+by an op: bfloat16 by round-to-nearest-even (what ttnn's host conversion does), bfloat8_b as ttnn stores it:
+each run of 16 consecutive values along the last dim (one row of a 16x16 face of a 32x32 tile) shares the
+exponent of its largest magnitude, each value keeps a sign and a 7-bit magnitude rounded to nearest even and
+clipped at 127 (checked against ttnn's own host conversion). Ops compute in float32 (the graph asks the device
+for float32 accumulation); conv weights are rounded to `Conv2dConfig.weights_dtype`. SDPA models the
+FlashAttention kernel's bfloat16 intermediates: scores, probabilities and their row sums rounded to bfloat16.
+Not modelled: the matrix engine's input truncation and math fidelity, intra-op blocking, approximations in
+the SFPU (exp, gelu). `TtnnEmulator(exact=True)` is the "float32 everything" mode: no rounding anywhere.
+
+Cheap validations raise like the real ops (shapes, ranks, program config arithmetic); memory configs and
+program configs are otherwise inert. Ops are counted in `emulator.op_counts`.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+import math
+import types
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["TtnnEmulator", "round_bf16", "round_bfp8"]
+
+TILE = 32
+
+
+class DataType(enum.Enum):
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+    BFLOAT8_B = "bfloat8_b"
+
+
+class Layout(enum.Enum):
+    ROW_MAJOR = "row_major"
+    TILE = "tile"
+
+
+class TensorMemoryLayout(enum.Enum):
+    INTERLEAVED = 0
+    HEIGHT_SHARDED = 1
+    WIDTH_SHARDED = 2
+    BLOCK_SHARDED = 3
+
+
+class BufferType(enum.Enum):
+    DRAM = 0
+    L1 = 1
+
+
+class MathFidelity(enum.Enum):
+    LoFi = 0
+    HiFi2 = 2
+    HiFi3 = 3
+    HiFi4 = 4
+
+
+class UnaryOpType(enum.Enum):
+    RELU = "relu"
+    GELU = "gelu"
+
+
+class PaddingMode(enum.Enum):
+    Zeros = 0
+    Replicate = 1
+
+
+class SliceType(enum.Enum):
+    DRAMSliceHeight = 0
+    DRAMSliceWidth = 1
+    L1Full = 2
+
+
+class _Inert:
+    """A config object: keyword arguments stored as attributes, nothing else."""
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+        self.__dict__.update(kwargs)
+
+    def __repr__(self):
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items() if k != "args")
+        return f"{type(self).__name__}({fields})"
+
+
+class MemoryConfig(_Inert):
+    pass
+
+
+class CoreCoord:
+    def __init__(self, x: int, y: int):
+        self.x, self.y = int(x), int(y)
+
+    def __repr__(self):
+        return f"CoreCoord({self.x}, {self.y})"
+
+
+class CoreGrid(CoreCoord):
+    def __init__(self, *, x: int, y: int):
+        super().__init__(x, y)
+
+
+class UnaryWithParam:
+    def __init__(self, op_type: UnaryOpType, *params):
+        self.op_type = op_type
+        self.params = params
+
+
+class MatmulMultiCoreReuseMultiCastProgramConfig(_Inert):
+    pass
+
+
+class SDPAProgramConfig(_Inert):
+    pass
+
+
+class Conv2dConfig(_Inert):
+    def __init__(self, *, weights_dtype=None, activation=None, padding_mode=PaddingMode.Zeros, **kwargs):
+        super().__init__(weights_dtype=weights_dtype, activation=activation, padding_mode=padding_mode, **kwargs)
+
+
+class Conv2dSliceConfig(_Inert):
+    def __init__(self, *, slice_type: SliceType, num_slices: int = 0):
+        super().__init__(slice_type=slice_type, num_slices=num_slices)
+
+
+class ComputeKernelConfig(_Inert):
+    pass
+
+
+class EmulatedDevice:
+    """Stands in for an open P150: a 13x10 worker grid, Blackhole arch."""
+
+    def __init__(self, grid=(13, 10)):
+        self._grid = CoreCoord(*grid)
+
+    def compute_with_storage_grid_size(self) -> CoreCoord:
+        return self._grid
+
+    def arch(self) -> str:
+        return "blackhole"
+
+
+def round_bf16(t: torch.Tensor) -> torch.Tensor:
+    """float32 -> nearest bfloat16 (ties to even), as float32."""
+    return t.float().to(torch.bfloat16).float()
+
+
+def round_bfp8(t: torch.Tensor) -> torch.Tensor:
+    """float32 -> bfloat8_b values, as float32: blocks of 16 along the last dim share the exponent of their
+    largest magnitude; 7-bit magnitudes, ties to even, clipped at 127."""
+    t = t.float()
+    shape = t.shape
+    width = shape[-1]
+    pad = (-width) % 16
+    x = F.pad(t, (0, pad)) if pad else t
+    blocks = x.reshape(*x.shape[:-1], -1, 16)
+    peak = blocks.abs().amax(dim=-1, keepdim=True)
+    _, exponent = torch.frexp(torch.where(peak > 0, peak, torch.ones_like(peak)))  # peak = m 2^e, m in [0.5, 1)
+    step = torch.ldexp(torch.ones_like(peak), (exponent - 1 - 6).to(torch.int32))
+    q = torch.clamp(torch.round(blocks / step), -127, 127) * step
+    q = q.reshape(*x.shape)
+    return q[..., :width] if pad else q
+
+
+class TtnnEmulator:
+    """The emulated `ttnn` module: pass an instance where graph.py expects `ttnn`.
+
+    exact: store every tensor in float32 whatever its dtype (the "float32 everything" mode).
+    """
+
+    def __init__(self, exact: bool = False):
+        self.exact = exact
+        self.op_counts: collections.Counter = collections.Counter()
+        self.bfloat16, self.float32, self.bfloat8_b = DataType.BFLOAT16, DataType.FLOAT32, DataType.BFLOAT8_B
+        self.DataType = DataType
+        self.TILE_LAYOUT, self.ROW_MAJOR_LAYOUT = Layout.TILE, Layout.ROW_MAJOR
+        self.Layout = Layout
+        self.TensorMemoryLayout, self.BufferType = TensorMemoryLayout, BufferType
+        self.DRAM_MEMORY_CONFIG = MemoryConfig(memory_layout=TensorMemoryLayout.INTERLEAVED, buffer_type=BufferType.DRAM)
+        self.L1_MEMORY_CONFIG = MemoryConfig(memory_layout=TensorMemoryLayout.INTERLEAVED, buffer_type=BufferType.L1)
+        self.MemoryConfig = MemoryConfig
+        self.MathFidelity, self.UnaryOpType, self.UnaryWithParam = MathFidelity, UnaryOpType, UnaryWithParam
+        self.CoreCoord, self.CoreGrid = CoreCoord, CoreGrid
+        self.MatmulMultiCoreReuseMultiCastProgramConfig = MatmulMultiCoreReuseMultiCastProgramConfig
+        self.SDPAProgramConfig = SDPAProgramConfig
+        self.Conv2dConfig, self.Conv2dSliceConfig, self.PaddingMode = Conv2dConfig, Conv2dSliceConfig, PaddingMode
+        self.Conv2dDRAMSliceHeight, self.Conv2dDRAMSliceWidth = SliceType.DRAMSliceHeight, SliceType.DRAMSliceWidth
+        self.Conv2dL1Full = SliceType.L1Full
+        self.Conv2dL1FullSliceConfig = Conv2dSliceConfig(slice_type=SliceType.L1Full)
+        emulator = self
+        self.Tensor = type("Tensor", (EmulatedTensor,), {"_emulator": emulator})
+        self.transformer = types.SimpleNamespace(
+            split_query_key_value_and_split_heads=self._recorded(self._split_heads),
+            scaled_dot_product_attention=self._recorded(self._sdpa),
+            concatenate_heads=self._recorded(self._concatenate_heads))
+        # Trace capture records every op (with its result objects); a replay runs them again in order and writes
+        # each new result into the recorded objects, as a replayed trace overwrites its output buffers.
+        for name in _TRACED_OPS:
+            setattr(self, name, self._recorded(getattr(self, name)))
+        self._recording: Optional[list] = None
+        self.traces: dict = {}
+        self.device_count = 1  # chips GetNumAvailableDevices reports
+        self.opened: list = []  # open_device calls (kwargs), for the runner tests
+        self.closed: list = []
+        self.events: list = []  # (call, cq_id) of record_event / wait_for_event, in order
+        self.DispatchCoreType = types.SimpleNamespace(ETH="eth", WORKER="worker")
+        self.DispatchCoreConfig = lambda kind=None, *a, **k: kind
+
+    # ----------------------------------------------------------------------------------------- helpers
+    def open_device(self, **kwargs) -> EmulatedDevice:
+        self.opened.append(kwargs)
+        return EmulatedDevice()
+
+    def close_device(self, device) -> None:
+        self.closed.append(device)
+
+    def GetNumAvailableDevices(self) -> int:
+        return self.device_count
+
+    # ----------------------------------------------------------------------------- trace and events
+    def _recorded(self, fn):
+        def op(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            if self._recording is not None:
+                self._recording.append((fn, args, kwargs, result))
+            return result
+
+        return op
+
+    def begin_trace_capture(self, device, cq_id=0) -> int:
+        if self._recording is not None:
+            raise RuntimeError("begin_trace_capture: a capture is already active")
+        self._recording = []
+        return len(self.traces) + 1
+
+    def end_trace_capture(self, device, trace_id, cq_id=0) -> None:
+        if self._recording is None:
+            raise RuntimeError("end_trace_capture without begin_trace_capture")
+        self.traces[trace_id], self._recording = self._recording, None
+
+    def execute_trace(self, device, trace_id, cq_id=0, blocking=True) -> None:
+        if trace_id not in self.traces:
+            raise RuntimeError(f"execute_trace: no trace {trace_id} (released or never captured)")
+        self._count("execute_trace")
+        for fn, args, kwargs, result in self.traces[trace_id]:
+            _overwrite(result, fn(*args, **kwargs))
+
+    def release_trace(self, device, trace_id) -> None:
+        if self.traces.pop(trace_id, None) is None:
+            raise RuntimeError(f"release_trace: no trace {trace_id}")
+
+    def record_event(self, device, cq_id=0):
+        self.events.append(("record", cq_id))
+        return ("event", cq_id, len(self.events))
+
+    def wait_for_event(self, cq_id, event) -> None:
+        self.events.append(("wait", cq_id))
+
+    def event_synchronize(self, event) -> None:
+        pass
+
+    def round(self, t: torch.Tensor, dtype: DataType) -> torch.Tensor:
+        if self.exact or dtype == DataType.FLOAT32:
+            return t.float()
+        if dtype == DataType.BFLOAT16:
+            return round_bf16(t)
+        if dtype == DataType.BFLOAT8_B:
+            return round_bfp8(t)
+        raise TypeError(f"unsupported dtype {dtype}")
+
+    def _new(self, data: torch.Tensor, dtype: DataType, layout: Layout = Layout.TILE, device=True, memory_config=None):
+        if dtype == DataType.BFLOAT8_B and layout != Layout.TILE:
+            raise RuntimeError("bfloat8_b tensors must be in TILE layout")
+        t = EmulatedTensor.__new__(self.Tensor)
+        t._init(self.round(data, dtype), dtype, layout, device, memory_config or self.DRAM_MEMORY_CONFIG)
+        return t
+
+    def _count(self, name: str) -> None:
+        self.op_counts[name] += 1
+
+    @staticmethod
+    def _check(t, name: str, on_device: bool = True):
+        if not isinstance(t, EmulatedTensor):
+            raise TypeError(f"{name}: expected a ttnn.Tensor, got {type(t).__name__}")
+        if t.deallocated:
+            raise RuntimeError(f"{name}: tensor was deallocated")
+        if on_device and t.device is None:
+            raise RuntimeError(f"{name}: tensor must be on the device")
+
+    @staticmethod
+    def _activation(x: torch.Tensor, act) -> torch.Tensor:
+        if act is None:
+            return x
+        op = act.op_type if isinstance(act, UnaryWithParam) else act
+        if op in (UnaryOpType.RELU, "relu"):
+            return torch.relu(x)
+        if op in (UnaryOpType.GELU, "gelu"):
+            return F.gelu(x)
+        raise ValueError(f"activation {act!r} not emulated")
+
+    # ----------------------------------------------------------------------------------- tensor moves
+    def init_device_compute_kernel_config(self, arch, *_, **kwargs) -> ComputeKernelConfig:
+        return ComputeKernelConfig(arch=arch, **kwargs)
+
+    def from_device(self, t, **_):
+        self._check(t, "from_device")
+        self._count("from_device")
+        out = t._copy()
+        out.device = None
+        return out
+
+    def to_device(self, t, device, memory_config=None, **_):
+        self._check(t, "to_device", on_device=False)
+        out = t._copy()
+        out.device = device
+        out.mem = memory_config or self.DRAM_MEMORY_CONFIG
+        return out
+
+    def Shape(self, dims) -> tuple:
+        return tuple(int(d) for d in dims)
+
+    def allocate_tensor_on_device(self, shape, dtype, layout, device, memory_config=None):
+        return self._new(torch.zeros(tuple(shape)), dtype, layout, device, memory_config)
+
+    def copy_host_to_device_tensor(self, host, device_tensor, *_, **__) -> None:
+        self._check(host, "copy_host_to_device_tensor", on_device=False)
+        self._check(device_tensor, "copy_host_to_device_tensor")
+        if host.device is not None or tuple(host.data.shape) != tuple(device_tensor.data.shape):
+            raise RuntimeError("copy_host_to_device_tensor: a host tensor of the device tensor's shape is needed")
+        if host.dtype != device_tensor.dtype or host.layout != device_tensor.layout:
+            raise RuntimeError("copy_host_to_device_tensor: dtype and layout must match")
+        device_tensor.data = host.data.clone()
+
+    def to_layout(self, t, layout, **_):
+        self._check(t, "to_layout", on_device=False)
+        if t.dtype == DataType.BFLOAT8_B and layout != Layout.TILE:
+            raise RuntimeError("to_layout: bfloat8_b tensors must stay in TILE layout")
+        out = t._copy()
+        out.layout = layout
+        return out
+
+    def to_dtype(self, t, dtype):
+        self._check(t, "to_dtype", on_device=False)
+        if t.device is not None:
+            raise RuntimeError("to_dtype works on host tensors")
+        return self._new(t.data, dtype, t.layout, None)
+
+    def typecast(self, t, dtype, **kwargs):
+        self._check(t, "typecast")
+        self._count("typecast")
+        return self._new(t.data, dtype, t.layout, t.device, kwargs.get("memory_config"))
+
+    def to_memory_config(self, t, memory_config, **_):
+        self._check(t, "to_memory_config")
+        out = t._copy()
+        out.mem = memory_config
+        return out
+
+    def deallocate(self, t, *_, **__) -> None:
+        self._check(t, "deallocate")
+        t.deallocated = True
+
+    def synchronize_device(self, *_, **__) -> None:
+        pass
+
+    # ---------------------------------------------------------------------------------- data movement
+    def reshape(self, t, shape, **_):
+        self._check(t, "reshape", on_device=False)
+        self._count("reshape")
+        shape = tuple(int(s) for s in shape)
+        if math.prod(shape) != t.data.numel():
+            raise RuntimeError(f"reshape: {tuple(t.data.shape)} has {t.data.numel()} values, cannot become {shape}")
+        out = t._copy()
+        out.data = t.data.reshape(shape)
+        return out
+
+    def slice(self, t, starts, ends, steps=None, **_):
+        self._check(t, "slice")
+        self._count("slice")
+        if len(starts) != t.data.dim() or len(ends) != t.data.dim():
+            raise RuntimeError(f"slice: rank {t.data.dim()} tensor, got starts {starts} ends {ends}")
+        steps = steps or [1] * len(starts)
+        for s, e, n in zip(starts, ends, t.data.shape):
+            if not 0 <= s < e <= n:
+                raise RuntimeError(f"slice: [{s}, {e}) out of range for a dim of {n}")
+        index = tuple(slice(int(s), int(e), int(st)) for s, e, st in zip(starts, ends, steps))
+        return self._new(t.data[index].clone(), t.dtype, t.layout, t.device)
+
+    def permute(self, t, dims, **kwargs):
+        self._check(t, "permute")
+        self._count("permute")
+        if sorted(dims) != list(range(t.data.dim())):
+            raise RuntimeError(f"permute: {dims} is not a permutation of {t.data.dim()} dims")
+        return self._new(t.data.permute(*dims).contiguous(), t.dtype, t.layout, t.device, kwargs.get("memory_config"))
+
+    def pad(self, t, padding, value=0.0, **kwargs):
+        """padding: (before, after) pairs for the trailing dims (the first ttnn.pad overload)."""
+        self._check(t, "pad")
+        self._count("pad")
+        pairs = [tuple(p) for p in padding]
+        if len(pairs) > t.data.dim() or any(a < 0 or b < 0 for a, b in pairs):
+            raise RuntimeError(f"pad: bad padding {padding} for rank {t.data.dim()}")
+        flat = [v for a, b in reversed(pairs) for v in (a, b)]
+        return self._new(F.pad(t.data, flat, value=float(value)), t.dtype, t.layout, t.device,
+                         kwargs.get("memory_config"))
+
+    def upsample(self, t, scale_factor, *, mode="nearest", memory_config=None, **_):
+        """(N, H, W, C) -> (N, sH H, sW W, C); bilinear is half-pixel (align_corners=False), integer scales only."""
+        self._check(t, "upsample")
+        self._count("upsample")
+        if t.data.dim() != 4:
+            raise RuntimeError("upsample: expected an (N, H, W, C) tensor")
+        scale = (scale_factor, scale_factor) if isinstance(scale_factor, (int, float)) else tuple(scale_factor)
+        if mode == "bilinear" and any(float(s) != int(s) for s in scale):
+            raise RuntimeError("upsample: bilinear needs integer scale factors")
+        x = t.data.permute(0, 3, 1, 2)
+        kwargs = {"align_corners": False} if mode == "bilinear" else {}
+        y = F.interpolate(x, scale_factor=tuple(float(s) for s in scale), mode=mode, **kwargs)
+        return self._new(y.permute(0, 2, 3, 1).contiguous(), t.dtype, t.layout, t.device, memory_config)
+
+    def concat(self, tensors, dim=0, **kwargs):
+        for t in tensors:
+            self._check(t, "concat")
+        self._count("concat")
+        return self._new(torch.cat([t.data for t in tensors], dim=dim), tensors[0].dtype, tensors[0].layout,
+                         tensors[0].device, kwargs.get("memory_config"))
+
+    # ---------------------------------------------------------------------------------------- compute
+    def add(self, a, b, *, dtype=None, memory_config=None, **_):
+        self._check(a, "add")
+        self._check(b, "add")
+        self._count("add")
+        try:
+            torch.broadcast_shapes(a.data.shape, b.data.shape)
+        except RuntimeError:
+            raise RuntimeError(f"add: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not broadcast") from None
+        return self._new(a.data + b.data, dtype or a.dtype, Layout.TILE, a.device, memory_config)
+
+    def relu(self, t, *, memory_config=None, **_):
+        self._check(t, "relu")
+        self._count("relu")
+        return self._new(torch.relu(t.data), t.dtype, t.layout, t.device, memory_config)
+
+    def gelu(self, t, *, memory_config=None, **_):
+        self._check(t, "gelu")
+        self._count("gelu")
+        return self._new(F.gelu(t.data), t.dtype, t.layout, t.device, memory_config)
+
+    def _check_matmul_config(self, pc, m: int, k: int, n: int) -> None:
+        if pc is None:
+            return
+        mt, kt, nt = -(-m // TILE), -(-k // TILE), -(-n // TILE)
+        grid = pc.compute_with_storage_grid_size
+        gx, gy = (grid.x, grid.y) if isinstance(grid, CoreCoord) else grid
+        if pc.per_core_M * gy < mt or pc.per_core_N * gx < nt:
+            raise RuntimeError(f"matmul program config: per_core_M {pc.per_core_M} x {gy} rows / per_core_N "
+                               f"{pc.per_core_N} x {gx} columns do not cover {mt} x {nt} output tiles")
+        if kt % pc.in0_block_w:
+            raise RuntimeError(f"matmul program config: in0_block_w {pc.in0_block_w} does not divide K = {kt} tiles")
+        if pc.per_core_M % pc.out_subblock_h or pc.per_core_N % pc.out_subblock_w:
+            raise RuntimeError("matmul program config: out subblock does not divide the per-core block")
+        if pc.out_subblock_h * pc.out_subblock_w > 8:
+            raise RuntimeError("matmul program config: out subblock larger than 8 tiles")
+
+    def linear(self, a, b, *, bias=None, dtype=None, program_config=None, activation=None, memory_config=None,
+               transpose_a=False, transpose_b=False, **_):
+        self._check(a, "linear")
+        self._check(b, "linear")
+        self._count("linear")
+        for t in (a, b):
+            if t.layout != Layout.TILE:
+                raise RuntimeError("linear: operands must be in TILE layout")
+        x = a.data.transpose(-1, -2) if transpose_a else a.data
+        w = b.data.transpose(-1, -2) if transpose_b else b.data
+        if x.shape[-1] != w.shape[-2]:
+            raise RuntimeError(f"linear: K mismatch, {tuple(x.shape)} @ {tuple(w.shape)}")
+        self._check_matmul_config(program_config, x.shape[-2], x.shape[-1], w.shape[-1])
+        y = x @ w
+        if bias is not None:
+            self._check(bias, "linear bias")
+            if bias.data.shape[-1] != w.shape[-1] or bias.data.numel() != w.shape[-1]:
+                raise RuntimeError(f"linear: bias {tuple(bias.data.shape)} for {w.shape[-1]} outputs")
+            y = y + bias.data.reshape(-1)
+        fused = getattr(program_config, "fused_activation", None) if program_config is not None else None
+        if fused is not None and activation is not None:
+            raise RuntimeError("linear: pass the activation in the program config or as `activation`, not both")
+        y = self._activation(y, fused if fused is not None else activation)
+        return self._new(y, dtype or a.dtype, Layout.TILE, a.device, memory_config)
+
+    matmul = linear
+
+    def layer_norm(self, t, *, weight=None, bias=None, epsilon=1e-12, residual_input_tensor=None,
+                   memory_config=None, **_):
+        self._check(t, "layer_norm")
+        self._count("layer_norm")
+        if t.layout != Layout.TILE:
+            raise RuntimeError("layer_norm: input must be in TILE layout")
+        x = t.data if residual_input_tensor is None else t.data + residual_input_tensor.data
+        width = x.shape[-1]
+        for name, p in (("weight", weight), ("bias", bias)):
+            if p is not None and p.data.shape[-1] != width:
+                raise RuntimeError(f"layer_norm: {name} width {p.data.shape[-1]} != input width {width}")
+        y = F.layer_norm(x, (width,), None if weight is None else weight.data.reshape(-1),
+                         None if bias is None else bias.data.reshape(-1), epsilon)
+        return self._new(y, t.dtype, Layout.TILE, t.device, memory_config)
+
+    def softmax(self, t, dim=-1, **kwargs):
+        self._check(t, "softmax")
+        self._count("softmax")
+        return self._new(torch.softmax(t.data, dim=dim), t.dtype, t.layout, t.device, kwargs.get("memory_config"))
+
+    def _split_heads(self, t, kv_input_tensor=None, *, num_heads, num_kv_heads=None, transpose_key=True,
+                     memory_config=None, **_):
+        self._check(t, "split_query_key_value_and_split_heads")
+        self._count("transformer.split_query_key_value_and_split_heads")
+        if kv_input_tensor is not None or num_kv_heads not in (None, num_heads):
+            raise NotImplementedError("split heads: only fused qkv with equal head counts is emulated")
+        x = t.data
+        if x.dim() != 3:
+            raise RuntimeError(f"split_query_key_value_and_split_heads: expected 3 dimensions, got {x.dim()}")
+        b, s, width = x.shape
+        if width % (3 * num_heads):
+            raise RuntimeError(f"split heads: width {width} is not 3 x {num_heads} heads")
+        d = width // (3 * num_heads)
+        heads = x.reshape(b, s, 3 * num_heads, d)
+        q, k, v = (heads[:, :, i * num_heads:(i + 1) * num_heads].permute(0, 2, 1, 3).contiguous() for i in range(3))
+        if transpose_key:
+            k = k.transpose(-1, -2).contiguous()
+        return tuple(self._new(z, t.dtype, Layout.TILE, t.device, memory_config) for z in (q, k, v))
+
+    def _sdpa(self, q, k, v, *, attn_mask=None, is_causal=True, scale=None, program_config=None,
+              output_concat_heads=False, memory_config=None, **_):
+        for t in (q, k, v):
+            self._check(t, "scaled_dot_product_attention")
+        self._count("transformer.scaled_dot_product_attention")
+        if is_causal or attn_mask is not None:
+            raise NotImplementedError("SDPA: only non-causal attention without a mask is emulated")
+        if any(t.dtype not in (DataType.BFLOAT16, DataType.BFLOAT8_B) for t in (q, k, v)):
+            raise RuntimeError("SDPA: q, k, v must be BFLOAT16 or BFLOAT8_B")
+        if q.data.dim() != 4 or q.data.shape[-1] != k.data.shape[-1] or k.data.shape != v.data.shape:
+            raise RuntimeError(f"SDPA: q {tuple(q.data.shape)}, k {tuple(k.data.shape)}, v {tuple(v.data.shape)}")
+        if program_config is not None and (program_config.q_chunk_size % TILE or program_config.k_chunk_size % TILE):
+            raise RuntimeError("SDPA: chunk sizes must be multiples of 32")
+        scale = q.data.shape[-1] ** -0.5 if scale is None else scale
+        inter = (lambda z: z) if self.exact else round_bf16  # the kernel's bfloat16 intermediates
+        scores = inter(q.data @ k.data.transpose(-1, -2) * scale)
+        probs = inter(torch.exp(scores - scores.amax(dim=-1, keepdim=True)))
+        out = (probs @ v.data) / inter(probs.sum(dim=-1, keepdim=True))
+        if output_concat_heads:
+            b, h, s, d = out.shape
+            out = out.permute(0, 2, 1, 3).reshape(b, 1, s, h * d)
+        return self._new(out, q.dtype, Layout.TILE, q.device, memory_config)
+
+    def _concatenate_heads(self, t, *, memory_config=None, **_):
+        self._check(t, "concatenate_heads")
+        self._count("transformer.concatenate_heads")
+        b, h, s, d = t.data.shape
+        return self._new(t.data.permute(0, 2, 1, 3).reshape(b, s, h * d), t.dtype, Layout.TILE, t.device, memory_config)
+
+    # ------------------------------------------------------------------------------------------- convs
+    def _conv_params(self, name, input_tensor, weight_tensor, bias_tensor, in_channels, batch_size, input_height,
+                     input_width, conv_config):
+        self._check(input_tensor, name)
+        x = input_tensor.data
+        if x.numel() != batch_size * input_height * input_width * in_channels:
+            raise RuntimeError(f"{name}: input {tuple(x.shape)} is not {batch_size}x{input_height}x{input_width}x{in_channels}")
+        x = x.reshape(batch_size, input_height, input_width, in_channels).permute(0, 3, 1, 2)
+        wdtype = getattr(conv_config, "weights_dtype", None) or DataType.BFLOAT16
+        weight = weight_tensor.data if weight_tensor._prepared else self.round(weight_tensor.data, wdtype)
+        bias = None
+        if bias_tensor is not None:
+            bias = bias_tensor.data.reshape(-1)
+            bias = bias if bias_tensor._prepared else self.round(bias, wdtype)
+        return x, weight, bias, wdtype
+
+    def _prepared_weight(self, data: torch.Tensor, dtype: DataType):
+        t = self._new(data, DataType.FLOAT32, Layout.TILE, True)
+        t.dtype = dtype
+        t._prepared = True
+        return t
+
+    def _conv_out(self, y, act, dtype, device, memory_config, weight, bias, wdtype, weight_tensor, bias_tensor,
+                  return_output_dim, return_weights_and_bias):
+        y = self._activation(y, act)
+        n, c, h, w = y.shape
+        out = self._new(y.permute(0, 2, 3, 1).reshape(1, 1, n * h * w, c), dtype, Layout.TILE, device, memory_config)
+        result = [out]
+        if return_output_dim:
+            result.append([h, w])
+        if return_weights_and_bias:
+            pw = weight_tensor if weight_tensor._prepared else self._prepared_weight(weight, wdtype)
+            pb = None if bias is None else (bias_tensor if bias_tensor._prepared else self._prepared_weight(bias, wdtype))
+            result.append((pw, pb))
+        return out if len(result) == 1 else tuple(result)
+
+    def conv2d(self, *, input_tensor, weight_tensor, device, in_channels, out_channels, batch_size, input_height,
+               input_width, kernel_size, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, bias_tensor=None,
+               conv_config=None, dtype=None, memory_config=None, return_output_dim=False,
+               return_weights_and_bias=False, **_):
+        self._count("conv2d")
+        x, weight, bias, wdtype = self._conv_params("conv2d", input_tensor, weight_tensor, bias_tensor, in_channels,
+                                                    batch_size, input_height, input_width, conv_config)
+        kh, kw = kernel_size
+        if tuple(weight.shape) != (out_channels, in_channels // groups, kh, kw):
+            raise RuntimeError(f"conv2d: weight {tuple(weight.shape)}, expected {(out_channels, in_channels // groups, kh, kw)}")
+        if bias is not None and bias.numel() != out_channels:
+            raise RuntimeError(f"conv2d: bias of {bias.numel()} values for {out_channels} outputs")
+        pad = tuple(padding)
+        top, bottom, left, right = (pad[0], pad[0], pad[1], pad[1]) if len(pad) == 2 else pad
+        mode = getattr(conv_config, "padding_mode", PaddingMode.Zeros)
+        x = F.pad(x, (left, right, top, bottom), mode="replicate" if mode == PaddingMode.Replicate else "constant")
+        y = F.conv2d(x, weight, bias, stride=tuple(stride), dilation=tuple(dilation), groups=groups)
+        return self._conv_out(y, getattr(conv_config, "activation", None), dtype or input_tensor.dtype,
+                              input_tensor.device, memory_config, weight, bias, wdtype, weight_tensor, bias_tensor,
+                              return_output_dim, return_weights_and_bias)
+
+    def conv_transpose2d(self, *, input_tensor, weight_tensor, device, in_channels, out_channels, batch_size,
+                         input_height, input_width, kernel_size, stride=(1, 1), padding=(0, 0), output_padding=(0, 0),
+                         dilation=(1, 1), groups=1, bias_tensor=None, conv_config=None, dtype=None,
+                         memory_config=None, return_output_dim=False, return_weights_and_bias=False, **_):
+        self._count("conv_transpose2d")
+        x, weight, bias, wdtype = self._conv_params("conv_transpose2d", input_tensor, weight_tensor, bias_tensor,
+                                                    in_channels, batch_size, input_height, input_width, conv_config)
+        kh, kw = kernel_size
+        if tuple(weight.shape) != (in_channels, out_channels // groups, kh, kw):
+            raise RuntimeError(f"conv_transpose2d: weight {tuple(weight.shape)}, expected "
+                               f"{(in_channels, out_channels // groups, kh, kw)} (C_in, C_out, kH, kW)")
+        y = F.conv_transpose2d(x, weight, bias, stride=tuple(stride), padding=tuple(padding),
+                               output_padding=tuple(output_padding), groups=groups, dilation=tuple(dilation))
+        return self._conv_out(y, getattr(conv_config, "activation", None), dtype or input_tensor.dtype,
+                              input_tensor.device, memory_config, weight, bias, wdtype, weight_tensor, bias_tensor,
+                              return_output_dim, return_weights_and_bias)
+
+
+# Ops whose results a trace replay recomputes (every op graph.py runs on the device between upload and read).
+_TRACED_OPS = ("reshape", "slice", "permute", "pad", "upsample", "concat", "add", "relu", "gelu", "linear",
+               "layer_norm", "softmax", "conv2d", "conv_transpose2d", "typecast", "to_memory_config", "to_layout",
+               "deallocate")
+
+
+def _overwrite(recorded, fresh) -> None:
+    """Write a replayed op's result into the objects the capture returned (tensors, in tuples too)."""
+    if isinstance(recorded, EmulatedTensor) and isinstance(fresh, EmulatedTensor):
+        recorded._init(fresh.data, fresh.dtype, fresh.layout, fresh.device, fresh.mem)
+        recorded._prepared = fresh._prepared
+    elif isinstance(recorded, (tuple, list)) and isinstance(fresh, (tuple, list)):
+        for a, b in zip(recorded, fresh):
+            _overwrite(a, b)
+
+
+class EmulatedTensor:
+    """A ttnn.Tensor stand-in: float32 data rounded to `dtype`, a layout, a device (None: host)."""
+
+    _emulator: Optional[TtnnEmulator] = None
+
+    def __init__(self, array, dtype=None, device=None, layout=None, mem_config=None, *_, **__):
+        emulator = self._emulator
+        data = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+        dtype = dtype or DataType.FLOAT32
+        layout = layout or Layout.ROW_MAJOR
+        if dtype == DataType.BFLOAT8_B and layout != Layout.TILE:
+            raise RuntimeError("bfloat8_b tensors must be in TILE layout")
+        self._init(emulator.round(data, dtype), dtype, layout, device, mem_config or emulator.DRAM_MEMORY_CONFIG)
+
+    def _init(self, data, dtype, layout, device, mem):
+        self.data, self.dtype, self.layout, self.device, self.mem = data, dtype, layout, device, mem
+        self.deallocated = False
+        self._prepared = False
+
+    def _copy(self) -> "EmulatedTensor":
+        t = EmulatedTensor.__new__(type(self))
+        t._init(self.data, self.dtype, self.layout, self.device, self.mem)
+        t._prepared = self._prepared
+        return t
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.data.shape)
+
+    @property
+    def padded_shape(self) -> tuple:
+        s = list(self.data.shape)
+        if self.layout == Layout.TILE and len(s) >= 2:
+            s[-1], s[-2] = -(-s[-1] // TILE) * TILE, -(-s[-2] // TILE) * TILE
+        return tuple(s)
+
+    def memory_config(self):
+        return self.mem
+
+    def is_sharded(self) -> bool:
+        return self.mem.memory_layout != TensorMemoryLayout.INTERLEAVED
+
+    def to_numpy(self) -> np.ndarray:
+        if self.device is not None:
+            raise RuntimeError("to_numpy: the tensor must be on the host (from_device first)")
+        if self.dtype != DataType.FLOAT32:
+            raise RuntimeError("to_numpy: bfloat16 has no numpy dtype here; convert with to_dtype(t, float32) first")
+        return self.data.numpy().copy()
