@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["VIEW_FOV_DEG", "VIEW_SIZE", "ViewCamera", "view_cameras", "panorama_directions", "directions_to_pixels",
-           "split_panorama", "check_panorama_size"]
+           "split_panorama", "check_panorama_size", "ASPECT_TOLERANCE"]
 
 VIEW_FOV_DEG = 90.0  # both ways, as upstream
 VIEW_SIZE = 512  # pixels per side of a view, as upstream
@@ -87,13 +87,20 @@ def directions_to_pixels(directions: np.ndarray, width: int, height: int) -> np.
     return np.stack([px, py], axis=-1)
 
 
+ASPECT_TOLERANCE = 0.01  # a panorama's width / height may be off 2 by this share (a pixel or two of cropping)
+
+
 def check_panorama_size(width: int, height: int, name: str = "image") -> None:
-    """A panorama is equirectangular: exactly twice as wide as high (360 by 180 degrees), at least 8 x 4."""
-    if width != 2 * height:
-        raise ValueError(f"{name}: a panorama must be an equirectangular image exactly twice as wide as high "
-                         f"(360 x 180 degrees), got {width}x{height}")
-    if height < 4:
-        raise ValueError(f"{name}: a panorama must be at least 8x4 pixels, got {width}x{height}")
+    """A panorama is equirectangular, 360 by 180 degrees: twice as wide as high (within ASPECT_TOLERANCE) and at
+    least 16 x 8 pixels. Otherwise a ValueError (InputError) naming the argument."""
+    from ..host.decode import InputError
+
+    if abs(width / height - 2.0) > 2.0 * ASPECT_TOLERANCE:
+        raise InputError(f"{name}: a panorama must be an equirectangular image twice as wide as high (360 x 180 "
+                         f"degrees, width / height = 2 within {ASPECT_TOLERANCE:.0%}), got {width}x{height} "
+                         f"(width / height = {width / height:.3f})")
+    if height < 8:
+        raise InputError(f"{name}: a panorama must be at least 16x8 pixels, got {width}x{height}")
 
 
 def _view_rays(camera: ViewCamera, size: int) -> np.ndarray:

@@ -31,7 +31,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-__all__ = ["MergeData", "warp_views", "normal_equations", "solve_log_distance", "merge_distance_maps"]
+__all__ = ["MergeData", "MergeResult", "warp_views", "normal_matrix", "solve_log_distance", "metric_offsets",
+           "merge_distance_maps"]
 
 
 @dataclass
