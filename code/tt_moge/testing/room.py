@@ -81,3 +81,44 @@ def render_view(camera, size: int) -> np.ndarray:
     rays = np.stack(np.broadcast_arrays(t[None, :], t[:, None], np.ones((size, size))), axis=-1) @ camera.rotation
     rays /= np.linalg.norm(rays, axis=-1, keepdims=True)
     return room_distance(rays)[0]
+
+
+class RoomOracle:
+    """A stand-in for MoGeModel in panorama tests: `predict_many(views, ...)` answers the 12 views of
+    `tt_moge.panorama.view_cameras()` (in that order, whatever their pixels) with the room's exact geometry, as a
+    perfect model would: points = view rays x distance (view camera axes), mask all valid except where
+    `hole(view index, distance map)` says. `scales[i]` multiplies view i's distances (a model's per-view
+    metric error); `fail` is a set of view indices whose call raises."""
+
+    def __init__(self, scales=None, hole=None, fail=()):
+        self.scales, self.hole, self.fail = scales, hole, set(fail)
+        self.calls = 0
+
+    def _one(self, index: int, size: int):
+        from types import SimpleNamespace
+
+        from ..panorama.geometry import view_cameras
+
+        camera = view_cameras()[index]
+        if index in self.fail:
+            raise RuntimeError(f"view {index}: the device said no")
+        distance = render_view(camera, size) * (1.0 if self.scales is None else self.scales[index])
+        t = (np.arange(size) + 0.5 - size / 2.0) / camera.focal(size)
+        rays = np.stack(np.broadcast_arrays(t[None, :], t[:, None], np.ones((size, size))), axis=-1)
+        rays /= np.linalg.norm(rays, axis=-1, keepdims=True)
+        mask = np.ones((size, size), bool) if self.hole is None else ~self.hole(index, distance)
+        return SimpleNamespace(points=(rays * distance[..., None]).astype(np.float32), mask=mask)
+
+    def predict_many(self, images, **options):
+        self.calls += 1
+        self._next = 0  # a failing batch is retried view by view through predict(), in order
+        return [self._one(i, np.asarray(img).shape[0]) for i, img in enumerate(images)]
+
+    def predict(self, image, **options):
+        index, self._next = self._next, self._next + 1
+        return self._one(index, np.asarray(image).shape[0])
+
+    def predict_panorama(self, image, **options):
+        from ..panorama import predict_panorama
+
+        return predict_panorama(self, image, **options)

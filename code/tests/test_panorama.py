@@ -1,0 +1,193 @@
+"""Panoramas (tt_moge.panorama): the split against upstream's, the merge against upstream's objective and
+against exact ground truth (a room of planes), the metric offset, bad input and failing views, the CLI."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tt_moge.panorama import (check_panorama_size, directions_to_pixels, merge_distance_maps, panorama_directions,
+                              predict_panorama, split_panorama, view_cameras)
+from tt_moge.panorama.merge import _NormalEquations, normal_matrix, warp_views
+from tt_moge.testing.room import ROOM_PLANES, RoomOracle, render_panorama, render_view
+
+
+def smooth_image(width: int, height: int, seed: int = 0) -> np.ndarray:
+    import cv2
+
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (height // 16, width // 16, 3), dtype=np.uint8)
+    return cv2.resize(small, (width, height), interpolation=cv2.INTER_CUBIC)
+
+
+def log_error(a, b, mask) -> np.ndarray:
+    """|log a - log b| over mask after removing the median (the free global scale)."""
+    r = np.log(a[mask]) - np.log(b[mask])
+    return np.abs(r - np.median(r))
+
+
+# ------------------------------------------------------------------------------------------------ geometry
+def test_axes_and_pixel_round_trip():
+    d = panorama_directions(16, 8)
+    assert np.allclose(np.linalg.norm(d, axis=-1), 1)
+    # the centre column looks forward (+z) on the horizon, a quarter turn right is +x, the top row is up (-y)
+    assert np.allclose(d[0, :, 1], -d[-1, :, 1]) and (d[0, :, 1] < -0.9).all()  # the top row looks up (-y)
+    centre = directions_to_pixels(np.array([0.0, 0.0, 1.0]), 16, 8)
+    right = directions_to_pixels(np.array([1.0, 0.0, 0.0]), 16, 8)
+    up = directions_to_pixels(np.array([0.0, -1.0, 0.0]), 16, 8)
+    assert np.allclose(centre, [7.5, 3.5]) and np.allclose(right, [11.5, 3.5]) and np.isclose(up[1], -0.5)
+    j, i = np.meshgrid(np.arange(16), np.arange(8))
+    assert np.allclose(directions_to_pixels(d, 16, 8), np.stack([j, i], -1), atol=1e-9)
+
+
+def test_split_equals_upstream_to_one_grey_level():
+    from moge.utils.panorama import get_panorama_cameras, split_panorama_image
+
+    from tt_moge.panorama.geometry import _view_rays  # noqa: the test reads where each view pixel samples
+
+    width, height = 1024, 512
+    image = smooth_image(width, height)
+    extrinsics, intrinsics = get_panorama_cameras()
+    theirs = split_panorama_image(image, extrinsics, intrinsics, 512)
+    ours = split_panorama(image)
+    assert len(ours) == len(theirs) == 12
+    border = 0
+    for camera, a, b in zip(view_cameras(), theirs, ours):
+        assert a.shape == b.shape == (512, 512, 3) and b.dtype == np.uint8
+        # upstream's cv2.remap reads black beyond the last column / above the first row: within half a pixel
+        # of the seam and the poles its views are darkened; ours wrap around the seam and clamp at the poles
+        p = directions_to_pixels(_view_rays(camera, 512), width, height)
+        outside = (p[..., 0] < 0) | (p[..., 0] > width - 1) | (p[..., 1] < 0) | (p[..., 1] > height - 1)
+        border += outside.sum()
+        diff = np.abs(a.astype(int) - b.astype(int)).max(-1)
+        assert diff[~outside].max() <= 1, diff[~outside].max()
+        assert (diff[~outside] == 0).mean() > 0.99
+    assert 0 < border < 0.001 * 12 * 512 * 512
+
+
+def test_a_constant_panorama_gives_constant_views():
+    """The seam and the poles read real pixels (upstream's views have a dark line there)."""
+    views = split_panorama(np.full((256, 512, 3), 200, np.uint8), size=128)
+    assert all((v == 200).all() for v in views)
+
+
+def test_views_see_what_their_camera_sees():
+    """Each view is the room seen by its camera: the split of the room's distance panorama equals the exact
+    view distance (to the bilinear error of the sampling) - cameras, rays and sampling agree."""
+    room = render_panorama(2048, 1024)
+    views = split_panorama(room.distance.astype(np.float32), size=128)
+    for camera, view in zip(view_cameras(), views):
+        exact = render_view(camera, 128)
+        rel = np.abs(view / exact - 1)
+        assert np.median(rel) < 1e-3 and np.percentile(rel, 95) < 1e-2
+
+
+# --------------------------------------------------------------------------------------------------- input
+@pytest.mark.parametrize("size", [(300, 200), (200, 200), (100, 60)])
+def test_a_non_2_to_1_image_is_refused(size):
+    with pytest.raises(ValueError, match=r"image: a panorama must be .*twice as wide as high"):
+        predict_panorama(RoomOracle(), np.zeros((size[1], size[0], 3), np.uint8))
+
+
+def test_the_aspect_tolerance_and_the_smallest_panorama():
+    check_panorama_size(2048, 1030)  # within 1 %
+    check_panorama_size(16, 8)
+    with pytest.raises(ValueError, match="at least 16x8"):
+        check_panorama_size(8, 4)
+
+
+# ---------------------------------------------------------------------------------------------- the system
+def test_matrix_free_operator_equals_the_assembled_normal_equations():
+    rng = np.random.default_rng(0)
+    maps = [render_view(c, 64).astype(np.float32) * np.exp(rng.normal(0, 0.05)) for c in view_cameras()]
+    masks = [rng.random((64, 64)) > 0.2 for _ in maps]
+    data = warp_views(maps, masks, view_cameras(), 40, 20)
+    assert 0.05 < data.grad_x_weight.mean() < 0.999 and 0.05 < data.laplacian_weight.mean() < 0.999  # holes
+    m, rhs = normal_matrix(data)
+    system = _NormalEquations(data, dtype=np.float64)
+    x = rng.normal(size=(20, 40))
+    assert np.allclose(system @ x, (m @ x.ravel()).reshape(20, 40), atol=1e-9)
+    assert np.allclose(system.rhs, rhs.reshape(20, 40), atol=1e-5)
+    assert (m.diagonal().reshape(20, 40) > 0).sum() == system.has_equation.sum()
+
+
+# ------------------------------------------------------------------------------------------------ geometry
+def plane_residuals(output, room) -> dict:
+    """{plane: (max |p[axis] - offset| / offset, valid pixels)} for the pixels well inside each plane."""
+    import cv2
+
+    out = {}
+    for k, (axis, offset, *_) in enumerate(ROOM_PLANES):
+        inside = cv2.erode((room.plane == k).astype(np.uint8), np.ones((5, 5), np.uint8)) > 0
+        inside &= output.mask
+        coordinate = output.points[inside][:, axis]
+        out[k] = (float(np.max(np.abs(coordinate - offset)) / abs(offset)), int(inside.sum()))
+    return out
+
+
+def test_a_perfect_model_recovers_the_room_in_metres():
+    """Exact view distances in -> the room out: every wall planar at its planted offset (metres, no scale
+    removed), and the distance map equal to the truth."""
+    room = render_panorama(512, 256)
+    out = RoomOracle().predict_panorama(room.image)
+    assert out.mask.all() and out.view_errors == [None] * 12
+    rel = np.abs(out.distance / room.distance - 1)
+    assert np.median(rel) < 2e-4 and np.percentile(rel, 99) < 2e-3
+    for plane, (residual, count) in plane_residuals(out, room).items():
+        assert count > 500 and residual < 3e-3, (plane, residual)
+    assert np.allclose(out.points, panorama_directions(512, 256) * out.distance[..., None], atol=1e-4)
+
+
+def test_views_that_disagree_in_scale_merge_into_planar_walls_at_the_median_scale():
+    rng = np.random.default_rng(3)
+    scales = np.exp(rng.normal(0, 0.08, 12))
+    room = render_panorama(512, 256)
+    out = RoomOracle(scales=scales).predict_panorama(room.image)
+    ratio = out.distance / room.distance
+    # one scale for the whole panorama (the fit removes the views' disagreement) ...
+    assert np.percentile(np.abs(np.log(ratio) - np.median(np.log(ratio))), 99) < 3e-3
+    # ... that is a median of the views' scales (not view 0's, not the mean of the logs by chance)
+    assert scales.min() < np.median(ratio) < scales.max()
+    assert abs(np.log(np.median(ratio)) - np.median(np.log(scales))) < 0.5 * np.std(np.log(scales))
+    scaled = out.points / np.median(ratio)
+    for k, (axis, offset, *_) in enumerate(ROOM_PLANES):
+        on = (room.plane == k) & out.mask
+        assert np.percentile(np.abs(scaled[on][:, axis] - offset), 99) / abs(offset) < 5e-3
+
+
+def test_a_region_cut_off_by_a_ring_of_holes_gets_its_own_metric_offset():
+    """The floor seen through no view's valid pixels around it: its own region, its own offset from the views."""
+    room = render_panorama(256, 128)
+    band = lambda i, d: np.zeros(d.shape, bool)  # noqa: E731
+    out_full = RoomOracle(hole=band).predict_panorama(room.image)
+
+    def ring(index, distance):  # a ring of invalid pixels around the floor's centre in every view
+        from tt_moge.panorama import view_cameras as cams
+
+        cam = cams()[index]
+        t = (np.arange(distance.shape[0]) + 0.5 - distance.shape[0] / 2) / cam.focal(distance.shape[0])
+        rays = np.stack(np.broadcast_arrays(t[None, :], t[:, None], np.ones_like(distance)), -1) @ cam.rotation
+        rays /= np.linalg.norm(rays, axis=-1, keepdims=True)
+        angle = np.degrees(np.arccos(np.clip(rays[..., 1], -1, 1)))  # from straight down
+        return (angle > 35) & (angle < 42)
+
+    scales = np.ones(12)
+    out = RoomOracle(hole=ring, scales=scales).predict_panorama(room.image)
+    rel = np.abs(out.distance / room.distance - 1)[out.mask]
+    assert 0.9 < out.mask.mean() < 0.99
+    assert np.percentile(rel, 99) < 5e-3, np.percentile(rel, 99)  # both regions in metres
+    assert out_full.mask.all()
+
+
+def test_failing_views_are_reported_and_left_out():
+    room = render_panorama(256, 128)
+    out = RoomOracle(fail={3, 7}).predict_panorama(room.image)
+    assert [i for i, e in enumerate(out.view_errors) if e] == [3, 7]
+    assert "device said no" in out.view_errors[3]
+    rel = np.abs(out.distance / room.distance - 1)[out.mask]
+    assert out.mask.mean() > 0.9 and np.percentile(rel, 99) < 5e-3
+    empty = RoomOracle(hole=lambda i, d: np.ones(d.shape, bool) if i == 5 else np.zeros(d.shape, bool))
+    assert empty.predict_panorama(room.image).view_errors[5] == "no valid pixel in this view"
+    with pytest.raises(RuntimeError, match="no view of the panorama gave a valid pixel"):
+        RoomOracle(fail=set(range(12))).predict_panorama(room.image)
