@@ -199,13 +199,14 @@ def image_mesh(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.ndar
     h, w = keep.shape
     index = np.full((h, w), -1, dtype=np.int32)  # glTF indices are 32-bit
     index[keep] = np.arange(int(keep.sum()), dtype=np.int32)
+    grid, kept = index, keep
     if wrap_columns:  # the column after the last is the first
-        index, keep = np.concatenate([index, index[:, :1]], axis=1), np.concatenate([keep, keep[:, :1]], axis=1)
-    tl, tr, bl, br = index[:-1, :-1], index[:-1, 1:], index[1:, :-1], index[1:, 1:]
-    k_tl, k_tr, k_bl, k_br = keep[:-1, :-1], keep[:-1, 1:], keep[1:, :-1], keep[1:, 1:]
+        grid, kept = np.concatenate([index, index[:, :1]], axis=1), np.concatenate([keep, keep[:, :1]], axis=1)
+    tl, tr, bl, br = grid[:-1, :-1], grid[:-1, 1:], grid[1:, :-1], grid[1:, 1:]
+    k_tl, k_tr, k_bl, k_br = kept[:-1, :-1], kept[:-1, 1:], kept[1:, :-1], kept[1:, 1:]
     upper, lower = k_tl & k_bl & k_tr, k_tr & k_bl & k_br
     faces = np.concatenate([np.stack([tl[upper], bl[upper], tr[upper]], 1), np.stack([tr[lower], bl[lower], br[lower]], 1)])
-    rows, cols = np.nonzero(keep[:, :w])
+    rows, cols = np.nonzero(keep)
     # trimesh's UV origin is the bottom-left (v up); its glTF export flips v to glTF's top-left origin.
     uv = np.stack([(cols + 0.5) / w, 1.0 - (rows + 0.5) / h], axis=1)
     material = trimesh.visual.material.PBRMaterial(baseColorTexture=Image.fromarray(rgb), metallicFactor=0.0,

@@ -16,7 +16,7 @@ started from its own solution at half the size, and stops early (at 1920x960 its
 off the minimiser in the low frequencies: see docs/panorama.md). We solve the normal equations with conjugate
 gradients preconditioned by a multigrid V-cycle of the gradient term alone (2 x 2 aggregation with exact
 Galerkin coarse operators, written here for the grid: pyamg's algebraic setup alone costs more than our whole
-solve at this size), from the views' own mean log distance, until the relative residual is 1e-3.
+solve at this size), from the views' own mean log distance, until the relative residual is 1e-5.
 
 The constant: gradients fix log distance only up to one offset per connected region (upstream's scale is
 whatever its solver's start gives). We take it from the views' own metric distances: each region's offset is
@@ -310,7 +310,7 @@ class _Multigrid:
         return x
 
 
-def solve_log_distance(data: MergeData, x0: np.ndarray, rtol: float = 1e-3, maxiter: int = 300) -> tuple:
+def solve_log_distance(data: MergeData, x0: np.ndarray, rtol: float = 1e-5, maxiter: int = 500) -> tuple:
     """Minimise the objective from x0 (H, W): conjugate gradients on the normal equations M x = rhs,
     preconditioned by a multigrid V-cycle of the gradient term K = D^T A D alone. Where a view sees the
     Laplacian of a pixel it sees that pixel's four edges, so L B L <= 8 K: the preconditioned spectrum lies in
@@ -414,7 +414,7 @@ class MergeResult:
 
 
 def merge_distance_maps(distance_maps: Sequence[np.ndarray], masks: Sequence[np.ndarray], cameras: Sequence,
-                        width: int, height: int, rtol: float = 1e-3) -> MergeResult:
+                        width: int, height: int, rtol: float = 1e-5) -> MergeResult:
     """The views' distance maps (each (s, s), metres) and validity masks -> the panorama's distance map at
     W x H (see the module docstring). `rtol`: the solve's relative residual."""
     import time

@@ -155,7 +155,8 @@ def predict_panorama(model: Any, image: Any, *, return_views: bool = False, appl
         valid = out.mask & np.isfinite(distance) & (distance > 0)
         if not valid.any() and errors[i] is None:
             errors[i] = "no valid pixel in this view"
-        distances.append(np.where(valid, distance, 1.0).astype(np.float32))
+        # invalid pixels keep their distance (bilinear samples next to them read it, as upstream's do)
+        distances.append(np.where(np.isfinite(distance) & (distance > 0), distance, 1.0).astype(np.float32))
         masks.append(valid)
     if all(e is not None for e in errors):
         raise RuntimeError("image: no view of the panorama gave a valid pixel ("
