@@ -286,3 +286,15 @@ def test_cli_panorama_writes_every_format(tmp_path, monkeypatch):
     lon = np.arctan2(mesh.vertices[:, 0], -mesh.vertices[:, 2])[mesh.faces]  # glTF (x, -y, -z) -> our x, z
     assert ((lon.max(1) > 3.0) & (lon.min(1) < -3.0)).sum() > 20
     assert np.allclose(np.sort(np.abs(mesh.vertices).max(0)), np.sort([3.4, 1.5, 4.2]), rtol=0.02)
+
+
+def test_metric_offsets_restore_the_views_scale():
+    """The solve leaves one constant free; metric_offsets puts it back from the views (here: x off by 0.7)."""
+    from tt_moge.panorama.merge import metric_offsets
+
+    cameras = view_cameras()
+    maps = [render_view(c, 64).astype(np.float32) for c in cameras]
+    data = warp_views(maps, [np.ones((64, 64), bool)] * 12, cameras, 64, 32)
+    x = np.log(render_panorama(64, 32).distance).astype(np.float32) + 0.7
+    offsets = metric_offsets(data, x)
+    assert np.abs(offsets[data.mask] + 0.7).max() < 0.02
