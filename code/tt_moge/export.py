@@ -186,9 +186,11 @@ def point_cloud(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.nda
                            vertex_normals=normals, vertex_colors=rgb[keep], process=False, validate=False)
 
 
-def image_mesh(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.ndarray] = None) -> Any:
+def image_mesh(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.ndarray] = None,
+               wrap_columns: bool = False) -> Any:
     """A textured trimesh.Trimesh: the kept pixels as vertices (OpenGL axes), triangles between neighbouring
-    kept pixels (see the module docstring), UVs at pixel centres, the image as the base colour texture."""
+    kept pixels (see the module docstring), UVs at pixel centres, the image as the base colour texture.
+    `wrap_columns` (panoramas): the last column is also joined to the first, closing the sphere at the seam."""
     import trimesh
     from PIL import Image
 
@@ -197,8 +199,11 @@ def image_mesh(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.ndar
     h, w = keep.shape
     index = np.full((h, w), -1, dtype=np.int32)  # glTF indices are 32-bit
     index[keep] = np.arange(int(keep.sum()), dtype=np.int32)
-    tl, tr, bl, br = index[:-1, :-1], index[:-1, 1:], index[1:, :-1], index[1:, 1:]
-    k_tl, k_tr, k_bl, k_br = keep[:-1, :-1], keep[:-1, 1:], keep[1:, :-1], keep[1:, 1:]
+    grid, kept = index, keep
+    if wrap_columns:  # the column after the last is the first
+        grid, kept = np.concatenate([index, index[:, :1]], axis=1), np.concatenate([keep, keep[:, :1]], axis=1)
+    tl, tr, bl, br = grid[:-1, :-1], grid[:-1, 1:], grid[1:, :-1], grid[1:, 1:]
+    k_tl, k_tr, k_bl, k_br = kept[:-1, :-1], kept[:-1, 1:], kept[1:, :-1], kept[1:, 1:]
     upper, lower = k_tl & k_bl & k_tr, k_tr & k_bl & k_br
     faces = np.concatenate([np.stack([tl[upper], bl[upper], tr[upper]], 1), np.stack([tr[lower], bl[lower], br[lower]], 1)])
     rows, cols = np.nonzero(keep)
@@ -250,7 +255,8 @@ def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str,
                   extra: Optional[dict] = None) -> dict:
     """Write one image's files into `out_dir` (created if needed) and return the result.json record.
 
-    output: the MoGeOutput of the image; image_rgb: that image, (H, W, 3) uint8 (or float in [0, 1]) RGB at the
+    output: the MoGeOutput of the image (or a PanoramaOutput: depth is then its distance map, there is no
+    normal.png, and the mesh closes at the seam); image_rgb: that image, (H, W, 3) uint8 (or float in [0, 1]) RGB at the
     output's size; formats: any of FORMATS (result.json is always written, last). `source` (the input's name)
     and `extra` (more keys) go into result.json. Existing files of the same names are replaced.
     """
@@ -287,7 +293,7 @@ def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str,
                 (out / "points.ply").write_bytes(cloud.export(file_type="ply", vertex_normal=output.normal is not None))
                 written.append("points.ply")
             if "glb" in formats:
-                mesh = image_mesh(output, rgb, keep)
+                mesh = image_mesh(output, rgb, keep, wrap_columns=getattr(output, "is_panorama", False))
                 (out / "mesh.glb").write_bytes(mesh.export(file_type="glb"))
                 record["mesh_faces"] = int(len(mesh.faces))
                 written.append("mesh.glb")

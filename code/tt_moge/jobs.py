@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from .export import write_outputs
 from .host import to_rgb_array
 
-__all__ = ["DEFAULT_CHUNK", "predict_images", "predict_chunk"]
+__all__ = ["DEFAULT_CHUNK", "predict_images", "predict_chunk", "predict_panoramas"]
 
 DEFAULT_CHUNK = 4  # images per predict_many call (the next chunk decodes meanwhile); its outputs are all in memory at once
 
@@ -105,3 +105,42 @@ def predict_chunk(model: Any, arrays: list, fit: str, fov_x: Optional[float]) ->
             except Exception as exc:
                 results.append(exc)
         return results
+
+
+def predict_panoramas(model: Any, images: Sequence, out_root: Path, formats: Sequence[str], *,
+                      on_done: Optional[Callable[[Any, Optional[str]], None]] = None) -> dict:
+    """`predict_images` for 360-degree equirectangular panoramas: per image, `model.predict_panorama` (whose 12
+    views already keep the device busy through predict_many) and `write_outputs`; the writing of one panorama
+    overlaps the next one's views. A panorama that fails (unreadable, not 2:1, no valid view) is recorded and
+    skipped; views that failed inside a panorama are listed in its result.json ("views_failed").
+    Returns {image index: error message or None}."""
+    status: dict = {}
+    writer = ThreadPoolExecutor(1, thread_name_prefix="tt_moge-write")
+    pending: list = []
+
+    def settle() -> None:
+        while pending:
+            index, image, future = pending.pop(0)
+            exc = future.exception()
+            status[index] = None if exc is None else _reason(image, exc)
+            if on_done is not None:
+                on_done(image, status[index])
+
+    try:
+        for index, image in enumerate(images):
+            try:
+                rgb = _decode(image.path)
+                output = model.predict_panorama(rgb)
+            except Exception as exc:
+                settle()
+                status[index] = _reason(image, exc)
+                if on_done is not None:
+                    on_done(image, status[index])
+                continue
+            settle()
+            pending.append((index, image, writer.submit(write_outputs, output, rgb, out_root / image.name, formats,
+                                                         source=str(image.path))))
+        settle()
+    finally:
+        writer.shutdown(wait=True, cancel_futures=True)
+    return status

@@ -216,6 +216,16 @@ class MoGeModel:
             finishing.append(pool.submit(postprocess, running[0].result(), running[1], opts))
             return [f.result() for f in finishing]
 
+    def predict_panorama(self, image: Any, *, return_views: bool = False, apply_mask: bool = True) -> Any:
+        """A 360-degree equirectangular image (width = 2 x height) -> PanoramaOutput: distance (H, W) metres,
+        points (H, W, 3) on the unit-sphere directions x distance, mask; the per-view MoGeOutputs with
+        `return_views`. The 12 views run through `predict_many`. A square canvas (PANORAMA_CANVAS) fits the views
+        best; see docs/panorama.md for the axes, the metric scale and the cost."""
+        from .panorama import predict_panorama
+
+        self._check_open()
+        return predict_panorama(self, image, return_views=return_views, apply_mask=apply_mask)
+
     def forward(self, image: Any) -> dict:
         """The raw forward on a canvas-sized image, like upstream `MoGeModel.forward`: a dict of torch tensors
         `points` (1, H, W, 3) affine, `normal` (1, H, W, 3), `mask` (1, H, W) probability, `metric_scale` (1,)."""

@@ -9,7 +9,9 @@ from typing import Any, Optional
 
 from .. import __version__
 from ..constants import DEPTH_EDGE_RTOL, FITS
+from ..constants import DEFAULT_CANVAS
 from ..jobs import DEFAULT_CHUNK
+from ..panorama.predict import PANORAMA_CANVAS
 from . import argtypes
 from .common import (DEFAULT_OUTPUT, EXIT_CODES, EXIT_IMAGES_FAILED, EXIT_OK, EXIT_START, Formatter,
                      add_format_arguments, add_model_arguments, chosen_formats, load_model, say)
@@ -49,6 +51,7 @@ examples:
   tt-moge predict photos/ -o results/                # every PNG/JPEG below photos/
   tt-moge predict 'shots/**/*.jpg' --ply --glb       # only the 3D files (+ result.json)
   tt-moge predict photo.jpg --fov-x 65 --device cuda
+  tt-moge predict --panorama pano.jpg                # a 360-degree equirectangular photo (2:1), 512x512 canvas
   MOGE_WEIGHTS_DIR=/models/moge-2 tt-moge predict photos/
 
 {EXIT_CODES}
@@ -68,7 +71,13 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     call.add_argument("--fit", choices=FITS, default="pad",
                       help="pad: keep the aspect ratio, gray bars (default); stretch: fill the canvas")
     call.add_argument("--fov-x", type=argtypes.fov_degrees, metavar="DEG", help="the horizontal field of view, if known (then only the depth shift is solved)")
+    call.add_argument("--panorama", action="store_true",
+                      help="the inputs are 360-degree equirectangular panoramas (width = 2 x height): 12 perspective "
+                           "views, merged into one distance map of the sphere; depth.exr/png then hold the distance "
+                           "from the centre, the mesh closes around the viewer. The canvas defaults to "
+                           f"{PANORAMA_CANVAS[0]}x{PANORAMA_CANVAS[1]} (the views' size); see docs/panorama.md")
     add_model_arguments(predict)
+    predict.set_defaults(resolution=None)  # resolved in run(): the photo canvas, or the views' canvas with --panorama
     group = predict.add_argument_group("run")
     group.add_argument("--chunk-size", type=argtypes.positive_int, default=DEFAULT_CHUNK, metavar="N",
                      help=f"images per predict_many call; the next chunk is decoded meanwhile (default {DEFAULT_CHUNK})")
@@ -81,8 +90,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`tt-moge predict` with parsed arguments -> exit code."""
     from ..export import FORMATS, missing_format_library, to_json
     from ..inputs import InputPathError, collect_images
-    from ..jobs import predict_images
+    from ..jobs import predict_images, predict_panoramas
 
+    if args.resolution is None:
+        args.resolution = PANORAMA_CANVAS if args.panorama else DEFAULT_CANVAS
+    if args.panorama and args.fov_x is not None:
+        parser.error("--fov-x does not apply to --panorama (the views' field of view is known: 90 degrees)")
     formats = chosen_formats(args) or list(FORMATS)
     out_root = Path(args.output)
     try:
@@ -117,8 +130,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     try:
         with model:
-            status = predict_images(model, images, out_root, formats, fit=args.fit, fov_x=args.fov_x,
-                                    chunk_size=args.chunk_size, writers=args.writers, on_done=on_done)
+            if args.panorama:
+                status = predict_panoramas(model, images, out_root, formats, on_done=on_done)
+            else:
+                status = predict_images(model, images, out_root, formats, fit=args.fit, fov_x=args.fov_x,
+                                        chunk_size=args.chunk_size, writers=args.writers, on_done=on_done)
             info = model.info()
     finally:
         bar.close()
@@ -127,7 +143,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     done = len(images) - len(failed)
     record = {
         "tt_moge": __version__, "model": info, "formats": formats,
-        "options": {"fit": args.fit, "fov_x": args.fov_x, "resolution": list(args.resolution), "num_tokens": args.num_tokens},
+        "options": {"panorama": args.panorama, "fit": args.fit, "fov_x": args.fov_x, "resolution": list(args.resolution), "num_tokens": args.num_tokens},
         "done": done, "failed": len(failed), "load_seconds": round(t_loaded - t_start, 3), "seconds": round(seconds, 3),
         "images": [{"input": str(img.path), "output": img.name, "status": "failed" if status.get(i) else "done",
                     "error": status.get(i)} for i, img in enumerate(images)],

@@ -1,0 +1,178 @@
+"""`predict_panorama`: an equirectangular photo -> distance, points and mask for the whole sphere.
+
+Steps: decode; split into the 12 perspective views (`geometry.split_panorama`); run the model on them with
+their known field of view (`fov_x` = 90, so only each view's depth shift is solved) through `predict_many`, so
+the device pipeline stays full; each view's distance = |points| (metres, the view's own metric scale);
+merge them (`merge.merge_distance_maps`) at up to MERGE_MAX_SIZE; resize to the panorama's size; points =
+unit direction x distance.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from .geometry import VIEW_FOV_DEG, check_panorama_size, panorama_directions, split_panorama, view_cameras
+from .merge import merge_distance_maps
+
+__all__ = ["PanoramaOutput", "predict_panorama", "MERGE_MAX_SIZE", "PANORAMA_CANVAS"]
+
+MERGE_MAX_SIZE = (1920, 960)  # (width, height): the merge runs at the panorama's size, at most this (upstream's)
+PANORAMA_CANVAS = (512, 512)  # the canvas that fits the views: square, the views' own size (docs/panorama.md)
+
+# The npz layout of a panorama (PanoramaOutput.save_npz, `tt-moge predict --panorama`).
+PANORAMA_NPZ_LAYOUT: dict = {
+    "points": ("float32", "(H, W, 3)"),
+    "distance": ("float32", "(H, W)"),
+    "mask": ("uint8", "(H, W)"),
+}
+
+
+@dataclass(repr=False, eq=False)
+class PanoramaOutput:
+    """The result for one panorama, at the panorama's resolution (numpy arrays).
+
+    distance (H, W) float32: metres from the viewpoint along each pixel's ray (inf where mask is False when
+    masked); points (H, W, 3) float32: unit direction x distance, in the panorama axes of
+    `tt_moge.panorama.geometry` (x right, y down, z forward = the centre column on the horizon); mask (H, W)
+    bool. views: the per-view MoGeOutputs when asked for (`return_views=True`), else None. view_errors: per view,
+    None or why it failed (it then takes no part in the merge). merge_iterations and seconds ("views",
+    "merge", ...) say what the call cost.
+    """
+
+    distance: np.ndarray
+    points: np.ndarray
+    mask: np.ndarray
+    view_errors: list
+    views: Optional[list] = None
+    merge_iterations: int = 0
+    seconds: dict = field(default_factory=dict)
+
+    normal = None  # no normal map for panoramas (the exports skip it)
+    is_panorama = True  # the exports close the mesh at the seam
+
+    @property
+    def depth(self) -> np.ndarray:
+        """The distance map: a panorama has no single optical axis, so "depth" is the distance from its centre."""
+        return self.distance
+
+    @property
+    def size(self) -> tuple:
+        """(width, height)."""
+        return self.distance.shape[1], self.distance.shape[0]
+
+    @property
+    def valid_fraction(self) -> float:
+        return float(self.mask.mean()) if self.mask.size else 0.0
+
+    @property
+    def median_distance(self) -> float:
+        d = self.distance[self.mask]
+        d = d[np.isfinite(d)]
+        return float(np.median(d)) if d.size else math.nan
+
+    def summary(self, depth_percentiles: bool = False) -> dict:
+        """The numbers of this result without the maps (JSON-ready): size, valid fraction, median distance,
+        the views that failed, the merge's iterations and seconds; with `depth_percentiles`, the 1st and 99th
+        percentile distance (named depth_* as for photos, so the same readers work)."""
+        w, h = self.size
+        median = self.median_distance
+        record = {
+            "kind": "panorama", "width": w, "height": h,
+            "valid_fraction": self.valid_fraction, "median_distance_m": median if math.isfinite(median) else None,
+            "views": len(self.view_errors), "views_failed": [{"view": i, "error": e} for i, e in enumerate(self.view_errors) if e],
+            "merge_iterations": self.merge_iterations, "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            "has_normal": False,
+        }
+        if depth_percentiles:
+            valid = self.mask & np.isfinite(self.distance)
+            p1, p99 = np.percentile(self.distance[valid], [1.0, 99.0]) if valid.any() else (math.nan, math.nan)
+            record.update(depth_p1_m=float(p1) if math.isfinite(p1) else None,
+                          depth_p99_m=float(p99) if math.isfinite(p99) else None)
+        return record
+
+    def __repr__(self) -> str:
+        w, h = self.size
+        med = self.median_distance
+        failed = sum(e is not None for e in self.view_errors)
+        return (f"PanoramaOutput({w}x{h}, valid {100 * self.valid_fraction:.1f}%, median distance "
+                f"{f'{med:.3f} m' if math.isfinite(med) else 'n/a'}, {len(self.view_errors) - failed}/"
+                f"{len(self.view_errors)} views)")
+
+    def npz_arrays(self) -> dict:
+        return {k: np.asarray(getattr(self, k), dtype=dt) for k, (dt, _) in PANORAMA_NPZ_LAYOUT.items()}
+
+    def save_npz(self, path: Any) -> None:
+        """points, distance (float32) and mask (uint8) to `path`."""
+        np.savez(path, **self.npz_arrays())
+
+
+def _predict_views(model: Any, views: list) -> tuple:
+    """[MoGeOutput or None], [None or error text]: the views through predict_many; if that fails, one by one,
+    so that one failing view costs only itself."""
+    options = dict(fov_x=VIEW_FOV_DEG, apply_mask=False)
+    try:
+        return list(model.predict_many(views, **options)), [None] * len(views)
+    except Exception:
+        outputs, errors = [], []
+        for view in views:
+            try:
+                outputs.append(model.predict(view, **options))
+                errors.append(None)
+            except Exception as exc:
+                outputs.append(None)
+                errors.append(str(exc) or type(exc).__name__)
+        return outputs, errors
+
+
+def predict_panorama(model: Any, image: Any, *, return_views: bool = False, apply_mask: bool = True) -> PanoramaOutput:
+    """An equirectangular image (any input `model(...)` takes, width = 2 x height) -> PanoramaOutput
+    (see the module docstring). A view whose model call fails, or that has no valid pixel, is reported in
+    `view_errors` and left out of the merge; a RuntimeError when no view is left."""
+    import cv2
+
+    from ..host.decode import to_rgb_array
+
+    t0 = time.perf_counter()
+    rgb = to_rgb_array(image, name="image")
+    height, width = rgb.shape[:2]
+    check_panorama_size(width, height, "image")
+    cameras = view_cameras()
+    views = split_panorama(rgb, cameras)
+    t1 = time.perf_counter()
+    outputs, errors = _predict_views(model, views)
+    t2 = time.perf_counter()
+    distances, masks = [], []
+    for i, out in enumerate(outputs):
+        if out is None:
+            distances.append(np.ones(views[i].shape[:2], np.float32))
+            masks.append(np.zeros(views[i].shape[:2], bool))
+            continue
+        distance = np.linalg.norm(out.points, axis=-1)
+        valid = out.mask & np.isfinite(distance) & (distance > 0)
+        if not valid.any() and errors[i] is None:
+            errors[i] = "no valid pixel in this view"
+        # invalid pixels keep their distance (bilinear samples next to them read it, as upstream's do)
+        distances.append(np.where(np.isfinite(distance) & (distance > 0), distance, 1.0).astype(np.float32))
+        masks.append(valid)
+    if all(e is not None for e in errors):
+        raise RuntimeError("image: no view of the panorama gave a valid pixel ("
+                           + "; ".join(f"view {i}: {e}" for i, e in enumerate(errors)) + ")")
+    merge_w, merge_h = min(MERGE_MAX_SIZE[0], width), min(MERGE_MAX_SIZE[1], height)
+    merged = merge_distance_maps(distances, masks, cameras, merge_w, merge_h)
+    t3 = time.perf_counter()
+    distance, mask = merged.distance, merged.mask
+    if (merge_w, merge_h) != (width, height):
+        distance = cv2.resize(distance, (width, height), interpolation=cv2.INTER_LINEAR)
+        mask = cv2.resize(mask.astype(np.uint8), (width, height), interpolation=cv2.INTER_NEAREST) > 0
+    points = (panorama_directions(width, height, np.float32) * distance[..., None]).astype(np.float32)
+    if apply_mask:
+        distance = np.where(mask, distance, np.float32(np.inf)).astype(np.float32)
+        points[~mask] = np.inf
+    seconds = {"split": t1 - t0, "views": t2 - t1, "merge": t3 - t2, **{f"merge_{k}": v for k, v in merged.seconds.items()},
+               "finish": time.perf_counter() - t3}
+    return PanoramaOutput(distance=distance, points=points, mask=mask, view_errors=errors,
+                          views=outputs if return_views else None, merge_iterations=merged.iterations, seconds=seconds)
