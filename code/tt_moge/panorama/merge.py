@@ -27,7 +27,7 @@ moves it only as much as a median lets it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -72,8 +72,6 @@ def _project(directions: np.ndarray, camera, size: int) -> tuple:
 
 def _rows_seen(camera, width: int, height: int) -> slice:
     """The panorama rows a view can reach (its field of view around its forward direction), with a margin."""
-    from .geometry import panorama_directions
-
     lat_f = np.arcsin(np.clip(-camera.forward[1], -1, 1))
     reach = np.arctan(np.tan(np.radians(camera.fov_deg) / 2.0) * np.sqrt(2.0))  # the corner's angle
     top, bottom = min(np.pi / 2, lat_f + reach), max(-np.pi / 2, lat_f - reach)
