@@ -48,7 +48,8 @@ def normalize_revision(revision: Optional[str]) -> Optional[str]:
 
 
 def select_device(device: Any = None, device_id: int = 0) -> torch.device:
-    """The torch device to run on. None: CUDA if present, else the CPU with a RuntimeWarning."""
+    """The torch device to run on. None: CUDA if present, else the CPU. A RuntimeWarning says so only when this
+    torch is a CUDA build (a GPU was expected but none is seen); with a CPU build the CPU is the only choice."""
     if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
         raise ValueError(f"device_id must be a non-negative int, got {device_id!r}")
     if device is None:
@@ -56,8 +57,9 @@ def select_device(device: Any = None, device_id: int = 0) -> torch.device:
             if device_id >= torch.cuda.device_count():
                 raise ValueError(f"device_id {device_id}: only {torch.cuda.device_count()} CUDA device(s) present")
             return torch.device("cuda", device_id)
-        warnings.warn("no CUDA GPU found (and the Tenstorrent runner is not part of this build): running MoGe-2 on the CPU; "
-                      "pass device='cpu' to choose it explicitly", RuntimeWarning, stacklevel=4)
+        if torch.backends.cuda.is_built():
+            warnings.warn(f"no CUDA GPU found by this CUDA build of torch ({torch.__version__}): running MoGe-2 on the "
+                          "CPU; pass device='cpu' to choose it explicitly", RuntimeWarning, stacklevel=4)
         return torch.device("cpu")
     if type(device).__module__.split(".")[0] == "ttnn":
         raise ValueError("device: an open ttnn device was given, but this build has no Tenstorrent runner yet; use device='cpu' or 'cuda'")
