@@ -62,7 +62,7 @@ def main(argv=None) -> int:
               f"kept for 3D {kept_pixels(output).mean():.1%}; model call median {call * 1e3:.0f} ms "
               f"({args.resolution[0]}x{args.resolution[1]}, {args.num_tokens} tokens, {args.device})")
         print(f"{'formats':<22}{'median ms':>10}{'min ms':>9}   files (MB)")
-        groups = [(f,) for f in FORMATS] + [FORMATS]
+        groups = [(f,) for f in FORMATS] + [tuple(FORMATS)]
         totals = {}
         for group in groups:
             out = Path(tmp) / "_".join(group)
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
             totals[group] = statistics.median(times)
             sizes = ", ".join(f"{p.name} {p.stat().st_size / 1e6:.1f}" for p in sorted(out.iterdir()) if p.name != "result.json")
             print(f"{'+'.join(group):<22}{totals[group] * 1e3:>10.0f}{min(times) * 1e3:>9.0f}   {sizes}")
-        print(f"all formats / model call: {totals[FORMATS] / call:.2f}")
+        print(f"all formats / model call: {totals[tuple(FORMATS)] / call:.2f}")
     print(f"rerun: {common.rerun_command(argv)}")
     return 0
 
