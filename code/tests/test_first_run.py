@@ -7,6 +7,7 @@ network), with an empty Hugging Face cache and HF_HUB_OFFLINE unset, so the hub 
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -89,3 +90,120 @@ def test_python_callers_get_a_checkpoint_error_with_the_same_text(tmp_path):
     cli, _ = _run([sys.executable, "-m", "tt_moge", "predict", str(DEMO), "--device", "cpu"], tmp_path, "unreachable")
     reason = run.stdout.strip().split("(ConnectError")[0]
     assert reason in cli.stderr  # the CLI prints the exception's own text, after its prefix
+
+
+# ------------------------------------------------------------------------------ outputs sized for folders
+CANVAS_ARGS = ["--device", "cpu", "--resolution", "448x252", "--num-tokens", "1200"]  # the outputs are photo-sized
+MB = 1e6
+DEFAULT_BUDGET_MB = 60  # the issue's bound for the default files of one 1920x1080 photo
+
+
+def _cli(args: list) -> tuple:
+    import contextlib
+    import io
+
+    from tt_moge.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def photo_1080p(tmp_path_factory) -> Path:
+    """A 1920x1080 photo-like PNG (gradients, a horizon, mild noise): its texture weighs what a photo's does."""
+    from PIL import Image
+
+    from tt_moge.warmup import synthetic_photo
+
+    path = tmp_path_factory.mktemp("photo") / "photo.png"
+    Image.fromarray(synthetic_photo((1920, 1080), seed=1)).save(path)
+    return path
+
+
+@pytest.mark.parametrize("invalid_share", [0.25, 0.0])  # a typical valid share, and the worst case: all valid
+def test_default_files_of_one_1080p_photo_fit_the_budget(invalid_share, checkpoint, photo_1080p, tmp_path):
+    weights = checkpoint("tiny-vits-normal", **({} if invalid_share == 0.25 else {"invalid_share": invalid_share}))
+    code, stdout, stderr = _cli(["predict", photo_1080p, "-o", tmp_path, "--weights", weights, *CANVAS_ARGS])
+    assert code == 0, stderr
+    folder = tmp_path / "photo"
+    record = json.loads((folder / "result.json").read_text())
+    assert abs(record["valid_fraction"] - (1 - invalid_share)) < 0.05
+    total = sum(p.stat().st_size for p in folder.iterdir())
+    assert total <= DEFAULT_BUDGET_MB * MB, f"{total / MB:.1f} MB"
+    assert sorted(record["files"]) == ["depth.exr", "depth.png", "mask.png", "mesh.glb", "normal.png", "result.json"]
+    assert f"wrote --maps --glb (mesh every 2 px): {total / MB:.1f} MB, {total / MB:.1f} MB per image" in stdout, stdout
+    assert json.loads((tmp_path / "run.json").read_text())["bytes_written"] == total
+
+
+def test_the_sizes_in_help_are_measured_ones(checkpoint, photo_1080p, tmp_path):
+    """Each format's size in `tt-moge predict --help` is within a third of what it writes for a 1080p photo
+    with 3/4 of its pixels valid."""
+    from tt_moge import MoGeModel, load_image
+    from tt_moge.cli.common import FORMAT_MB, FULL_MESH_MB
+    from tt_moge.export import FORMATS, write_outputs
+
+    with MoGeModel.from_pretrained(checkpoint("tiny-vits-normal"), device="cpu", resolution=(448, 252),
+                                   num_tokens=1200, warmup=0, warmup_variants="none") as model:
+        output = model(str(photo_1080p))
+    rgb = load_image(str(photo_1080p))
+    measured = {}
+    for name, step in [*((f, 2) for f in FORMATS), ("glb", 1)]:
+        folder = tmp_path / f"{name}-{step}"
+        write_outputs(output, rgb, folder, (name,), mesh_step=step)
+        measured[name if step == 2 else "glb-full"] = sum(p.stat().st_size for p in folder.iterdir()
+                                                          if p.name != "result.json") / MB
+    stated = {**FORMAT_MB, "glb-full": FULL_MESH_MB}
+    for name, mb in stated.items():
+        assert mb * 0.75 <= measured[name] <= mb * 1.33, (name, measured)
+
+
+# ------------------------------------------------------------------------------------ the server, offline
+DOCS = CODE.parent / "docs"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from .server_harness import shared_server
+
+    return shared_server(tmp_path_factory.mktemp("server-weights"))
+
+
+def test_docs_page_and_its_assets_come_from_this_server(server):
+    import re
+
+    import httpx
+
+    page = httpx.get(server.url + "/docs", timeout=30)
+    assert page.status_code == 200 and "swagger" in page.text.lower()
+    assert "://" not in page.text and "//cdn" not in page.text, "the page names another host"
+    assets = re.findall(r"""(?:href|src)\s*=\s*["']([^"']+)["']""", page.text)
+    assert len(assets) >= 3, page.text  # the style sheet, the icon, the script
+    for url in assets:
+        assert url.startswith("/"), url
+        response = httpx.get(server.url + url, timeout=30)
+        assert response.status_code == 200 and len(response.content) > 100, url
+    assert httpx.get(server.url + "/openapi.json", timeout=30).json()["info"]["title"] == "tt_moge"
+    assert httpx.get(server.url + "/redoc", timeout=30).status_code == 404  # it would load from a CDN
+
+
+def test_the_documented_python_client_runs_with_the_server_extra(server, tmp_path):
+    from .server_harness import API_KEY, encode_image, photo
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    extras = tomllib.loads((CODE / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(dep.startswith("httpx") for dep in extras["server"]), "the example imports httpx"
+    text = (DOCS / "server.md").read_text()
+    (example,) = [block for block in text.split("```python\n")[1:] if "import httpx" in block.split("```")[0]]
+    example = example.split("```")[0]
+    content_type = 'headers={"Content-Type": "image/jpeg"}'
+    assert content_type in example and "http://127.0.0.1:8000" in example and '"photo.jpg"' in example
+    example = (example.replace("http://127.0.0.1:8000", server.url)
+               .replace(content_type, f'headers={{"Content-Type": "image/jpeg", "Authorization": "Bearer {API_KEY}"}}'))
+    (tmp_path / "photo.jpg").write_bytes(encode_image(photo(320, 240), "JPEG", quality=90))
+    run = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(CODE)},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("MoGeOutput(320x240") and "device;dur=" in run.stdout, run.stdout
