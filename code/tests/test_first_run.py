@@ -207,3 +207,18 @@ def test_the_documented_python_client_runs_with_the_server_extra(server, tmp_pat
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("MoGeOutput(320x240") and "device;dur=" in run.stdout, run.stdout
+
+
+# --------------------------------------------------------------------------------------- the small items
+def test_serve_names_the_weights_it_loads(tmp_path):
+    env = {**_offline_env(tmp_path, "HF_HUB_OFFLINE"), "MOGE_WEIGHTS_DIR": str(tmp_path / "absent")}
+    run = subprocess.run([sys.executable, "-m", "tt_moge", "serve", "--port", "0"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert f"(loading $MOGE_WEIGHTS_DIR={tmp_path / 'absent'};" in run.stderr, run.stderr  # not the repo id it replaces
+    assert f"MOGE_WEIGHTS_DIR={tmp_path / 'absent'} does not exist" in run.stderr
+
+
+def test_bench_help_shows_its_own_command():
+    code, stdout, _ = _cli(["bench", "--help"])
+    assert code == 0 and stdout.startswith("usage: tt-moge bench ")
