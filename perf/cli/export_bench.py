@@ -9,11 +9,14 @@ model, limits `tt-moge predict`.
 
     python -m perf.cli.export_bench                                   # media/source.png, random weights
     python -m perf.cli.export_bench --image synthetic                 # a 1920x1080 photo-like image
+    python -m perf.cli.export_bench --image noise --all-valid         # the largest files: worst texture, no mask
     python -m perf.cli.export_bench --weights /models/moge-2 --image photo.jpg --runs 10 --device cuda
 
 `--image synthetic` is `tt_moge.warmup.synthetic_photo((1920, 1080), seed=1)`: gradients, a horizon and mild
 noise, so that the texture inside mesh.glb weighs what a photo's does (media/source.png, a rendered scene,
-compresses far better). The sizes in `tt-moge predict --help` come from this image.
+compresses far better). The sizes in `tt-moge predict --help` come from this image. `--image noise` is uniform
+random RGB (a texture that does not compress) and `--all-valid` makes the random checkpoint mask no pixel:
+together, the largest files a 1920x1080 photo can give.
 
 Without --weights a random-weight tiny checkpoint is written to a temporary folder (the geometry is then
 meaningless, but the file sizes and times are those of a real image of that size; random weights mask about a
@@ -28,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from perf import common
 from perf.common import ROOT
 
@@ -37,7 +42,10 @@ from tt_moge.cli.argtypes import wxh  # noqa: E402
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--image", default=str(ROOT / "media" / "source.png"),
-                        help="the image, or 'synthetic' for a 1920x1080 photo-like one (default media/source.png)")
+                        help="the image, or 'synthetic' (a 1920x1080 photo-like one) or 'noise' (1920x1080 random RGB) "
+                             "(default media/source.png)")
+    parser.add_argument("--all-valid", action="store_true",
+                        help="the random checkpoint masks no pixel (default: about a quarter; not with --weights)")
     parser.add_argument("--weights", help="checkpoint (default: a random-weight tiny-vits-normal in a temp folder)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--resolution", type=wxh, default=(448, 252), help="canvas WxH (default 448x252: the model call is not what is timed)")
@@ -55,10 +63,16 @@ def main(argv=None) -> int:
         if weights is None:
             from tt_moge.testing import make_checkpoint
 
-            weights = str(make_checkpoint(Path(tmp) / "weights", "tiny-vits-normal"))
+            weights = str(make_checkpoint(Path(tmp) / "weights", "tiny-vits-normal",
+                                          **({"invalid_share": 0.0} if args.all_valid else {})))
         model = MoGeModel.from_pretrained(weights, device=args.device, resolution=args.resolution, num_tokens=args.num_tokens,
                                           warmup=1, warmup_variants="none")
-        rgb = synthetic_photo((1920, 1080), seed=1) if args.image == "synthetic" else to_rgb_array(args.image)
+        if args.image == "synthetic":
+            rgb = synthetic_photo((1920, 1080), seed=1)
+        elif args.image == "noise":
+            rgb = np.random.default_rng(0).integers(0, 256, (1080, 1920, 3), dtype=np.uint8)
+        else:
+            rgb = to_rgb_array(args.image)
         model.predict(rgb)
         call_times = []
         for _ in range(3):
