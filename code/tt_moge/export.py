@@ -28,7 +28,7 @@ its corners are kept; since a quad with a depth jump has all four corners on the
 discontinuity larger than DEPTH_EDGE_RTOL of its nearest depth. Triangles face the camera (counter-clockwise).
 The mesh may sample the image on a coarser grid, every `mesh_step`-th row and column (`image_mesh(step=...)`):
 it is then the mesh of that sub-sampled output, by the same rules, and its UVs still address the full image.
-The point cloud always keeps every pixel.
+The point cloud always has every kept pixel.
 
 The CLI's defaults (`DEFAULT_FORMATS`: the maps and the mesh, `DEFAULT_MESH_STEP`: every second pixel) are
 sized for folders of many photos: the npz and the point cloud, and a full-resolution mesh, are each several
@@ -49,8 +49,9 @@ from .constants import DEPTH_EDGE_RTOL
 from .output import MoGeOutput
 
 __all__ = [
-    "FORMATS", "DEFAULT_FORMATS", "DEFAULT_MESH_STEP", "FILES", "depth_edges", "kept_pixels", "colorize_depth", "colorize_normal", "write_depth_exr",
-    "point_cloud", "image_mesh", "to_json", "check_formats", "missing_format_library", "write_outputs",
+    "FORMATS", "DEFAULT_FORMATS", "DEFAULT_MESH_STEP", "FILES", "depth_edges", "kept_pixels", "colorize_depth",
+    "colorize_normal", "write_depth_exr", "point_cloud", "image_mesh", "to_json", "check_formats",
+    "missing_format_library", "write_outputs",
 ]
 
 # The format groups, in the order they are written, with what each writes (the CLI's --maps/--npz/--ply/--glb).
@@ -317,7 +318,7 @@ def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str,
                     (out / "mesh.glb").write_bytes(mesh.export(file_type="glb"))
                     written.append("mesh.glb")
                 else:
-                    record["note"] = f"no kept pixel on the mesh grid (every {mesh_step}th pixel): mesh.glb not written"
+                    record["note"] = f"no kept pixel on the grid of mesh_step {mesh_step}: mesh.glb not written"
     record["files"] = written + ["result.json"]
     record.update(extra or {})
     tmp = out / "result.json.tmp"
