@@ -92,6 +92,22 @@ def test_python_callers_get_a_checkpoint_error_with_the_same_text(tmp_path):
     assert reason in cli.stderr  # the CLI prints the exception's own text, after its prefix
 
 
+def test_a_cached_revision_loads_with_the_hub_unreachable(checkpoint, tmp_path):
+    """The cache still serves a pinned revision (no request at all) and a branch (after the one failed request)."""
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf-home" / "hub" / "models--someone--moge-2-test"
+    (repo / "snapshots" / rev).mkdir(parents=True)
+    (repo / "snapshots" / rev / "model.pt").write_bytes(checkpoint("tiny-vits").read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    script = ("from tt_moge.weights import resolve_checkpoint\n"
+              f"print(resolve_checkpoint('someone/moge-2-test', revision={rev!r})[1])\n"
+              "print(resolve_checkpoint('someone/moge-2-test', revision=None)[1])\n")
+    run, seconds = _run([sys.executable, "-c", script], tmp_path, "unreachable")
+    assert run.returncode == 0 and seconds < DEADLINE_S, (seconds, run.stderr)
+    assert run.stdout.split() == [f"someone/moge-2-test@{rev}", "someone/moge-2-test@main"]
+
+
 # ------------------------------------------------------------------------------ outputs sized for folders
 CANVAS_ARGS = ["--device", "cpu", "--resolution", "448x252", "--num-tokens", "1200"]  # the outputs are photo-sized
 MB = 1e6
