@@ -23,6 +23,7 @@ except ImportError:  # a source checkout without `pip install -e code/`
 
 from tt_moge import MoGeModel, load_image  # noqa: E402
 from tt_moge.export import write_outputs  # noqa: E402
+from tt_moge.weights import CheckpointError  # noqa: E402
 
 
 def main() -> int:
@@ -34,7 +35,12 @@ def main() -> int:
     args = parser.parse_args()
 
     weights = {} if args.weights is None else {"pretrained_model_name_or_path": args.weights}
-    with MoGeModel.from_pretrained(**weights, device=args.device, warmup=1, warmup_variants="none") as model:
+    try:
+        model = MoGeModel.from_pretrained(**weights, device=args.device, warmup=1, warmup_variants="none")
+    except CheckpointError as exc:  # no weights (offline, say): the message names the three ways out
+        print(f"quickstart: {exc}", file=sys.stderr)
+        return 1
+    with model:
         out = model(args.image)  # a path, PIL image, numpy array or torch tensor
     print(out)  # MoGeOutput(WxH, valid %, median depth, fov_x, metric_scale)
     depth = out.depth  # (H, W) float32, metres; inf where out.mask is False

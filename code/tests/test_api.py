@@ -68,14 +68,21 @@ def test_weights_from_directory_file_and_env(checkpoint, monkeypatch):
         assert WEIGHTS_DIR_ENV in c.source and c.revision is None
 
 
-def test_devices(checkpoint):
+def test_devices(checkpoint, monkeypatch):
     path = checkpoint("tiny-vits-normal")
     with load(path, device=torch.device("cpu")) as m:
         assert m.device == "cpu"
     if not torch.cuda.is_available():
-        with pytest.warns(RuntimeWarning, match="CPU"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a CPU build of torch: the CPU is expected, no warning on every run
+            monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
             with load(path, device=None) as m:
                 assert m.device == "cpu"
+        monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+        with pytest.warns(RuntimeWarning, match="CUDA build of torch .*CPU"):  # a GPU was expected
+            with load(path, device=None) as m:
+                assert m.device == "cpu"
+        monkeypatch.undo()
         with pytest.raises(ValueError, match="no CUDA"):
             load(path, device="cuda")
         with pytest.raises(ValueError, match="no CUDA"):

@@ -203,10 +203,10 @@ def test_without_ray_a_clear_error_and_exit_code_3(photos, tmp_path, monkeypatch
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     monkeypatch.setitem(sys.modules, "ray.data", None)
-    with pytest.raises(RayMissingError, match=r"tt-moge\[ray\]"):
+    with pytest.raises(RayMissingError, match=r'pip install -e "code/\[ray\]"'):
         run_batch(BatchJob([photos["root"]], tmp_path / "out", model={"pretrained_model_name_or_path": "unused"}))
     code, stdout, stderr = run_cli(["batch", photos["root"], "-o", tmp_path / "out2", "-q"])
-    assert code == 3 and "pip install 'tt-moge[ray]'" in stderr
+    assert code == 3 and 'pip install -e "code/[ray]"' in stderr  # the README installs from a clone
 
 
 def test_the_package_imports_without_ray():

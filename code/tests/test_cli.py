@@ -18,6 +18,7 @@ from PIL import Image
 
 from tt_moge.cli import main
 from tt_moge.constants import DEPTH_EDGE_RTOL
+from tt_moge.export import DEFAULT_MESH_STEP
 from tt_moge.output import MoGeOutput
 
 CODE_DIR = Path(__file__).resolve().parents[1]
@@ -31,7 +32,8 @@ PHOTOS = {
     "nested/tall": ("nested/tall.png", (200, 300), "RGBA"),  # alpha is dropped, as by the API
     "nested/deeper/wide": ("nested/deeper/wide.jpeg", (500, 281), "RGB"),
 }
-CORRUPT = "broken.jpg"
+CORRUPT = "broken.jpg"  # no image by its header: reported before the model loads
+TRUNCATED = "b_truncated.png"  # a sound PNG header, then cut short: found when decoded, inside a chunk
 
 
 def run_cli(args: list) -> tuple:
@@ -70,6 +72,9 @@ def photos(tmp_path_factory):
         path.parent.mkdir(parents=True, exist_ok=True)
         photo(size, seed, mode).save(path, quality=92) if path.suffix != ".png" else photo(size, seed, mode).save(path)
     (root / CORRUPT).write_bytes(b"\xff\xd8\xff\xe0" + bytes(range(256)) * 4)  # a JPEG header, then noise
+    png = io.BytesIO()
+    photo((64, 48), 9).save(png, format="PNG")
+    (root / TRUNCATED).write_bytes(png.getvalue()[: len(png.getvalue()) // 2])
     (root / "notes.txt").write_text("not an image: folders only yield .png/.jpg/.jpeg")
     return root
 
@@ -77,8 +82,10 @@ def photos(tmp_path_factory):
 @pytest.fixture(scope="module")
 def folder_run(ckpt, photos, tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
-    # --chunk-size 2: five images in three predict_many chunks, the corrupt one inside a chunk
-    code, stdout, stderr = run_cli(["predict", photos, "-o", out, "--weights", ckpt, *MODEL_ARGS, "--chunk-size", "2"])
+    # --chunk-size 2: five decodable-looking images in three predict_many chunks, the truncated one inside the
+    # second; the corrupt one never reaches the model. Every format.
+    code, stdout, stderr = run_cli(["predict", photos, "-o", out, "--weights", ckpt, *MODEL_ARGS, "--chunk-size", "2",
+                                    "--maps", "--npz", "--ply", "--glb"])
     return code, stdout, stderr, out
 
 
@@ -111,14 +118,17 @@ def expected_kept(npz) -> np.ndarray:
 def test_corrupt_file_is_reported_and_the_rest_is_done(folder_run, photos):
     code, stdout, stderr, out = folder_run
     assert code == 1, "exit code 1 says that some images failed"
-    assert f"skipped: image file '{photos / CORRUPT}'" in stderr and "not a decodable image" in stderr
-    assert "4 of 5 images done, 1 failed" in stdout and str(photos / CORRUPT) in stdout
+    first = stderr.splitlines()[0]  # reported from its header, before the model loads
+    assert first.startswith(f"tt-moge: skipped: image file '{photos / CORRUPT}'") and "not a decodable image" in first
+    assert f"skipped: image file '{photos / TRUNCATED}'" in stderr  # found by the decoder
+    assert "4 of 6 images done, 2 failed" in stdout and str(photos / CORRUPT) in stdout
     assert "5/5" in stderr, "a progress bar for a run of several images"
     run = json.loads((out / "run.json").read_text())
-    assert (run["done"], run["failed"]) == (4, 1)
+    assert (run["done"], run["failed"]) == (4, 2)
     status = {Path(r["input"]).relative_to(photos).as_posix(): (r["status"], r["output"], r["error"]) for r in run["images"]}
-    assert set(status) == {rel for rel, _, _ in PHOTOS.values()} | {CORRUPT}, "notes.txt is not an image input"
+    assert set(status) == {rel for rel, _, _ in PHOTOS.values()} | {CORRUPT, TRUNCATED}, "notes.txt is not an image input"
     assert status[CORRUPT][0] == "failed" and "not a decodable image" in status[CORRUPT][2]
+    assert status[TRUNCATED][0] == "failed" and "truncated" in status[TRUNCATED][2]
     for name, (rel, _, _) in PHOTOS.items():
         assert status[rel] == ("done", name, None)
     assert not (out / "broken").exists()
@@ -213,43 +223,59 @@ def test_ply_point_cloud(folder_run, photos):
     assert removed > 0, "the edge rule removed pixels: the count check above is not vacuous"
 
 
-def test_glb_mesh(folder_run, photos):
+def check_glb_mesh(folder: Path, photo_path: Path, size: tuple, step: int) -> None:
+    """mesh.glb against the documented rules, on the grid of every `step`-th row and column."""
     import trimesh
 
-    for name, (rel, (w, h), _) in PHOTOS.items():
-        folder = folder_run[3] / name
-        npz = np.load(folder / "result.npz")
-        kept = expected_kept(npz)
-        assert 0.2 < kept.sum() / npz["mask"].sum() < 1.0, "some pixels on edges, most kept"
-        scene = trimesh.load(folder / "mesh.glb", process=False)
-        (mesh,) = scene.geometry.values()
-        assert np.allclose(scene.graph.get(scene.graph.nodes_geometry[0])[0], np.eye(4))
-        assert len(mesh.vertices) == kept.sum()
-        assert np.array_equal(np.asarray(mesh.vertices, np.float32), npz["points"][kept] * GL)
+    w, h = size
+    record = json.loads((folder / "result.json").read_text())
+    assert record["mesh_step"] == step
+    with np.load(folder / "result.npz") as full:
+        npz = {key: full[key][::step, ::step] for key in ("depth", "mask", "points")}
+    kept = expected_kept(npz)
+    assert 0.2 < kept.sum() / npz["mask"].sum() < 1.0, "some pixels on edges, most kept"
+    scene = trimesh.load(folder / "mesh.glb", process=False)
+    (mesh,) = scene.geometry.values()
+    assert np.allclose(scene.graph.get(scene.graph.nodes_geometry[0])[0], np.eye(4))
+    assert len(mesh.vertices) == kept.sum() == record["mesh_vertices"]
+    assert np.array_equal(np.asarray(mesh.vertices, np.float32), npz["points"][kept] * GL)
 
-        # Topology: the two documented triangles of each pixel quad, exactly where all three corners are kept.
-        rows, cols = np.nonzero(kept)
-        pix = np.stack([rows, cols], 1)[mesh.faces]  # (F, 3 corners, (row, col))
-        offsets = pix - pix[:, :1]
-        upper = (offsets == [[0, 0], [1, 0], [0, 1]]).all(axis=(1, 2))
-        lower = (offsets == [[0, 0], [1, -1], [1, 0]]).all(axis=(1, 2))
-        assert (upper | lower).all()
-        n_upper = (kept[:-1, :-1] & kept[1:, :-1] & kept[:-1, 1:]).sum()
-        n_lower = (kept[:-1, 1:] & kept[1:, :-1] & kept[1:, 1:]).sum()
-        assert (upper.sum(), lower.sum()) == (n_upper, n_lower) and n_upper > 0
-        assert len(np.unique(np.sort(mesh.faces, axis=1), axis=0)) == len(mesh.faces)
+    # Topology: the two documented triangles of each pixel quad, exactly where all three corners are kept.
+    rows, cols = np.nonzero(kept)
+    pix = np.stack([rows, cols], 1)[mesh.faces]  # (F, 3 corners, (row, col))
+    offsets = pix - pix[:, :1]
+    upper = (offsets == [[0, 0], [1, 0], [0, 1]]).all(axis=(1, 2))
+    lower = (offsets == [[0, 0], [1, -1], [1, 0]]).all(axis=(1, 2))
+    assert (upper | lower).all()
+    n_upper = (kept[:-1, :-1] & kept[1:, :-1] & kept[:-1, 1:]).sum()
+    n_lower = (kept[:-1, 1:] & kept[1:, :-1] & kept[1:, 1:]).sum()
+    assert (upper.sum(), lower.sum()) == (n_upper, n_lower) and n_upper > 0
+    assert len(np.unique(np.sort(mesh.faces, axis=1), axis=0)) == len(mesh.faces)
 
-        tri = np.asarray(mesh.vertices)[mesh.faces]
-        facing = np.einsum("ij,ij->i", np.cross(tri[:, 1] - tri[:, 0], tri[:, 2] - tri[:, 0]), -tri.mean(axis=1))
-        assert (facing > 0).all(), "every triangle faces the camera at the origin"
-        z = -tri[..., 2]
-        assert ((z.max(1) - z.min(1)) <= DEPTH_EDGE_RTOL * z.min(1) * (1 + 1e-5)).all(), "no triangle spans a depth edge"
+    tri = np.asarray(mesh.vertices)[mesh.faces]
+    facing = np.einsum("ij,ij->i", np.cross(tri[:, 1] - tri[:, 0], tri[:, 2] - tri[:, 0]), -tri.mean(axis=1))
+    assert (facing > 0).all(), "every triangle faces the camera at the origin"
+    z = -tri[..., 2]
+    assert ((z.max(1) - z.min(1)) <= DEPTH_EDGE_RTOL * z.min(1) * (1 + 1e-5)).all(), "no triangle spans a depth edge"
 
-        texture = np.asarray(mesh.visual.material.baseColorTexture.convert("RGB"))
-        assert np.array_equal(texture, image_rgb(photos / rel)), "the image is the texture"
-        uv = np.asarray(mesh.visual.uv)
-        assert np.array_equal(np.floor(uv[:, 0] * w).astype(int), cols)
-        assert np.array_equal(np.floor((1 - uv[:, 1]) * h).astype(int), rows)
+    texture = np.asarray(mesh.visual.material.baseColorTexture.convert("RGB"))
+    assert np.array_equal(texture, image_rgb(photo_path)), "the whole image is the texture"
+    uv = np.asarray(mesh.visual.uv)
+    assert np.array_equal(np.floor(uv[:, 0] * w).astype(int), cols * step)  # UVs address the full image
+    assert np.array_equal(np.floor((1 - uv[:, 1]) * h).astype(int), rows * step)
+
+
+def test_glb_mesh(folder_run, photos):
+    for name, (rel, size, _) in PHOTOS.items():  # the default step: every second row and column
+        check_glb_mesh(folder_run[3] / name, photos / rel, size, DEFAULT_MESH_STEP)
+
+
+def test_glb_mesh_of_every_pixel(ckpt, photos, tmp_path):
+    rel, size, _ = PHOTOS["nested/deeper/wide"]
+    code, _, stderr = run_cli(["predict", photos / rel, "-o", tmp_path, "--npz", "--glb", "--mesh-step", "1",
+                               "--weights", ckpt, *MODEL_ARGS])
+    assert code == 0, stderr
+    check_glb_mesh(tmp_path / "wide", photos / rel, size, 1)
 
 
 # ---------------------------------------------------------------------------- options, one image
@@ -302,11 +328,19 @@ def test_missing_weights_cannot_start(photos, tmp_path):
     assert code == 3 and "could not load the model" in stderr and str(tmp_path / "nope") in stderr
 
 
+def test_a_file_that_is_no_image_is_found_before_the_model_loads(photos, tmp_path):
+    fake = tmp_path / "fake.png"
+    fake.write_text("not a PNG")
+    code, stdout, stderr = run_cli(["predict", fake, photos / CORRUPT, "-o", tmp_path / "out", "--weights", tmp_path / "nope"])
+    assert code == 1 and "could not load the model" not in stderr, stderr  # no image left: no model is loaded
+    assert f"skipped: image file '{fake}': not a decodable image" in stderr and "0 of 2 images done, 2 failed" in stdout
+
+
 def test_module_entry_points_run(photos):
     env = {**os.environ, "PYTHONPATH": str(CODE_DIR)}
     helped = subprocess.run([sys.executable, "-m", "tt_moge", "predict", "--help"], cwd=CODE_DIR, env=env, capture_output=True, text=True)
     assert helped.returncode == 0
-    for section in ("output layout:", "exit codes:", "examples:", "formats (all of them", "--num-tokens N"):
+    for section in ("output layout:", "exit codes:", "examples:", "formats (--maps --glb when no format", "--num-tokens N"):
         assert section in helped.stdout
     bad = subprocess.run([sys.executable, "-m", "tt_moge", "predict", "/no/such.png"], cwd=CODE_DIR, env=env,
                          capture_output=True, text=True)
@@ -438,7 +472,7 @@ def test_an_image_without_valid_pixels_still_gets_its_maps(tmp_path):
                          normal=np.zeros((h, w, 3), np.float32), mask=np.zeros((h, w), bool),
                          intrinsics=np.eye(3, dtype=np.float32), intrinsics_pixels=np.eye(3, dtype=np.float32),
                          metric_scale=1.0, fov_x=60.0, fov_y=40.0)
-    record = write_outputs(nothing, np.zeros((h, w, 3), np.uint8), tmp_path)
+    record = write_outputs(nothing, np.zeros((h, w, 3), np.uint8), tmp_path, ("maps", "npz", "ply", "glb"))
     assert record["vertices"] == 0 and record["median_depth_m"] is None and "not written" in record["note"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(record["files"]) == sorted(
         ["depth.png", "normal.png", "mask.png", "depth.exr", "result.npz", "result.json"])

@@ -189,13 +189,21 @@ def test_tenstorrent_option_errors(network_path, ttnn):
     ttnn.device_count = 0
     with pytest.raises(ValueError, match=r"no Tenstorrent chip 0 here \(0 found"):
         LoadOptions.resolve(network_path, device="tt")
-    with pytest.warns(RuntimeWarning, match="no Tenstorrent chip or CUDA GPU"):
-        assert LoadOptions.resolve(network_path, device=None).device.type in ("cpu", "cuda")
+    assert _resolved_without_a_chip(network_path) in ("cpu", "cuda")
 
 
 def test_without_ttnn_a_tenstorrent_device_is_a_clear_error(network_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ttnn", None)  # `import ttnn` raises ImportError
     with pytest.raises(ValueError, match="ttnn .* does not import here"):
         LoadOptions.resolve(network_path, device="tt")
-    with pytest.warns(RuntimeWarning, match="no Tenstorrent chip or CUDA GPU"):
-        assert LoadOptions.resolve(network_path, device=None).device.type in ("cpu", "cuda")
+    assert _resolved_without_a_chip(network_path) in ("cpu", "cuda")
+
+
+def _resolved_without_a_chip(path) -> str:
+    """device=None where no chip is seen: CUDA or the CPU (a CUDA build of torch that sees no GPU warns)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kind = LoadOptions.resolve(path, device=None, warmup_variants="none").device.type
+    if kind == "cpu" and torch.backends.cuda.is_built():
+        assert any("no Tenstorrent chip" in str(w.message) for w in caught)
+    return kind

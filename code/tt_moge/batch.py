@@ -10,8 +10,8 @@ The job (one Ray Data dataset, streamed):
                                       or one Parquet shard per batch)
     -> per-image status               streamed back to the driver: progress bar, OUT/failures.jsonl, summary
 
-Ray is optional (`pip install 'tt-moge[ray]'`): this module imports it only inside `run_batch`, and without it
-raises `RayMissingError` (the CLI exits with code 3).
+Ray is optional (the `ray` extra: `pip install -e "code/[ray]"` from a clone): this module imports it only
+inside `run_batch`, and without it raises `RayMissingError` (the CLI exits with code 3).
 
 Resume: an image is done when OUT/NAME/result.json exists (files; written last by write_outputs) or when its
 name is in a Parquet shard (each shard is written to a temporary name and renamed, so one that exists is
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
-from .export import FORMATS, check_formats
+from .export import DEFAULT_FORMATS, DEFAULT_MESH_STEP, FORMATS, check_formats
 
 __all__ = ["run_batch", "BatchJob", "BatchSummary", "RayMissingError", "OUTPUT_FORMATS", "FAILURES_FILE", "SHARDS_DIR",
            "completed_names", "local_ray_cpus", "init_local_ray"]
@@ -50,7 +50,7 @@ DEFAULT_BATCH_SIZE = 4  # images per actor call (one predict_many); also images 
 DEFAULT_OBJECT_STORE_MB = 200  # the embedded local Ray's shared-memory object store (the machine may be shared)
 DEFAULT_MAX_RETRIES = 3  # restarts of a dead replica, and retries of the batch it was running
 READER_CPUS = 1  # logical CPUs one read task asks for (see local_ray_cpus)
-RAY_INSTALL_HINT = "pip install 'tt-moge[ray]' (or: pip install 'ray[data]>=2.9')"
+RAY_INSTALL_HINT = "from a clone of the repository: pip install -e \"code/[ray]\" (or: pip install \"ray[data]>=2.9\")"
 # Test-only fault injection: when this names a folder holding a file "armed", the first replica to take a batch
 # renames it to "fired" (atomic: exactly one replica wins) and kills its own process after writing the batch's
 # outputs and before reporting them, i.e. at the worst moment for exactly-once.
@@ -208,7 +208,7 @@ class _Replica:
     """Ray actor: one MoGeModel, loaded once; each call predicts a batch and writes it."""
 
     def __init__(self, model_kwargs: dict, out: str, output_format: str, formats: tuple, fit: str,
-                 fov_x: Optional[float], writers: int, threads: int):
+                 fov_x: Optional[float], writers: int, threads: int, mesh_step: int = DEFAULT_MESH_STEP):
         import torch
 
         from . import native
@@ -218,7 +218,7 @@ class _Replica:
         if not os.environ.get("MOGE_SERVE_THREADS"):
             native.set_threads(max(1, threads))  # ... and for the native host kernels
         self.model = MoGeModel.from_pretrained(**{**model_kwargs, "warmup": 0, "warmup_variants": "none"})
-        self.out, self.output_format, self.formats = Path(out), output_format, formats
+        self.out, self.output_format, self.formats, self.mesh_step = Path(out), output_format, formats, mesh_step
         self.fit, self.fov_x = fit, fov_x
         self.writer = ThreadPoolExecutor(writers, thread_name_prefix="tt_moge-write")
 
@@ -245,7 +245,8 @@ class _Replica:
     def _write_files(self, results: dict, rgbs: Any, names: list, paths: list, errors: list) -> None:
         from .export import write_outputs
 
-        jobs = {i: self.writer.submit(write_outputs, output, rgbs[i], self.out / names[i], self.formats, source=paths[i])
+        jobs = {i: self.writer.submit(write_outputs, output, rgbs[i], self.out / names[i], self.formats, source=paths[i],
+                                      mesh_step=self.mesh_step)
                 for i, output in results.items()}
         for i, job in jobs.items():
             exc = job.exception()
@@ -310,7 +311,8 @@ class BatchJob:
     model: dict = field(default_factory=dict)
     fit: str = "pad"
     fov_x: Optional[float] = None
-    formats: Sequence[str] = tuple(FORMATS)
+    formats: Sequence[str] = DEFAULT_FORMATS
+    mesh_step: int = DEFAULT_MESH_STEP
     output_format: str = "files"
     replicas: int = 1
     cpus_per_replica: Optional[float] = None
@@ -330,7 +332,8 @@ class BatchJob:
         formats = check_formats(self.formats)
         if not formats:
             raise ValueError(f"formats: expected at least one of {', '.join(FORMATS)}")
-        for name, low in (("replicas", 1), ("batch_size", 1), ("max_retries", 0), ("object_store_mb", 80), ("writers", 1)):
+        for name, low in (("replicas", 1), ("batch_size", 1), ("max_retries", 0), ("object_store_mb", 80), ("writers", 1),
+                          ("mesh_step", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -394,7 +397,7 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     summary = BatchSummary(out=out, total=len(images), done=0, failed=0, skipped=len(images) - len(todo), seconds=0.0,
                            ray_start_seconds=0.0, replicas=job.replicas, output_format=job.output_format)
     options = {"output_format": job.output_format, "formats": list(formats) if job.output_format == "files" else None,
-               "fit": job.fit, "fov_x": job.fov_x, "batch_size": job.batch_size, "max_retries": job.max_retries}
+               "mesh_step": job.mesh_step if job.output_format == "files" and "glb" in formats else None, "fit": job.fit, "fov_x": job.fov_x, "batch_size": job.batch_size, "max_retries": job.max_retries}
     if not todo:  # nothing to do: no Ray, no model
         summary.replicas = 0
         failures_path.write_text("")
@@ -514,7 +517,7 @@ def _build_dataset(ray: Any, job: BatchJob, todo: list, out: Path, formats: tupl
             _Replica, batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=replicas),
             fn_constructor_kwargs=dict(model_kwargs=model_kwargs, out=str(out.resolve()), output_format=job.output_format,
                                        formats=formats, fit=job.fit, fov_x=job.fov_x, writers=job.writers,
-                                       threads=int(cpus)),
+                                       threads=int(cpus), mesh_step=job.mesh_step),
             num_cpus=cpus, num_gpus=gpus or None, runtime_env=runtime_env,
             max_restarts=max_retries, max_task_retries=max_retries)
 

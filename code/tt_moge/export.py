@@ -1,16 +1,18 @@
 """Files people expect from a depth model, written from one MoGeOutput and the RGB image it came from.
 
 `write_outputs(output, image_rgb, out_dir, formats)` writes one image's folder; the CLI, the quickstart and the
-batch job all call it. Format groups (`FORMATS`) and the files they write:
+batch job all call it. Format groups (`FORMATS`; `DEFAULT_FORMATS` when none is chosen) and the files they write:
 
 | group  | files                                          | written with                                   |
 |--------|------------------------------------------------|------------------------------------------------|
 | maps   | depth.png (colourised, with a depth colour     | OpenCV (colour map, text, PNG)                 |
 |        | bar), normal.png, mask.png,                    |                                                |
 |        | depth.exr (float32 metres, channel "Y")        | OpenEXR (the ASWF `OpenEXR` Python bindings)   |
-| npz    | result.npz (the server layout, NPZ_LAYOUT)     | numpy, via MoGeOutput.save_npz                 |
+| npz    | result.npz (the server layout, NPZ_LAYOUT,     | numpy, via MoGeOutput.save_npz                 |
+|        | maps deflated)                                 |                                                |
 | ply    | points.ply (binary; xyz, normal, RGBA)         | trimesh                                        |
-| glb    | mesh.glb (the image as texture)                | trimesh (+ Pillow for the texture PNG)         |
+| glb    | mesh.glb (every `mesh_step`-th pixel; the      | trimesh (+ Pillow for the texture PNG)         |
+|        | full image as texture)                         |                                                |
 | always | result.json (camera, scale, statistics, files) | json; written last, so it marks a complete one |
 
 Depth as EXR, not 16-bit PNG: float32 keeps the depth bit-identical to result.npz, with no 65.535 m ceiling,
@@ -24,6 +26,13 @@ on a depth edge (`depth_edges`). The mesh joins neighbouring kept pixels with tw
 (top-left, bottom-left, top-right) and (top-right, bottom-left, bottom-right), each only where all three of
 its corners are kept; since a quad with a depth jump has all four corners on the edge, no triangle spans a
 discontinuity larger than DEPTH_EDGE_RTOL of its nearest depth. Triangles face the camera (counter-clockwise).
+The mesh may sample the image on a coarser grid, every `mesh_step`-th row and column (`image_mesh(step=...)`):
+it is then the mesh of that sub-sampled output, by the same rules, and its UVs still address the full image.
+The point cloud always has every kept pixel.
+
+The CLI's defaults (`DEFAULT_FORMATS`: the maps and the mesh, `DEFAULT_MESH_STEP`: every second pixel) are
+sized for folders of many photos: the npz and the point cloud, and a full-resolution mesh, are each several
+times the size of the maps (`python -m perf.cli.export_bench` measures every format).
 """
 from __future__ import annotations
 
@@ -40,8 +49,9 @@ from .constants import DEPTH_EDGE_RTOL
 from .output import MoGeOutput
 
 __all__ = [
-    "FORMATS", "FILES", "depth_edges", "kept_pixels", "colorize_depth", "colorize_normal", "write_depth_exr",
-    "point_cloud", "image_mesh", "to_json", "check_formats", "missing_format_library", "write_outputs",
+    "FORMATS", "DEFAULT_FORMATS", "DEFAULT_MESH_STEP", "FILES", "depth_edges", "kept_pixels", "colorize_depth",
+    "colorize_normal", "write_depth_exr", "point_cloud", "image_mesh", "to_json", "check_formats",
+    "missing_format_library", "write_outputs",
 ]
 
 # The format groups, in the order they are written, with what each writes (the CLI's --maps/--npz/--ply/--glb).
@@ -51,6 +61,8 @@ FORMATS = {
     "ply": "points.ply: coloured point cloud with normals",
     "glb": "mesh.glb: textured mesh, cut at depth discontinuities",
 }
+DEFAULT_FORMATS = ("maps", "glb")  # what `tt-moge predict` and batch jobs write when no format is chosen
+DEFAULT_MESH_STEP = 2  # mesh.glb samples every second row and column: a quarter of the vertices and triangles
 _LIBRARIES = {"maps": ("OpenEXR", "openexr"), "ply": ("trimesh", "trimesh"), "glb": ("trimesh", "trimesh")}
 FILES = {
     "maps": ("depth.png", "normal.png", "mask.png", "depth.exr"),
@@ -186,16 +198,26 @@ def point_cloud(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.nda
                            vertex_normals=normals, vertex_colors=rgb[keep], process=False, validate=False)
 
 
-def image_mesh(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.ndarray] = None,
+def image_mesh(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.ndarray] = None, step: int = 1,
                wrap_columns: bool = False) -> Any:
     """A textured trimesh.Trimesh: the kept pixels as vertices (OpenGL axes), triangles between neighbouring
     kept pixels (see the module docstring), UVs at pixel centres, the image as the base colour texture.
+
+    step: sample every `step`-th row and column, starting at the first; the mesh is that of the sub-sampled
+    output (its kept pixels, its triangles), with UVs into the full image. `keep`, when given, is on that grid.
     `wrap_columns` (panoramas): the last column is also joined to the first, closing the sphere at the seam."""
     import trimesh
     from PIL import Image
 
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be a positive int, got {step!r}")
     rgb = _as_uint8_rgb(image_rgb, output)
-    keep = kept_pixels(output) if keep is None else keep
+    full_h, full_w = output.depth.shape
+    depth, points = output.depth[::step, ::step], output.points[::step, ::step]
+    normal = None if output.normal is None else output.normal[::step, ::step]
+    if keep is None:
+        valid = output.mask[::step, ::step] & np.isfinite(depth)
+        keep = valid & ~depth_edges(depth, valid)
     h, w = keep.shape
     index = np.full((h, w), -1, dtype=np.int32)  # glTF indices are 32-bit
     index[keep] = np.arange(int(keep.sum()), dtype=np.int32)
@@ -208,11 +230,11 @@ def image_mesh(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.ndar
     faces = np.concatenate([np.stack([tl[upper], bl[upper], tr[upper]], 1), np.stack([tr[lower], bl[lower], br[lower]], 1)])
     rows, cols = np.nonzero(keep)
     # trimesh's UV origin is the bottom-left (v up); its glTF export flips v to glTF's top-left origin.
-    uv = np.stack([(cols + 0.5) / w, 1.0 - (rows + 0.5) / h], axis=1)
+    uv = np.stack([(cols * step + 0.5) / full_w, 1.0 - (rows * step + 0.5) / full_h], axis=1)
     material = trimesh.visual.material.PBRMaterial(baseColorTexture=Image.fromarray(rgb), metallicFactor=0.0,
                                                    roughnessFactor=1.0, doubleSided=True)
-    normals = None if output.normal is None else output.normal[keep] * _OPENGL_AXES
-    return trimesh.Trimesh(vertices=output.points[keep] * _OPENGL_AXES, faces=faces, vertex_normals=normals,
+    normals = None if normal is None else normal[keep] * _OPENGL_AXES
+    return trimesh.Trimesh(vertices=points[keep] * _OPENGL_AXES, faces=faces, vertex_normals=normals,
                            visual=trimesh.visual.TextureVisuals(uv=uv, material=material), process=False, validate=False)
 
 
@@ -251,16 +273,19 @@ def missing_format_library(formats: Iterable[str]) -> Optional[str]:
 
 
 def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str, os.PathLike],
-                  formats: Iterable[str] = FORMATS, *, source: Optional[str] = None,
-                  extra: Optional[dict] = None) -> dict:
+                  formats: Iterable[str] = DEFAULT_FORMATS, *, source: Optional[str] = None,
+                  extra: Optional[dict] = None, mesh_step: int = DEFAULT_MESH_STEP) -> dict:
     """Write one image's files into `out_dir` (created if needed) and return the result.json record.
 
     output: the MoGeOutput of the image (or a PanoramaOutput: depth is then its distance map, there is no
-    normal.png, and the mesh closes at the seam); image_rgb: that image, (H, W, 3) uint8 (or float in [0, 1]) RGB at the
-    output's size; formats: any of FORMATS (result.json is always written, last). `source` (the input's name)
-    and `extra` (more keys) go into result.json. Existing files of the same names are replaced.
+    normal.png, and the mesh closes at the seam); image_rgb: that image, (H, W, 3) uint8 (or float in [0, 1]) RGB
+    at the output's size; formats: any of FORMATS (result.json is always written, last); mesh_step: the grid step
+    of mesh.glb (1: every pixel). `source` (the input's name) and `extra` (more keys) go into result.json.
+    Existing files of the same names are replaced.
     """
     formats = check_formats(formats)
+    if isinstance(mesh_step, bool) or not isinstance(mesh_step, int) or mesh_step < 1:
+        raise ValueError(f"mesh_step must be a positive int, got {mesh_step!r}")
     rgb = _as_uint8_rgb(image_rgb, output)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -279,7 +304,7 @@ def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str,
         write_depth_exr(out / "depth.exr", output.depth)
         written += ["mask.png", "depth.exr"]
     if "npz" in formats:
-        output.save_npz(out / "result.npz")
+        output.save_npz(out / "result.npz", compress=True)  # a file to keep: its maps deflated
         written.append("result.npz")
     if "ply" in formats or "glb" in formats:
         keep = kept_pixels(output)
@@ -293,10 +318,14 @@ def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str,
                 (out / "points.ply").write_bytes(cloud.export(file_type="ply", vertex_normal=output.normal is not None))
                 written.append("points.ply")
             if "glb" in formats:
-                mesh = image_mesh(output, rgb, keep, wrap_columns=getattr(output, "is_panorama", False))
-                (out / "mesh.glb").write_bytes(mesh.export(file_type="glb"))
-                record["mesh_faces"] = int(len(mesh.faces))
-                written.append("mesh.glb")
+                mesh = image_mesh(output, rgb, keep if mesh_step == 1 else None, step=mesh_step,
+                                  wrap_columns=getattr(output, "is_panorama", False))
+                record.update(mesh_step=mesh_step, mesh_vertices=int(len(mesh.vertices)), mesh_faces=int(len(mesh.faces)))
+                if len(mesh.vertices):
+                    (out / "mesh.glb").write_bytes(mesh.export(file_type="glb"))
+                    written.append("mesh.glb")
+                else:
+                    record["note"] = f"no kept pixel on the grid of mesh_step {mesh_step}: mesh.glb not written"
     record["files"] = written + ["result.json"]
     record.update(extra or {})
     tmp = out / "result.json.tmp"

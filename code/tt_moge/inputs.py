@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Optional, Sequence, Union
 
-__all__ = ["IMAGE_EXTENSIONS", "ImageInput", "InputPathError", "collect_images"]
+__all__ = ["IMAGE_EXTENSIONS", "ImageInput", "InputPathError", "collect_images", "unreadable_images"]
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 
@@ -109,3 +109,17 @@ def collect_images(arguments: Iterable[str], exclude: Optional[Union[str, os.Pat
                 seen.add(key)
                 wanted.append((path, name))
     return [ImageInput(path, name) for (path, _), name in zip(wanted, _unique_names(wanted))]
+
+
+def unreadable_images(images: Sequence[ImageInput]) -> dict:
+    """{index: reason} of the images whose file is not an image by its header (or is missing), checked without
+    decoding: a run reports them before it loads a model, and loads none when no image is left."""
+    from .host.decode import InputError, read_image_header
+
+    bad: dict = {}
+    for index, image in enumerate(images):
+        try:
+            read_image_header(image.path)
+        except InputError as exc:
+            bad[index] = str(exc)
+    return bad

@@ -12,10 +12,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from .export import write_outputs
+from .export import DEFAULT_MESH_STEP, write_outputs
 from .host import to_rgb_array
 
-__all__ = ["DEFAULT_CHUNK", "predict_images", "predict_chunk", "predict_panoramas"]
+__all__ = ["DEFAULT_CHUNK", "predict_images", "predict_chunk", "predict_panoramas", "written_bytes"]
 
 DEFAULT_CHUNK = 4  # images per predict_many call (the next chunk decodes meanwhile); its outputs are all in memory at once
 
@@ -42,12 +42,14 @@ def _reason(image: Any, exc: BaseException) -> str:
 
 def predict_images(model: Any, images: Sequence, out_root: Path, formats: Sequence[str], *, fit: str = "pad",
                    fov_x: Optional[float] = None, chunk_size: int = DEFAULT_CHUNK, writers: int = 2,
-                   on_done: Optional[Callable[[Any, Optional[str]], None]] = None) -> dict:
+                   on_done: Optional[Callable[[Any, Optional[str]], None]] = None,
+                   mesh_step: int = DEFAULT_MESH_STEP) -> dict:
     """Run `model` over [ImageInput] and write each result to out_root / image.name with `write_outputs`.
 
     Decoding of the next chunk, the model on this chunk (`predict_many`) and the writing of finished images
     overlap. An image that fails (unreadable, or its writing fails) is recorded and skipped. Returns
     {image index: error message or None}; `on_done(image, error)` is called for each image as it finishes.
+    `mesh_step` goes to `write_outputs`.
     """
     status: dict = {}
 
@@ -81,7 +83,8 @@ def predict_images(model: Any, images: Sequence, out_root: Path, formats: Sequen
                 if isinstance(output, BaseException):
                     finish(i, image, _reason(image, output))
                     continue
-                job: Future = writer.submit(write_outputs, output, rgb, out_root / image.name, formats, source=str(image.path))
+                job: Future = writer.submit(write_outputs, output, rgb, out_root / image.name, formats, source=str(image.path),
+                                            mesh_step=mesh_step)
                 writing.append((i, image, job))
                 collect(2 * writers)  # bounded: finished maps wait for a writer, not pile up in memory
         collect(0)
@@ -108,7 +111,8 @@ def predict_chunk(model: Any, arrays: list, fit: str, fov_x: Optional[float]) ->
 
 
 def predict_panoramas(model: Any, images: Sequence, out_root: Path, formats: Sequence[str], *,
-                      on_done: Optional[Callable[[Any, Optional[str]], None]] = None) -> dict:
+                      on_done: Optional[Callable[[Any, Optional[str]], None]] = None,
+                      mesh_step: int = DEFAULT_MESH_STEP) -> dict:
     """`predict_images` for 360-degree equirectangular panoramas: per image, `model.predict_panorama` (whose 12
     views already keep the device busy through predict_many) and `write_outputs`; the writing of one panorama
     overlaps the next one's views. A panorama that fails (unreadable, not 2:1, no valid view) is recorded and
@@ -139,8 +143,23 @@ def predict_panoramas(model: Any, images: Sequence, out_root: Path, formats: Seq
                 continue
             settle()
             pending.append((index, image, writer.submit(write_outputs, output, rgb, out_root / image.name, formats,
-                                                         source=str(image.path))))
+                                                         source=str(image.path), mesh_step=mesh_step)))
         settle()
     finally:
         writer.shutdown(wait=True, cancel_futures=True)
     return status
+
+
+def written_bytes(out_root: Path, names: Sequence[str]) -> int:
+    """The bytes of the files that each named output folder's result.json lists: what a run wrote."""
+    import json
+
+    total = 0
+    for name in names:
+        folder = Path(out_root) / name
+        try:
+            files = json.loads((folder / "result.json").read_text())["files"]
+        except (OSError, ValueError, KeyError):
+            continue
+        total += sum((folder / f).stat().st_size for f in files if (folder / f).is_file())
+    return total

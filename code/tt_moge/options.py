@@ -79,8 +79,9 @@ def _tt_chip(text: str, device_id: int, verbose: bool) -> TtChip:
 
 def select_device(device: Any = None, device_id: int = 0, verbose: bool = False) -> Union[torch.device, TtChip]:
     """Where to run. None: a Tenstorrent chip (`device_id`) when ttnn imports and sees one, else CUDA, else the
-    CPU with a RuntimeWarning. An open ttnn device is used as it is (never closed by the model); "tt" / "tt:N"
-    name a chip; "cpu", "cuda", "cuda:N" or a torch.device a torch device."""
+    CPU (with a RuntimeWarning only when this torch is a CUDA build: a GPU was expected but none is seen; with a
+    CPU build the CPU is the only choice). An open ttnn device is used as it is (never closed by the model);
+    "tt" / "tt:N" name a chip; "cpu", "cuda", "cuda:N" or a torch.device a torch device."""
     if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
         raise ValueError(f"device_id must be a non-negative int, got {device_id!r}")
     if device is None:
@@ -92,8 +93,10 @@ def select_device(device: Any = None, device_id: int = 0, verbose: bool = False)
             if device_id >= torch.cuda.device_count():
                 raise ValueError(f"device_id {device_id}: only {torch.cuda.device_count()} CUDA device(s) present")
             return torch.device("cuda", device_id)
-        warnings.warn("no Tenstorrent chip or CUDA GPU found: running MoGe-2 on the CPU; pass device='cpu' to choose "
-                      "it explicitly", RuntimeWarning, stacklevel=4)
+        if torch.backends.cuda.is_built():
+            warnings.warn(f"no Tenstorrent chip, and no CUDA GPU found by this CUDA build of torch ({torch.__version__}): "
+                          "running MoGe-2 on the CPU; pass device='cpu' to choose it explicitly", RuntimeWarning,
+                          stacklevel=4)
         return torch.device("cpu")
     from .runners.ttnn.device import TtnnUnavailableError, import_ttnn, is_ttnn_device
 

@@ -7,6 +7,7 @@ keys, never a silently half-loaded network (upstream loads with `strict=False`).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -23,7 +24,8 @@ CHECKPOINT_NAME = "model.pt"
 
 __all__ = [
     "DEFAULT_REPO", "DEFAULT_REVISION", "WEIGHTS_DIR_ENV", "CheckpointError", "Checkpoint",
-    "resolve_checkpoint", "read_checkpoint", "build_network", "load_network",
+    "resolve_checkpoint", "read_checkpoint", "build_network", "load_network", "ways_out", "describe_source",
+    "RANDOM_WEIGHTS_DIR", "RANDOM_WEIGHTS_ONE_LINER",
 ]
 
 
@@ -75,20 +77,93 @@ def resolve_checkpoint(name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, rev
     return _download(name, revision), f"{name}@{revision or 'main'}", revision
 
 
-def _download(repo_id: str, revision: Optional[str]) -> Path:
-    from huggingface_hub import hf_hub_download
+def describe_source(name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, revision: Optional[str] = DEFAULT_REVISION) -> str:
+    """Where `resolve_checkpoint` will take the weights from, in its words, without reading a file or asking the
+    Hub: for log lines written before the weights load (`$MOGE_WEIGHTS_DIR` replaces a repo id)."""
+    name = os.fspath(name_or_path)
+    if Path(name).expanduser().exists():
+        return name
+    env = os.environ.get(WEIGHTS_DIR_ENV)
+    if env:
+        return f"${WEIGHTS_DIR_ENV}={env}"
+    return name if _looks_like_path(name) else f"{name}@{revision or 'main'}"
+
+
+# A random-weight checkpoint of the real format: the third way out when the real weights cannot be had.
+RANDOM_WEIGHTS_DIR = "/tmp/moge-tiny"
+RANDOM_WEIGHTS_ONE_LINER = (f"python -c \"from tt_moge.testing import make_checkpoint; "
+                            f"make_checkpoint('{RANDOM_WEIGHTS_DIR}', 'tiny-vits-normal')\"")
+_COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
+
+
+def _hub_command() -> str:
+    """The download command of the installed huggingface_hub: `hf` (0.34 and later) or `huggingface-cli`."""
+    import huggingface_hub
 
     try:
-        return Path(hf_hub_download(repo_id=repo_id, filename=CHECKPOINT_NAME, revision=revision, repo_type="model"))
-    except Exception as exc:  # huggingface_hub raises many kinds (offline, HTTP, auth, missing revision)
-        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".strip()
-        raise CheckpointError(
-            f"could not get {CHECKPOINT_NAME} of the Hugging Face repo {repo_id!r} (revision {revision or 'main'}) "
-            f"from the network or the local Hugging Face cache ({reason}). To supply the weights yourself: "
-            f"download {CHECKPOINT_NAME} from https://huggingface.co/{repo_id} on a machine with network access, "
-            f"then pass its directory or path to from_pretrained(...), or set {WEIGHTS_DIR_ENV}=/dir/with/model.pt; "
-            f"or fill the cache with `huggingface-cli download {repo_id} {CHECKPOINT_NAME}`."
-        ) from exc
+        major, minor = (int(part) for part in huggingface_hub.__version__.split(".")[:2])
+    except ValueError:
+        return "hf"
+    return "hf" if (major, minor) >= (0, 34) else "huggingface-cli"
+
+
+def ways_out(repo_id: str = DEFAULT_REPO, revision: Optional[str] = DEFAULT_REVISION) -> str:
+    """The three ways to weights when the Hub cannot supply them, one numbered line each (for messages)."""
+    pin = f" --revision {revision}" if revision else ""
+    return (f"  1. download it where there is network: {_hub_command()} download {repo_id} {CHECKPOINT_NAME}{pin}\n"
+            f"  2. use a {CHECKPOINT_NAME} you have: {WEIGHTS_DIR_ENV}=/dir/with/{CHECKPOINT_NAME}, or pass the folder or "
+            f"file (--weights PATH, from_pretrained(PATH))\n"
+            f"  3. try it on random weights (meaningless outputs): {RANDOM_WEIGHTS_ONE_LINER}, "
+            f"then {WEIGHTS_DIR_ENV}={RANDOM_WEIGHTS_DIR}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _unavailable(repo_id: str, revision: Optional[str], reason: str) -> CheckpointError:
+    return CheckpointError(f"could not get {CHECKPOINT_NAME} of {repo_id} (revision {revision or 'main'}): {reason}, and "
+                           f"the local Hugging Face cache does not have it. Three ways out:\n" + ways_out(repo_id, revision))
+
+
+def _download(repo_id: str, revision: Optional[str]) -> Path:
+    """model.pt of a Hub repo: from the Hugging Face cache, else downloaded. When the Hub cannot be reached, one
+    request without retries decides it (the hub client would first retry with back-off);
+    with HF_HUB_OFFLINE set, only the cache is read. A branch falls back to its cached copy, as the client does."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
+
+    def get(**kwargs) -> Path:
+        return Path(hf_hub_download(repo_id=repo_id, filename=CHECKPOINT_NAME, revision=revision, repo_type="model", **kwargs))
+
+    def cached() -> Optional[Path]:
+        try:
+            return get(local_files_only=True)
+        except Exception:  # not in the cache (the hub client raises several kinds)
+            return None
+
+    pinned = revision is not None and _COMMIT_HASH.fullmatch(revision) is not None
+    if pinned or constants.HF_HUB_OFFLINE:
+        path = cached()  # a pinned revision never changes: no request when the cache has it
+        if path is not None:
+            return path
+        if constants.HF_HUB_OFFLINE:
+            raise _unavailable(repo_id, revision, "HF_HUB_OFFLINE is set")
+    try:  # the hub client's own metadata request, once: its default is no retry
+        get_hf_file_metadata(hf_hub_url(repo_id, CHECKPOINT_NAME, revision=revision), timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except Exception as exc:  # network errors, timeouts, HTTP errors (missing repo or revision, gated, auth)
+        path = None if pinned else cached()
+        if path is not None:
+            return path
+        response = getattr(exc, "response", None)
+        status = getattr(response, "status_code", None)
+        reason = (f"the Hub answered HTTP {status} ({_first_line(exc)})" if status is not None
+                  else f"the Hugging Face Hub cannot be reached ({_first_line(exc)})")
+        raise _unavailable(repo_id, revision, reason) from None
+    try:
+        return get()
+    except Exception as exc:  # the download itself failed (the client retries network errors on its own)
+        raise _unavailable(repo_id, revision, f"the download failed ({_first_line(exc)})") from None
 
 
 def read_checkpoint(path: Union[str, os.PathLike]) -> tuple[dict, dict]:

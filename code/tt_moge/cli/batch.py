@@ -14,7 +14,7 @@ from ..batch import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES, DEFAULT_OBJECT_STO
 from ..constants import FITS
 from . import argtypes
 from .common import (DEFAULT_OUTPUT, EXIT_CODES, EXIT_IMAGES_FAILED, EXIT_OK, EXIT_START, Formatter,
-                     add_format_arguments, add_model_arguments, chosen_formats, model_kwargs, say)
+                     add_format_arguments, add_model_arguments, chosen_formats, format_group_title, model_kwargs, say)
 
 __all__ = ["add_parser", "run"]
 
@@ -27,7 +27,7 @@ DESCRIPTION = ("Run MoGe-2 over many photos as a Ray Data job: images are read i
 def _epilog(exit_codes: str, default_output: str) -> str:
     return f"""\
 output (--format files, the default): the layout of tt-moge predict, one folder per image
-  OUT/NAME/result.json + the files of --maps --npz --ply --glb (all of them when none is given)
+  OUT/NAME/result.json + the files of --maps --npz --ply --glb (--maps --glb when none is given)
 output (--format parquet): OUT/{SHARDS_DIR}/part-<hash>.parquet, one shard per batch, one row per image:
   name (string), source (string: the input path), result (string: the result.json text),
   npz (bytes: the result.npz file; MoGeOutput.from_npz(row["npz"]) reads it back)
@@ -39,11 +39,11 @@ resume: an image is done when OUT/NAME/result.json exists (written last) or its 
   are renamed into place when whole). A rerun does only the rest; failed images are tried again. Use a new
   OUT for other model options: done images are not recomputed when the options change.
 
-on a cluster: every node needs tt-moge[ray] installed, the inputs and OUT on a file system they all see,
+on a cluster: every node needs tt-moge with its ray extra installed (from a clone: pip install -e "code/[ray]"), the inputs and OUT on a file system they all see,
   and the weights (a path they all see, a hub id, or $MOGE_WEIGHTS_DIR, which is passed on to the replicas).
 
 examples:
-  tt-moge batch photos/ -o {default_output}/           # a local Ray, 1 replica, every file of predict
+  tt-moge batch photos/ -o {default_output}/           # a local Ray, 1 replica, the default files of predict
   tt-moge batch photos/ --replicas 2 --npz             # 2 CPU replicas, only result.npz (+ result.json)
   tt-moge batch 'frames/**/*.jpg' --format parquet --device cuda --replicas 4 --gpus-per-replica 0.25
   tt-moge batch /data/frames --address ray://head:10001 --device cuda --replicas 8
@@ -61,7 +61,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT", help=f"output folder (default ./{DEFAULT_OUTPUT})")
     parser.add_argument("--format", choices=OUTPUT_FORMATS, default="files", dest="output_format",
                         help="files: a folder per image, as tt-moge predict (default); parquet: sharded Parquet rows")
-    add_format_arguments(parser.add_argument_group("files of --format files (default: all)"))
+    add_format_arguments(parser.add_argument_group("files of --format files: " + format_group_title()))
     call = parser.add_argument_group("per-image options")
     call.add_argument("--fit", choices=FITS, default="pad", help="pad: keep the aspect ratio (default); stretch: fill the canvas")
     call.add_argument("--fov-x", type=argtypes.fov_degrees, metavar="DEG", help="the horizontal field of view, if known")
@@ -88,13 +88,13 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`tt-moge batch` with parsed arguments -> exit code."""
     from ..batch import BatchJob, RayMissingError, run_batch
-    from ..export import FORMATS, missing_format_library
+    from ..export import DEFAULT_FORMATS, missing_format_library
     from ..inputs import InputPathError
 
     formats = chosen_formats(args)
     if args.output_format == "parquet" and formats:
         parser.error("--maps/--npz/--ply/--glb choose the files of --format files; parquet rows always hold the npz")
-    formats = formats or list(FORMATS)
+    formats = formats or list(DEFAULT_FORMATS)
     missing = missing_format_library(formats if args.output_format == "files" else [])
     if missing:
         say(missing)
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(f"tt-moge: failed: {error}", file=sys.stderr, flush=True)
 
     job = BatchJob(args.inputs, args.output, model=model_kwargs(args), fit=args.fit, fov_x=args.fov_x,
-                   formats=formats, output_format=args.output_format, replicas=args.replicas,
+                   formats=formats, mesh_step=args.mesh_step, output_format=args.output_format, replicas=args.replicas,
                    cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
                    batch_size=args.batch_size, writers=args.writers, max_retries=args.max_retries,
                    address=args.address, object_store_mb=args.object_store_mb, quiet=args.quiet)

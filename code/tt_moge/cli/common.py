@@ -9,11 +9,12 @@ import warnings
 from typing import Any, Optional
 
 from ..constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, PRECISIONS
-from ..export import FORMATS
+from ..export import DEFAULT_FORMATS, DEFAULT_MESH_STEP, FORMATS
 from . import argtypes
 
 __all__ = ["EXIT_OK", "EXIT_IMAGES_FAILED", "EXIT_USAGE", "EXIT_START", "EXIT_INTERRUPTED", "EXIT_CODES",
-           "DEFAULT_OUTPUT", "Formatter", "say", "add_model_arguments", "add_format_arguments", "chosen_formats",
+           "DEFAULT_OUTPUT", "FORMAT_MB", "FULL_MESH_MB", "Formatter", "say", "add_model_arguments",
+           "add_format_arguments", "format_group_title", "chosen_formats",
            "model_kwargs", "load_model"]
 
 EXIT_OK, EXIT_IMAGES_FAILED, EXIT_USAGE, EXIT_START, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -25,6 +26,11 @@ exit codes:
   {EXIT_START}    could not start: weights not found or unreadable, device unavailable, a library missing
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C)"""
 DEFAULT_OUTPUT = "moge_output"
+# What each format group writes for one 1920x1080 photo with 3/4 of its pixels valid, in MB (10^6 bytes), as
+# `python -m perf.cli.export_bench --image <a 1920x1080 photo>` measures it (docs/performance.md); the 3D files
+# grow with the valid share. tests/test_first_run.py checks these numbers against a fresh measurement.
+FORMAT_MB = {"maps": 7, "npz": 30, "ply": 44, "glb": 26}
+FULL_MESH_MB = 91  # mesh.glb with --mesh-step 1
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter):
@@ -70,14 +76,25 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, warmup: int = 0, war
     group.add_argument("-v", "--verbose", action="store_true", help="print model loading steps")
 
 
+def format_group_title() -> str:
+    """The title of the format flags' group: the default and what the sizes in the flags' help mean."""
+    default = " ".join(f"--{name}" for name in DEFAULT_FORMATS)
+    return f"formats (default: {default}; MB per 1920x1080 photo with 3/4 of its pixels valid)"
+
+
 def add_format_arguments(group: Any) -> None:
-    """--maps --npz --ply --glb (none given: all of them)."""
+    """--maps --npz --ply --glb (none given: DEFAULT_FORMATS) and --mesh-step, each with what it costs."""
     for name, what in FORMATS.items():
-        group.add_argument(f"--{name}", action="store_true", help=what)
+        extra = f" ({FULL_MESH_MB} MB with --mesh-step 1)" if name == "glb" else ""
+        default = "[default] " if name in DEFAULT_FORMATS else ""
+        group.add_argument(f"--{name}", action="store_true", help=f"{default}{what}: about {FORMAT_MB[name]} MB{extra}")
+    group.add_argument("--mesh-step", type=argtypes.positive_int, default=DEFAULT_MESH_STEP, metavar="N",
+                       help=f"mesh.glb samples every Nth row and column: 1 every pixel, 2 a quarter of the vertices "
+                            f"(default {DEFAULT_MESH_STEP})")
 
 
 def chosen_formats(args: argparse.Namespace) -> list:
-    """The format groups whose flag was given, in FORMATS order (empty: none was given)."""
+    """The format groups whose flag was given, in FORMATS order (empty: none was given, DEFAULT_FORMATS apply)."""
     return [f for f in FORMATS if getattr(args, f)]
 
 

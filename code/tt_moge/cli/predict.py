@@ -13,8 +13,9 @@ from ..constants import DEFAULT_CANVAS
 from ..jobs import DEFAULT_CHUNK
 from ..panorama.predict import PANORAMA_CANVAS
 from . import argtypes
-from .common import (DEFAULT_OUTPUT, EXIT_CODES, EXIT_IMAGES_FAILED, EXIT_OK, EXIT_START, Formatter,
-                     add_format_arguments, add_model_arguments, chosen_formats, load_model, say)
+from .common import (DEFAULT_OUTPUT, EXIT_CODES, EXIT_IMAGES_FAILED, EXIT_OK, EXIT_START, FORMAT_MB, FULL_MESH_MB,
+                     Formatter, add_format_arguments, add_model_arguments, chosen_formats, format_group_title,
+                     load_model, say)
 
 __all__ = ["add_parser", "run"]
 
@@ -23,17 +24,21 @@ inputs:
   Files are taken as given. Folders are searched recursively for .png, .jpg and .jpeg files. Anything
   else is a glob pattern (quote it; ** recurses). A missing path or an empty pattern stops before loading.
   Files inside OUT are never taken from a folder or a pattern (a rerun skips its own outputs).
+  A file that is no image by its header is reported before the model loads.
 
-formats (all of them when no format flag is given; result.json is always written):
+formats (--maps --glb when no format flag is given; result.json is always written). Sizes: one 1920x1080
+photo with 3/4 of its pixels valid (the 3D files grow with that share):
   --maps  depth.png    inverse depth in the turbo colour map (near red, far blue, 1st-99th percentile),
                        colour bar with depth labels in metres on the right; invalid pixels black
           normal.png   normals as RGB = ((x, -y, -z) + 1) / 2 (OpenGL colours); invalid pixels black
           mask.png     255 valid, 0 invalid
           depth.exr    float32 metres, channel Y, inf where invalid: the exact depth of result.npz
+                       (the four files: about {FORMAT_MB["maps"]} MB)
   --npz   result.npz   points, depth, normal (float16), mask (uint8), intrinsics, intrinsics_pixels,
-                       metric_scale, fov_x, fov_y: MoGeOutput.from_npz reads it back
-  --ply   points.ply   one vertex per kept pixel: xyz (metres), normal, RGBA from the image
-  --glb   mesh.glb     the same vertices joined into triangles, the image as texture
+                       metric_scale, fov_x, fov_y, deflated: MoGeOutput.from_npz reads it back (about {FORMAT_MB["npz"]} MB)
+  --ply   points.ply   one vertex per kept pixel: xyz (metres), normal, RGBA from the image (about {FORMAT_MB["ply"]} MB)
+  --glb   mesh.glb     the kept pixels of every Nth row and column (--mesh-step N, default 2) joined into
+                       triangles, the full image as texture (about {FORMAT_MB["glb"]} MB; {FULL_MESH_MB} MB with --mesh-step 1)
   Kept pixels: valid, and not on a depth edge (their 3x3 neighbourhood spans more than {DEPTH_EDGE_RTOL:.0%} of their depth).
   3D files use glTF/OpenGL axes: x right, y up, z towards the viewer (camera at the origin, looking down -z).
 
@@ -47,8 +52,9 @@ output layout:
   Existing files of the same names are replaced.
 
 examples:
-  tt-moge predict photo.jpg                          # -> ./{DEFAULT_OUTPUT}/photo/
+  tt-moge predict photo.jpg                          # -> ./{DEFAULT_OUTPUT}/photo/: the maps and mesh.glb
   tt-moge predict photos/ -o results/                # every PNG/JPEG below photos/
+  tt-moge predict photo.jpg --maps --npz --ply --glb --mesh-step 1   # every format, the full-resolution mesh
   tt-moge predict 'shots/**/*.jpg' --ply --glb       # only the 3D files (+ result.json)
   tt-moge predict photo.jpg --fov-x 65 --device cuda
   tt-moge predict --panorama pano.jpg                # a 360-degree equirectangular photo (2:1), 512x512 canvas
@@ -66,7 +72,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
                     "Unreadable images are reported and skipped; the run goes on.", epilog=_PREDICT_EPILOG)
     predict.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders (recursive) or glob patterns")
     predict.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT", help=f"output folder (default ./{DEFAULT_OUTPUT})")
-    add_format_arguments(predict.add_argument_group("formats (default: all)"))
+    add_format_arguments(predict.add_argument_group(format_group_title()))
     call = predict.add_argument_group("per-image options")
     call.add_argument("--fit", choices=FITS, default="pad",
                       help="pad: keep the aspect ratio, gray bars (default); stretch: fill the canvas")
@@ -88,15 +94,15 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`tt-moge predict` with parsed arguments -> exit code."""
-    from ..export import FORMATS, missing_format_library, to_json
-    from ..inputs import InputPathError, collect_images
-    from ..jobs import predict_images, predict_panoramas
+    from ..export import DEFAULT_FORMATS, missing_format_library, to_json
+    from ..inputs import InputPathError, collect_images, unreadable_images
+    from ..jobs import predict_images, predict_panoramas, written_bytes
 
     if args.resolution is None:
         args.resolution = PANORAMA_CANVAS if args.panorama else DEFAULT_CANVAS
     if args.panorama and args.fov_x is not None:
         parser.error("--fov-x does not apply to --panorama (the views' field of view is known: 90 degrees)")
-    formats = chosen_formats(args) or list(FORMATS)
+    formats = chosen_formats(args) or list(DEFAULT_FORMATS)
     out_root = Path(args.output)
     try:
         images = collect_images(args.inputs, exclude=out_root)  # never our own depth.png files as photos
@@ -113,37 +119,50 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         say(missing)
         return EXIT_START
 
+    unreadable = unreadable_images(images)  # found by their headers, before the model loads
+    for reason in unreadable.values():
+        say(f"skipped: {reason}")
+    todo = [i for i in range(len(images)) if i not in unreadable]
     t_start = time.perf_counter()
-    model = load_model(args)
-    if model is None:
+    model = load_model(args) if todo else None
+    if todo and model is None:
         return EXIT_START
     t_loaded = time.perf_counter()
     from tqdm import tqdm
 
-    bar = tqdm(total=len(images), unit="img", desc="tt-moge predict", file=sys.stderr, dynamic_ncols=True,
-               disable=args.quiet or len(images) < 2)
+    bar = tqdm(total=len(todo), unit="img", desc="tt-moge predict", file=sys.stderr, dynamic_ncols=True,
+               disable=args.quiet or len(todo) < 2)
 
     def on_done(image: Any, error: Optional[str]) -> None:
         if error is not None:
             bar.write(f"tt-moge: skipped: {error}", file=sys.stderr)
         bar.update(1)
 
+    status, info = dict(unreadable), None
     try:
-        with model:
-            if args.panorama:
-                status = predict_panoramas(model, images, out_root, formats, on_done=on_done)
-            else:
-                status = predict_images(model, images, out_root, formats, fit=args.fit, fov_x=args.fov_x,
-                                        chunk_size=args.chunk_size, writers=args.writers, on_done=on_done)
-            info = model.info()
+        if model is not None:
+            with model:
+                todo_images = [images[i] for i in todo]
+                if args.panorama:
+                    done_status = predict_panoramas(model, todo_images, out_root, formats, on_done=on_done,
+                                                    mesh_step=args.mesh_step)
+                else:
+                    done_status = predict_images(model, todo_images, out_root, formats, fit=args.fit, fov_x=args.fov_x,
+                                                 chunk_size=args.chunk_size, writers=args.writers, on_done=on_done,
+                                                 mesh_step=args.mesh_step)
+                info = model.info()
+            status.update({todo[j]: error for j, error in done_status.items()})
     finally:
         bar.close()
     seconds = time.perf_counter() - t_loaded
     failed = [(images[i], err) for i, err in sorted(status.items()) if err is not None]
     done = len(images) - len(failed)
+    nbytes = written_bytes(out_root, [images[i].name for i, err in status.items() if err is None])
     record = {
         "tt_moge": __version__, "model": info, "formats": formats,
-        "options": {"panorama": args.panorama, "fit": args.fit, "fov_x": args.fov_x, "resolution": list(args.resolution), "num_tokens": args.num_tokens},
+        "mesh_step": args.mesh_step if "glb" in formats else None, "bytes_written": nbytes,
+        "options": {"panorama": args.panorama, "fit": args.fit, "fov_x": args.fov_x, "resolution": list(args.resolution),
+                    "num_tokens": args.num_tokens},
         "done": done, "failed": len(failed), "load_seconds": round(t_loaded - t_start, 3), "seconds": round(seconds, 3),
         "images": [{"input": str(img.path), "output": img.name, "status": "failed" if status.get(i) else "done",
                     "error": status.get(i)} for i, img in enumerate(images)],
@@ -153,6 +172,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         rate = f", {done / seconds:.2f} images/s" if seconds > 0 and done else ""
         print(f"tt-moge predict: {done} of {len(images)} images done, {len(failed)} failed, in {seconds:.1f} s{rate} "
               f"(model load {t_loaded - t_start:.1f} s); outputs in {out_root}/ (index: {out_root / 'run.json'})")
+        if done:
+            mesh = f" (mesh every {args.mesh_step} px)" if "glb" in formats and args.mesh_step > 1 else ""
+            print(f"  wrote {' '.join('--' + f for f in formats)}{mesh}: {nbytes / 1e6:.1f} MB, "
+                  f"{nbytes / 1e6 / done:.1f} MB per image (each format's size: tt-moge predict --help)")
         for image, error in failed:
             print(f"  failed: {error}")
     return EXIT_IMAGES_FAILED if failed else EXIT_OK

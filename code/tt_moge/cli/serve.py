@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..model import MoGeModel
     from ..options import LoadOptions
+    from ..weights import describe_source
 
     logging.basicConfig(level=args.log_level.upper(), format="[tt_moge] %(levelname)s %(message)s", stream=sys.stderr)
     try:
@@ -115,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     server = uvicorn.Server(config)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
-    print(f"[tt_moge] serving on http://{url_host}:{port} (loading {options.weights}; GET /ready answers 200 when it can serve)",
+    print(f"[tt_moge] serving on http://{url_host}:{port} (loading {describe_source(options.weights, options.revision)}; "
+          "GET /ready answers 200 when it can serve)",
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 1 if app.state.serving.load_error else 0

@@ -31,7 +31,7 @@ import numpy as np
 from ..constants import MIN_IMAGE_SIDE
 
 __all__ = ["InputError", "ImageNotFoundError", "to_rgb_array", "decode_bytes", "decode_with_pillow", "read_image_file",
-           "float_to_uint8"]
+           "read_image_header", "float_to_uint8"]
 
 
 class InputError(ValueError):
@@ -211,6 +211,30 @@ def read_image_file(path: "str | os.PathLike") -> np.ndarray:
     except IsADirectoryError:
         raise InputError(f"image: {os.fspath(path)!r} is a directory, expected an image file") from None
     return decode_bytes(data, name=f"image file {os.fspath(path)!r}")
+
+
+def read_image_header(path: "str | os.PathLike") -> tuple:
+    """(format, (width, height)) of an image file, read from its header alone (nothing is decoded), or the
+    InputError that reading the file would give: a run over many files finds a file that is no image before
+    the model loads. Damage after the header is found only by decoding."""
+    from PIL import Image, UnidentifiedImageError
+
+    name = f"image file {os.fspath(path)!r}"
+    try:
+        with Image.open(path) as img:
+            return img.format, img.size
+    except FileNotFoundError:
+        raise ImageNotFoundError(f"image: no such file {os.fspath(path)!r}") from None
+    except IsADirectoryError:
+        raise InputError(f"image: {os.fspath(path)!r} is a directory, expected an image file") from None
+    except UnidentifiedImageError:
+        with open(path, "rb") as f:
+            head = f.read(8)
+        raise InputError(f"{name}: not a decodable image (expected PNG or JPEG data, got {head!r}...)") from None
+    except Image.DecompressionBombError as exc:
+        raise InputError(f"{name}: {exc}") from None
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise InputError(f"{name}: corrupt or truncated image data ({exc})") from None
 
 
 def _pil_to_array(img: Any, name: str = "image") -> np.ndarray:

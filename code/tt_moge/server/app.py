@@ -31,6 +31,7 @@ from ..host import InputError
 from ..model import MoGeModel
 from ..npzio import DEFLATE_BACKEND
 from ..output import MoGeOutput
+from .docs import install_docs
 from .errors import ERROR_RESPONSES, ApiError, ErrorBody, install_error_handlers
 from .settings import ServerSettings
 from .upload import IMAGE_MEDIA_TYPES, MULTIPART_FIELD, ImageUpload, receive_image
@@ -237,12 +238,13 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
             serving.close()
 
     app = FastAPI(
-        title="tt_moge", version=__version__, lifespan=lifespan,
+        title="tt_moge", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,  # /docs: install_docs
         description="MoGe-2 over HTTP: one RGB image in; metric depth, camera-space points, normals, validity mask "
                     "and intrinsics out, at the image's own resolution. Errors are JSON {code, detail}.",
     )
     app.state.serving = serving
     install_error_handlers(app)
+    install_docs(app)
     app.add_middleware(_CountResponses, serving=serving)
     bearer = HTTPBearer(auto_error=False, description="Needed only when the server runs with an API key")
 
