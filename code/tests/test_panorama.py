@@ -267,7 +267,8 @@ def test_cli_panorama_writes_every_format(tmp_path, monkeypatch):
         return Loaded()
 
     monkeypatch.setattr(predict_command, "load_model", load_model)
-    code = main(["predict", "--panorama", str(pano), str(tmp_path / "wide.png"), "-o", str(tmp_path / "out"), "-q"])
+    code = main(["predict", "--panorama", str(pano), str(tmp_path / "wide.png"), "-o", str(tmp_path / "out"), "-q",
+                 "--maps", "--npz", "--ply", "--glb", "--mesh-step", "1"])
     assert code == 1 and seen["resolution"] == PANORAMA_CANVAS  # wide.png fails, pano is done
     run = json.loads((tmp_path / "out" / "run.json").read_text())
     assert run["options"]["panorama"] and [i["status"] for i in run["images"]] == ["done", "failed"]

@@ -105,9 +105,9 @@ class PanoramaOutput:
     def npz_arrays(self) -> dict:
         return {k: np.asarray(getattr(self, k), dtype=dt) for k, (dt, _) in PANORAMA_NPZ_LAYOUT.items()}
 
-    def save_npz(self, path: Any) -> None:
-        """points, distance (float32) and mask (uint8) to `path`."""
-        np.savez(path, **self.npz_arrays())
+    def save_npz(self, path: Any, compress: bool = False) -> None:
+        """points, distance (float32) and mask (uint8) to `path`; compress=True deflates them (as MoGeOutput)."""
+        (np.savez_compressed if compress else np.savez)(path, **self.npz_arrays())
 
 
 def _predict_views(model: Any, views: list) -> tuple:
