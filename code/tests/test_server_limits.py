@@ -292,3 +292,43 @@ def test_protocol_errors_are_json_the_client_can_read(tmp_path_factory, name):
     assert "content-type: application/json" in head and "connection: close" in head and len(body["detail"]) > 20
     with httpx.Client(base_url=server.url, headers=auth_headers(), timeout=60) as client:
         assert client.get("/health").json()["status"] == "ok"
+
+
+# ------------------------------------------------------------------------------------------ the answer itself
+def test_streamed_answer_sends_bounded_chunks_and_cuts_a_stalled_client():
+    """In process, no server: the answer goes out in chunks of at most CHUNK_BYTES whose concatenation is the
+    npz (no single large write that the connection would have to buffer whole); a send that never completes is
+    cut after the send timeout (the connection aborted) and the request's slot is freed exactly once."""
+    import asyncio
+
+    from tt_moge.npzio import npz_bytes, npz_parts
+    from tt_moge.server.sending import ABORT_KEY, CHUNK_BYTES, StreamedAnswer
+
+    arrays = {"points": np.arange(3 * CHUNK_BYTES // 4, dtype=np.float32), "mask": np.ones(1000, np.uint8)}
+    freed, aborted, messages = [], [], []
+
+    async def disconnect_never() -> dict:
+        await asyncio.sleep(3600)
+
+    async def recording_send(message: dict) -> None:
+        messages.append(message)
+
+    async def stalled_send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            await asyncio.sleep(3600)  # the client stopped reading
+
+    async def main() -> None:
+        scope = {"type": "http", "client": ("127.0.0.1", 1), ABORT_KEY: lambda: aborted.append(True)}
+        answer = StreamedAnswer(npz_parts(arrays, compress=False), "application/x-npz", {}, 5.0, lambda: freed.append(1))
+        await answer(scope, disconnect_never, recording_send)
+        stalled = StreamedAnswer(npz_parts(arrays, compress=False), "application/x-npz", {}, 0.3, lambda: freed.append(2))
+        t = time.monotonic()
+        await stalled(scope, disconnect_never, stalled_send)
+        assert 0.25 < time.monotonic() - t < 3
+
+    asyncio.run(main())
+    bodies = [m["body"] for m in messages if m["type"] == "http.response.body"]
+    assert b"".join(bodies) == npz_bytes(arrays, compress=False) and len(bodies) > 3
+    assert max(len(b) for b in bodies) <= CHUNK_BYTES <= 1 << 20 and not messages[-1]["more_body"]
+    assert dict(messages[0]["headers"])[b"content-length"] == str(len(b"".join(bodies))).encode()
+    assert aborted == [True] and freed == [1, 2]
