@@ -67,9 +67,10 @@ class ServerSettings:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         largest = self.request_cost(self.max_pixels, self.max_body_bytes) + self.max_body_bytes  # + a multipart copy
         if largest > self.memory_budget_bytes:
-            raise ValueError(f"memory_budget_bytes ({self.memory_budget_bytes}) cannot hold one request of max_pixels "
-                             f"({self.max_pixels}) and max_body_bytes ({self.max_body_bytes}): it needs {largest} "
-                             f"bytes ({BYTES_PER_PIXEL} per pixel + the body, twice for a multipart form)")
+            raise ValueError(f"memory_budget_bytes ({self.memory_budget_bytes}, --memory-budget-mb) cannot hold one "
+                             f"request of max_pixels ({self.max_pixels}, --max-pixels) and max_body_bytes "
+                             f"({self.max_body_bytes}, --max-body-mb): it needs {largest} bytes ({BYTES_PER_PIXEL} per "
+                             f"pixel + the body, twice for a multipart form)")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
             raise ValueError("api_key must be a non-empty string or None")
 
