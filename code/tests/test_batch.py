@@ -10,8 +10,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -68,9 +71,11 @@ def local_ray():
     ray = pytest.importorskip("ray", reason="the batch tests need the ray extra: pip install 'code/[ray]'")
     pytest.importorskip("ray.data")
     assert not ray.is_initialized()
-    init_local_ray(ray, 3, num_gpus=0, quiet=True)  # 2 replicas x 1 CPU + a read task, on any machine
+    watcher = init_local_ray(ray, 3, num_gpus=0, quiet=True)  # 2 replicas x 1 CPU + a read task, on any machine
     yield ray
     ray.shutdown()
+    if watcher is not None:
+        watcher.release()
 
 
 @pytest.fixture(scope="module")
@@ -247,3 +252,116 @@ def test_a_job_that_cannot_fit_stops_before_it_starts(local_ray, ckpt, photos, t
         run_batch(BatchJob([photos["root"]], tmp_path / "cpu", model={"pretrained_model_name_or_path": ckpt, "device": "cuda"},
                            gpus_per_replica=0))
     assert not list((tmp_path / "cpu").rglob("result.json"))
+
+
+# ------------------------------------------------------------------------------------ the driver killed
+def wait_for(condition, timeout_s: float, what):
+    """condition()'s first true value, polled until timeout_s; else an AssertionError saying `what` (a str, or
+    a callable giving it at that moment)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what() if callable(what) else what}: not within {timeout_s} s")
+        time.sleep(0.1)
+
+
+def descendants(root: int) -> dict:
+    """{pid: (start time, name)} of the processes below `root` now, from /proc (independent of ray_reaper)."""
+    table = {}
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stat = stat_path.read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
+        if fields[0] not in ("Z", "X"):
+            table[int(stat_path.parent.name)] = (int(fields[1]), fields[19], name)
+    found, stack = {}, [root]
+    while stack:
+        parent = stack.pop()
+        for pid, (ppid, started, name) in table.items():
+            if ppid == parent and pid not in found:
+                found[pid] = (started, name)
+                stack.append(pid)
+    return found
+
+
+def still_running(processes: dict) -> list:
+    alive = []
+    for pid, (started, name) in processes.items():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[19] == started and fields[0] not in ("Z", "X"):
+            alive.append(f"{pid} {name}")
+    return alive
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc (Linux)")
+def test_driver_killed_mid_run_leaves_no_ray_process_and_the_rerun_finishes(local_ray, ckpt, photos, tmp_path):
+    """`tt-moge batch` (its own local Ray) killed with SIGKILL once its first image is written: within 30 s no
+    process that ran below it (its Ray) is alive, and a rerun does every other image, each once."""
+    out = tmp_path / "out"
+    with open(tmp_path / "driver.err", "w") as err:
+        driver = subprocess.Popen([sys.executable, "-m", "tt_moge", "batch", str(photos["root"]), "-o", str(out),
+                                   "--weights", str(ckpt), *MODEL_ARGS, "--batch-size", "1", "--npz", "-q"],
+                                  cwd=CODE_DIR, env={**os.environ, "PYTHONPATH": str(CODE_DIR)},
+                                  stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_for(lambda: list(out.rglob("result.json")) or driver.poll() is not None, 300, "a first image")
+        assert driver.poll() is None, f"the job ended before it could be killed:\n{(tmp_path / 'driver.err').read_text()}"
+        below = descendants(driver.pid)
+        names = sorted(name for _, name in below.values())
+        assert "raylet" in names and "gcs_server" in names and any(n.startswith("ray::") for n in names), names
+        driver.kill()
+    finally:
+        driver.kill()
+        driver.wait(30)
+    t = time.monotonic()
+    wait_for(lambda: not still_running(below), 30, lambda: f"Ray processes of the killed run still alive: {still_running(below)}")
+    print(f"\n[kill -9] none of the {len(below)} processes below the killed driver left {time.monotonic() - t:.1f} s "
+          f"after the kill: {names}")
+
+    done_before = {p.parent.relative_to(out).as_posix() for p in out.rglob("result.json")}
+    assert 0 < len(done_before) < len(photos["valid"])
+    rerun = run_batch(BatchJob([photos["root"]], out, model=model_args(ckpt), formats=["npz"], replicas=REPLICAS,
+                               batch_size=3, progress=False))
+    assert (rerun.skipped, rerun.failed, rerun.total) == (len(done_before), 1, 21)
+    assert sorted(rerun.done_names) == sorted(set(photos["valid"]) - done_before), "each image done once over the two runs"
+    folders = {p.parent.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.parent != out}
+    assert folders == set(photos["valid"]), "a folder per image, each complete (no partial folder of the killed run)"
+    assert all((out / name / "result.json").is_file() for name in folders)
+
+
+def test_a_later_run_ends_what_a_dead_driver_left(tmp_path):
+    """The sweep at the next local Ray start: the recorded processes of a node whose driver is gone are ended,
+    and the processes naming its session directory; those of a driver that still runs are not (in process,
+    without Ray: stand-in processes)."""
+    from tt_moge.ray_reaper import _start_time, sweep_dead
+
+    session = f"/no/ray/session_{uuid.uuid4().hex}"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    recorded, named, kept = (subprocess.Popen(sleeper), subprocess.Popen([*sleeper, session]),
+                             subprocess.Popen([*sleeper, session + "_live"]))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        time.sleep(0.5)  # the stand-ins have exec'd
+        records = {gone.pid: {"driver_pid": gone.pid, "driver_start": "1", "session_dir": session,
+                              "processes": [[recorded.pid, _start_time(recorded.pid)], [gone.pid, "1"]]},
+                   os.getpid(): {"driver_pid": os.getpid(), "driver_start": _start_time(os.getpid()),
+                                 "session_dir": session + "_live", "processes": [[kept.pid, _start_time(kept.pid)]]}}
+        for pid, record in records.items():
+            (tmp_path / f"{pid}.json").write_text(json.dumps(record))
+        assert sweep_dead(tmp_path) == [(gone.pid, sorted([recorded.pid, named.pid]))]
+        assert recorded.wait(10) is not None and named.wait(10) is not None and kept.poll() is None
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f"{os.getpid()}.json"]
+    finally:
+        for process in (recorded, named, kept):
+            process.kill()
+            process.wait()

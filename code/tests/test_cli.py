@@ -119,8 +119,8 @@ def test_corrupt_file_is_reported_and_the_rest_is_done(folder_run, photos):
     code, stdout, stderr, out = folder_run
     assert code == 1, "exit code 1 says that some images failed"
     first = stderr.splitlines()[0]  # reported from its header, before the model loads
-    assert first.startswith(f"tt-moge: skipped: image file '{photos / CORRUPT}'") and "not a decodable image" in first
-    assert f"skipped: image file '{photos / TRUNCATED}'" in stderr  # found by the decoder
+    assert first.startswith(f"tt-moge: failed: image file '{photos / CORRUPT}'") and "not a decodable image" in first
+    assert f"failed: image file '{photos / TRUNCATED}'" in stderr  # found by the decoder
     assert "4 of 6 images done, 2 failed" in stdout and str(photos / CORRUPT) in stdout
     assert "5/5" in stderr, "a progress bar for a run of several images"
     run = json.loads((out / "run.json").read_text())
@@ -477,3 +477,109 @@ def test_an_image_without_valid_pixels_still_gets_its_maps(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(record["files"]) == sorted(
         ["depth.png", "normal.png", "mask.png", "depth.exr", "result.npz", "result.json"])
     assert json.loads((tmp_path / "result.json").read_text())["valid_fraction"] == 0.0
+
+
+# --------------------------------------------------------------------------------------------- a full disk
+_FULL_DISK_SCRIPT = """
+mount -t tmpfs -o size="$FS_SIZE" tmpfs "$OUT" || exit 97
+"$@"
+code=$?
+cp -a "$OUT/." "$SNAPSHOT/"
+exit $code
+"""
+
+
+def _run_on_a_full_disk(args: list, out: Path, snapshot: Path) -> tuple:
+    """Run `python -m tt_moge predict ... -o out` with too little space for all outputs -> (how, exit code,
+    stdout, stderr); what it left in out is copied to snapshot.
+
+    A real full file system where possible: a small tmpfs mounted on out inside a user + mount namespace
+    (`unshare`, no root needed; it vanishes with the process, hence the copy). Where namespaces are not
+    allowed (some CI runners), RLIMIT_FSIZE instead: writing a file past the limit fails with EFBIG."""
+    import resource
+    import shutil
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": str(CODE_DIR), "OUT": str(out), "SNAPSHOT": str(snapshot), "FS_SIZE": "8m"}
+    command = [sys.executable, "-m", "tt_moge", "predict", *map(str, args), "-o", str(out)]
+    if shutil.which("unshare"):
+        done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", _FULL_DISK_SCRIPT,
+                               "full-disk", *command], env=env, cwd=CODE_DIR, capture_output=True, text=True, timeout=600)
+        if done.returncode != 97 and "unshare:" not in done.stderr:
+            return "tmpfs of 8 MiB", done.returncode, done.stdout, done.stderr
+
+    def limit_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1_500_000, 1_500_000))
+
+    done = subprocess.run(command, env=env, cwd=CODE_DIR, capture_output=True, text=True, timeout=600,
+                          preexec_fn=limit_file_size)
+    shutil.copytree(out, snapshot, dirs_exist_ok=True)
+    return "RLIMIT_FSIZE of 1.5 MB", done.returncode, done.stdout, done.stderr
+
+
+def test_a_full_disk_fails_images_cleanly(ckpt, photos, tmp_path):
+    out, snapshot = tmp_path / "out", tmp_path / "snapshot"
+    out.mkdir()
+    snapshot.mkdir()
+    how, code, stdout, stderr = _run_on_a_full_disk([photos, "--weights", ckpt, *MODEL_ARGS], out, snapshot)
+    assert code == 1 and "Traceback" not in stderr, f"{how}:\n{stdout}\n{stderr}"
+    run = json.loads((snapshot / "run.json").read_text())
+    by_input = {Path(r["input"]).relative_to(photos).as_posix(): r for r in run["images"]}
+    assert set(by_input) == {rel for rel, _, _ in PHOTOS.values()} | {CORRUPT}
+    write_failures = [r for r in run["images"] if r["status"] == "failed" and "writing" in (r["error"] or "")]
+    assert write_failures, f"{how}: the disk never filled up: {run['images']}"
+    assert run["failed"] == len(write_failures) + 1 and run["done"] + run["failed"] == len(by_input)
+    assert f"{run['done']} of 5 images done, {run['failed']} failed" in stdout, stdout
+    for record in run["images"]:
+        folder = snapshot / record["output"]
+        if record["status"] == "done":
+            result = json.loads((folder / "result.json").read_text())
+            assert sorted(p.name for p in folder.iterdir()) == sorted(result["files"]), folder
+        else:
+            assert f"tt-moge: failed: {record['error']}" in stderr
+            assert not folder.exists() or not any(folder.iterdir()), f"partial files of a failed image: {list(folder.iterdir())}"
+    leftovers = [p for p in snapshot.rglob("*") if p.is_file() and p.name.endswith(".tmp")]
+    assert not leftovers, leftovers
+
+
+def test_run_json_that_cannot_be_written_is_one_line_and_exit_1(photos, tmp_path, monkeypatch):
+    import tt_moge.cli.predict as predict_cli
+    import tt_moge.export as export
+
+    def flat_result(h: int, w: int) -> MoGeOutput:
+        return MoGeOutput(points=np.ones((h, w, 3), np.float32), depth=np.full((h, w), 2.0, np.float32), normal=None,
+                          mask=np.ones((h, w), bool), intrinsics=np.eye(3, dtype=np.float32),
+                          intrinsics_pixels=np.eye(3, dtype=np.float32), metric_scale=1.0, fov_x=60.0, fov_y=50.0)
+
+    class Model:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def predict_many(self, arrays, **options):
+            return [flat_result(*a.shape[:2]) for a in arrays]
+
+        def info(self):
+            return {"model": "fake"}
+
+    written = export.write_text_atomic
+
+    def no_space_for_run_json(path, text):
+        if Path(path).name == "run.json":
+            raise OSError(28, "No space left on device")
+        written(path, text)
+
+    monkeypatch.setattr(predict_cli, "load_model", lambda args: Model())
+    monkeypatch.setattr(export, "write_text_atomic", no_space_for_run_json)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.json").write_text('{"stale": true}')  # an earlier run's: it must not pass for this run's
+    code, stdout, stderr = run_cli(["predict", photos / "a.png", photos / "a.jpg", "-o", out, "--npz"])
+    assert code == 1 and "Traceback" not in stderr
+    assert stderr.count(f"could not write {out / 'run.json'}: [Errno 28] No space left on device") == 1, stderr
+    assert "2 of 2 images done, 0 failed" in stdout and "no index: run.json could not be written" in stdout
+    assert not (out / "run.json").exists()
+    assert sorted(p.parent.name for p in out.rglob("result.json")) == ["a_jpg", "a_png"]

@@ -291,7 +291,8 @@ def test_bad_flags_exit_with_code_2(capsys):
     for flags, word in [(("--resolution", "10x10"), "resolution"), (("--resolution", "wide"), "resolution"),
                         (("--num-tokens", "99"), "num_tokens"), (("--queue-size", "0"), "queue_size"),
                         (("--num-command-queues", "2"), "num_command_queues"), (("--precision", "fp64"), "precision"),
-                        (("--warmup-variants", "fast"), "preset"), (("--device", "tpu"), "device")]:
+                        (("--warmup-variants", "fast"), "preset"), (("--device", "tpu"), "device"),
+                        (("--max-pixels", "100000000"), "--memory-budget-mb"), (("--send-timeout", "0"), "send_timeout_s")]:
         assert exit_code(*flags) == 2, flags
         assert word in capsys.readouterr().err, flags
 

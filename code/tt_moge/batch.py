@@ -20,6 +20,10 @@ whole). A rerun of the same command only runs the rest, and starts no Ray at all
 Exactly once: a replica that dies (killed, out of memory) is restarted by Ray and its batch is retried
 (`max_retries`); outputs of the failed attempt are never streamed back. A retried batch rewrites the same
 files, and its Parquet shard has the same name (a hash of the batch's image names), so nothing is duplicated.
+
+A driver that dies (kill -9): the local Ray it started is ended by a watcher process within seconds, and a
+later local start ends whatever an earlier dead driver left (`ray_reaper`). The images it finished are kept;
+the rerun does the rest.
 """
 from __future__ import annotations
 
@@ -140,13 +144,29 @@ def local_ray_cpus(replicas: int, cpus_per_replica: float) -> int:
 
 
 def init_local_ray(ray: Any, num_cpus: int, object_store_mb: int = DEFAULT_OBJECT_STORE_MB, quiet: bool = False,
-                   num_gpus: Optional[int] = None) -> None:
+                   num_gpus: Optional[int] = None) -> Optional[Any]:
     """Start the embedded local Ray: always a new one (address "local", never another user's Ray on this
     machine), no dashboard, `object_store_mb` of shared memory, the node advertised on 127.0.0.1.
     Ray's servers still listen on every interface (Ray has no option against it); Ray's token authentication,
-    on by default for a local Ray since 2.5x, is what keeps other hosts out."""
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_mb * 2**20,
-             include_dashboard=False, _node_ip_address="127.0.0.1", **_log_options(quiet))
+    on by default for a local Ray since 2.5x, is what keeps other hosts out.
+
+    Its processes do not outlive this process for long, however it ends (`ray_reaper`): first, whatever an
+    earlier driver that died left is ended; then a watcher starts. Returns the watcher (None where it cannot
+    run): call its release() after ray.shutdown(), or let this process's end release it."""
+    from .ray_reaper import Watcher, sweep_dead
+
+    for driver, pids in sweep_dead():
+        print(f"tt-moge batch: ended {len(pids)} Ray process(es) left by an earlier run whose driver (pid {driver}) "
+              f"died", file=sys.stderr)
+    context = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_mb * 2**20,
+                       include_dashboard=False, _node_ip_address="127.0.0.1", **_log_options(quiet))
+    session_dir = (getattr(context, "address_info", None) or {}).get("session_dir", "")
+    try:
+        return Watcher.start(ray.get_runtime_context().get_node_id(), session_dir)
+    except OSError as exc:  # no temp dir to write the record to: run without it
+        print(f"tt-moge batch: warning: cannot watch the local Ray ({exc}); if this process is killed, its Ray "
+              f"processes may outlive it", file=sys.stderr)
+        return None
 
 
 def _log_options(quiet: bool) -> dict:
@@ -162,16 +182,19 @@ def _ray_session(ray: Any, address: Optional[str], num_cpus: int, object_store_m
     if ray.is_initialized():
         yield "the Ray of this process", 0.0
         return
+    watcher = None
     if address:
         ray.init(address=address, include_dashboard=False, **_log_options(quiet))
         where = f"the Ray cluster at {address}"
     else:
-        init_local_ray(ray, num_cpus, object_store_mb, quiet)
+        watcher = init_local_ray(ray, num_cpus, object_store_mb, quiet)
         where = f"a local Ray ({num_cpus} logical CPUs, {object_store_mb} MB object store)"
     try:
         yield where, time.perf_counter() - t0
     finally:
         ray.shutdown()
+        if watcher is not None:
+            watcher.release()
 
 
 # ------------------------------------------------------------------------------------- the Ray stages
@@ -479,9 +502,9 @@ def _ray_data_output(ray: Any, quiet: bool) -> Iterator[None]:
 
 
 def _write_record(out: Path, summary: BatchSummary, where: str, model: Optional[dict], options: dict) -> None:
-    from .export import to_json
+    from .export import to_json, write_text_atomic
 
-    (out / RECORD_FILE).write_text(to_json({
+    write_text_atomic(out / RECORD_FILE, to_json({
         "tt_moge": _version(), "where": where, "model": model, "options": options,
         "total": summary.total, "done": summary.done, "failed": summary.failed, "skipped": summary.skipped,
         "seconds": round(summary.seconds, 3), "images_per_second": round(summary.images_per_second, 3),

@@ -51,7 +51,7 @@ from .output import MoGeOutput
 __all__ = [
     "FORMATS", "DEFAULT_FORMATS", "DEFAULT_MESH_STEP", "FILES", "depth_edges", "kept_pixels", "colorize_depth",
     "colorize_normal", "write_depth_exr", "point_cloud", "image_mesh", "to_json", "check_formats",
-    "missing_format_library", "write_outputs",
+    "missing_format_library", "write_outputs", "remove_outputs", "write_text_atomic", "RESULT_FILE",
 ]
 
 # The format groups, in the order they are written, with what each writes (the CLI's --maps/--npz/--ply/--glb).
@@ -70,6 +70,7 @@ FILES = {
     "ply": ("points.ply",),
     "glb": ("mesh.glb",),
 }
+RESULT_FILE = "result.json"  # written last: its presence marks a complete result
 _OPENGL_AXES = np.array([1.0, -1.0, -1.0], dtype=np.float32)  # OpenCV camera axes -> glTF / OpenGL axes
 _EXR_CHANNEL = "Y"  # a single-channel EXR as OpenCV writes it: grey-scale readers pick it up
 
@@ -272,6 +273,51 @@ def missing_format_library(formats: Iterable[str]) -> Optional[str]:
     return None
 
 
+def write_text_atomic(path: Union[str, os.PathLike], text: str) -> None:
+    """Write `text` to a temporary file beside `path` and rename it into place: `path` is either its old
+    content or the whole new one, never a partial file (a full disk, a killed process)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+
+
+def remove_outputs(out_dir: Union[str, os.PathLike], stop_at: Optional[Union[str, os.PathLike]] = None) -> None:
+    """Delete the files `write_outputs` writes (any format, result.json, its temporary files) from `out_dir`,
+    then `out_dir` and its parents below `stop_at` if that leaves them empty. Other files are left alone;
+    errors are ignored (best effort: the caller reports the image as failed anyway)."""
+    out = Path(out_dir)
+    names = {RESULT_FILE, f"{RESULT_FILE}.tmp", *(name for group in FILES.values() for name in group)}
+    for name in names:
+        try:
+            (out / name).unlink()
+        except OSError:
+            pass
+    for tmp in out.glob(f".{RESULT_FILE}.*.tmp") if out.is_dir() else ():
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+    top = Path(stop_at).resolve() if stop_at is not None else None
+    folder = out.resolve()
+    while folder != top and folder.parent != folder:
+        try:
+            folder.rmdir()  # only when empty
+        except OSError:
+            break
+        if top is None:
+            break
+        folder = folder.parent
+
+
 def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str, os.PathLike],
                   formats: Iterable[str] = DEFAULT_FORMATS, *, source: Optional[str] = None,
                   extra: Optional[dict] = None, mesh_step: int = DEFAULT_MESH_STEP) -> dict:
@@ -282,6 +328,10 @@ def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str,
     at the output's size; formats: any of FORMATS (result.json is always written, last); mesh_step: the grid step
     of mesh.glb (1: every pixel). `source` (the input's name) and `extra` (more keys) go into result.json.
     Existing files of the same names are replaced.
+
+    A folder holds a complete result exactly when it has result.json: an earlier result.json is removed before
+    anything is written, and if writing fails (a full disk, a killed writer's exception), every file this
+    function writes is removed again (`remove_outputs`) before the error is raised.
     """
     formats = check_formats(formats)
     if isinstance(mesh_step, bool) or not isinstance(mesh_step, int) or mesh_step < 1:
@@ -289,6 +339,19 @@ def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str,
     rgb = _as_uint8_rgb(image_rgb, output)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        (out / RESULT_FILE).unlink()
+    except FileNotFoundError:
+        pass
+    try:
+        return _write_files(output, rgb, out, formats, source, extra, mesh_step)
+    except BaseException:
+        remove_outputs(out)
+        raise
+
+
+def _write_files(output: MoGeOutput, rgb: np.ndarray, out: Path, formats: tuple, source: Optional[str],
+                 extra: Optional[dict], mesh_step: int) -> dict:
     record: dict = {"source": source, **output.summary(depth_percentiles=True)}
     written: list = []
     if "maps" in formats:
@@ -326,9 +389,7 @@ def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str,
                     written.append("mesh.glb")
                 else:
                     record["note"] = f"no kept pixel on the grid of mesh_step {mesh_step}: mesh.glb not written"
-    record["files"] = written + ["result.json"]
+    record["files"] = written + [RESULT_FILE]
     record.update(extra or {})
-    tmp = out / "result.json.tmp"
-    tmp.write_text(to_json(record))
-    os.replace(tmp, out / "result.json")
+    write_text_atomic(out / RESULT_FILE, to_json(record))
     return record

@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from .export import DEFAULT_MESH_STEP, write_outputs
+from .export import DEFAULT_MESH_STEP, remove_outputs, write_outputs
 from .host import to_rgb_array
 
 __all__ = ["DEFAULT_CHUNK", "predict_images", "predict_chunk", "predict_panoramas", "written_bytes"]
@@ -40,6 +40,10 @@ def _reason(image: Any, exc: BaseException) -> str:
     return text if str(image.path) in text else f"{image.path}: {text}"
 
 
+def _write_reason(image: Any, folder: Path, exc: BaseException) -> str:
+    return f"{image.path}: writing {folder} failed: {str(exc) or type(exc).__name__}"
+
+
 def predict_images(model: Any, images: Sequence, out_root: Path, formats: Sequence[str], *, fit: str = "pad",
                    fov_x: Optional[float] = None, chunk_size: int = DEFAULT_CHUNK, writers: int = 2,
                    on_done: Optional[Callable[[Any, Optional[str]], None]] = None,
@@ -47,14 +51,18 @@ def predict_images(model: Any, images: Sequence, out_root: Path, formats: Sequen
     """Run `model` over [ImageInput] and write each result to out_root / image.name with `write_outputs`.
 
     Decoding of the next chunk, the model on this chunk (`predict_many`) and the writing of finished images
-    overlap. An image that fails (unreadable, or its writing fails) is recorded and skipped. Returns
-    {image index: error message or None}; `on_done(image, error)` is called for each image as it finishes.
+    overlap. An image that fails (unreadable, or its writing fails, e.g. on a full disk) is recorded and the
+    run goes on; its files in out_root / image.name are removed (also those of an earlier run), so that no
+    folder of a failed image can pass for a result. Returns {image index: error message or None};
+    `on_done(image, error)` is called for each image as it finishes.
     `mesh_step` goes to `write_outputs`.
     """
     status: dict = {}
 
     def finish(index: int, image: Any, error: Optional[str]) -> None:
         status[index] = error
+        if error is not None:
+            remove_outputs(out_root / image.name, stop_at=out_root)
         if on_done is not None:
             on_done(image, error)
 
@@ -66,7 +74,7 @@ def predict_images(model: Any, images: Sequence, out_root: Path, formats: Sequen
         while len(writing) > limit:
             index, image, future = writing.pop(0)
             exc = future.exception()
-            finish(index, image, None if exc is None else _reason(image, exc))
+            finish(index, image, None if exc is None else _write_reason(image, out_root / image.name, exc))
 
     try:
         index = 0
@@ -116,7 +124,7 @@ def predict_panoramas(model: Any, images: Sequence, out_root: Path, formats: Seq
     """`predict_images` for 360-degree equirectangular panoramas: per image, `model.predict_panorama` (whose 12
     views already keep the device busy through predict_many) and `write_outputs`; the writing of one panorama
     overlaps the next one's views. A panorama that fails (unreadable, not 2:1, no valid view) is recorded and
-    skipped; views that failed inside a panorama are listed in its result.json ("views_failed").
+    the run goes on; views that failed inside a panorama are listed in its result.json ("views_failed").
     Returns {image index: error message or None}."""
     status: dict = {}
     writer = ThreadPoolExecutor(1, thread_name_prefix="tt_moge-write")

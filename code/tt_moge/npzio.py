@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - the server extra installs isal
     _zlib = zlib
     DEFLATE_BACKEND = "zlib"
 
-__all__ = ["npz_bytes", "DEFLATE_BACKEND", "DEFLATE_LEVEL", "MIN_DEFLATE_BYTES"]
+__all__ = ["npz_bytes", "npz_parts", "parts_nbytes", "DEFLATE_BACKEND", "DEFLATE_LEVEL", "MIN_DEFLATE_BYTES"]
 
 DEFLATE_LEVEL = 1  # isal has levels 0-3 (zlib 1-9); 1 gave the best size per millisecond on the float maps
 MIN_DEFLATE_BYTES = 4096
@@ -50,6 +50,16 @@ def npz_bytes(arrays: Mapping[str, np.ndarray], compress: bool = True) -> bytes:
     compress=True deflates members of `MIN_DEFLATE_BYTES` or more; compress=False stores every member.
     Archives of 4 GiB or more are written by numpy's own (slower) writer.
     """
+    return b"".join(npz_parts(arrays, compress))
+
+
+def npz_parts(arrays: Mapping[str, np.ndarray], compress: bool = True) -> list:
+    """The bytes of `npz_bytes(arrays, compress)` as a list of buffers whose concatenation is that file.
+
+    Stored members are flat uint8 views of the arrays themselves, not copies: a caller that writes or sends
+    the parts one by one never holds a second copy of the maps (the server streams them to the socket, a file
+    is written part by part). The views keep the arrays alive; do not modify the arrays while using them.
+    """
     chunks: list = []
     directory: list = []
     offset = 0
@@ -65,18 +75,23 @@ def npz_bytes(arrays: Mapping[str, np.ndarray], compress: bool = True) -> bytes:
             body, method = [header, data], _STORED
         packed_size = sum(len(b) if isinstance(b, bytes) else b.nbytes for b in body)
         if max(size, packed_size, offset) >= _ZIP32_LIMIT:
-            return _numpy_npz(arrays, compress)
+            return [_numpy_npz(arrays, compress)]
         filename = f"{name}.npy".encode()
         fields = struct.pack("<HHHHHIIIHH", 20, 0, method, _DOS_TIME, _DOS_DATE, crc, packed_size, size, len(filename), 0)
         local = b"PK\x03\x04" + fields + filename
-        chunks += [local, *body]
+        chunks += [local, *(b for b in body if len(b))]
         directory.append(b"PK\x01\x02" + struct.pack("<H", 20) + fields + struct.pack("<HHHII", 0, 0, 0, 0, offset) + filename)
         offset += len(local) + packed_size
     central = b"".join(directory)
     if offset + len(central) >= _ZIP32_LIMIT or len(directory) > 0xFFFF:
-        return _numpy_npz(arrays, compress)
+        return [_numpy_npz(arrays, compress)]
     end = b"PK\x05\x06" + struct.pack("<HHHHIIH", 0, 0, len(directory), len(directory), len(central), offset, 0)
-    return b"".join(chunks + [central, end])
+    return chunks + [central, end]
+
+
+def parts_nbytes(parts: list) -> int:
+    """Total bytes of a list of buffers (bytes or numpy views)."""
+    return sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in parts)
 
 
 def _numpy_npz(arrays: Mapping[str, np.ndarray], compress: bool) -> bytes:

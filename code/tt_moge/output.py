@@ -157,9 +157,12 @@ class MoGeOutput:
         return npz_bytes(self.npz_arrays(), compress=compress)
 
     def save_npz(self, path: Union[str, os.PathLike], compress: bool = False) -> None:
-        """Write the npz layout (normal float16, mask uint8) to `path`."""
+        """Write the npz layout (normal float16, mask uint8) to `path`, part by part (no copy of the whole file
+        in memory)."""
+        from .npzio import npz_parts
+
         with open(path, "wb") as f:
-            f.write(self.to_npz_bytes(compress=compress))
+            f.writelines(npz_parts(self.npz_arrays(), compress=compress))
 
     @classmethod
     def from_npz(cls, source: Union[str, os.PathLike, bytes]) -> "MoGeOutput":

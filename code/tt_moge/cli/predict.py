@@ -49,7 +49,10 @@ output layout:
   OUT/NAME/<format files>
   NAME is the file's stem; for a file found in a folder, its path below that folder without the extension
   (photos/trip/a.jpg -> trip/a). Clashing names get the extension (a_jpg), then a counter (a_jpg-2).
-  Existing files of the same names are replaced.
+  Existing files of the same names are replaced. A folder holds a complete result exactly when it has
+  result.json: an image that fails (unreadable, or its files cannot be written, e.g. on a full disk) is
+  listed as failed in run.json and on stderr, and its files are removed. run.json is written last and
+  atomically (a run that could not write it says so in one line and exits 1).
 
 examples:
   tt-moge predict photo.jpg                          # -> ./{DEFAULT_OUTPUT}/photo/: the maps and mesh.glb
@@ -69,7 +72,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     predict = commands.add_parser(
         "predict", formatter_class=Formatter, help="photos -> depth, normal and mask pictures, npz, PLY, GLB",
         description="Run MoGe-2 on PNG/JPEG photos and write, per photo, the chosen formats into its own folder. "
-                    "Unreadable images are reported and skipped; the run goes on.", epilog=_PREDICT_EPILOG)
+                    "Images that cannot be read or written are reported as failed; the run goes on.", epilog=_PREDICT_EPILOG)
     predict.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders (recursive) or glob patterns")
     predict.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT", help=f"output folder (default ./{DEFAULT_OUTPUT})")
     add_format_arguments(predict.add_argument_group(format_group_title()))
@@ -94,7 +97,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`tt-moge predict` with parsed arguments -> exit code."""
-    from ..export import DEFAULT_FORMATS, missing_format_library, to_json
+    from ..export import DEFAULT_FORMATS, missing_format_library, to_json, write_text_atomic
     from ..inputs import InputPathError, collect_images, unreadable_images
     from ..jobs import predict_images, predict_panoramas, written_bytes
 
@@ -114,6 +117,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         out_root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         parser.error(f"cannot create the output folder {str(out_root)!r}: {exc}")
+    run_json = out_root / "run.json"
+    try:  # it describes the last run: an earlier one's must not stand for this run if this one cannot write its own
+        run_json.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        parser.error(f"cannot replace {str(run_json)!r}: {exc}")
     missing = missing_format_library(formats)
     if missing:
         say(missing)
@@ -121,7 +131,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     unreadable = unreadable_images(images)  # found by their headers, before the model loads
     for reason in unreadable.values():
-        say(f"skipped: {reason}")
+        say(f"failed: {reason}")
     todo = [i for i in range(len(images)) if i not in unreadable]
     t_start = time.perf_counter()
     model = load_model(args) if todo else None
@@ -135,7 +145,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     def on_done(image: Any, error: Optional[str]) -> None:
         if error is not None:
-            bar.write(f"tt-moge: skipped: {error}", file=sys.stderr)
+            bar.write(f"tt-moge: failed: {error}", file=sys.stderr)
         bar.update(1)
 
     status, info = dict(unreadable), None
@@ -167,17 +177,22 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "images": [{"input": str(img.path), "output": img.name, "status": "failed" if status.get(i) else "done",
                     "error": status.get(i)} for i, img in enumerate(images)],
     }
-    (out_root / "run.json").write_text(to_json(record))
+    try:
+        write_text_atomic(run_json, to_json(record))
+        index = f"index: {run_json}"
+    except OSError as exc:
+        say(f"could not write {run_json}: {exc}")
+        index = "no index: run.json could not be written"
     if not args.quiet:
         rate = f", {done / seconds:.2f} images/s" if seconds > 0 and done else ""
         print(f"tt-moge predict: {done} of {len(images)} images done, {len(failed)} failed, in {seconds:.1f} s{rate} "
-              f"(model load {t_loaded - t_start:.1f} s); outputs in {out_root}/ (index: {out_root / 'run.json'})")
+              f"(model load {t_loaded - t_start:.1f} s); outputs in {out_root}/ ({index})")
         if done:
             mesh = f" (mesh every {args.mesh_step} px)" if "glb" in formats and args.mesh_step > 1 else ""
             print(f"  wrote {' '.join('--' + f for f in formats)}{mesh}: {nbytes / 1e6:.1f} MB, "
                   f"{nbytes / 1e6 / done:.1f} MB per image (each format's size: tt-moge predict --help)")
         for image, error in failed:
             print(f"  failed: {error}")
-    return EXIT_IMAGES_FAILED if failed else EXIT_OK
+    return EXIT_IMAGES_FAILED if failed or not run_json.exists() else EXIT_OK
 
 

@@ -3,16 +3,24 @@
     add_arguments(parser)   the flags (the shared model flags, then the server's limits)
     run(args) -> int        resolve the model options, bind, start uvicorn, load the model in the background,
                             serve until Ctrl-C / SIGTERM
+
+Stopping: the first SIGTERM or SIGINT stops accepting connections and admitting requests (503
+shutting_down), lets what is admitted finish and slow clients read for up to --shutdown-grace seconds, then
+cuts what is left and exits 0. A second signal exits at once, with 128 + the signal's number.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import signal
 import socket
 import sys
-from typing import Any
+import threading
+from typing import Any, Callable, Iterator
 
-from ..server.settings import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT, ServerSettings
+from ..server.settings import API_KEY_ENV, BYTES_PER_PIXEL, DEFAULT_HOST, DEFAULT_PORT, ServerSettings
 from .common import EXIT_START, Formatter, add_model_arguments, model_kwargs, say
 
 __all__ = ["add_parser", "build_parser", "add_arguments", "run", "EXIT_CODES"]
@@ -21,10 +29,17 @@ _DEFAULTS = ServerSettings()
 _MB = 1024 * 1024
 DESCRIPTION = "Serve MoGe-2 over HTTP (POST /predict); one model, loaded at start-up."
 
-EXIT_CODES = """exit codes:
-  0  stopped cleanly (Ctrl-C / SIGTERM)
-  1  the model failed to load (the reason is in the log)
-  2  bad flags (checked before the port is bound)"""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+EXIT_CODES = """stopping:
+  The first SIGTERM or Ctrl-C (SIGINT) stops accepting connections and admitting requests (503
+  shutting_down); admitted requests finish and clients get --shutdown-grace seconds to read their answers;
+  then what is left is cut and the server exits 0. A second signal exits at once.
+
+exit codes:
+  0    stopped by SIGTERM / SIGINT (within the grace period, or cut at its end)
+  1    the model failed to load (the reason is in the log)
+  2    bad flags (checked before the port is bound)
+  130  a second SIGINT during the grace period: exited at once (143 for a second SIGTERM)"""
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -62,6 +77,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"open connections before uvicorn answers 503 (default: {_DEFAULTS.max_connections})")
     server.add_argument("--read-timeout", type=float, default=_DEFAULTS.read_timeout_s,
                         help=f"seconds for a request body to arrive, else 408 (default: {_DEFAULTS.read_timeout_s:g})")
+    server.add_argument("--send-timeout", type=float, default=_DEFAULTS.send_timeout_s,
+                        help="seconds an answer may wait for the client to read more of it; then the connection is cut "
+                             f"and its slot and memory freed (default: {_DEFAULTS.send_timeout_s:g})")
+    server.add_argument("--memory-budget-mb", type=float, default=_DEFAULTS.memory_budget_bytes / _MB,
+                        help="MiB that bodies being received, admitted requests and unsent answers may hold together; an "
+                             f"admitted request counts {BYTES_PER_PIXEL} bytes per pixel + its body until its answer is encoded; over "
+                             f"it, 503 + Retry-After (default: {_DEFAULTS.memory_budget_bytes / _MB:g})")
+    server.add_argument("--shutdown-grace", type=float, default=_DEFAULTS.shutdown_grace_s,
+                        help="seconds that admitted requests and slow clients get after SIGTERM / SIGINT before they "
+                             f"are cut (default: {_DEFAULTS.shutdown_grace_s:g})")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     server.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
 
@@ -75,6 +100,41 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _make_server(uvicorn: Any, config: Any, on_stop: Callable[[int], None]) -> Any:
+    """uvicorn.Server with the stopping of `tt-moge serve` (see the module docstring).
+
+    uvicorn's own handling re-raises the signal after a graceful stop, so the process ends "killed by
+    SIGTERM" (exit 143) or with KeyboardInterrupt (130), and only a second SIGINT forces it: here the first
+    signal starts the graceful stop (bounded by the config's timeout_graceful_shutdown) and the process then
+    returns normally; a second one of either kind exits at once.
+    """
+
+    class Server(uvicorn.Server):
+        stop_signal = None
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.stop_signal is not None:
+                print(f"[tt_moge] {signal.Signals(sig).name} again: exiting now", file=sys.stderr, flush=True)
+                os._exit(128 + sig)
+            self.stop_signal = sig
+            self.should_exit = True
+            on_stop(sig)
+
+    return Server(config)
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted. Returns 0 after a clean stop, 1 if the model failed to load, 2 for bad flags,
     3 when the server's libraries are not installed."""
@@ -82,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from ..server.app import create_app
+        from ..server.protocol import JsonH11Protocol
     except ImportError as exc:
         say(f"serve: the server's libraries are not installed ({exc}): pip install -e 'code/[server]'")
         return EXIT_START
@@ -96,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         settings = ServerSettings(
             max_body_bytes=int(args.max_body_mb * _MB), max_pixels=args.max_pixels, queue_size=args.queue_size,
             host_threads=args.host_threads, max_connections=args.max_connections, read_timeout_s=args.read_timeout,
-            api_key=args.api_key or ServerSettings.api_key_from_env())
+            send_timeout_s=args.send_timeout, memory_budget_bytes=int(args.memory_budget_mb * _MB),
+            shutdown_grace_s=args.shutdown_grace, api_key=args.api_key or ServerSettings.api_key_from_env())
         options = LoadOptions.resolve(**model_kwargs(args))  # bad model options fail now (exit 2), not after binding
         sock = _bind(args.host, args.port)
     except (ValueError, TypeError, OSError) as exc:
@@ -111,13 +173,21 @@ def run(args: argparse.Namespace) -> int:
 
     server: Any = None
     app = create_app(load, settings, on_load_error=lambda exc: setattr(server, "should_exit", True))
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log, lifespan="on",
-                            limit_concurrency=settings.max_connections, timeout_keep_alive=5)
-    server = uvicorn.Server(config)
+    serving = app.state.serving
+
+    def on_stop(sig: int) -> None:
+        serving.drain()
+        print(f"[tt_moge] {signal.Signals(sig).name}: stopping; {serving.in_flight} request(s) in progress get up to "
+              f"{settings.shutdown_grace_s:g} s (--shutdown-grace); a second signal exits at once", file=sys.stderr, flush=True)
+
+    config = uvicorn.Config(app, http=JsonH11Protocol, log_level=args.log_level, access_log=not args.no_access_log,
+                            lifespan="on", limit_concurrency=settings.max_connections, timeout_keep_alive=5,
+                            timeout_graceful_shutdown=settings.shutdown_grace_s)
+    server = _make_server(uvicorn, config, on_stop)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     print(f"[tt_moge] serving on http://{url_host}:{port} (loading {describe_source(options.weights, options.revision)}; "
           "GET /ready answers 200 when it can serve)",
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])
-    return 1 if app.state.serving.load_error else 0
+    return 1 if serving.load_error else 0

@@ -3,9 +3,12 @@
     app = create_app(MoGeModel.from_pretrained(...))            # a loaded model: ready at once
     app = create_app(lambda: MoGeModel.from_pretrained(...))    # loaded in the background: /ready says when
 
-A request goes: receive + check the upload (event loop, no queue slot) -> admission (at most `queue_size`
-requests at once, else 503 + Retry-After) -> a host thread runs `model.predict(<the uploaded bytes>)` (decode,
-canvas, device forward under the model's lock, solve, finish) and encodes the response. While one request is on
+A request goes: receive + check the upload (event loop, no queue slot; its bytes counted against the memory
+budget as they arrive) -> admission (at most `queue_size` requests at once and within the memory budget, each
+counted by its pixels, else 503 + Retry-After) -> a host thread runs `model.predict(<the uploaded bytes>)`
+(decode, canvas, device forward under the model's lock, solve, finish) and encodes the answer -> the answer is
+streamed to the client (`sending.StreamedAnswer`). The request keeps its queue slot and its memory until the
+answer has been sent, or the client is gone or cut for not reading (`send_timeout_s`). While one request is on
 the device, other threads decode and post-process theirs. The arrays are those of `model(<same bytes>)`.
 """
 from __future__ import annotations
@@ -29,10 +32,12 @@ from pydantic import BaseModel
 from .. import __version__
 from ..host import InputError
 from ..model import MoGeModel
-from ..npzio import DEFLATE_BACKEND
+from ..npzio import DEFLATE_BACKEND, npz_parts
 from ..output import MoGeOutput
 from .docs import install_docs
+from .admission import MemoryBudget, Reservation, Ticket
 from .errors import ERROR_RESPONSES, ApiError, ErrorBody, install_error_handlers
+from .sending import ABORT_KEY, StreamedAnswer, connection_aborter
 from .settings import ServerSettings
 from .upload import IMAGE_MEDIA_TYPES, MULTIPART_FIELD, ImageUpload, receive_image
 
@@ -81,10 +86,12 @@ class Summary(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "loading", "failed"]
+    status: Literal["ok", "loading", "failed", "stopping"]
     ready: bool
-    in_flight: int
+    in_flight: int  # admitted and not yet answered (an answer still being sent counts)
     queue_size: int
+    memory_reserved_bytes: int  # of the memory budget: bodies being received, admitted requests, unsent answers
+    memory_budget_bytes: int
     responses: dict[str, int]  # counts by status class since start: 2xx, 4xx, 503, 5xx (503 excluded)
 
 
@@ -110,7 +117,7 @@ def timing_headers(timing_ms: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------- serving state
 class _Serving:
-    """The model, its host threads and the admission counter of one app."""
+    """The model, its host threads, the admission counter and the memory budget of one app."""
 
     def __init__(self, settings: ServerSettings):
         self.settings = settings
@@ -120,6 +127,8 @@ class _Serving:
         self.executor = ThreadPoolExecutor(settings.host_threads, thread_name_prefix="tt_moge-serve")
         self._lock = threading.Lock()
         self.in_flight = 0
+        self.budget = MemoryBudget(settings.memory_budget_bytes)
+        self.draining = False
         self.responses = {"2xx": 0, "4xx": 0, "503": 0, "5xx": 0}
 
     def load(self, loader: Callable[[], MoGeModel], on_error: Optional[Callable[[BaseException], None]]) -> None:
@@ -138,23 +147,58 @@ class _Serving:
         log.info("model ready in %.1f s: %s", time.perf_counter() - t, model)
 
     def status(self) -> str:
+        if self.draining:
+            return "stopping"
         return "ok" if self.model is not None else ("failed" if self.load_error else "loading")
 
-    def admit(self) -> None:
-        """Take a queue slot or raise 503."""
-        retry = {"Retry-After": str(self.settings.retry_after_s)}
+    def drain(self) -> None:
+        """Stop admitting (503 shutting_down): the server is stopping; what is admitted finishes."""
+        self.draining = True
+
+    def _refuse(self, code: str, detail: str, close: bool = False) -> ApiError:
+        headers = {"Retry-After": str(self.settings.retry_after_s)}
+        if close:
+            headers["Connection"] = "close"
+        return ApiError(503, code, detail, headers)
+
+    def reserver(self, reservation: Reservation) -> Callable[[int], None]:
+        """reserve(n) for receive_image: n more body bytes from the budget, or 503 memory_full."""
+
+        def reserve(nbytes: int) -> None:
+            if not reservation.grow(nbytes):
+                raise self._refuse("memory_full", self._budget_detail("the body", reservation.nbytes + nbytes))
+
+        return reserve
+
+    def _budget_detail(self, what: str, needed: int) -> str:
+        mb = 1024 * 1024
+        return (f"{what} needs {needed / mb:.1f} MiB of the server's memory budget; requests in progress hold "
+                f"{self.budget.used / mb:.1f} of {self.budget.limit / mb:.0f} MiB (--memory-budget-mb); "
+                f"retry after {self.settings.retry_after_s} s")
+
+    def admit(self, reservation: Reservation, cost: int) -> Ticket:
+        """Take a queue slot and `cost` bytes of the memory budget (the reservation grows to it), or raise 503.
+        The ticket frees both once the work has ended and the answer has been sent or abandoned."""
+        if self.draining:
+            raise self._refuse("shutting_down", "the server is stopping and admits no more requests; retry on "
+                                                "another instance or after it restarts", close=True)
         if self.model is None:
             reason = f"the model failed to load ({self.load_error})" if self.load_error else "the model is still loading"
-            raise ApiError(503, "not_ready", f"{reason}; see GET /ready", retry)
+            raise self._refuse("not_ready", f"{reason}; see GET /ready")
         with self._lock:
             if self.in_flight >= self.settings.queue_size:
-                raise ApiError(503, "queue_full", f"{self.in_flight} requests are in progress (--queue-size "
-                                                  f"{self.settings.queue_size}); retry after {self.settings.retry_after_s} s", retry)
+                raise self._refuse("queue_full", f"{self.in_flight} requests are in progress (--queue-size "
+                                                 f"{self.settings.queue_size}); retry after {self.settings.retry_after_s} s")
+            if not reservation.resize(cost):
+                raise self._refuse("memory_full", self._budget_detail("this image", cost))
             self.in_flight += 1
 
-    def release(self, _future: Any = None) -> None:
-        with self._lock:
-            self.in_flight -= 1
+        def free() -> None:
+            reservation.release()
+            with self._lock:
+                self.in_flight -= 1
+
+        return Ticket(reservation, free)
 
     def count(self, status: int) -> None:
         key = "503" if status == 503 else f"{status // 100}xx"
@@ -188,6 +232,18 @@ class _CountResponses:
         except Exception:  # answered as 500 by the outermost error middleware
             self.serving.count(500)
             raise
+
+
+class _App(FastAPI):
+    """FastAPI that notes, for each request, how to abort its connection: only the server's own `send` (seen
+    here, before any middleware wraps it) leads to the connection (see sending.connection_aborter)."""
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            abort = connection_aborter(send)
+            if abort is not None:
+                scope[ABORT_KEY] = abort
+        await super().__call__(scope, receive, send)
 
 
 # ------------------------------------------------------------------------------------------------ the app
@@ -237,7 +293,7 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
         finally:
             serving.close()
 
-    app = FastAPI(
+    app = _App(
         title="tt_moge", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,  # /docs: install_docs
         description="MoGe-2 over HTTP: one RGB image in; metric depth, camera-space points, normals, validity mask "
                     "and intrinsics out, at the image's own resolution. Errors are JSON {code, detail}.",
@@ -266,10 +322,20 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
             raise ApiError(422, "invalid_option", f"query parameter(s) {repeated} given more than once")
 
     async def run_prediction(request: Request, options: dict, encode: Callable[[MoGeOutput], Any]) -> tuple:
-        """Receive, admit, predict and encode on a host thread -> (encoded payload, timing_ms)."""
+        """Receive, admit, predict and encode on a host thread -> (encoded payload, timing_ms, ticket).
+
+        The caller passes the ticket on to the answer (`answer`), which frees it once sent; on any error here
+        the ticket's answer part ends at once, and its slot frees when the work has ended too.
+        """
         start = time.perf_counter()
-        upload: ImageUpload = await receive_image(request, settings)
-        serving.admit()
+        reservation = serving.budget.reservation()
+        try:
+            upload: ImageUpload = await receive_image(request, settings, serving.reserver(reservation))
+            width, height = upload.size
+            ticket = serving.admit(reservation, settings.request_cost(width * height, len(upload.data)))
+        except BaseException:
+            reservation.release()
+            raise
         admitted = time.perf_counter()
         timing: dict = {"read": upload.read_ms}
 
@@ -289,11 +355,31 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
             timing["encode"] = (time.perf_counter() - t) * 1e3
             return payload
 
-        future = serving.executor.submit(job)
-        future.add_done_callback(serving.release)  # the slot frees when the work ends, even if the client left
-        payload = await asyncio.wrap_future(future)
+        try:
+            future = serving.executor.submit(job)
+        except BaseException:  # the executor is shut down (the server is stopping)
+            ticket.done("work")
+            ticket.done("answer")
+            raise
+        future.add_done_callback(lambda _: ticket.done("work"))  # even if the client left or the route was cancelled
+        try:
+            payload = await asyncio.wrap_future(future)
+        except BaseException:
+            ticket.done("answer")  # nothing to send
+            raise
         timing["total"] = (time.perf_counter() - start) * 1e3
-        return payload, timing
+        return payload, timing, ticket
+
+    def answer(parts: list, media_type: str, headers: dict, ticket: Ticket) -> StreamedAnswer:
+        """The streamed 200 answer; from now on the request holds only the answer's bytes of the budget."""
+        try:
+            response = StreamedAnswer(parts, media_type, headers, settings.send_timeout_s,
+                                      on_end=lambda: ticket.done("answer"))
+            ticket.reservation.resize(min(response.nbytes, ticket.reservation.nbytes))
+        except BaseException:
+            ticket.done("answer")
+            raise
+        return response
 
     responses = dict(ERROR_RESPONSES)
     fit_q = Query("pad", description="pad: keep the aspect ratio, gray bars; stretch: resize to the canvas")
@@ -316,8 +402,9 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
         check_query(request, OPTION_NAMES | {"compress"})
         options = dict(fit=fit, fov_x=fov_x, apply_mask=apply_mask, force_projection=force_projection)
         deflate = compress == "true" or (compress == "auto" and not _is_loopback(request))
-        body, timing = await run_prediction(request, options, lambda out: out.to_npz_bytes(compress=deflate))
-        return Response(body, media_type=NPZ_MEDIA_TYPE, headers=timing_headers(timing))
+        parts, timing, ticket = await run_prediction(request, options,
+                                                     lambda out: npz_parts(out.npz_arrays(), compress=deflate))
+        return answer(parts, NPZ_MEDIA_TYPE, timing_headers(timing), ticket)
 
     @app.post(
         "/predict/summary", dependencies=[Depends(authorize)], openapi_extra=_PREDICT_BODY, response_model=Summary,
@@ -325,17 +412,22 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
         responses={200: {"headers": _TIMING_HEADERS}, **responses},
     )
     async def predict_summary(request: Request, fit: Literal["pad", "stretch"] = fit_q, fov_x: Optional[float] = fov_q,
-                              apply_mask: bool = mask_q, force_projection: bool = proj_q) -> JSONResponse:
+                              apply_mask: bool = mask_q, force_projection: bool = proj_q) -> Response:
         check_query(request, OPTION_NAMES)
         options = dict(fit=fit, fov_x=fov_x, apply_mask=apply_mask, force_projection=force_projection)
-        summary, timing = await run_prediction(request, options, MoGeOutput.summary)
-        body = Summary(**summary, timing_ms=Timing(**timing)).model_dump()
-        return JSONResponse(body, headers=timing_headers(timing))
+        summary, timing, ticket = await run_prediction(request, options, MoGeOutput.summary)
+        try:
+            body = JSONResponse(Summary(**summary, timing_ms=Timing(**timing)).model_dump()).body
+        except BaseException:
+            ticket.done("answer")
+            raise
+        return answer([body], "application/json", timing_headers(timing), ticket)
 
     @app.get("/health", response_model=Health, summary="Liveness: the process answers (200 even while loading)")
     async def health() -> dict:
         return {"status": serving.status(), "ready": serving.model is not None, "in_flight": serving.in_flight,
-                "queue_size": settings.queue_size, "responses": dict(serving.responses)}
+                "queue_size": settings.queue_size, "memory_reserved_bytes": serving.budget.used,
+                "memory_budget_bytes": serving.budget.limit, "responses": dict(serving.responses)}
 
     @app.get("/ready", response_model=Ready, summary="Readiness: 200 once the model is loaded and warm, else 503",
              responses={503: {"model": ErrorBody, "description": "Still loading, or loading failed"}})
@@ -352,7 +444,9 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
             raise ApiError(503, "not_ready", "the model is not loaded yet; see GET /ready", {"Retry-After": str(settings.retry_after_s)})
         limits = {"max_body_bytes": settings.max_body_bytes, "max_pixels": settings.max_pixels,
                   "queue_size": settings.queue_size, "host_threads": settings.host_threads,
-                  "read_timeout_s": settings.read_timeout_s, "auth": settings.api_key is not None}
+                  "read_timeout_s": settings.read_timeout_s, "send_timeout_s": settings.send_timeout_s,
+                  "memory_budget_bytes": settings.memory_budget_bytes, "shutdown_grace_s": settings.shutdown_grace_s,
+                  "auth": settings.api_key is not None}
         return {**serving.model.info(), "server": {"limits": limits, "npz_deflate": DEFLATE_BACKEND,
                                                    "image_types": sorted(IMAGE_MEDIA_TYPES) + ["multipart/form-data"]}}
 

@@ -52,7 +52,8 @@ ERROR_RESPONSES = {
     413: {"model": ErrorBody, "description": "Body larger than the limit, or more decoded pixels than the limit"},
     415: {"model": ErrorBody, "description": "Content-Type or data that is not PNG or JPEG (or multipart)"},
     422: {"model": ErrorBody, "description": "Bad option value, unknown option, or an image below 8x8"},
-    503: {"model": ErrorBody, "description": "Queue full or model not loaded yet: retry after Retry-After seconds"},
+    503: {"model": ErrorBody, "description": "Queue full, memory budget spent, model not loaded yet, or the server "
+                                             "is stopping: retry after Retry-After seconds"},
 }
 
 

@@ -5,11 +5,16 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["ServerSettings", "API_KEY_ENV", "DEFAULT_HOST", "DEFAULT_PORT"]
+__all__ = ["ServerSettings", "API_KEY_ENV", "DEFAULT_HOST", "DEFAULT_PORT", "BYTES_PER_PIXEL"]
 
 API_KEY_ENV = "MOGE_API_KEY"  # the bearer token clients must send, when set
 DEFAULT_HOST = "127.0.0.1"  # loopback only unless asked otherwise
 DEFAULT_PORT = 8000
+# What one admitted request may hold per pixel of its image, at its peak: the decoded image, the full-resolution
+# maps of the result (float32 points, depth and normal, the mask), the npz views of them (float16 normal, uint8
+# mask) and their deflated copy when the answer is compressed. A rounded-up bound of what was measured
+# (docs/server-limits.md says how); the memory budget counts every admitted request at this rate.
+BYTES_PER_PIXEL = 64
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,14 @@ class ServerSettings:
     max_connections: open connections (uvicorn's limit_concurrency) beyond which uvicorn answers 503 itself;
       bounds the bodies being received at once (slow uploads).
     read_timeout_s: a request body must arrive within this many seconds, else 408 (slow or stalled clients).
+    send_timeout_s: an answer being sent must make progress (the client reads) within this many seconds, else
+      the connection is cut and its queue slot and memory are freed (clients that stop reading).
+    memory_budget_bytes: the bytes that request bodies being received and admitted requests may hold together:
+      a body as it arrives (twice while a multipart form is taken apart), an admitted request as
+      request_cost() until its answer is encoded, then as the answer's size until it is sent. A request that
+      would go over it gets 503 with Retry-After. It has to hold one request of max_pixels and max_body_bytes.
+    shutdown_grace_s: on SIGTERM / SIGINT, how long admitted requests and slow clients get to finish before the
+      server cuts them and exits.
     retry_after_s: the Retry-After of a 503.
     api_key: when set, /predict, /predict/summary and /info need `Authorization: Bearer <api_key>`.
     """
@@ -36,18 +49,36 @@ class ServerSettings:
     host_threads: int = 4
     max_connections: int = 128
     read_timeout_s: float = 60.0
+    send_timeout_s: float = 30.0
+    memory_budget_bytes: int = 4096 * 1024 * 1024
+    shutdown_grace_s: float = 30.0
     retry_after_s: int = 1
     api_key: Optional[str] = None
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_pixels", "queue_size", "host_threads", "max_connections", "retry_after_s"):
+        for name in ("max_body_bytes", "max_pixels", "queue_size", "host_threads", "max_connections", "retry_after_s",
+                     "memory_budget_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not (isinstance(self.read_timeout_s, (int, float)) and self.read_timeout_s > 0):
-            raise ValueError(f"read_timeout_s must be a positive number of seconds, got {self.read_timeout_s!r}")
+        for name in ("read_timeout_s", "send_timeout_s", "shutdown_grace_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        largest = self.request_cost(self.max_pixels, self.max_body_bytes) + self.max_body_bytes  # + a multipart copy
+        if largest > self.memory_budget_bytes:
+            raise ValueError(f"memory_budget_bytes ({self.memory_budget_bytes}, --memory-budget-mb) cannot hold one "
+                             f"request of max_pixels ({self.max_pixels}, --max-pixels) and max_body_bytes "
+                             f"({self.max_body_bytes}, --max-body-mb): it needs {largest} bytes ({BYTES_PER_PIXEL} per "
+                             f"pixel + the body, twice for a multipart form)")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
             raise ValueError("api_key must be a non-empty string or None")
+
+    @staticmethod
+    def request_cost(pixels: int, body_bytes: int) -> int:
+        """The bytes an admitted request is counted for until its answer is being sent: BYTES_PER_PIXEL per
+        pixel of its image, plus the encoded image it was sent."""
+        return BYTES_PER_PIXEL * pixels + body_bytes
 
     @staticmethod
     def api_key_from_env() -> Optional[str]:

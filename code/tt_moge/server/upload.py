@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 from dataclasses import dataclass
+from typing import Callable
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -47,7 +48,7 @@ def check_media_type(request: Request) -> str:
     return kind
 
 
-async def _read_body(request: Request, settings: ServerSettings) -> bytes:
+async def _read_body(request: Request, settings: ServerSettings, reserve: Callable[[int], None]) -> bytes:
     limit = settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None:
@@ -64,6 +65,7 @@ async def _read_body(request: Request, settings: ServerSettings) -> bytes:
             received += len(chunk)
             if received > limit:
                 raise ApiError(413, "body_too_large", f"body larger than the limit of {limit} bytes (--max-body-mb)")
+            reserve(len(chunk))  # counted against the memory budget as it arrives (503 when it is spent)
             chunks.append(chunk)
 
     try:
@@ -124,13 +126,21 @@ def inspect_image(data: bytes, declared_format: str, settings: ServerSettings) -
     return found, (width, height)
 
 
-async def receive_image(request: Request, settings: ServerSettings) -> ImageUpload:
-    """Read and check the image of a /predict request (raw body or multipart), or raise ApiError (4xx)."""
+async def receive_image(request: Request, settings: ServerSettings, reserve: Callable[[int], None]) -> ImageUpload:
+    """Read and check the image of a /predict request (raw body or multipart), or raise ApiError (4xx).
+
+    reserve(n): called before n more bytes are kept (body chunks as they arrive; the body once more while a
+    multipart form is taken apart); it raises ApiError (503) when the server's memory budget cannot hold them.
+    """
     loop = asyncio.get_running_loop()
     start = loop.time()
     kind = check_media_type(request)
-    body = await _read_body(request, settings)
-    data = await _multipart_file(request, body) if kind == MULTIPART else body
+    body = await _read_body(request, settings, reserve)
+    if kind == MULTIPART:
+        reserve(len(body))  # the file's bytes, copied out of the form
+        data = await _multipart_file(request, body)
+    else:
+        data = body
     read_ms = (loop.time() - start) * 1e3
     fmt, size = inspect_image(data, IMAGE_MEDIA_TYPES.get(kind, ""), settings)
     return ImageUpload(data, fmt, size, read_ms)
