@@ -333,7 +333,7 @@ def test_a_file_that_is_no_image_is_found_before_the_model_loads(photos, tmp_pat
     fake.write_text("not a PNG")
     code, stdout, stderr = run_cli(["predict", fake, photos / CORRUPT, "-o", tmp_path / "out", "--weights", tmp_path / "nope"])
     assert code == 1 and "could not load the model" not in stderr, stderr  # no image left: no model is loaded
-    assert f"skipped: image file '{fake}': not a decodable image" in stderr and "0 of 2 images done, 2 failed" in stdout
+    assert f"failed: image file '{fake}': not a decodable image" in stderr and "0 of 2 images done, 2 failed" in stdout
 
 
 def test_module_entry_points_run(photos):
@@ -522,15 +522,17 @@ def test_a_full_disk_fails_images_cleanly(ckpt, photos, tmp_path):
     out, snapshot = tmp_path / "out", tmp_path / "snapshot"
     out.mkdir()
     snapshot.mkdir()
-    how, code, stdout, stderr = _run_on_a_full_disk([photos, "--weights", ckpt, *MODEL_ARGS], out, snapshot)
+    every_format = ["--maps", "--npz", "--ply", "--glb", "--mesh-step", "1"]  # enough bytes to fill the disk
+    how, code, stdout, stderr = _run_on_a_full_disk([photos, "--weights", ckpt, *MODEL_ARGS, *every_format], out, snapshot)
     assert code == 1 and "Traceback" not in stderr, f"{how}:\n{stdout}\n{stderr}"
     run = json.loads((snapshot / "run.json").read_text())
     by_input = {Path(r["input"]).relative_to(photos).as_posix(): r for r in run["images"]}
-    assert set(by_input) == {rel for rel, _, _ in PHOTOS.values()} | {CORRUPT}
+    assert set(by_input) == {rel for rel, _, _ in PHOTOS.values()} | {CORRUPT, TRUNCATED}
     write_failures = [r for r in run["images"] if r["status"] == "failed" and "writing" in (r["error"] or "")]
     assert write_failures, f"{how}: the disk never filled up: {run['images']}"
-    assert run["failed"] == len(write_failures) + 1 and run["done"] + run["failed"] == len(by_input)
-    assert f"{run['done']} of 5 images done, {run['failed']} failed" in stdout, stdout
+    unreadable = 2  # CORRUPT (by its header) and TRUNCATED (by the decoder)
+    assert run["failed"] == len(write_failures) + unreadable and run["done"] + run["failed"] == len(by_input)
+    assert f"{run['done']} of 6 images done, {run['failed']} failed" in stdout, stdout
     for record in run["images"]:
         folder = snapshot / record["output"]
         if record["status"] == "done":
