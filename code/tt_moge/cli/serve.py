@@ -64,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"seconds for a request body to arrive, else 408 (default: {_DEFAULTS.read_timeout_s:g})")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     server.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
+    server.add_argument("--no-ui", action="store_true",
+                        help="do not serve the web page (GET / and /ui: drop a photo, see depth, normals and the 3D view)")
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -110,12 +112,17 @@ def run(args: argparse.Namespace) -> int:
 
     server: Any = None
     app = create_app(load, settings, on_load_error=lambda exc: setattr(server, "should_exit", True))
+    if not args.no_ui:
+        from ..server.ui import mount_ui
+
+        mount_ui(app)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log, lifespan="on",
                             limit_concurrency=settings.max_connections, timeout_keep_alive=5)
     server = uvicorn.Server(config)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
-    print(f"[tt_moge] serving on http://{url_host}:{port} (loading {options.weights}; GET /ready answers 200 when it can serve)",
+    page = "" if args.no_ui else f"; the web page: http://{url_host}:{port}/"
+    print(f"[tt_moge] serving on http://{url_host}:{port} (loading {options.weights}; GET /ready answers 200 when it can serve{page})",
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 1 if app.state.serving.load_error else 0

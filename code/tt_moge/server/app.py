@@ -100,6 +100,9 @@ def _is_loopback(request: Request) -> bool:
         return False
 
 
+client_is_loopback = _is_loopback  # public: the web page's npz download follows /predict's compress=auto
+
+
 def timing_headers(timing_ms: dict) -> dict:
     """Server-Timing (shown by browser dev tools) and X-Timing-Ms (the timing_ms record as JSON)."""
     stages = [stage for stage in TIMING_STAGES if stage in timing_ms]
@@ -263,8 +266,8 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
         if repeated:
             raise ApiError(422, "invalid_option", f"query parameter(s) {repeated} given more than once")
 
-    async def run_prediction(request: Request, options: dict, encode: Callable[[MoGeOutput], Any]) -> tuple:
-        """Receive, admit, predict and encode on a host thread -> (encoded payload, timing_ms)."""
+    async def run_prediction(request: Request, options: dict, encode: Callable[[MoGeOutput, ImageUpload], Any]) -> tuple:
+        """Receive, admit, predict and encode(output, upload) on a host thread -> (encoded payload, timing_ms)."""
         start = time.perf_counter()
         upload: ImageUpload = await receive_image(request, settings)
         serving.admit()
@@ -283,7 +286,7 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
                 raise
             timing["post"] = timing["solve"] + timing["finish"]
             t = time.perf_counter()
-            payload = encode(out)
+            payload = encode(out, upload)
             timing["encode"] = (time.perf_counter() - t) * 1e3
             return payload
 
@@ -292,6 +295,9 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
         payload = await asyncio.wrap_future(future)
         timing["total"] = (time.perf_counter() - start) * 1e3
         return payload, timing
+
+    # The web page (server/ui.py) sends its requests through the same auth, limits and admission.
+    app.state.authorize, app.state.run_prediction = authorize, run_prediction
 
     responses = dict(ERROR_RESPONSES)
     fit_q = Query("pad", description="pad: keep the aspect ratio, gray bars; stretch: resize to the canvas")
@@ -314,7 +320,7 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
         check_query(request, OPTION_NAMES | {"compress"})
         options = dict(fit=fit, fov_x=fov_x, apply_mask=apply_mask, force_projection=force_projection)
         deflate = compress == "true" or (compress == "auto" and not _is_loopback(request))
-        body, timing = await run_prediction(request, options, lambda out: out.to_npz_bytes(compress=deflate))
+        body, timing = await run_prediction(request, options, lambda out, _: out.to_npz_bytes(compress=deflate))
         return Response(body, media_type=NPZ_MEDIA_TYPE, headers=timing_headers(timing))
 
     @app.post(
@@ -326,7 +332,7 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
                               apply_mask: bool = mask_q, force_projection: bool = proj_q) -> JSONResponse:
         check_query(request, OPTION_NAMES)
         options = dict(fit=fit, fov_x=fov_x, apply_mask=apply_mask, force_projection=force_projection)
-        summary, timing = await run_prediction(request, options, MoGeOutput.summary)
+        summary, timing = await run_prediction(request, options, lambda out, _: out.summary())
         body = Summary(**summary, timing_ms=Timing(**timing)).model_dump()
         return JSONResponse(body, headers=timing_headers(timing))
 
