@@ -20,8 +20,8 @@ the admitted request. The full-resolution downloads are made when asked for, eac
 
 The 3D view is a lighter mesh than mesh.glb: the same rule (`tt_moge.export.image_mesh`, cut at depth edges) on
 every `step`-th pixel, so its longer side has at most VIEW_MAX_SIDE vertices, textured with the photo scaled to at
-most TEXTURE_MAX_SIDE, as a GLB. That bounds what the browser downloads for the view for any image size (see
-`view_mesh_bound_bytes`).
+most TEXTURE_MAX_SIDE, as a GLB of at most VIEW_MAX_BYTES for any image (the mesh alone stays well below: at
+most VIEW_MAX_SIDE^2 vertices; a texture that would not fit is scaled down).
 
 Results live in a temporary folder (`ResultStore`): at most KEEP_RESULTS results and KEEP_BYTES bytes, none
 older than KEEP_SECONDS; the oldest goes first; a result being read or written is deleted once its last reader
@@ -39,9 +39,10 @@ import tempfile
 import threading
 import time
 from contextlib import asynccontextmanager
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
@@ -56,12 +57,13 @@ from .app import NPZ_MEDIA_TYPE, Summary, Timing, client_is_loopback, timing_hea
 from .errors import ApiError
 from .upload import ImageUpload
 
-__all__ = ["mount_ui", "ResultStore", "view_mesh", "view_mesh_bound_bytes", "UI_PATHS", "VIEW_MAX_SIDE",
+__all__ = ["mount_ui", "ResultStore", "view_mesh", "VIEW_MAX_BYTES", "UI_PATHS", "VIEW_MAX_SIDE",
            "TEXTURE_MAX_SIDE", "KEEP_RESULTS", "KEEP_BYTES", "KEEP_SECONDS", "DOWNLOADS", "VIEW_FILES"]
 
 UI_PATHS = ("/", "/ui")
 VIEW_MAX_SIDE = 480  # vertices along the longer side of the 3D view's mesh
 TEXTURE_MAX_SIDE = 1536  # pixels along the longer side of its texture (JPEG)
+VIEW_MAX_BYTES = 14 * 1024 ** 2  # view.glb never exceeds this (the texture shrinks when needed)
 TEXTURE_JPEG_QUALITY = 75
 KEEP_RESULTS = 8  # results kept for the page's images and downloads
 KEEP_BYTES = 2 * 1024 ** 3  # their files together (a 1920x1080 result with every download is about 0.2 GB)
@@ -94,6 +96,7 @@ class _Entry:
     dropped: bool = False
     nbytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)  # one maker of each download at a time
+    saved: Optional[Future] = None  # the arrays and the upload, written after the page's answer
 
 
 class ResultStore:
@@ -105,6 +108,7 @@ class ResultStore:
         self.root = Path(tempfile.mkdtemp(prefix="tt_moge-ui-", dir=parent))
         self._entries: dict = {}  # rid -> _Entry, oldest first
         self._lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tt_moge-ui-store")
 
     def create(self) -> _Entry:
         """A new, empty result folder, held by the caller (release it when done)."""
@@ -127,6 +131,23 @@ class ResultStore:
                                                       f"{self.keep} results for up to {self.keep_seconds / 60:g} min); run the image again")
             entry.users += 1
             return entry
+
+    def save_later(self, entry: _Entry, files: dict, write: Callable[[], Path]) -> None:
+        """Write a result's large files off the request's path: `files` ({name: bytes}) and `write()` (which
+        returns the path it wrote) run on the store's writer thread, holding the entry; `entry.saved` says when
+        they are there."""
+        with self._lock:
+            entry.users += 1
+
+        def job() -> None:
+            try:
+                for name, data in files.items():
+                    (entry.path / name).write_bytes(data)
+                self.added(entry, write(), *(entry.path / name for name in files))
+            finally:
+                self.release(entry)
+
+        entry.saved = self._writer.submit(job)
 
     def release(self, entry: _Entry) -> None:
         with self._lock:
@@ -168,6 +189,7 @@ class ResultStore:
         return len(self._entries)
 
     def close(self) -> None:
+        self._writer.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             self._entries.clear()
         shutil.rmtree(self.root, ignore_errors=True)
@@ -179,22 +201,16 @@ def view_step(size: tuple, max_side: int = VIEW_MAX_SIDE) -> int:
     return max(1, math.ceil(max(size) / max_side))
 
 
-def view_mesh_bound_bytes(max_side: int = VIEW_MAX_SIDE, texture_side: int = TEXTURE_MAX_SIDE) -> int:
-    """An upper bound of view.glb's size for any image: a square grid with every vertex kept (float32 xyz and
-    uv, two uint32 triangles per quad) plus a JPEG texture of at most 3 bytes per pixel, plus 64 KiB of headers."""
-    vertices = max_side * max_side
-    return vertices * (12 + 8) + 2 * (max_side - 1) ** 2 * 12 + 3 * texture_side * texture_side + 65536
-
-
 def view_mesh(output: MoGeOutput, image_rgb: np.ndarray, max_side: int = VIEW_MAX_SIDE,
-              texture_side: int = TEXTURE_MAX_SIDE) -> tuple:
+              texture_side: int = TEXTURE_MAX_SIDE, max_bytes: int = VIEW_MAX_BYTES) -> tuple:
     """(GLB bytes, record) of the light mesh for the page's 3D view.
 
     Every `step`-th pixel (the centre pixel of each step x step block) becomes a vertex where it is kept at full
     resolution (`kept_pixels`) and is not on a depth edge of the coarse grid (the same relative rule, scaled by
     the step: a smooth slope changes depth `step` times more between coarse neighbours). Triangles, axes and
     the edge cut are those of `tt_moge.export.image_mesh`; the UVs point at the sampled pixels of the full
-    image, whose texture is the photo scaled to at most `texture_side` (JPEG). No normals: the view is unlit.
+    image, whose texture is the photo scaled to at most `texture_side` (JPEG), halved until the GLB fits in
+    `max_bytes`. No normals: the view is unlit.
     """
     import cv2
     from PIL import Image
@@ -218,13 +234,18 @@ def view_mesh(output: MoGeOutput, image_rgb: np.ndarray, max_side: int = VIEW_MA
     mesh = image_mesh(coarse, image_rgb[rows, cols], keep)
     r, c = np.nonzero(keep)
     mesh.visual.uv = np.stack([(first + c * step + 0.5) / w, 1.0 - (first + r * step + 0.5) / h], axis=1)
-    scale = min(1.0, texture_side / max(w, h))
-    texture = image_rgb if scale == 1.0 else cv2.resize(image_rgb, (max(1, round(w * scale)), max(1, round(h * scale))),
-                                                        interpolation=cv2.INTER_AREA)
-    picture = Image.fromarray(np.ascontiguousarray(texture))
-    picture.format = "JPEG"  # trimesh's GLB export then embeds a JPEG (quality 75), not a PNG
-    mesh.visual.material.baseColorTexture = picture
-    glb = mesh.export(file_type="glb")
+    side = texture_side
+    while True:
+        scale = min(1.0, side / max(w, h))
+        texture = image_rgb if scale == 1.0 else cv2.resize(
+            image_rgb, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=cv2.INTER_AREA)
+        picture = Image.fromarray(np.ascontiguousarray(texture))
+        picture.format = "JPEG"  # trimesh's GLB export then embeds a JPEG (quality 75), not a PNG
+        mesh.visual.material.baseColorTexture = picture
+        glb = mesh.export(file_type="glb")
+        if len(glb) <= max_bytes or side <= 64:
+            break
+        side //= 2  # a texture that does not compress (noise) would push the view over its budget
     record.update(faces=int(len(mesh.faces)), texture=[picture.width, picture.height], bytes=len(glb))
     return glb, record
 
@@ -242,7 +263,7 @@ def _encode(rgb_or_gray: np.ndarray, kind: str) -> bytes:
     return data.tobytes()
 
 
-def _save_arrays(path: Path, out: MoGeOutput) -> None:
+def _save_arrays(path: Path, out: MoGeOutput) -> Path:
     arrays = {"points": out.points, "depth": out.depth, "mask": out.mask, "intrinsics": out.intrinsics,
               "intrinsics_pixels": out.intrinsics_pixels, "metric_scale": np.float64(out.metric_scale),
               "fov_x": np.float64(out.fov_x), "fov_y": np.float64(out.fov_y)}
@@ -250,6 +271,7 @@ def _save_arrays(path: Path, out: MoGeOutput) -> None:
         arrays["normal"] = out.normal
     with open(path, "wb") as f:
         np.savez(f, **arrays)
+    return path
 
 
 def _load_arrays(path: Path) -> MoGeOutput:
@@ -282,14 +304,12 @@ def make_page_result(out: MoGeOutput, upload: ImageUpload, store: ResultStore) -
             files["view.glb"] = glb
         times["view"] = (time.perf_counter() - t) * 1e3
         t = time.perf_counter()
-        written = []
         for name, data in files.items():
             (entry.path / name).write_bytes(data)
-            written.append(entry.path / name)
-        (entry.path / ("input.png" if upload.format == "PNG" else "input.jpg")).write_bytes(upload.data)
-        _save_arrays(entry.path / _ARRAYS, out)
-        written += [entry.path / _ARRAYS, *entry.path.glob("input.*")]
-        store.added(entry, *written)
+        store.added(entry, *(entry.path / name for name in files))
+        # The arrays for the downloads (tens of MB) are written after the answer; downloads wait for them.
+        store.save_later(entry, {"input.png" if upload.format == "PNG" else "input.jpg": upload.data},
+                         lambda: _save_arrays(entry.path / _ARRAYS, out))
         times["store"] = (time.perf_counter() - t) * 1e3
     except BaseException:
         store.drop(entry)
@@ -314,6 +334,7 @@ def _make_download(store: ResultStore, entry: _Entry, name: str, compress: bool)
     written by tt_moge.export exactly as `tt-moge predict` writes it (made once, then served from the folder)."""
     from ..export import write_depth_exr, write_outputs
 
+    entry.saved.result()  # the arrays are written
     if name == "result.npz":
         return _load_arrays(entry.path / _ARRAYS).to_npz_bytes(compress=compress)
     target = entry.path / name
@@ -350,6 +371,24 @@ class _HeldFile(FileResponse):
             self._release()
 
 
+def _warm_up() -> None:
+    """Import and run once what the first page result needs (trimesh, OpenCV, the GLB export), so that the
+    first person to use the page does not wait for the imports."""
+    try:
+        side = 16
+        k = np.eye(3, dtype=np.float32)
+        depth = np.full((side, side), 2.0, np.float32)
+        v, u = np.mgrid[0:side, 0:side].astype(np.float32)
+        out = MoGeOutput(points=np.stack([u, v, depth], -1), depth=depth, normal=None, mask=np.ones((side, side), bool),
+                         intrinsics=k, intrinsics_pixels=k, metric_scale=1.0, fov_x=60.0, fov_y=60.0)
+        view_mesh(out, np.zeros((side, side, 3), np.uint8))
+        from ..export import colorize_depth
+
+        _encode(colorize_depth(depth, out.mask)[0], ".jpg")
+    except Exception:  # only a head start: a real failure shows on the first request
+        pass
+
+
 def _demo_png() -> bytes:
     """media/source.png, rendered from the analytic scene (our own image, shipped as code)."""
     from ..testing.scene import render
@@ -360,7 +399,7 @@ def _demo_png() -> bytes:
 def mount_ui(app: FastAPI, store: Optional[ResultStore] = None) -> ResultStore:
     """Add the web page to an app made by `tt_moge.server.app.create_app`; returns its result store (whose
     folder is removed when the app shuts down)."""
-    store = store or ResultStore()
+    store = ResultStore() if store is None else store
     serving = app.state.serving
     settings = serving.settings
     run_prediction = app.state.run_prediction
@@ -373,6 +412,7 @@ def mount_ui(app: FastAPI, store: Optional[ResultStore] = None) -> ResultStore:
 
     @asynccontextmanager
     async def lifespan(a: FastAPI):
+        threading.Thread(target=_warm_up, name="tt_moge-ui-warmup", daemon=True).start()
         async with inner(a) as state:
             try:
                 yield state

@@ -58,7 +58,10 @@ function choose(file) {
 
 function bindInput() {
   const drop = $("drop");
-  $("file").addEventListener("change", (e) => choose(e.target.files[0]));
+  $("file").addEventListener("change", (e) => {
+    choose(e.target.files[0]);
+    e.target.value = "";  // choosing the same file again runs it again
+  });
   for (const name of ["dragenter", "dragover"]) {
     drop.addEventListener(name, (e) => { e.preventDefault(); drop.classList.add("over"); });
   }
@@ -121,6 +124,7 @@ async function run() {
     }
     const result = JSON.parse(r.text);
     state.result = result;
+    marks.server = { timing_ms: result.summary.timing_ms, page_ms: result.page_ms, view: result.view };
     showMaps(result);
     showNumbers(result);
     showDownloads(result);
