@@ -14,6 +14,7 @@ once, 1.3 GB) on the default canvas (1920x1080, 1800 tokens): the forward costs 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -114,19 +115,25 @@ def main(argv=None) -> int:
                 browser = start_chromium(Path(tmp), size=(1400, 1000))
                 browser.get(url + "/")
 
-                def predict() -> float:
+                def predict() -> tuple:
                     t = time.perf_counter()
                     r = http.post("/predict", content=data, headers={"Content-Type": kind})
                     r.raise_for_status()
-                    return (time.perf_counter() - t) * 1e3
+                    return (time.perf_counter() - t) * 1e3, json.loads(r.headers["x-timing-ms"])
 
                 predict()  # first calls: page caches, allocator
                 _page_run(browser, image)
                 rows = []
                 for i in range(args.repeats):
-                    api_ms = predict()
+                    api_ms, api_timing = predict()
                     marks = _page_run(browser, image)
+                    page_timing = marks["server"]["timing_ms"]
+                    # The forward is the same work in both and the noisiest part on a shared machine: the
+                    # difference without it is what the page itself adds.
                     rows.append({"predict_ms": api_ms, "page_view_ms": marks["view"] - marks["start"],
+                                 "predict_wo_forward_ms": api_ms - api_timing["device"] - api_timing["device_wait"],
+                                 "page_view_wo_forward_ms": marks["view"] - marks["start"] - page_timing["device"] - page_timing["device_wait"],
+                                 "predict_timing_ms": api_timing, "page_timing_ms": page_timing,
                                  "page_response_ms": marks["response"] - marks["start"],
                                  "browser_view_ms": marks["view"] - marks["response"],
                                  "server_page_ms": marks["server"]["page_ms"], "view_bytes": marks["viewBytes"],
@@ -134,19 +141,27 @@ def main(argv=None) -> int:
                     r = rows[-1]
                     print(f"  run {i + 1}: POST /predict {api_ms:8.0f} ms | page: 3D view after {r['page_view_ms']:8.0f} ms "
                           f"(answer {r['page_response_ms']:.0f} ms, then {r['browser_view_ms']:.0f} ms in the browser) "
-                          f"-> {r['page_view_ms'] - api_ms:+.0f} ms")
+                          f"-> {r['page_view_ms'] - api_ms:+.0f} ms; without the forward (device) "
+                          f"{r['predict_wo_forward_ms']:.0f} vs {r['page_view_wo_forward_ms']:.0f} ms "
+                          f"-> {r['page_view_wo_forward_ms'] - r['predict_wo_forward_ms']:+.0f} ms")
         finally:
             if browser is not None:
                 browser.quit()
             proc.terminate()
             proc.wait(60)
-    med = {k: statistics.median(r[k] for r in rows) for k in ("predict_ms", "page_view_ms", "page_response_ms", "browser_view_ms")}
+    med = {k: statistics.median(r[k] for r in rows) for k in ("predict_ms", "page_view_ms", "page_response_ms", "browser_view_ms",
+                                                             "predict_wo_forward_ms", "page_view_wo_forward_ms")}
+    med["added_ms"] = statistics.median(r["page_view_ms"] - r["predict_ms"] for r in rows)
+    med["added_wo_forward_ms"] = statistics.median(r["page_view_wo_forward_ms"] - r["predict_wo_forward_ms"] for r in rows)
     server_page = {k: statistics.median(r["server_page_ms"][k] for r in rows) for k in rows[0]["server_page_ms"]}
     fetched = rows[-1]["fetched"]
     view = rows[-1]["view"]
     print(f"image {image.name}, median of {args.repeats}:")
     print(f"  POST /predict (npz, loopback)          {med['predict_ms']:8.0f} ms")
-    print(f"  page: file chosen -> 3D view drawn     {med['page_view_ms']:8.0f} ms  ({med['page_view_ms'] - med['predict_ms']:+.0f} ms)")
+    print(f"  page: file chosen -> 3D view drawn     {med['page_view_ms']:8.0f} ms  (median of the pairs' differences "
+          f"{med['added_ms']:+.0f} ms)")
+    print(f"  the same without the forward (device): POST /predict {med['predict_wo_forward_ms']:.0f} ms, page "
+          f"{med['page_view_wo_forward_ms']:.0f} ms (median of the differences {med['added_wo_forward_ms']:+.0f} ms)")
     print(f"    server answer (model + page files)   {med['page_response_ms']:8.0f} ms; server-side page files: "
           + ", ".join(f"{k} {v:.0f} ms" for k, v in server_page.items()))
     print(f"    browser: fetch, parse, draw the view {med['browser_view_ms']:8.0f} ms")

@@ -83,8 +83,10 @@ function post(url, file, onUploaded) {  // XMLHttpRequest: it reports upload pro
   return new Promise((resolve) => {
     const xhr = new XMLHttpRequest();
     xhr.open("POST", url);
-    // The file's own type; the server answers an unsupported one with its 415 message.
-    xhr.setRequestHeader("Content-Type", file.type || "application/octet-stream");
+    // The file's own type (from its name when the system gave none); the server answers an unsupported
+    // one with its 415 message.
+    const byName = /\.png$/i.test(file.name) ? "image/png" : /\.jpe?g$/i.test(file.name) ? "image/jpeg" : "application/octet-stream";
+    xhr.setRequestHeader("Content-Type", file.type || byName);
     for (const [k, v] of Object.entries(authHeaders())) xhr.setRequestHeader(k, v);
     xhr.upload.onprogress = (e) => {
       if (e.lengthComputable && e.loaded < e.total) progress(`uploading… ${Math.round(100 * e.loaded / e.total)} %`);
@@ -107,7 +109,13 @@ async function run() {
   window.ttMoge.last = marks;
   const started = Date.now();
   let stage = "uploading…";
-  const tick = setInterval(() => progress(`${stage} ${((Date.now() - started) / 1000).toFixed(1)} s`), 100);
+  const spinner = document.querySelector("#progress .spinner");
+  // Once a second: the page stays (nearly) idle while the server works, even where it shares its CPU.
+  const tick = setInterval(() => {
+    const seconds = Math.round((Date.now() - started) / 1000);
+    spinner.style.transform = `rotate(${90 * seconds}deg)`;
+    progress(`${stage} ${seconds} s`);
+  }, 1000);
   progress(stage);
   try {
     const query = new URLSearchParams({ fit: $("fit").value, apply_mask: $("apply_mask").checked ? "true" : "false" });
@@ -146,7 +154,11 @@ async function run() {
 
 function clearResult() {
   state.result = null;
-  for (const id of ["depth", "normal", "mask"]) { $(id).hidden = true; $(id).removeAttribute("src"); }
+  for (const id of ["depth", "normal", "mask"]) {
+    $(id).hidden = true;
+    $(id).closest("figure").hidden = false;
+    $(id).removeAttribute("src");
+  }
   $("numbers").hidden = true;
   $("downloads").hidden = true;
   $("view-info").textContent = "";
@@ -160,6 +172,7 @@ function showMaps(result) {
   for (const id of ["depth", "normal", "mask"]) {
     const url = result.images[id];
     $(id).hidden = !url;
+    $(id).closest("figure").hidden = !url;  // no normal map from a model without a normal head
     if (url) $(id).src = url;
   }
 }
