@@ -165,8 +165,8 @@ def main(argv=None) -> int:
     print(f"    server answer (model + page files)   {med['page_response_ms']:8.0f} ms; server-side page files: "
           + ", ".join(f"{k} {v:.0f} ms" for k, v in server_page.items()))
     print(f"    browser: fetch, parse, draw the view {med['browser_view_ms']:8.0f} ms")
-    print(f"  view.glb: {view['bytes'] / 1e6:.2f} MB ({view['vertices']} vertices, {view['faces']} triangles, every "
-          f"{view['step']}. pixel, texture {view['texture'][0]}x{view['texture'][1]} JPEG)")
+    print(f"  view.glb: {view['bytes'] / 1e6:.2f} MB ({view['vertices']} vertices, {view['faces']} triangles, a vertex "
+          f"per {view['step']}x{view['step']} pixels, texture {view['texture'][0]}x{view['texture'][1]} JPEG)")
     print("  fetched for the result: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sorted(fetched.items()))
           + f" = {sum(fetched.values()) / 1e6:.2f} MB")
     common.finish_report({"cpu": _cpu(), "image": str(image), "runs": rows, "median": med,

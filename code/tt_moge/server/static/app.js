@@ -293,7 +293,7 @@ async function showView(result, marks) {
   marks.view = performance.now();
   message.hidden = true;
   const v = result.view;
-  $("view-info").textContent = `· ${v.vertices.toLocaleString()} vertices, ${v.faces.toLocaleString()} triangles (every ${v.step}. pixel), ${(glb.byteLength / 1048576).toFixed(1)} MB`;
+  $("view-info").textContent = `· ${v.vertices.toLocaleString()} vertices, ${v.faces.toLocaleString()} triangles (a vertex per ${v.step}×${v.step} pixels), ${(glb.byteLength / 1048576).toFixed(1)} MB`;
 }
 
 // ----------------------------------------------------------------------------------------------- start-up
