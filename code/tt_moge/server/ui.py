@@ -6,8 +6,8 @@ Routes (none is in the OpenAPI schema: the API is /predict and /predict/summary)
 
     GET  /, /ui                     the page (HTML, our own JS and CSS from tt_moge/server/static/, nothing else)
     GET  /ui/static/<file>          its script, viewer and style sheet
-    GET  /ui/api/config             whether an API key is needed, the server limits
-    GET  /ui/demo.png               the demo image (media/source.png: the analytic scene of tt_moge.testing.scene)
+    GET  /ui/api/config             whether an API key is needed
+    GET  /ui/demo.png               the demo image: the pixels of media/source.png (tt_moge.testing.scene)
     POST /ui/api/predict            the image, as for POST /predict/summary -> JSON: the same summary, plus the
                                     URLs of the maps, the 3D view and the downloads of this result
     GET  /ui/results/<id>/<file>    depth.jpg, normal.jpg, mask.png, view.glb (made with the result), and the
@@ -16,7 +16,7 @@ Routes (none is in the OpenAPI schema: the API is /predict and /predict/summary)
 A page request goes through the API's own path: the same bearer key, body and pixel limits and admission
 (`app.state.authorize`, `app.state.run_prediction`); the maps and the 3D view are made on the host thread of
 the admitted request. The full-resolution downloads are made when asked for, each admitted like a prediction
-(a 1920x1080 mesh.glb is tens of MB and takes seconds), so the page does not wait for files nobody takes.
+(a full-resolution mesh is large and slow to make), so the page does not wait for files nobody takes.
 
 The 3D view is a lighter mesh than mesh.glb: the same rule (`tt_moge.export.image_mesh`, cut at depth edges) on
 every `step`-th pixel, so its longer side has at most VIEW_MAX_SIDE vertices, textured with the photo scaled to at
@@ -24,14 +24,13 @@ most TEXTURE_MAX_SIDE, as a GLB of at most VIEW_MAX_BYTES for any image (the mes
 most VIEW_MAX_SIDE^2 vertices; a texture that would not fit is scaled down).
 
 Results live in a temporary folder (`ResultStore`): at most KEEP_RESULTS results and KEEP_BYTES bytes, none
-older than KEEP_SECONDS; the oldest goes first; a result being read or written is deleted once its last reader
-is done. The folder is removed when the server stops. Result URLs carry a random 128-bit id: they work without
+older than KEEP_SECONDS; the oldest goes first; a dropped result that is still being read or written is deleted
+once its last holder is done. The folder is removed when the server stops. Result URLs carry a random 128-bit id: they work without
 the API key (an <img> cannot send one) for whoever was given them, until the result is dropped.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import secrets
 import shutil
@@ -64,13 +63,12 @@ UI_PATHS = ("/", "/ui")
 VIEW_MAX_SIDE = 480  # vertices along the longer side of the 3D view's mesh
 TEXTURE_MAX_SIDE = 1536  # pixels along the longer side of its texture (JPEG)
 VIEW_MAX_BYTES = 14 * 1024 ** 2  # view.glb never exceeds this (the texture shrinks when needed)
-TEXTURE_JPEG_QUALITY = 75
 KEEP_RESULTS = 8  # results kept for the page's images and downloads
-KEEP_BYTES = 2 * 1024 ** 3  # their files together (a 1920x1080 result with every download is about 0.2 GB)
+KEEP_BYTES = 2 * 1024 ** 3  # their files together (arrays, upload, pictures, view and the downloads made)
 KEEP_SECONDS = 3600
 _PNG_FAST = 1  # zlib level of the page's mask PNG: quick to write
-_MAP_JPEG_QUALITY = 90  # the depth and normal pictures are viewed, not archived (the downloads hold the values):
-# JPEG writes in a fraction of the time of a PNG of these noisy colour maps
+_MAP_JPEG_QUALITY = 90  # the depth and normal pictures are viewed, not archived (the downloads hold the values);
+# JPEG writes these noisy colour maps much faster than PNG
 
 # The files of a result the page shows (made with the result) and the downloads (made when first asked for).
 VIEW_FILES = {"depth.jpg": "image/jpeg", "normal.jpg": "image/jpeg", "mask.png": "image/png", "view.glb": "model/gltf-binary"}
@@ -435,10 +433,8 @@ def mount_ui(app: FastAPI, store: Optional[ResultStore] = None) -> ResultStore:
         return Response(static[name], media_type=_STATIC_FILES[name], headers={"Cache-Control": "no-cache"})
 
     @app.get("/ui/api/config", include_in_schema=False)
-    async def config() -> dict:
-        return {"auth": settings.api_key is not None, "max_body_bytes": settings.max_body_bytes,
-                "max_pixels": settings.max_pixels, "queue_size": settings.queue_size, "version": __version__,
-                "view_max_side": VIEW_MAX_SIDE, "texture_max_side": TEXTURE_MAX_SIDE}
+    async def config() -> dict:  # no key needed: it only says whether the page must ask for one
+        return {"auth": settings.api_key is not None, "version": __version__}
 
     @app.get("/ui/demo.png", include_in_schema=False)
     async def demo_image() -> Response:
