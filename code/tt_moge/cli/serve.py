@@ -89,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"are cut (default: {_DEFAULTS.shutdown_grace_s:g})")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     server.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
+    server.add_argument("--no-ui", action="store_true",
+                        help="do not serve the web page (GET / and /ui: drop a photo, see depth, normals and the 3D view)")
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -180,14 +182,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"[tt_moge] {signal.Signals(sig).name}: stopping; {serving.in_flight} request(s) in progress get up to "
               f"{settings.shutdown_grace_s:g} s (--shutdown-grace); a second signal exits at once", file=sys.stderr, flush=True)
 
+    if not args.no_ui:
+        from ..server.ui import mount_ui
+
+        mount_ui(app)
     config = uvicorn.Config(app, http=JsonH11Protocol, log_level=args.log_level, access_log=not args.no_access_log,
                             lifespan="on", limit_concurrency=settings.max_connections, timeout_keep_alive=5,
                             timeout_graceful_shutdown=settings.shutdown_grace_s)
     server = _make_server(uvicorn, config, on_stop)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
+    page = "" if args.no_ui else f"; the web page: http://{url_host}:{port}/"
     print(f"[tt_moge] serving on http://{url_host}:{port} (loading {describe_source(options.weights, options.revision)}; "
-          "GET /ready answers 200 when it can serve)",
+          f"GET /ready answers 200 when it can serve{page})",
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 1 if serving.load_error else 0

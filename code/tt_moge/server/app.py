@@ -108,6 +108,9 @@ def _is_loopback(request: Request) -> bool:
         return False
 
 
+client_is_loopback = _is_loopback  # public: the web page's npz download follows /predict's compress=auto
+
+
 def timing_headers(timing_ms: dict) -> dict:
     """Server-Timing (shown by browser dev tools) and X-Timing-Ms (the timing_ms record as JSON)."""
     stages = [stage for stage in TIMING_STAGES if stage in timing_ms]
@@ -321,8 +324,8 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
         if repeated:
             raise ApiError(422, "invalid_option", f"query parameter(s) {repeated} given more than once")
 
-    async def run_prediction(request: Request, options: dict, encode: Callable[[MoGeOutput], Any]) -> tuple:
-        """Receive, admit, predict and encode on a host thread -> (encoded payload, timing_ms, ticket).
+    async def run_prediction(request: Request, options: dict, encode: Callable[[MoGeOutput, ImageUpload], Any]) -> tuple:
+        """Receive, admit, predict and encode(output, upload) on a host thread -> (encoded payload, timing_ms, ticket).
 
         The caller passes the ticket on to the answer (`answer`), which frees it once sent; on any error here
         the ticket's answer part ends at once, and its slot frees when the work has ended too.
@@ -351,24 +354,40 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
                 raise
             timing["post"] = timing["solve"] + timing["finish"]
             t = time.perf_counter()
-            payload = encode(out)
+            payload = encode(out, upload)
             timing["encode"] = (time.perf_counter() - t) * 1e3
             return payload
 
+        payload = await on_host(job, ticket)
+        timing["total"] = (time.perf_counter() - start) * 1e3
+        return payload, timing, ticket
+
+    async def on_host(work: Callable[[], Any], ticket: Ticket) -> Any:
+        """Run `work` on a host thread for an admitted request; its ticket's work part ends with it (even if the
+        client left), and its answer part at once if there is nothing to answer."""
         try:
-            future = serving.executor.submit(job)
+            future = serving.executor.submit(work)
         except BaseException:  # the executor is shut down (the server is stopping)
             ticket.done("work")
             ticket.done("answer")
             raise
         future.add_done_callback(lambda _: ticket.done("work"))  # even if the client left or the route was cancelled
         try:
-            payload = await asyncio.wrap_future(future)
+            return await asyncio.wrap_future(future)
         except BaseException:
             ticket.done("answer")  # nothing to send
             raise
-        timing["total"] = (time.perf_counter() - start) * 1e3
-        return payload, timing, ticket
+
+    async def run_admitted(work: Callable[[], Any], cost: int) -> tuple:
+        """Admit a request that costs `cost` bytes of the memory budget and run `work` on a host thread ->
+        (its result, ticket); the caller answers with `answer(..., ticket)` (the web page's downloads)."""
+        reservation = serving.budget.reservation()
+        try:
+            ticket = serving.admit(reservation, cost)
+        except BaseException:
+            reservation.release()
+            raise
+        return await on_host(work, ticket), ticket
 
     def answer(parts: list, media_type: str, headers: dict, ticket: Ticket) -> StreamedAnswer:
         """The streamed 200 answer; from now on the request holds only the answer's bytes of the budget."""
@@ -380,6 +399,10 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
             ticket.done("answer")
             raise
         return response
+
+    # The web page (server/ui.py) sends its requests through the same auth, limits, admission and answers.
+    app.state.authorize, app.state.run_prediction, app.state.run_admitted = authorize, run_prediction, run_admitted
+    app.state.answer = answer
 
     responses = dict(ERROR_RESPONSES)
     fit_q = Query("pad", description="pad: keep the aspect ratio, gray bars; stretch: resize to the canvas")
@@ -403,7 +426,7 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
         options = dict(fit=fit, fov_x=fov_x, apply_mask=apply_mask, force_projection=force_projection)
         deflate = compress == "true" or (compress == "auto" and not _is_loopback(request))
         parts, timing, ticket = await run_prediction(request, options,
-                                                     lambda out: npz_parts(out.npz_arrays(), compress=deflate))
+                                                     lambda out, _: npz_parts(out.npz_arrays(), compress=deflate))
         return answer(parts, NPZ_MEDIA_TYPE, timing_headers(timing), ticket)
 
     @app.post(
@@ -415,7 +438,7 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
                               apply_mask: bool = mask_q, force_projection: bool = proj_q) -> Response:
         check_query(request, OPTION_NAMES)
         options = dict(fit=fit, fov_x=fov_x, apply_mask=apply_mask, force_projection=force_projection)
-        summary, timing, ticket = await run_prediction(request, options, MoGeOutput.summary)
+        summary, timing, ticket = await run_prediction(request, options, lambda out, _: out.summary())
         try:
             body = JSONResponse(Summary(**summary, timing_ms=Timing(**timing)).model_dump()).body
         except BaseException:

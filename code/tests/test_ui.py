@@ -1,0 +1,314 @@
+"""The web page's server side (tt_moge/server/ui.py), in process: the page and its files, results equal to the
+API's, the API's errors, auth and admission queue, a bounded result folder, a bounded 3D view.
+
+The page in a real browser against a real server: test_ui_browser.py.
+Run: cd code && python -m pytest tests/test_ui.py -q
+"""
+from __future__ import annotations
+
+import io
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from tt_moge.server import ServerSettings  # noqa: E402
+
+from .server_harness import encode_image, photo  # noqa: E402
+
+PNG = "image/png"
+KEY = "ui-test-key"
+STATIC = Path(__file__).resolve().parents[1] / "tt_moge" / "server" / "static"
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    from tt_moge import MoGeModel
+
+    m = MoGeModel.from_pretrained(checkpoint("tiny-vits-normal", well_posed=True), device="cpu", resolution=(448, 252),
+                                  num_tokens=1200, warmup=0, warmup_variants="none", precision="fp32")
+    yield m
+    m.close()
+
+
+def make_client(model, tmp_path, settings=None, keep=None, ui=True):
+    from tt_moge.server.app import create_app
+    from tt_moge.server.ui import ResultStore, mount_ui
+
+    app = create_app(model, settings or ServerSettings(queue_size=2, host_threads=2))
+    store = None
+    if ui:
+        store = ResultStore(parent=str(tmp_path), **({"keep": keep} if keep else {}))
+        mount_ui(app, store)
+    return TestClient(app), store
+
+
+@pytest.fixture(scope="module")
+def image():
+    return encode_image(photo(640, 360, 3), "PNG")
+
+
+def without_timing(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if k != "timing_ms"}
+
+
+# ------------------------------------------------------------------------------------------------ the page
+def test_page_and_its_files_are_served_from_this_server_only(model, tmp_path):
+    client, _ = make_client(model, tmp_path)
+    with client:
+        for path in ("/", "/ui", "/ui/"):
+            r = client.get(path)
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), path
+            assert "default-src 'self'" in r.headers["content-security-policy"]
+        page = client.get("/").text
+        assets = re.findall(r'(?:src|href)="([^"]+)"', page)
+        assert {"/ui/static/app.js", "/ui/static/style.css"} <= set(assets)
+        for asset in assets:
+            assert asset.startswith(("/ui/static/", "/docs", "data:")), asset  # nothing from another host
+        for name, kind in (("app.js", "text/javascript"), ("viewer.js", "text/javascript"), ("style.css", "text/css")):
+            r = client.get(f"/ui/static/{name}")
+            assert r.status_code == 200 and r.headers["content-type"].startswith(kind) and len(r.content) > 500
+        r = client.get("/ui/static/../app.py")
+        assert r.status_code == 404 and r.headers["content-type"] == "application/json"
+        assert client.get("/ui/api/config").json()["auth"] is False
+        demo = client.get("/ui/demo.png")
+        assert demo.status_code == 200
+        from PIL import Image
+
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(demo.content))),
+                              np.asarray(Image.open(Path(__file__).resolve().parents[2] / "media" / "source.png")))
+    for path in STATIC.iterdir():  # no CDN, no external URL in the page's own code
+        assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", path.read_text()), path.name
+
+
+def test_without_the_page_the_api_is_unchanged(model, tmp_path):
+    with_ui, _ = make_client(model, tmp_path)
+    without, _ = make_client(model, tmp_path, ui=False)
+    with with_ui, without:
+        assert with_ui.get("/openapi.json").json() == without.get("/openapi.json").json()  # the page is not in the API
+        r = without.get("/")
+        assert r.status_code == 404 and r.json()["code"] == "not_found"
+        assert without.get("/ui/api/config").status_code == 404
+
+
+# ------------------------------------------------------------------------------------------ same results
+def test_page_results_are_the_api_results(model, tmp_path, image):
+    from tt_moge.export import write_outputs
+    from tt_moge.host.decode import decode_bytes
+    from tt_moge.server.ui import VIEW_MAX_BYTES
+
+    client, _ = make_client(model, tmp_path)
+    query = {"fov_x": "55", "apply_mask": "false", "fit": "stretch"}
+    with client:
+        r = client.post("/ui/api/predict", content=image, headers={"Content-Type": PNG}, params=query)
+        assert r.status_code == 200, r.text
+        page = r.json()
+        api = client.post("/predict/summary", content=image, headers={"Content-Type": PNG}, params=query).json()
+        assert without_timing(page["summary"]) == without_timing(api)
+        assert page["summary"]["fov_x_deg"] == pytest.approx(55.0, abs=1e-4)  # the options reached the model
+        assert set(page["summary"]["timing_ms"]) == set(api["timing_ms"])
+
+        npz = client.get(page["downloads"]["result.npz"])
+        assert npz.status_code == 200 and npz.headers["content-type"] == "application/x-npz"
+        assert npz.content == client.post("/predict", content=image, headers={"Content-Type": PNG}, params=query).content
+
+        expected = write_outputs(model(image, fit="stretch", fov_x=55.0, apply_mask=False), decode_bytes(image),
+                                 tmp_path / "cli", formats=("maps", "ply", "glb"))
+        assert {"mesh.glb", "points.ply", "depth.exr"} <= set(expected["files"])
+        for name in ("mesh.glb", "points.ply", "depth.exr"):
+            first = client.get(page["downloads"][name])
+            assert first.status_code == 200, first.text
+            assert first.content == (tmp_path / "cli" / name).read_bytes(), f"{name} differs from `tt-moge predict`'s"
+            assert client.get(page["downloads"][name]).content == first.content  # made once, served again
+
+        for key, kind, width in (("depth", "image/jpeg", None), ("normal", "image/jpeg", 640), ("mask", "image/png", 640)):
+            pic = client.get(page["images"][key])
+            assert pic.status_code == 200 and pic.headers["content-type"] == kind
+            from PIL import Image
+
+            size = Image.open(io.BytesIO(pic.content)).size
+            assert size[1] == 360 and (size[0] == width if width else size[0] > 640)  # depth has its colour bar
+        view = client.get(page["view"]["url"])
+        assert view.content[:4] == b"glTF" and len(view.content) == page["view"]["bytes"] <= VIEW_MAX_BYTES
+        assert page["view"]["vertices"] > 1000 and page["view"]["faces"] > 1000
+
+
+def test_page_requests_get_the_api_errors_and_need_its_key(model, tmp_path):
+    settings = ServerSettings(queue_size=2, host_threads=2, max_body_bytes=300_000, max_pixels=1_000_000, api_key=KEY)
+    client, _ = make_client(model, tmp_path, settings)
+    good = encode_image(photo(160, 90, 1), "PNG")
+    truncated = good[:len(good) // 2]
+    big = encode_image(np.zeros((900, 1200, 3), np.uint8), "PNG")  # small file, 1.08 MP
+    auth = {"Authorization": f"Bearer {KEY}"}
+    cases = [
+        (good, {"Content-Type": PNG}, {}, 401),
+        (good, {"Content-Type": PNG, "Authorization": "Bearer wrong"}, {}, 401),
+        (truncated, {"Content-Type": PNG, **auth}, {}, 400),
+        (b"GIF89a" + bytes(100), {"Content-Type": PNG, **auth}, {}, 415),
+        (good, {"Content-Type": "image/gif", **auth}, {}, 415),
+        (bytes(400_000), {"Content-Type": PNG, **auth}, {}, 413),
+        (big, {"Content-Type": PNG, **auth}, {}, 413),
+        (good, {"Content-Type": PNG, **auth}, {"fov_x": "200"}, 422),
+        (good, {"Content-Type": PNG, **auth}, {"fit": "crop"}, 422),
+        (good, {"Content-Type": PNG, **auth}, {"fov_x": "wide"}, 422),
+    ]
+    with client:
+        assert client.get("/ui/api/config").json()["auth"] is True  # the page asks for the key
+        for body, headers, params, status in cases:
+            page = client.post("/ui/api/predict", content=body, headers=headers, params=params)
+            api = client.post("/predict/summary", content=body, headers=headers, params=params)
+            assert page.status_code == api.status_code == status, (status, page.text, api.text)
+            assert page.json()["code"] == api.json()["code"], (page.text, api.text)
+            if status in (400, 401, 413, 415):  # the very same message as the API (options are phrased by the model)
+                assert page.json() == api.json()
+            else:
+                assert params and list(params)[0] in page.json()["detail"]
+        assert client.post("/ui/api/predict", content=good, headers={"Content-Type": PNG, **auth},
+                           params={"compress": "true"}).status_code == 422  # not an option of the page
+        r = client.get("/ui/results/no-such-result/result.npz")
+        assert r.status_code == 404 and r.json()["code"] == "result_expired"
+        assert client.get("/health").json()["status"] == "ok"
+        assert client.post("/ui/api/predict", content=good, headers={"Content-Type": PNG, **auth}).status_code == 200
+
+
+def test_page_requests_share_the_admission_queue_of_predict(model, tmp_path, monkeypatch):
+    """queue_size 1: while a page request holds the slot, /predict, the page and downloads get 503 + Retry-After."""
+    client, _ = make_client(model, tmp_path, ServerSettings(queue_size=1, host_threads=2))
+    image = encode_image(photo(160, 90, 2), "PNG")
+    with client:
+        done = client.post("/ui/api/predict", content=image, headers={"Content-Type": PNG}).json()
+        entered, release = threading.Event(), threading.Event()
+        predict = model.predict
+
+        def blocking(*args, **kwargs):
+            entered.set()
+            assert release.wait(30)
+            return predict(*args, **kwargs)
+
+        monkeypatch.setattr(model, "predict", blocking)
+        holder = {}
+        thread = threading.Thread(target=lambda: holder.update(r=client.post("/ui/api/predict", content=image,
+                                                                             headers={"Content-Type": PNG})))
+        thread.start()
+        try:
+            assert entered.wait(30)
+            for r in (client.post("/predict", content=image, headers={"Content-Type": PNG}),
+                      client.post("/ui/api/predict", content=image, headers={"Content-Type": PNG}),
+                      client.get(done["downloads"]["mesh.glb"])):
+                assert r.status_code == 503 and r.json()["code"] == "queue_full" and r.headers["retry-after"] == "1"
+            assert client.get("/health").json()["in_flight"] == 1
+        finally:
+            release.set()
+            thread.join(60)
+        assert holder["r"].status_code == 200
+        assert client.get(done["downloads"]["mesh.glb"]).status_code == 200
+        assert client.get("/health").json()["in_flight"] == 0
+
+
+# ------------------------------------------------------------------------------------------ bounded files
+def result_dirs(store) -> list:
+    return sorted(p.name for p in store.root.iterdir()) if store.root.exists() else []
+
+
+def test_result_folder_stays_bounded_under_load_and_goes_at_shutdown(model, tmp_path):
+    client, store = make_client(model, tmp_path, ServerSettings(queue_size=4, host_threads=2), keep=3)
+    images = [encode_image(photo(96 + 8 * i, 64, i), "PNG") for i in range(4)]
+    ids, sizes = [], []
+    with client:
+        def one(i: int) -> None:
+            r = client.post("/ui/api/predict", content=images[i % 4], headers={"Content-Type": PNG})
+            if r.status_code == 200:
+                page = r.json()
+                ids.append(page["id"])
+                client.get(page["downloads"]["mesh.glb"])
+            sizes.append(len(result_dirs(store)))
+
+        for wave in range(3):  # 3 waves of 4 concurrent clients: 12 results for a store that keeps 3
+            threads = [threading.Thread(target=one, args=(4 * wave + i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        assert len(ids) >= 8, "too few requests got through to test the bound"
+        assert max(sizes) <= 3 + 4, sizes  # kept results + those held by requests in flight
+        assert len(result_dirs(store)) <= 3 and len(store) <= 3
+        assert set(result_dirs(store)) <= set(ids)
+        gone = [rid for rid in ids if rid not in result_dirs(store)]
+        r = client.get(f"/ui/results/{gone[0]}/depth.jpg")
+        assert r.status_code == 404 and r.json()["code"] == "result_expired"
+        assert client.get("/health").json()["in_flight"] == 0
+    assert not store.root.exists(), "the result folder outlived the server"
+    assert list(tmp_path.iterdir()) == [] or all(not p.name.startswith("tt_moge-ui-") for p in tmp_path.iterdir())
+
+
+def test_store_keeps_a_held_result_until_its_reader_is_done(tmp_path):
+    """Oldest unheld result first; a held one dropped over the byte budget stays on disk until released."""
+    from tt_moge.server.errors import ApiError
+    from tt_moge.server.ui import ResultStore
+
+    store = ResultStore(keep=2, keep_bytes=15_000, keep_seconds=3600, parent=str(tmp_path))
+    first = store.create()
+    (first.path / "a.bin").write_bytes(bytes(4000))
+    store.added(first, first.path / "a.bin")
+    store.release(first)
+    reader = store.acquire(first.rid)  # a download in progress
+    second = store.create()
+    store.release(second)
+    third = store.create()  # one over `keep`: the oldest result nobody holds goes
+    store.release(third)
+    assert result_dirs(store) == sorted([first.rid, third.rid])
+    big = store.create()  # `third` goes
+    (big.path / "b.bin").write_bytes(bytes(12_000))
+    store.added(big, big.path / "b.bin")  # over keep_bytes, every result held: the oldest is dropped...
+    assert len(store) == 1 and first.path.exists()  # ...but stays on disk while it is read
+    with pytest.raises(ApiError):
+        store.acquire(first.rid)
+    store.release(reader)
+    assert not first.path.exists()
+    store.release(big)
+    assert result_dirs(store) == [big.rid]
+    store.keep_seconds = 0.01
+    time.sleep(0.02)
+    with pytest.raises(ApiError):
+        store.acquire(big.rid)  # expired
+    assert result_dirs(store) == []
+    store.close()
+    assert not store.root.exists()
+
+
+# ------------------------------------------------------------------------------------------ the 3D view
+def test_view_mesh_stays_under_15_mb_for_any_image():
+    """The worst case: a square image, every pixel valid and off edges, a noise texture (JPEG at its largest)."""
+    from tt_moge.output import MoGeOutput
+    from tt_moge.server.ui import TEXTURE_MAX_SIDE, VIEW_MAX_BYTES, VIEW_MAX_SIDE, view_mesh
+
+    assert VIEW_MAX_BYTES < 15_000_000
+    side = 2000
+    rng = np.random.default_rng(0)
+    v, u = np.mgrid[0:side, 0:side].astype(np.float32)
+    depth = np.full((side, side), 5.0, np.float32)
+    points = np.stack([(u - side / 2) / side * depth, (v - side / 2) / side * depth, depth], -1)
+    k = np.array([[1, 0, 0.5], [0, 1, 0.5], [0, 0, 1]], np.float32)
+    out = MoGeOutput(points=points, depth=depth, normal=None, mask=np.ones((side, side), bool), intrinsics=k,
+                     intrinsics_pixels=k * side, metric_scale=1.0, fov_x=53.1, fov_y=53.1)
+    texture = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
+    glb, record = view_mesh(out, texture)
+    grid = -(-side // record["step"])
+    assert record["step"] == -(-side // VIEW_MAX_SIDE) and record["vertices"] == grid * grid
+    assert record["faces"] == 2 * (grid - 1) ** 2
+    assert len(glb) == record["bytes"] <= VIEW_MAX_BYTES and max(record["texture"]) == TEXTURE_MAX_SIDE
+    tighter = len(glb) - 1_000_000  # a budget the full texture misses: the texture shrinks until the GLB fits
+    smaller, record = view_mesh(out, texture, max_bytes=tighter)
+    assert len(smaller) <= tighter and max(record["texture"]) < TEXTURE_MAX_SIDE
+    header = json.loads(glb[20:20 + int.from_bytes(glb[12:16], "little")])
+    assert header["images"][0]["mimeType"] == "image/jpeg"
+    assert set(header["meshes"][0]["primitives"][0]["attributes"]) == {"POSITION", "TEXCOORD_0"}

@@ -1,0 +1,215 @@
+"""The web page in a real browser: headless Chromium (selenium) against a real `python -m tt_moge.server` on
+127.0.0.1 with a random-weight tiny checkpoint and an API key.
+
+It opens the page, enters the key (the page asks for it), uploads media/source.png and checks that the depth,
+normal and mask images and the 3D view are shown (a screenshot of the canvas is not blank, and changes when
+dragged and zoomed), that the numbers on the page equal POST /predict/summary for the same image, that the npz
+the browser downloads equals POST /predict bit for bit, that everything the page loaded came from the server
+itself, and that a corrupt and a too-large upload show the API's error while the server keeps serving; when the
+server stops, its result folder is gone.
+
+MOGE_UI_SCREENSHOT=PATH saves a screenshot of the page with the result (media/web-ui.png in the docs).
+The test is skipped without selenium or Chromium, unless MOGE_BROWSER_TESTS=required (.ci/run sets it).
+Run: cd code && python -m pytest tests/test_ui_browser.py -q
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REQUIRED = os.environ.get("MOGE_BROWSER_TESTS") == "required"
+if not REQUIRED:
+    pytest.importorskip("selenium")
+    pytest.importorskip("fastapi")
+
+import httpx  # noqa: E402
+
+from tt_moge.testing.browser import canvas_pixels, find_chromium, start_chromium, wait_for_download  # noqa: E402
+
+from .server_harness import ServerProcess  # noqa: E402
+
+if find_chromium() is None:
+    if REQUIRED:
+        raise RuntimeError("MOGE_BROWSER_TESTS=required but no Chromium + chromedriver: apt-get install chromium chromium-driver")
+    pytest.skip("no Chromium + chromedriver (apt-get install chromium chromium-driver)", allow_module_level=True)
+
+from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
+from selenium.webdriver.common.actions.wheel_input import ScrollOrigin  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+SOURCE = Path(__file__).resolve().parents[2] / "media" / "source.png"
+KEY = "browser-test-key"
+# 1920x1080 fits (2.07 MP); the too-large test image does not.
+FLAGS = ["--queue-size", "2", "--host-threads", "2", "--max-pixels", "2500000", "--max-body-mb", "8"]
+BACKGROUND = np.array([240, 240, 242])  # the view's clear colour (viewer.js)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tt_moge.testing import make_checkpoint
+
+    folder = tmp_path_factory.mktemp("ui-browser")
+    temp = folder / "tmp"
+    temp.mkdir()
+    weights = make_checkpoint(folder / "weights", "tiny-vits-normal", well_posed=True)
+    proc = ServerProcess(weights, FLAGS, env={"MOGE_API_KEY": KEY, "TMPDIR": str(temp)})
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+    assert not list(temp.glob("tt_moge-ui-*")), "the page's result folder outlived the server"
+
+
+@pytest.fixture(scope="module")
+def downloads(tmp_path_factory):
+    return tmp_path_factory.mktemp("downloads")
+
+
+@pytest.fixture(scope="module")
+def browser(downloads):
+    session = start_chromium(downloads, size=(1400, 1000))
+    yield session
+    session.quit()
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as client:
+        yield client
+
+
+def state(browser) -> str:
+    return browser.find_element(By.TAG_NAME, "body").get_attribute("data-state")
+
+
+def upload(browser, path: Path, timeout_s: float = 120) -> str:
+    """Choose a file in the page (it runs at once) and wait for the run to end -> "done" or "error"."""
+    runs = browser.execute_script("return window.ttMoge.runs")
+    browser.find_element(By.ID, "file").send_keys(str(path))
+    WebDriverWait(browser, timeout_s).until(lambda b: b.execute_script("return window.ttMoge.runs") > runs)
+    return state(browser)
+
+
+def console_errors(browser) -> list:
+    """Script errors (not the network lines Chromium logs for the 4xx answers the tests ask for)."""
+    return [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE" and e.get("source") != "network"]
+
+
+@pytest.fixture(scope="module")
+def result_page(server, browser):
+    """The page showing the result of media/source.png, reached as a person would: no key -> asked for one."""
+    browser.get(server.url + "/")
+    WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "server-status").text == "ready")
+    assert browser.find_element(By.ID, "key-row").is_displayed()  # the page asks for the key this server needs
+    assert upload(browser, SOURCE) == "error"
+    assert "API key" in browser.find_element(By.ID, "error").text
+    browser.find_element(By.ID, "api-key").send_keys(KEY)
+    browser.find_element(By.ID, "run").click()
+    WebDriverWait(browser, 120).until(lambda b: state(b) in ("done", "error"))
+    assert state(browser) == "done", browser.find_element(By.ID, "error").text
+    if os.environ.get("MOGE_UI_SCREENSHOT"):  # the picture in docs/web-ui.md: the whole page, the view turned a little
+        canvas = browser.find_element(By.ID, "view")
+        ActionChains(browser).move_to_element(canvas).click_and_hold().move_by_offset(-140, -50).release().perform()
+        height = browser.execute_script("return document.documentElement.scrollHeight")
+        browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                                {"width": 1400, "height": height, "deviceScaleFactor": 1, "mobile": False})
+        time.sleep(0.5)
+        browser.save_screenshot(os.environ["MOGE_UI_SCREENSHOT"])
+        browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        ActionChains(browser).double_click(canvas).perform()  # back to the photo's own camera
+        time.sleep(0.3)
+    return browser
+
+
+def test_maps_and_an_interactive_3d_view_are_shown(result_page):
+    browser = result_page
+    for name in ("depth", "normal", "mask"):
+        WebDriverWait(browser, 30).until(lambda b: b.execute_script(
+            f"const i = document.getElementById('{name}'); return i.complete && i.naturalWidth > 0"))
+        assert browser.find_element(By.ID, name).is_displayed(), name
+    sizes = browser.execute_script("return ['depth', 'normal', 'mask'].map(id => "
+                                   "[document.getElementById(id).naturalWidth, document.getElementById(id).naturalHeight])")
+    assert sizes[1] == sizes[2] == [1920, 1080] and sizes[0][1] == 1080 and sizes[0][0] > 1920  # depth: + colour bar
+
+    canvas = browser.find_element(By.ID, "view")
+    assert not browser.find_element(By.ID, "view-message").is_displayed()
+    first = canvas_pixels(canvas).astype(np.int16)
+    off_background = (np.abs(first - BACKGROUND).max(axis=2) > 24).mean()
+    assert off_background > 0.5, f"the 3D view is blank: {off_background:.0%} of it differs from the background"
+    assert first.std() > 20 and len(np.unique(first.reshape(-1, 3), axis=0)) > 500  # a textured picture, not a fill
+
+    def changed_after(act) -> float:
+        frames = int(canvas.get_attribute("data-frames"))
+        before = canvas_pixels(canvas).astype(np.int16)
+        act()
+        WebDriverWait(browser, 10).until(lambda b: int(canvas.get_attribute("data-frames")) > frames)
+        time.sleep(0.3)
+        return float(np.abs(canvas_pixels(canvas).astype(np.int16) - before).mean())
+
+    orbit = changed_after(lambda: ActionChains(browser).move_to_element(canvas).click_and_hold()
+                          .move_by_offset(150, 60).release().perform())
+    zoom = changed_after(lambda: ActionChains(browser).scroll_from_origin(ScrollOrigin.from_element(canvas), 0, 400).perform())
+    assert orbit > 5 and zoom > 5, (orbit, zoom)
+    ActionChains(browser).double_click(canvas).perform()  # back to the photo's own camera
+    assert console_errors(browser) == []
+
+
+def test_numbers_on_the_page_equal_predict_summary(result_page, api):
+    browser = result_page
+    expected = api.post("/predict/summary", content=SOURCE.read_bytes(), headers={"Content-Type": "image/png"}).json()
+    shown = json.loads(browser.execute_script("return document.getElementById('summary-json').textContent"))
+    assert {k: v for k, v in shown.items() if k != "timing_ms"} == {k: v for k, v in expected.items() if k != "timing_ms"}
+    rows = {row.get_attribute("data-key"): (json.loads(row.get_attribute("data-value")), row.text)
+            for row in browser.find_elements(By.CSS_SELECTOR, "#numbers-table tr")}
+    for key in ("fov_x_deg", "fov_y_deg", "metric_scale", "median_depth_m", "valid_fraction"):
+        assert rows[key][0] == expected[key], key
+    assert rows["size"][0] == [1920, 1080]
+    assert f"{expected['fov_x_deg']:.1f}°" in rows["fov_x_deg"][1]
+    assert f"{expected['median_depth_m']:.2f} m" in rows["median_depth_m"][1]
+    assert f"{100 * expected['valid_fraction']:.1f} %" in rows["valid_fraction"][1]
+    assert set(rows["timing"][0]) == set(expected["timing_ms"])
+
+
+def test_downloaded_npz_equals_predict_bit_for_bit(result_page, api, downloads):
+    browser = result_page
+    browser.find_element(By.CSS_SELECTOR, "#download-buttons button[data-file='result.npz']").click()
+    path = wait_for_download(downloads, "source.npz")
+    expected = api.post("/predict", content=SOURCE.read_bytes(), headers={"Content-Type": "image/png"})
+    assert expected.status_code == 200
+    assert path.read_bytes() == expected.content
+
+
+def test_the_page_loads_nothing_from_elsewhere(result_page, server):
+    names = result_page.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert names and all(n.startswith(server.url + "/") or n.startswith(("blob:", "data:")) for n in names), names
+
+
+def test_bad_uploads_show_the_api_error_and_the_server_keeps_serving(result_page, api, server, tmp_path):
+    browser = result_page
+    corrupt = tmp_path / "corrupt.png"
+    data = SOURCE.read_bytes()
+    corrupt.write_bytes(data[: len(data) // 2])  # the header is fine: refused when decoding fails
+    api_error = api.post("/predict", content=corrupt.read_bytes(), headers={"Content-Type": "image/png"}).json()
+    assert upload(browser, corrupt) == "error"
+    shown = browser.find_element(By.ID, "error").text
+    assert api_error["code"] == "bad_image" and api_error["code"] in shown and api_error["detail"] in shown, shown
+    assert not browser.find_element(By.ID, "numbers").is_displayed()  # the old result is not left on show
+
+    from PIL import Image
+
+    large = tmp_path / "large.png"
+    Image.new("RGB", (2000, 1300)).save(large)  # 2.6 MP, over --max-pixels 2500000
+    api_error = api.post("/predict", content=large.read_bytes(), headers={"Content-Type": "image/png"}).json()
+    assert upload(browser, large) == "error"
+    shown = browser.find_element(By.ID, "error").text
+    assert shown.startswith("Too large:") and api_error["detail"] in shown, shown
+
+    assert api.get("/health").json()["status"] == "ok"
+    assert upload(browser, SOURCE) == "done"  # and the page works again

@@ -1,0 +1,324 @@
+// The page of `tt-moge serve` (tt_moge/server/ui.py): pick or drop a photo, POST it to /ui/api/predict (the
+// same auth, limits and admission as POST /predict), then show the maps, the numbers and the 3D view, and
+// fetch the downloads on request. Errors are the API's JSON {code, detail}, shown as they come.
+import { MeshViewer, parseGLB } from "./viewer.js";
+
+const $ = (id) => document.getElementById(id);
+const state = { file: null, config: null, viewer: null, result: null, busy: false };
+// Timestamps (performance.now(), ms) of the last run, for people and for the benchmark (perf/ui).
+window.ttMoge = { runs: 0 };
+
+function setState(name) { document.body.dataset.state = name; }
+
+function showError(title, detail, retry) {
+  $("error-title").textContent = title;
+  $("error-detail").textContent = detail || "";
+  $("retry").hidden = !retry;
+  $("error").hidden = false;
+}
+function hideError() { $("error").hidden = true; }
+
+function progress(text) {
+  $("progress").hidden = !text;
+  $("progress-text").textContent = text || "";
+}
+
+// An API error response -> a title and a line for people (the detail is the API's own message).
+async function describe(status, bodyText) {
+  let body = null;
+  try { body = JSON.parse(bodyText); } catch { /* not JSON: a proxy's page */ }
+  const code = body && body.code, detail = body && body.detail ? body.detail : (bodyText || "").slice(0, 300);
+  if (status === 503) return { title: "Busy, retry:", detail, retry: true, code };
+  if (status === 401) {
+    $("key-row").hidden = false;
+    return { title: "API key needed:", detail: "enter this server's API key above and run again (" + detail + ")", code };
+  }
+  if (status === 413) return { title: "Too large:", detail, code };
+  if (status === 0) return { title: "No answer from the server:", detail: "is it still running?", retry: true };
+  return { title: code ? `${code}:` : `HTTP ${status}:`, detail, code };
+}
+
+function authHeaders() {
+  const key = $("api-key").value.trim();
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
+// ------------------------------------------------------------------------------------------------ input
+function choose(file) {
+  if (!file) return;
+  state.file = file;
+  const preview = $("preview");
+  if (preview.src.startsWith("blob:")) URL.revokeObjectURL(preview.src);
+  preview.src = URL.createObjectURL(file);
+  preview.hidden = false;
+  $("drop-text").textContent = `${file.name} (${(file.size / 1024).toFixed(0)} KiB): drop or click for another`;
+  $("run").disabled = false;
+  run();
+}
+
+function bindInput() {
+  const drop = $("drop");
+  $("file").addEventListener("change", (e) => {
+    choose(e.target.files[0]);
+    e.target.value = "";  // choosing the same file again runs it again
+  });
+  for (const name of ["dragenter", "dragover"]) {
+    drop.addEventListener(name, (e) => { e.preventDefault(); drop.classList.add("over"); });
+  }
+  for (const name of ["dragleave", "drop"]) drop.addEventListener(name, () => drop.classList.remove("over"));
+  drop.addEventListener("drop", (e) => { e.preventDefault(); choose(e.dataTransfer.files[0]); });
+  $("demo").addEventListener("click", async () => {
+    progress("fetching the demo image…");
+    const r = await fetch("/ui/demo.png");
+    progress("");
+    if (!r.ok) { const d = await describe(r.status, await r.text()); showError(d.title, d.detail); return; }
+    choose(new File([await r.blob()], "demo.png", { type: "image/png" }));
+  });
+  $("run").addEventListener("click", run);
+  $("retry").addEventListener("click", run);
+}
+
+// ------------------------------------------------------------------------------------------------- run
+function post(url, file, onUploaded) {  // XMLHttpRequest: it reports upload progress, fetch does not
+  return new Promise((resolve) => {
+    const xhr = new XMLHttpRequest();
+    xhr.open("POST", url);
+    // The file's own type (from its name when the system gave none); the server answers an unsupported
+    // one with its 415 message.
+    const byName = /\.png$/i.test(file.name) ? "image/png" : /\.jpe?g$/i.test(file.name) ? "image/jpeg" : "application/octet-stream";
+    xhr.setRequestHeader("Content-Type", file.type || byName);
+    for (const [k, v] of Object.entries(authHeaders())) xhr.setRequestHeader(k, v);
+    xhr.upload.onprogress = (e) => {
+      if (e.lengthComputable && e.loaded < e.total) progress(`uploading… ${Math.round(100 * e.loaded / e.total)} %`);
+    };
+    xhr.upload.onload = onUploaded;
+    xhr.onload = () => resolve({ status: xhr.status, text: xhr.responseText });
+    xhr.onerror = () => resolve({ status: 0, text: "" });
+    xhr.send(file);
+  });
+}
+
+async function run() {
+  if (!state.file || state.busy) return;
+  state.busy = true;
+  hideError();
+  setState("running");
+  $("run").disabled = true;
+  clearResult();
+  const marks = { start: performance.now() };
+  window.ttMoge.last = marks;
+  const started = Date.now();
+  let stage = "uploading…";
+  const spinner = document.querySelector("#progress .spinner");
+  // Once a second: the page stays (nearly) idle while the server works, even where it shares its CPU.
+  const tick = setInterval(() => {
+    const seconds = Math.round((Date.now() - started) / 1000);
+    spinner.style.transform = `rotate(${90 * seconds}deg)`;
+    progress(`${stage} ${seconds} s`);
+  }, 1000);
+  progress(stage);
+  try {
+    const query = new URLSearchParams({ fit: $("fit").value, apply_mask: $("apply_mask").checked ? "true" : "false" });
+    const fov = $("fov_x").value.trim();
+    if (fov) query.set("fov_x", fov);
+    const r = await post(`/ui/api/predict?${query}`, state.file, () => { stage = "running the model…"; });
+    marks.response = performance.now();
+    if (r.status !== 200) {
+      const d = await describe(r.status, r.text);
+      setState("error");
+      showError(d.title, d.detail, d.retry);
+      document.body.dataset.errorCode = d.code || String(r.status);
+      return;
+    }
+    const result = JSON.parse(r.text);
+    state.result = result;
+    marks.server = { timing_ms: result.summary.timing_ms, page_ms: result.page_ms, view: result.view };
+    showMaps(result);
+    showNumbers(result);
+    showDownloads(result);
+    stage = "loading the 3D view…";
+    await showView(result, marks);
+    marks.done = performance.now();
+    setState("done");
+  } catch (err) {
+    setState("error");
+    showError("Error:", String(err && err.message ? err.message : err));
+  } finally {
+    clearInterval(tick);
+    progress("");
+    state.busy = false;
+    $("run").disabled = !state.file;
+    window.ttMoge.runs += 1;
+  }
+}
+
+function clearResult() {
+  state.result = null;
+  for (const id of ["depth", "normal", "mask"]) {
+    $(id).hidden = true;
+    $(id).closest("figure").hidden = false;
+    $(id).removeAttribute("src");
+  }
+  $("numbers").hidden = true;
+  $("downloads").hidden = true;
+  $("view-info").textContent = "";
+  $("view-message").hidden = false;
+  $("view-message").textContent = "The 3D scene appears here";
+  delete document.body.dataset.errorCode;
+  if (state.viewer) state.viewer.clear();
+}
+
+function showMaps(result) {
+  for (const id of ["depth", "normal", "mask"]) {
+    const url = result.images[id];
+    $(id).hidden = !url;
+    $(id).closest("figure").hidden = !url;  // no normal map from a model without a normal head
+    if (url) $(id).src = url;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ numbers
+const fmt = (digits, unit = "") => (v) => (v === null || v === undefined ? "n/a" : `${Number(v).toFixed(digits)}${unit}`);
+const ROWS = [
+  ["size", "Image", (s) => `${s.width} × ${s.height} px`],
+  ["fov_x_deg", "Horizontal field of view", fmt(1, "°")],
+  ["fov_y_deg", "Vertical field of view", fmt(1, "°")],
+  ["metric_scale", "Metric scale", fmt(4)],
+  ["median_depth_m", "Median depth", fmt(2, " m")],
+  ["valid_fraction", "Valid pixels", (v) => `${(100 * v).toFixed(1)} %`],
+  ["depth_range", "Depth colour range", null],
+  ["timing", "Server time", null],
+];
+
+function showNumbers(result) {
+  const s = result.summary, body = $("numbers-table").tBodies[0];
+  body.replaceChildren();
+  for (const [key, label, format] of ROWS) {
+    let text, value;
+    if (key === "size") { value = [s.width, s.height]; text = format(s); }
+    else if (key === "depth_range") {
+      value = result.depth_range_m;
+      text = value[0] === null ? "n/a" : `${value[0].toFixed(2)} – ${value[1].toFixed(2)} m (1st – 99th percentile)`;
+    } else if (key === "timing") {
+      value = s.timing_ms;
+      const t = s.timing_ms;
+      text = `${(t.total / 1000).toFixed(2)} s (model ${(t.device / 1000).toFixed(2)} s, queue ${(t.queue / 1000).toFixed(2)} s, maps and 3D view ${(t.encode / 1000).toFixed(2)} s)`;
+    } else { value = s[key]; text = format(value); }
+    const row = body.insertRow();
+    row.dataset.key = key;
+    row.dataset.value = JSON.stringify(value);
+    row.insertCell().textContent = label;
+    row.insertCell().textContent = text;
+  }
+  $("summary-json").textContent = JSON.stringify(s, null, 2);
+  $("numbers").hidden = false;
+}
+
+// ---------------------------------------------------------------------------------------------- downloads
+const DOWNLOAD_LABELS = {
+  "result.npz": ["npz", "every array (the POST /predict layout)"],
+  "mesh.glb": ["GLB", "textured mesh, full resolution"],
+  "points.ply": ["PLY", "coloured point cloud with normals"],
+  "depth.exr": ["EXR", "depth, float32 metres"],
+  "view.glb": ["view GLB", "the light mesh of the 3D view"],
+};
+
+function downloadName(name) {
+  const stem = (state.file && state.file.name ? state.file.name.replace(/\.[^.]*$/, "") : "moge") || "moge";
+  return name === "result.npz" ? `${stem}.npz` : `${stem}_${name}`;
+}
+
+function showDownloads(result) {
+  const box = $("download-buttons");
+  box.replaceChildren();
+  for (const [name, url] of Object.entries(result.downloads)) {
+    const [label, title] = DOWNLOAD_LABELS[name] || [name, name];
+    const button = document.createElement("button");
+    button.type = "button";
+    button.textContent = label;
+    button.title = title;
+    button.dataset.file = name;
+    button.addEventListener("click", () => download(button, url, downloadName(name)));
+    box.append(button);
+  }
+  $("download-status").textContent = "";
+  $("downloads").hidden = false;
+}
+
+async function download(button, url, filename) {
+  button.disabled = true;
+  const status = $("download-status");
+  status.textContent = `preparing ${filename}…`;
+  try {
+    const r = await fetch(url, { headers: authHeaders() });
+    if (!r.ok) {
+      const d = await describe(r.status, await r.text());
+      status.textContent = `${d.title} ${d.detail}`;
+      return;
+    }
+    const blob = await r.blob();
+    const a = document.createElement("a");
+    a.href = URL.createObjectURL(blob);
+    a.download = filename;
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(a.href), 60000);
+    status.textContent = `${filename}: ${(blob.size / 1048576).toFixed(1)} MB`;
+    status.dataset.done = filename;
+  } catch (err) {
+    status.textContent = `download failed: ${err}`;
+  } finally {
+    button.disabled = false;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ 3D view
+async function showView(result, marks) {
+  const message = $("view-message");
+  if (!result.view.url) {
+    message.textContent = "No 3D view: no valid pixel off depth edges";
+    return;
+  }
+  if (!state.viewer) {
+    try { state.viewer = new MeshViewer($("view")); } catch (err) { message.textContent = String(err.message); return; }
+  }
+  const r = await fetch(result.view.url);
+  if (!r.ok) { const d = await describe(r.status, await r.text()); message.textContent = `${d.title} ${d.detail}`; return; }
+  const glb = await r.arrayBuffer();
+  marks.viewBytes = glb.byteLength;
+  marks.viewFetched = performance.now();
+  await state.viewer.load(parseGLB(glb), { fovYDeg: result.summary.fov_y_deg, distance: result.summary.median_depth_m });
+  await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));  // drawn
+  marks.view = performance.now();
+  message.hidden = true;
+  const v = result.view;
+  $("view-info").textContent = `· ${v.vertices.toLocaleString()} vertices, ${v.faces.toLocaleString()} triangles (a vertex per ${v.step}×${v.step} pixels), ${(glb.byteLength / 1048576).toFixed(1)} MB`;
+}
+
+// ----------------------------------------------------------------------------------------------- start-up
+async function watchServer() {
+  const status = $("server-status");
+  for (;;) {
+    try {
+      const r = await fetch("/ready");
+      if (r.ok) { status.textContent = "ready"; status.className = "status ok"; return; }
+      const body = await r.json().catch(() => ({}));
+      status.textContent = body.detail && body.detail.includes("failed") ? "model failed to load" : "loading the model…";
+      status.className = "status wait";
+    } catch { status.textContent = "server unreachable"; status.className = "status bad"; }
+    await new Promise((resolve) => setTimeout(resolve, 1000));
+  }
+}
+
+async function start() {
+  bindInput();
+  try {
+    state.config = await (await fetch("/ui/api/config")).json();
+    if (state.config.auth) $("key-row").hidden = false;
+  } catch { /* the page still works; a 401 shows the key field */ }
+  try { state.viewer = new MeshViewer($("view")); } catch (err) { $("view-message").textContent = String(err.message); }
+  watchServer();
+}
+
+start();

@@ -1,0 +1,247 @@
+// The page's 3D view: a textured triangle mesh from a GLB file, drawn with WebGL 2, orbit / pan / zoom.
+// Reads the GLB the server writes for the view (tt_moge.server.ui.view_mesh): one mesh, one primitive with
+// POSITION, TEXCOORD_0 and uint32 indices, a base colour texture (JPEG or PNG) embedded in the binary chunk.
+// Drawn unlit: the texture is the photo, so the first frame, from the camera's own position and field of
+// view, looks like the photo itself.
+
+const GLB_MAGIC = 0x46546c67, CHUNK_JSON = 0x4e4f534a, CHUNK_BIN = 0x004e4942;
+const COMPONENTS = { SCALAR: 1, VEC2: 2, VEC3: 3, VEC4: 4 };
+const ARRAYS = { 5121: Uint8Array, 5123: Uint16Array, 5125: Uint32Array, 5126: Float32Array };
+
+export function parseGLB(buffer) {
+  const view = new DataView(buffer);
+  if (buffer.byteLength < 20 || view.getUint32(0, true) !== GLB_MAGIC) throw new Error("not a GLB file");
+  let offset = 12, json = null, bin = null;
+  while (offset + 8 <= buffer.byteLength) {
+    const length = view.getUint32(offset, true), type = view.getUint32(offset + 4, true);
+    const body = buffer.slice(offset + 8, offset + 8 + length);
+    if (type === CHUNK_JSON) json = JSON.parse(new TextDecoder().decode(body));
+    else if (type === CHUNK_BIN) bin = body;
+    offset += 8 + length;
+  }
+  if (!json || !bin) throw new Error("GLB without its JSON or binary chunk");
+  const primitive = json.meshes[0].primitives[0];
+  const accessor = (index) => {
+    const a = json.accessors[index], bv = json.bufferViews[a.bufferView];
+    const Type = ARRAYS[a.componentType];
+    const start = (bv.byteOffset || 0) + (a.byteOffset || 0);
+    return { data: new Type(bin, start, a.count * COMPONENTS[a.type]), min: a.min, max: a.max, count: a.count };
+  };
+  const mesh = {
+    position: accessor(primitive.attributes.POSITION),
+    uv: accessor(primitive.attributes.TEXCOORD_0),
+    indices: accessor(primitive.indices),
+    texture: null,
+  };
+  const material = json.materials && json.materials[primitive.material];
+  const texInfo = material && material.pbrMetallicRoughness && material.pbrMetallicRoughness.baseColorTexture;
+  if (texInfo) {
+    const image = json.images[json.textures[texInfo.index].source];
+    const bv = json.bufferViews[image.bufferView];
+    mesh.texture = new Blob([new Uint8Array(bin, bv.byteOffset || 0, bv.byteLength)], { type: image.mimeType });
+  }
+  return mesh;
+}
+
+// ---------------------------------------------------------------------------------------- 4x4 matrices
+function perspective(fovY, aspect, near, far) {
+  const f = 1 / Math.tan(fovY / 2), nf = 1 / (near - far);
+  return [f / aspect, 0, 0, 0, 0, f, 0, 0, 0, 0, (far + near) * nf, -1, 0, 0, 2 * far * near * nf, 0];
+}
+function sub(a, b) { return [a[0] - b[0], a[1] - b[1], a[2] - b[2]]; }
+function cross(a, b) { return [a[1] * b[2] - a[2] * b[1], a[2] * b[0] - a[0] * b[2], a[0] * b[1] - a[1] * b[0]]; }
+function normalize(a) { const n = Math.hypot(a[0], a[1], a[2]) || 1; return [a[0] / n, a[1] / n, a[2] / n]; }
+function dot(a, b) { return a[0] * b[0] + a[1] * b[1] + a[2] * b[2]; }
+function lookAt(eye, target, up) {
+  const z = normalize(sub(eye, target)), x = normalize(cross(up, z)), y = cross(z, x);
+  return [x[0], y[0], z[0], 0, x[1], y[1], z[1], 0, x[2], y[2], z[2], 0, -dot(x, eye), -dot(y, eye), -dot(z, eye), 1];
+}
+function multiply(a, b) {  // column-major a * b
+  const out = new Array(16);
+  for (let c = 0; c < 4; c++) for (let r = 0; r < 4; r++) {
+    let s = 0;
+    for (let k = 0; k < 4; k++) s += a[k * 4 + r] * b[c * 4 + k];
+    out[c * 4 + r] = s;
+  }
+  return out;
+}
+
+const VERTEX_SHADER = `#version 300 es
+in vec3 position; in vec2 uv; uniform mat4 mvp; out vec2 v_uv;
+void main() { v_uv = uv; gl_Position = mvp * vec4(position, 1.0); }`;
+const FRAGMENT_SHADER = `#version 300 es
+precision mediump float; in vec2 v_uv; uniform sampler2D tex; out vec4 color;
+void main() { color = vec4(texture(tex, v_uv).rgb, 1.0); }`;
+
+export class MeshViewer {
+  constructor(canvas) {
+    this.canvas = canvas;
+    const gl = canvas.getContext("webgl2", { antialias: true });
+    if (!gl) throw new Error("this browser has no WebGL 2: the 3D view cannot be shown (the maps and downloads still work)");
+    this.gl = gl;
+    this.program = this.#program(VERTEX_SHADER, FRAGMENT_SHADER);
+    this.mesh = null;
+    this.frames = 0;
+    this.#bindInput();
+    new ResizeObserver(() => this.draw()).observe(canvas);
+  }
+
+  #program(vs, fs) {
+    const gl = this.gl, program = gl.createProgram();
+    for (const [type, source] of [[gl.VERTEX_SHADER, vs], [gl.FRAGMENT_SHADER, fs]]) {
+      const shader = gl.createShader(type);
+      gl.shaderSource(shader, source);
+      gl.compileShader(shader);
+      if (!gl.getShaderParameter(shader, gl.COMPILE_STATUS)) throw new Error(gl.getShaderInfoLog(shader));
+      gl.attachShader(program, shader);
+    }
+    gl.linkProgram(program);
+    if (!gl.getProgramParameter(program, gl.LINK_STATUS)) throw new Error(gl.getProgramInfoLog(program));
+    return program;
+  }
+
+  // Show a parsed GLB (parseGLB). camera: {fovYDeg, distance}: the photo's vertical field of view and the
+  // distance of the orbit centre (the median depth); the first view is from the photo's camera.
+  async load(mesh, camera) {
+    const gl = this.gl;
+    this.clear();
+    const vao = gl.createVertexArray();
+    gl.bindVertexArray(vao);
+    const buffers = [];
+    for (const [name, acc, size] of [["position", mesh.position, 3], ["uv", mesh.uv, 2]]) {
+      const buffer = gl.createBuffer();
+      gl.bindBuffer(gl.ARRAY_BUFFER, buffer);
+      gl.bufferData(gl.ARRAY_BUFFER, acc.data, gl.STATIC_DRAW);
+      const location = gl.getAttribLocation(this.program, name);
+      gl.enableVertexAttribArray(location);
+      gl.vertexAttribPointer(location, size, gl.FLOAT, false, 0, 0);
+      buffers.push(buffer);
+    }
+    const indices = gl.createBuffer();
+    gl.bindBuffer(gl.ELEMENT_ARRAY_BUFFER, indices);
+    gl.bufferData(gl.ELEMENT_ARRAY_BUFFER, mesh.indices.data, gl.STATIC_DRAW);
+    buffers.push(indices);
+    gl.bindVertexArray(null);
+
+    const texture = gl.createTexture();
+    gl.bindTexture(gl.TEXTURE_2D, texture);
+    if (mesh.texture) {
+      const bitmap = await createImageBitmap(mesh.texture);
+      gl.pixelStorei(gl.UNPACK_ALIGNMENT, 1);
+      gl.texImage2D(gl.TEXTURE_2D, 0, gl.RGB, gl.RGB, gl.UNSIGNED_BYTE, bitmap);
+      gl.generateMipmap(gl.TEXTURE_2D);
+      gl.texParameteri(gl.TEXTURE_2D, gl.TEXTURE_MIN_FILTER, gl.LINEAR_MIPMAP_LINEAR);
+      bitmap.close();
+    } else {
+      gl.texImage2D(gl.TEXTURE_2D, 0, gl.RGB, 1, 1, 0, gl.RGB, gl.UNSIGNED_BYTE, new Uint8Array([160, 160, 160]));
+    }
+    gl.texParameteri(gl.TEXTURE_2D, gl.TEXTURE_WRAP_S, gl.CLAMP_TO_EDGE);
+    gl.texParameteri(gl.TEXTURE_2D, gl.TEXTURE_WRAP_T, gl.CLAMP_TO_EDGE);
+
+    const lo = mesh.position.min || [-1, -1, -1], hi = mesh.position.max || [1, 1, 1];
+    const extent = Math.hypot(hi[0] - lo[0], hi[1] - lo[1], hi[2] - lo[2]) || 1;
+    const distance = camera.distance > 0 && isFinite(camera.distance) ? camera.distance : Math.max(-lo[2], 1e-3);
+    this.mesh = { vao, buffers, texture, count: mesh.indices.count, extent };
+    this.home = { fovY: (camera.fovYDeg > 0 ? camera.fovYDeg : 50) * Math.PI / 180, distance,
+                  target: [0, 0, -distance], yaw: 0, pitch: 0 };
+    this.reset();
+  }
+
+  clear() {
+    const gl = this.gl;
+    if (this.mesh) {
+      gl.deleteVertexArray(this.mesh.vao);
+      this.mesh.buffers.forEach((b) => gl.deleteBuffer(b));
+      gl.deleteTexture(this.mesh.texture);
+    }
+    this.mesh = null;
+    this.draw();
+  }
+
+  reset() {
+    if (!this.home) return;
+    this.orbit = { target: [...this.home.target], distance: this.home.distance, yaw: 0, pitch: 0 };
+    this.draw();
+  }
+
+  draw() {
+    if (this.pending) return;
+    this.pending = requestAnimationFrame(() => { this.pending = 0; this.#render(); });
+  }
+
+  #render() {
+    const gl = this.gl, canvas = this.canvas, ratio = window.devicePixelRatio || 1;
+    const width = Math.max(1, Math.round(canvas.clientWidth * ratio)), height = Math.max(1, Math.round(canvas.clientHeight * ratio));
+    if (canvas.width !== width || canvas.height !== height) { canvas.width = width; canvas.height = height; }
+    gl.viewport(0, 0, width, height);
+    gl.clearColor(0.94, 0.94, 0.95, 1);
+    gl.clear(gl.COLOR_BUFFER_BIT | gl.DEPTH_BUFFER_BIT);
+    if (!this.mesh) return;
+    const o = this.orbit, cp = Math.cos(o.pitch);
+    const eye = [o.target[0] + o.distance * Math.sin(o.yaw) * cp, o.target[1] + o.distance * Math.sin(o.pitch),
+                 o.target[2] + o.distance * Math.cos(o.yaw) * cp];
+    const near = Math.max(o.distance * 0.01, 1e-4), far = (o.distance + this.mesh.extent) * 4;
+    const mvp = multiply(perspective(this.home.fovY, width / height, near, far), lookAt(eye, o.target, [0, 1, 0]));
+    gl.enable(gl.DEPTH_TEST);
+    gl.disable(gl.CULL_FACE);
+    gl.useProgram(this.program);
+    gl.uniformMatrix4fv(gl.getUniformLocation(this.program, "mvp"), false, new Float32Array(mvp));
+    gl.activeTexture(gl.TEXTURE0);
+    gl.bindTexture(gl.TEXTURE_2D, this.mesh.texture);
+    gl.uniform1i(gl.getUniformLocation(this.program, "tex"), 0);
+    gl.bindVertexArray(this.mesh.vao);
+    gl.drawElements(gl.TRIANGLES, this.mesh.count, gl.UNSIGNED_INT, 0);
+    gl.bindVertexArray(null);
+    this.frames += 1;
+    this.canvas.dataset.frames = String(this.frames);
+  }
+
+  #pan(dx, dy) {
+    const o = this.orbit, scale = 2 * o.distance * Math.tan(this.home.fovY / 2) / Math.max(1, this.canvas.clientHeight);
+    const right = [Math.cos(o.yaw), 0, -Math.sin(o.yaw)];
+    const up = [-Math.sin(o.yaw) * Math.sin(o.pitch), Math.cos(o.pitch), -Math.cos(o.yaw) * Math.sin(o.pitch)];
+    for (let i = 0; i < 3; i++) o.target[i] += (-dx * right[i] + dy * up[i]) * scale;
+  }
+
+  #zoom(factor) {
+    this.orbit.distance = Math.min(Math.max(this.orbit.distance * factor, this.home.distance * 1e-3), this.home.distance * 1e3);
+  }
+
+  #bindInput() {
+    const canvas = this.canvas, pointers = new Map();
+    let pinch = 0;
+    canvas.addEventListener("contextmenu", (e) => e.preventDefault());
+    canvas.addEventListener("pointerdown", (e) => {
+      canvas.setPointerCapture(e.pointerId);
+      pointers.set(e.pointerId, { x: e.clientX, y: e.clientY, pan: e.button === 2 || e.shiftKey });
+      if (pointers.size === 2) { const [a, b] = [...pointers.values()]; pinch = Math.hypot(a.x - b.x, a.y - b.y); }
+    });
+    canvas.addEventListener("pointermove", (e) => {
+      const p = pointers.get(e.pointerId);
+      if (!p || !this.mesh) return;
+      const dx = e.clientX - p.x, dy = e.clientY - p.y;
+      p.x = e.clientX; p.y = e.clientY;
+      if (pointers.size === 2) {
+        const [a, b] = [...pointers.values()], d = Math.hypot(a.x - b.x, a.y - b.y);
+        if (pinch > 0 && d > 0) this.#zoom(pinch / d);
+        pinch = d;
+      } else if (p.pan) {
+        this.#pan(dx, dy);
+      } else {
+        this.orbit.yaw -= dx * 0.005;
+        this.orbit.pitch = Math.min(Math.max(this.orbit.pitch + dy * 0.005, -1.55), 1.55);
+      }
+      this.draw();
+    });
+    const up = (e) => { pointers.delete(e.pointerId); pinch = 0; };
+    canvas.addEventListener("pointerup", up);
+    canvas.addEventListener("pointercancel", up);
+    canvas.addEventListener("wheel", (e) => {
+      if (!this.mesh) return;
+      e.preventDefault();
+      this.#zoom(Math.exp(e.deltaY * 0.001));
+      this.draw();
+    }, { passive: false });
+    canvas.addEventListener("dblclick", () => this.reset());
+  }
+}
