@@ -64,6 +64,22 @@ def timed_both(fn) -> tuple:
     return time.perf_counter() - t, time.process_time() - c
 
 
+def median_min_ms(fn, calls: int, sync=None) -> tuple:
+    """(median, min) milliseconds of `calls` calls of `fn` after one warm call; `sync()` after each call (e.g.
+    torch.cuda.synchronize) so that asynchronous work is inside the time."""
+    fn()
+    if sync is not None:
+        sync()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        times.append((time.perf_counter() - t) * 1e3)
+    return median(times), min(times)
+
+
 def median(values: list) -> float:
     return statistics.median(values)
 

@@ -18,20 +18,6 @@ import sys
 from perf import common
 
 
-def _median_ms(fn, calls: int, sync) -> tuple:
-    import time
-
-    fn()
-    sync()
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
-    return common.median(times), min(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="a MoGe-2 model.pt (default: the cached random full-size ViT-L)")
@@ -59,17 +45,17 @@ def main() -> None:
     ours = MoGeModel.from_pretrained(path, device=device, resolution=size, num_tokens=args.tokens, precision=args.precision)
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; ours: {ours.info()['runner']}", flush=True)
     rows = {
-        "ours forward (canvas -> raw maps on the host)": _median_ms(lambda: ours.forward(canvas), args.calls, sync),
-        "ours model(array) (-> MoGeOutput on the host)": _median_ms(lambda: ours(image), args.calls, sync),
+        "ours forward (canvas -> raw maps on the host)": common.median_min_ms(lambda: ours.forward(canvas), args.calls, sync),
+        "ours model(array) (-> MoGeOutput on the host)": common.median_min_ms(lambda: ours(image), args.calls, sync),
     }
     if not args.no_upstream:
         upstream = common.load_upstream(path).to(device)
         x = canvas[0].to(device)
         with torch.inference_mode():
-            rows["upstream infer(use_fp16=True), outputs on the GPU"] = _median_ms(
+            rows["upstream infer(use_fp16=True), outputs on the GPU"] = common.median_min_ms(
                 lambda: upstream.infer(x, num_tokens=args.tokens, use_fp16=True), args.calls, sync)
             with torch.autocast("cuda", dtype=torch.float16):
-                rows["upstream forward, fp16 autocast"] = _median_ms(
+                rows["upstream forward, fp16 autocast"] = common.median_min_ms(
                     lambda: upstream.forward(x[None], num_tokens=args.tokens), args.calls, sync)
     print(f"\nViT-L {size[0]}x{size[1]}, {args.tokens} tokens, {args.calls} calls per row (median / min, ms)")
     for name, (med, low) in rows.items():

@@ -25,16 +25,6 @@ from perf import common
 SPEC_MS = {"forward(float32 canvas)": 20.3, "model(uint8 array 1920x1080)": 25.6}  # the spec's p150 medians
 
 
-def _median_ms(fn, calls: int) -> tuple:
-    fn()
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return common.median(times), min(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="a MoGe-2 model.pt (default: the cached random full-size ViT-L)")
@@ -76,7 +66,7 @@ def main() -> None:
             "model(png path)": lambda: model(str(png)),
         }
         for name, call in rows.items():
-            median, best = _median_ms(call, args.calls)
+            median, best = common.median_min_ms(call, args.calls)
             result[name] = {"median_ms": median, "min_ms": best}
             spec = f", {median / SPEC_MS[name]:.2f}x the spec's {SPEC_MS[name]} ms" if name in SPEC_MS else ""
             print(f"  {name:32s} median {median:7.2f} ms, min {best:7.2f} ms{spec}", flush=True)
