@@ -369,6 +369,9 @@ class _HeldFile(FileResponse):
             self._release()
 
 
+WARM_UP_JOIN_S = 60.0  # the longest a stopping server waits for the page's warm-up imports
+
+
 def _warm_up() -> None:
     """Import and run once what the first page result needs (trimesh, OpenCV, the GLB export), so that the
     first person to use the page does not wait for the imports."""
@@ -410,11 +413,15 @@ def mount_ui(app: FastAPI, store: Optional[ResultStore] = None) -> ResultStore:
 
     @asynccontextmanager
     async def lifespan(a: FastAPI):
-        threading.Thread(target=_warm_up, name="tt_moge-ui-warmup", daemon=True).start()
+        warm = threading.Thread(target=_warm_up, name="tt_moge-ui-warmup", daemon=True)
+        warm.start()
         async with inner(a) as state:
             try:
                 yield state
             finally:
+                # a process that stops while the warm-up still imports OpenCV / SciPy / trimesh aborts in C++
+                # ("terminate called without an active exception"): let the imports end first
+                await asyncio.get_running_loop().run_in_executor(None, warm.join, WARM_UP_JOIN_S)
                 store.close()
 
     app.router.lifespan_context = lifespan
