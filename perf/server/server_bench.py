@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,15 +23,6 @@ import numpy as np
 
 from perf import common
 from tt_moge.cli import argtypes
-
-
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def _weights(args: argparse.Namespace, tmp: str) -> str:
@@ -79,7 +69,7 @@ def bench_encode(args: argparse.Namespace) -> None:
     base = None
     for name, fn in rows.items():
         size = len(fn())
-        ms = _median_ms(fn, args.repeats)
+        ms = common.median_min_ms(fn, args.repeats)[0]
         base = base or ms
         print(f"  {name:36s} {size / 1e6:8.2f} MB  {ms:8.1f} ms  ({ms / base:.2f}x the stored writer)")
 
@@ -98,7 +88,7 @@ def bench_serve(args: argparse.Namespace) -> None:
         weights = _weights(args, tmp)
         with _load(args, weights) as model:
             model(data)
-            api_ms = _median_ms(lambda: model(data), args.repeats)
+            api_ms = common.median_min_ms(lambda: model(data), args.repeats)[0]
         print(f"API   model(<PNG bytes>)                      median {api_ms:8.1f} ms")
         cmd = [sys.executable, "-m", "tt_moge.server", "--weights", weights, "--port", "0", "--log-level", "warning",
                "--no-access-log", "--resolution", f"{args.resolution[0]}x{args.resolution[1]}", "--num-tokens",
@@ -129,11 +119,11 @@ def bench_serve(args: argparse.Namespace) -> None:
 
                     sizes: dict = {}
                     post()
-                    ms = _median_ms(post, args.repeats)
+                    ms = common.median_min_ms(post, args.repeats)[0]
                     print(f"HTTP  POST /predict?compress={compress:5s} + np.load median {ms:8.1f} ms  "
                           f"({ms / api_ms:.2f}x the API, +{ms - api_ms:.1f} ms), {sizes[compress][0] / 1e6:.1f} MB")
                 summary = lambda: http.post("/predict/summary", content=data, headers={"Content-Type": "image/png"}).raise_for_status()
-                ms = _median_ms(summary, args.repeats)
+                ms = common.median_min_ms(summary, args.repeats)[0]
                 print(f"HTTP  POST /predict/summary                   median {ms:8.1f} ms  ({ms / api_ms:.2f}x the API)")
                 _concurrent(url, data, args, api_ms)
         finally:
