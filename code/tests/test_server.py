@@ -307,10 +307,10 @@ def test_openapi_error_bodies_are_documented(client):
 def test_auto_compression_deflates_only_for_remote_clients():
     from starlette.requests import Request
 
-    from tt_moge.server.app import _is_loopback
+    from tt_moge.server.app import client_is_loopback
 
     def request_from(host):
         return Request({"type": "http", "method": "POST", "path": "/predict", "headers": [], "client": (host, 5000)})
 
-    assert _is_loopback(request_from("127.0.0.1")) and _is_loopback(request_from("::1"))
-    assert not _is_loopback(request_from("10.1.2.3")) and not _is_loopback(request_from("testclient"))
+    assert client_is_loopback(request_from("127.0.0.1")) and client_is_loopback(request_from("::1"))
+    assert not client_is_loopback(request_from("10.1.2.3")) and not client_is_loopback(request_from("testclient"))

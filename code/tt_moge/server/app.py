@@ -99,7 +99,7 @@ class Ready(BaseModel):
     ready: bool
 
 
-def _is_loopback(request: Request) -> bool:
+def client_is_loopback(request: Request) -> bool:
     """The client runs on this machine: bytes cost almost nothing to move, so deflating only adds time."""
     host = request.client.host if request.client else ""
     try:
@@ -107,8 +107,6 @@ def _is_loopback(request: Request) -> bool:
     except ValueError:
         return False
 
-
-client_is_loopback = _is_loopback  # public: the web page's npz download follows /predict's compress=auto
 
 
 def timing_headers(timing_ms: dict) -> dict:
@@ -424,7 +422,7 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
                           "1920x1080 result. auto: deflate unless the client is on this machine (loopback)"))) -> Response:
         check_query(request, OPTION_NAMES | {"compress"})
         options = dict(fit=fit, fov_x=fov_x, apply_mask=apply_mask, force_projection=force_projection)
-        deflate = compress == "true" or (compress == "auto" and not _is_loopback(request))
+        deflate = compress == "true" or (compress == "auto" and not client_is_loopback(request))
         parts, timing, ticket = await run_prediction(request, options,
                                                      lambda out, _: npz_parts(out.npz_arrays(), compress=deflate))
         return answer(parts, NPZ_MEDIA_TYPE, timing_headers(timing), ticket)
