@@ -46,7 +46,7 @@ from typing import Any, Iterable, Optional, Union
 import numpy as np
 
 from .constants import DEPTH_EDGE_RTOL
-from .output import MoGeOutput
+from .output import MoGeOutput, finite_or_none
 
 __all__ = [
     "FORMATS", "DEFAULT_FORMATS", "DEFAULT_MESH_STEP", "FILES", "depth_edges", "kept_pixels", "colorize_depth",
@@ -240,10 +240,6 @@ def image_mesh(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.ndar
 
 
 # ------------------------------------------------------------------------------------------ summary
-def _finite_or_none(value: float) -> Optional[float]:
-    return float(value) if math.isfinite(value) else None
-
-
 def to_json(record: dict) -> str:
     """Indented JSON with each list of numbers on one line (a 3x3 matrix reads as three rows)."""
     text = json.dumps(record, indent=2, default=str)
@@ -358,7 +354,7 @@ def _write_files(output: MoGeOutput, rgb: np.ndarray, out: Path, formats: tuple,
         known = (record["depth_p1_m"], record["depth_p99_m"])  # summary() took them from the same pixels
         depth_picture, (near, far) = colorize_depth(output.depth, output.mask, None if None in known else known)
         _write_png(out / "depth.png", depth_picture)
-        record["depth_png_range_m"] = [_finite_or_none(near), _finite_or_none(far)]
+        record["depth_png_range_m"] = [finite_or_none(near), finite_or_none(far)]
         written.append("depth.png")
         if output.normal is not None:
             _write_png(out / "normal.png", colorize_normal(output.normal, output.mask))

@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-__all__ = ["MoGeOutput", "NPZ_LAYOUT", "INFER_KEYS"]
+__all__ = ["MoGeOutput", "NPZ_LAYOUT", "INFER_KEYS", "finite_or_none", "depth_p1_p99"]
 
 NPZ_LAYOUT: dict[str, tuple] = {
     "points": ("float32", "(H, W, 3)"),
@@ -42,9 +42,17 @@ NPZ_LAYOUT: dict[str, tuple] = {
 INFER_KEYS = ("points", "intrinsics", "depth", "mask", "normal")
 
 
-def _finite(x: Any) -> Optional[float]:
+def finite_or_none(x: Any) -> Optional[float]:
+    """A float for JSON: None where it is not finite."""
     x = float(x)
     return x if math.isfinite(x) else None
+
+
+def depth_p1_p99(depth: np.ndarray, mask: np.ndarray) -> dict:
+    """{"depth_p1_m", "depth_p99_m"}: the 1st and 99th percentile of the valid finite depths (None without any)."""
+    valid = mask & np.isfinite(depth)
+    p1, p99 = np.percentile(depth[valid], [1.0, 99.0]) if valid.any() else (math.nan, math.nan)
+    return {"depth_p1_m": finite_or_none(p1), "depth_p99_m": finite_or_none(p99)}
 
 
 @dataclass(repr=False, eq=False)
@@ -90,18 +98,16 @@ class MoGeOutput:
         w, h = self.size
         record = {
             "width": w, "height": h,
-            "fov_x_deg": _finite(self.fov_x), "fov_y_deg": _finite(self.fov_y),
-            "intrinsics": [[_finite(v) for v in row] for row in np.asarray(self.intrinsics, np.float64)],
-            "intrinsics_pixels": [[_finite(v) for v in row] for row in np.asarray(self.intrinsics_pixels, np.float64)],
-            "metric_scale": _finite(self.metric_scale),
+            "fov_x_deg": finite_or_none(self.fov_x), "fov_y_deg": finite_or_none(self.fov_y),
+            "intrinsics": [[finite_or_none(v) for v in row] for row in np.asarray(self.intrinsics, np.float64)],
+            "intrinsics_pixels": [[finite_or_none(v) for v in row] for row in np.asarray(self.intrinsics_pixels, np.float64)],
+            "metric_scale": finite_or_none(self.metric_scale),
             "valid_fraction": float(self.valid_fraction),
-            "median_depth_m": _finite(self.median_depth),
+            "median_depth_m": finite_or_none(self.median_depth),
             "has_normal": self.normal is not None,
         }
         if depth_percentiles:
-            valid = self.mask & np.isfinite(self.depth)
-            p1, p99 = np.percentile(self.depth[valid], [1.0, 99.0]) if valid.any() else (math.nan, math.nan)
-            record.update(depth_p1_m=_finite(p1), depth_p99_m=_finite(p99))
+            record.update(depth_p1_p99(self.depth, self.mask))
         return record
 
     def __repr__(self) -> str:

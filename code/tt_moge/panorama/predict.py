@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..output import depth_p1_p99, finite_or_none
 from .geometry import VIEW_FOV_DEG, check_panorama_size, panorama_directions, split_panorama, view_cameras
 from .merge import merge_distance_maps
 
@@ -79,19 +80,15 @@ class PanoramaOutput:
         the views that failed, the merge's iterations and seconds; with `depth_percentiles`, the 1st and 99th
         percentile distance (named depth_* as for photos, so the same readers work)."""
         w, h = self.size
-        median = self.median_distance
         record = {
             "kind": "panorama", "width": w, "height": h,
-            "valid_fraction": self.valid_fraction, "median_distance_m": median if math.isfinite(median) else None,
+            "valid_fraction": self.valid_fraction, "median_distance_m": finite_or_none(self.median_distance),
             "views": len(self.view_errors), "views_failed": [{"view": i, "error": e} for i, e in enumerate(self.view_errors) if e],
             "merge_iterations": self.merge_iterations, "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             "has_normal": False,
         }
         if depth_percentiles:
-            valid = self.mask & np.isfinite(self.distance)
-            p1, p99 = np.percentile(self.distance[valid], [1.0, 99.0]) if valid.any() else (math.nan, math.nan)
-            record.update(depth_p1_m=float(p1) if math.isfinite(p1) else None,
-                          depth_p99_m=float(p99) if math.isfinite(p99) else None)
+            record.update(depth_p1_p99(self.distance, self.mask))
         return record
 
     def __repr__(self) -> str:
