@@ -367,22 +367,23 @@ def _apply_taps(x: np.ndarray, axis: int, index: np.ndarray, weight: np.ndarray)
     return out
 
 
+def _resize(x: np.ndarray, height: int, width: int, taps: Callable) -> np.ndarray:
+    """(C, H, W) -> (C, height, width), separably: rows, then columns, with `taps(in_size, out_size)`."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-2:] != (height, width):
+        x = _apply_taps(x, x.ndim - 2, *taps(x.shape[-2], height))
+        x = _apply_taps(x, x.ndim - 1, *taps(x.shape[-1], width))
+    return x.astype(np.float32, copy=False)
+
+
 def resize_antialiased(image: np.ndarray, height: int, width: int) -> np.ndarray:
     """(C, H, W) float32 -> (C, height, width), as PyTorch's antialiased bilinear `F.interpolate`."""
-    x = np.asarray(image, dtype=np.float32)
-    if x.shape[-2:] != (height, width):
-        x = _apply_taps(x, x.ndim - 2, *_aa_taps(x.shape[-2], height))
-        x = _apply_taps(x, x.ndim - 1, *_aa_taps(x.shape[-1], width))
-    return x.astype(np.float32, copy=False)
+    return _resize(image, height, width, _aa_taps)
 
 
 def resize_bilinear(maps: np.ndarray, height: int, width: int) -> np.ndarray:
     """(C, H, W) float32 -> (C, height, width), as PyTorch's bilinear `F.interpolate` (align_corners=False)."""
-    x = np.asarray(maps, dtype=np.float32)
-    if x.shape[-2:] != (height, width):
-        x = _apply_taps(x, x.ndim - 2, *_bilinear_taps(x.shape[-2], height))
-        x = _apply_taps(x, x.ndim - 1, *_bilinear_taps(x.shape[-1], width))
-    return x.astype(np.float32, copy=False)
+    return _resize(maps, height, width, _bilinear_taps)
 
 
 def _chw(image: np.ndarray) -> np.ndarray:
