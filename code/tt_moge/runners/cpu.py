@@ -6,6 +6,7 @@ what it costs in accuracy against the float32 reference (`TorchRunner`, precisio
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 from typing import Optional
@@ -88,26 +89,32 @@ class CpuGraphRunner(Runner):
         if self.native is not None:
             self.native.moge_runner_set_threads(threads)
         key = f"{cpu_signature()} | torch {torch.__version__} | {threads} threads | {dtype} | {tokens}x{dim}, {heads} heads"
-        gen = torch.Generator().manual_seed(0)
-        qkv = torch.randn(tokens, 3 * dim, generator=gen).div_(4).to(dtype)
-        qkv_t = qkv.t().contiguous()
-        workspace = HeadByHeadAttention()
+        # The candidates' inputs are made on their first call only: a cached or forced choice times nothing.
+        @functools.lru_cache(maxsize=None)
+        def qkv() -> tuple:
+            data = torch.randn(tokens, 3 * dim, generator=torch.Generator().manual_seed(0)).div_(4).to(dtype)
+            return data, data.t().contiguous(), HeadByHeadAttention()
 
         def sdpa() -> torch.Tensor:
-            q, k, v = qkv.view(1, tokens, 3, heads, dim // heads).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv()[0].view(1, tokens, 3, heads, dim // heads).permute(2, 0, 3, 1, 4)
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0)
 
-        attention = {"sdpa": sdpa, "heads": lambda: workspace(qkv_t, heads)}
+        attention = {"sdpa": sdpa, "heads": lambda: qkv()[2](qkv()[1], heads)}
         if dtype == torch.bfloat16 and native_attention_supported(self.native, dim // heads):
-            attention = {"native": lambda: attention_bf16(qkv, heads, self.native), **attention}
+            attention = {"native": lambda: attention_bf16(qkv()[0], heads, self.native), **attention}
         choices = {"attention": choose("attention", attention, key, cache=cache)}
         if self.precision == "int8":
-            hidden = network.encoder.backbone.blocks[0].mlp
-            hidden = (hidden.w12 if hasattr(hidden, "w12") else hidden.fc1).out_features
-            weight, bias = torch.randn(hidden, dim, generator=gen).div_(dim ** 0.5), torch.zeros(hidden)
-            x = torch.randn(tokens, dim, generator=gen).to(dtype)
-            int8_layer, bf16_layer = Int8Linear(weight, bias, dtype, self.native), make_linear(weight, bias, dtype)
-            matmul = {"int8": lambda: int8_layer(x), "bf16": lambda: bf16_layer(x)}
+            mlp = network.encoder.backbone.blocks[0].mlp
+            hidden = (mlp.w12 if hasattr(mlp, "w12") else mlp.fc1).out_features
+
+            @functools.lru_cache(maxsize=None)
+            def ffn() -> tuple:
+                gen = torch.Generator().manual_seed(1)
+                weight, bias = torch.randn(hidden, dim, generator=gen).div_(dim ** 0.5), torch.zeros(hidden)
+                x = torch.randn(tokens, dim, generator=gen).to(dtype)
+                return x, Int8Linear(weight, bias, dtype, self.native), make_linear(weight, bias, dtype)
+
+            matmul = {"int8": lambda: ffn()[1](ffn()[0]), "bf16": lambda: ffn()[2](ffn()[0])}
             choices["int8_matmul"] = choose("int8_matmul", matmul, f"{key} | ffn {dim}->{hidden}", cache=cache)
         return choices
 

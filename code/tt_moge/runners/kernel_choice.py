@@ -73,18 +73,18 @@ def forced_choices(text: Optional[str] = None) -> dict:
 
 def cpu_signature() -> str:
     """The CPU model name and its flags (the same CPU model can ship with features turned off)."""
-    model, flags = platform.processor() or platform.machine(), ""
+    model, flags = "", ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
+                if key.strip() == "model name" and not model:
                     model = value.strip()
                 elif key.strip() in ("flags", "Features") and not flags:
                     flags = value.strip()
     except OSError:
         pass
-    return f"{model} | {hashlib.sha1(flags.encode()).hexdigest()[:12]}"
+    return f"{model or platform.processor() or platform.machine()} | {hashlib.sha1(flags.encode()).hexdigest()[:12]}"
 
 
 class KernelCache:
