@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Any, Optional
 
@@ -27,6 +28,12 @@ class TtnnUnavailableError(ImportError):
 
 def import_ttnn(verbose: bool = False) -> Any:
     """The ttnn module, imported quietly unless `verbose`. Raises TtnnUnavailableError with the reason."""
+    import importlib.util
+
+    if "ttnn" not in sys.modules and importlib.util.find_spec("ttnn") is None:
+        # the common case off Tenstorrent machines: nothing to import, and no logging variables to set
+        raise TtnnUnavailableError("ttnn (tt-metal's Python package) is not installed here; run in a tt-metal Python "
+                                   "environment")
     if not verbose:
         os.environ.setdefault("TT_LOGGER_LEVEL", "error")
         os.environ.setdefault("LOGURU_LEVEL", "WARNING")
