@@ -35,6 +35,16 @@ def test_missing_local_path(tmp_path, monkeypatch):
         resolve_checkpoint()
 
 
+def test_weights_dir_env_never_replaces_a_mistyped_local_path(checkpoint, tmp_path, monkeypatch):
+    """$MOGE_WEIGHTS_DIR replaces a repo id; a local path that does not exist stays an error (not other weights)."""
+    monkeypatch.setenv(weights.WEIGHTS_DIR_ENV, str(checkpoint("tiny-vits-normal").parent))
+    for missing in (tmp_path / "typo" / "model.pt", str(tmp_path / "typo"), "./typo/model.pt", "typo.pt"):
+        with pytest.raises(CheckpointError, match="does not exist"):
+            resolve_checkpoint(missing)
+        assert weights.describe_source(missing) == str(missing)
+    assert weights.WEIGHTS_DIR_ENV in resolve_checkpoint("someone/other-repo")[1]
+
+
 def _use_hub_cache(monkeypatch, cache):
     # huggingface_hub reads its environment at import: point its constants at a private, offline cache
     from huggingface_hub import constants

@@ -57,8 +57,9 @@ def _file_in(path: Path) -> Path:
 def resolve_checkpoint(name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, revision: Optional[str] = DEFAULT_REVISION) -> tuple[Path, str, Optional[str]]:
     """Return (local path of model.pt, description of the source, revision used or None for local files).
 
-    Order: an existing local file or directory; else `$MOGE_WEIGHTS_DIR` (which overrides any repo id);
-    else the Hugging Face hub (its cache first, so a cached revision works offline).
+    Order: an existing local file or directory; else `$MOGE_WEIGHTS_DIR` (which overrides a repo id, never a
+    local path: a mistyped path is an error, not other weights); else the Hugging Face hub (its cache first, so
+    a cached revision works offline).
     """
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"pretrained_model_name_or_path must be a str or path, got {type(name_or_path).__name__}")
@@ -66,14 +67,14 @@ def resolve_checkpoint(name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, rev
     local = Path(name).expanduser()
     if local.exists():
         return _file_in(local), str(local), None
+    if isinstance(name_or_path, os.PathLike) or _looks_like_path(name):
+        raise CheckpointError(f"weights not found: {name} does not exist (expected a Hugging Face repo id like {DEFAULT_REPO!r}, a directory holding {CHECKPOINT_NAME}, or the path of {CHECKPOINT_NAME})")
     env = os.environ.get(WEIGHTS_DIR_ENV)
     if env:
         env_path = Path(env).expanduser()
         if not env_path.exists():
             raise CheckpointError(f"${WEIGHTS_DIR_ENV}={env} does not exist; point it at a directory holding {CHECKPOINT_NAME} or unset it")
         return _file_in(env_path), f"${WEIGHTS_DIR_ENV}={env}", None
-    if isinstance(name_or_path, os.PathLike) or _looks_like_path(name):
-        raise CheckpointError(f"weights not found: {name} does not exist (expected a Hugging Face repo id like {DEFAULT_REPO!r}, a directory holding {CHECKPOINT_NAME}, or the path of {CHECKPOINT_NAME})")
     return _download(name, revision), f"{name}@{revision or 'main'}", revision
 
 
@@ -81,12 +82,12 @@ def describe_source(name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, revisi
     """Where `resolve_checkpoint` will take the weights from, in its words, without reading a file or asking the
     Hub: for log lines written before the weights load (`$MOGE_WEIGHTS_DIR` replaces a repo id)."""
     name = os.fspath(name_or_path)
-    if Path(name).expanduser().exists():
+    if Path(name).expanduser().exists() or _looks_like_path(name):
         return name
     env = os.environ.get(WEIGHTS_DIR_ENV)
     if env:
         return f"${WEIGHTS_DIR_ENV}={env}"
-    return name if _looks_like_path(name) else f"{name}@{revision or 'main'}"
+    return f"{name}@{revision or 'main'}"
 
 
 # A random-weight checkpoint of the real format: the third way out when the real weights cannot be had.
