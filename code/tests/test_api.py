@@ -15,6 +15,7 @@ from PIL import Image
 from tt_moge import MoGeModel, MoGeOutput
 from tt_moge.host.decode import InputError
 from tt_moge.output import INFER_KEYS, NPZ_LAYOUT
+from tt_moge.runners.ttnn.device import chips_here
 from tt_moge.warmup import PRESETS, synthetic_photo
 from tt_moge.weights import DEFAULT_REPO, DEFAULT_REVISION, WEIGHTS_DIR_ENV
 
@@ -92,6 +93,9 @@ def test_devices(checkpoint, monkeypatch):
             load(path, device=bad)
     with pytest.raises(ValueError, match="device_id"):
         load(path, device_id=-1)
+    if not torch.cuda.is_available() and chips_here() == 0:  # device_id=2 names a device this machine lacks
+        with pytest.raises(ValueError, match="device_id=2: no Tenstorrent chip and no CUDA GPU"):
+            load(path, device=None, device_id=2)
 
     class FakeTtnnDevice:
         pass

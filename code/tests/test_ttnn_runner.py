@@ -192,6 +192,38 @@ def test_tenstorrent_option_errors(network_path, ttnn):
     assert _resolved_without_a_chip(network_path) in ("cpu", "cuda")
 
 
+def test_device_id_names_a_chip_and_is_never_silently_another_device(network_path, ttnn):
+    """device=None with a device_id: that chip, or an error when chips are here but not that one (never the
+    CPU or a GPU instead)."""
+    ttnn.device_count = 2
+    assert str(LoadOptions.resolve(network_path, device_id=1).device) == "tt:1"
+    with pytest.raises(ValueError, match=r"device_id=3: no Tenstorrent chip 3 here \(2 found"):
+        LoadOptions.resolve(network_path, device_id=3)
+
+
+def test_two_command_queues_on_a_callers_device_need_no_dispatch_argument(network_path, ttnn):
+    """A device the caller opened with two command queues: num_command_queues=2 alone is enough (the dispatch
+    was the caller's choice), and the read-back goes to queue 1."""
+    handle = ttnn.open_device(device_id=0, num_command_queues=2)
+    options = LoadOptions.resolve(network_path, device=handle, num_command_queues=2)
+    assert options.device.handle is handle and options.num_command_queues == 2
+    runner = TtnnRunner(_network(network_path), CANVAS, TOKENS, options.device, ttnn=ttnn, num_command_queues=2)
+    runner.forward(calibration_image(*CANVAS, seed=3))
+    runner.close()
+    assert ("wait", 1) in ttnn.events and ttnn.closed == []
+
+
+def test_tt_visible_devices_none_hides_every_chip(network_path, ttnn, monkeypatch):
+    """TT_VISIBLE_DEVICES=none (a host-only run): device=None takes CUDA or the CPU even though a chip is here,
+    and device="tt" says why it cannot."""
+    monkeypatch.setenv("TT_VISIBLE_DEVICES", "none")
+    assert _resolved_without_a_chip(network_path) in ("cpu", "cuda")
+    with pytest.raises(ValueError, match="TT_VISIBLE_DEVICES=none hides every Tenstorrent chip"):
+        LoadOptions.resolve(network_path, device="tt")
+    monkeypatch.setenv("TT_VISIBLE_DEVICES", "0")
+    assert str(LoadOptions.resolve(network_path).device) == "tt:0"
+
+
 def test_without_ttnn_a_tenstorrent_device_is_a_clear_error(network_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ttnn", None)  # `import ttnn` raises ImportError
     with pytest.raises(ValueError, match="ttnn .* does not import here"):

@@ -62,12 +62,14 @@ class TtChip:
 
 def _tt_chip(text: str, device_id: int, verbose: bool) -> TtChip:
     """device='tt' or 'tt:N': that chip, or a ValueError saying why it cannot be used."""
-    from .runners.ttnn.device import TtnnUnavailableError, device_count, import_ttnn
+    from .runners.ttnn.device import VISIBLE_ENV, TtnnUnavailableError, chips_hidden, device_count, import_ttnn
 
     index_text = text[3:] if text.startswith("tt:") else ""
     if text not in ("tt",) and not index_text.isdigit():
         raise ValueError(f"device must be 'tt' or 'tt:N' for a Tenstorrent chip, got {text!r}")
     index = int(index_text) if index_text else device_id
+    if chips_hidden():
+        raise ValueError(f"device={text!r}: {VISIBLE_ENV}=none hides every Tenstorrent chip from this process")
     try:
         count = device_count(import_ttnn(verbose))
     except TtnnUnavailableError as exc:
@@ -80,19 +82,26 @@ def _tt_chip(text: str, device_id: int, verbose: bool) -> TtChip:
 def select_device(device: Any = None, device_id: int = 0, verbose: bool = False) -> Union[torch.device, TtChip]:
     """Where to run. None: a Tenstorrent chip (`device_id`) when ttnn imports and sees one, else CUDA, else the
     CPU (with a RuntimeWarning only when this torch is a CUDA build: a GPU was expected but none is seen; with a
-    CPU build the CPU is the only choice). An open ttnn device is used as it is (never closed by the model);
+    CPU build the CPU is the only choice); a `device_id` the machine lacks is a ValueError, never another kind of
+    device; TT_VISIBLE_DEVICES=none hides the chips. An open ttnn device is used as it is (never closed by the model);
     "tt" / "tt:N" name a chip; "cpu", "cuda", "cuda:N" or a torch.device a torch device."""
     if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
         raise ValueError(f"device_id must be a non-negative int, got {device_id!r}")
     if device is None:
         from .runners.ttnn.device import chips_here
 
-        if chips_here(verbose) > device_id:
+        chips = chips_here(verbose)
+        if chips > device_id:
             return TtChip(device_id)
+        if chips:  # chips are here but not the one asked for: never fall back to another kind of device
+            raise ValueError(f"device_id={device_id}: no Tenstorrent chip {device_id} here ({chips} found by ttnn)")
         if torch.cuda.is_available():
             if device_id >= torch.cuda.device_count():
-                raise ValueError(f"device_id {device_id}: only {torch.cuda.device_count()} CUDA device(s) present")
+                raise ValueError(f"device_id={device_id}: only {torch.cuda.device_count()} CUDA device(s) present")
             return torch.device("cuda", device_id)
+        if device_id:
+            raise ValueError(f"device_id={device_id}: no Tenstorrent chip and no CUDA GPU here, and the CPU has no "
+                             "device ids; leave device_id at 0 or pass device='cpu'")
         if torch.backends.cuda.is_built():
             warnings.warn(f"no Tenstorrent chip, and no CUDA GPU found by this CUDA build of torch ({torch.__version__}): "
                           "running MoGe-2 on the CPU; pass device='cpu' to choose it explicitly", RuntimeWarning,
@@ -161,12 +170,13 @@ class LoadOptions:
             raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
         if num_command_queues not in (None, 1, 2):
             raise ValueError(f"num_command_queues must be None, 1 or 2, got {num_command_queues!r}")
-        if num_command_queues == 2 and dispatch != "worker":
-            raise ValueError("num_command_queues=2 needs dispatch='worker' (ETH dispatch supports 1 command queue)")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup must be a non-negative int (device forwards at load), got {warmup!r}")
         variants = tuple(expand_variants(warmup_variants, canvas))
         chosen = select_device(device, device_id, bool(verbose))
+        callers_chip = isinstance(chosen, TtChip) and chosen.handle is not None  # opened already: dispatch is moot
+        if num_command_queues == 2 and dispatch != "worker" and not callers_chip:
+            raise ValueError("num_command_queues=2 needs dispatch='worker' (ETH dispatch supports 1 command queue)")
         return cls(weights=os.fspath(pretrained_model_name_or_path), revision=normalize_revision(revision),
                    device=chosen, precision=resolve_precision(precision, chosen), resolution=canvas,
                    num_tokens=tokens, dispatch=dispatch, num_command_queues=num_command_queues, warmup=warmup,

@@ -2,7 +2,8 @@
 
 * `import_ttnn(verbose)` imports ttnn; unless `verbose`, first sets TT_LOGGER_LEVEL=error and
   LOGURU_LEVEL=WARNING (a value the user set wins), so tt-metal's info and debug lines stay quiet.
-* `device_count(ttnn)`: the chips ttnn can open here (0 when it cannot tell).
+* `device_count(ttnn)`: the chips ttnn can open here (0 when it cannot tell); `chips_here()` the same without a
+  ttnn module in hand, and 0 without importing ttnn when TT_VISIBLE_DEVICES=none (a host-only run).
 * `open_chip(...)`: ETH dispatch (the p150 configuration, one command queue) or worker dispatch (opt-in, the only
   one that allows two command queues); when the ETH open fails, a RuntimeWarning and worker dispatch.
 """
@@ -13,11 +14,12 @@ import sys
 import warnings
 from typing import Any, Optional
 
-__all__ = ["TtnnUnavailableError", "import_ttnn", "device_count", "chips_here", "is_ttnn_device", "open_chip", "close_chip",
-           "L1_SMALL_SIZE", "TRACE_REGION_SIZE"]
+__all__ = ["TtnnUnavailableError", "import_ttnn", "device_count", "chips_here", "chips_hidden", "is_ttnn_device",
+           "open_chip", "close_chip", "VISIBLE_ENV", "L1_SMALL_SIZE", "TRACE_REGION_SIZE"]
 
 # Device-wide reservations made when the chip opens: conv2d's small L1 buffers, and the DRAM region that holds
 # the captured trace of the whole forward.
+VISIBLE_ENV = "TT_VISIBLE_DEVICES"  # tt-metal's chip filter; "none" hides every chip from tt_moge too
 L1_SMALL_SIZE = 32768
 TRACE_REGION_SIZE = 64 << 20
 
@@ -53,8 +55,16 @@ def device_count(ttnn: Any) -> int:
         return 0
 
 
+def chips_hidden() -> bool:
+    """True when TT_VISIBLE_DEVICES=none: the process is to open no chip (host-only runs; ttnn not imported)."""
+    return os.environ.get(VISIBLE_ENV, "").strip().lower() == "none"
+
+
 def chips_here(verbose: bool = False) -> int:
-    """The Tenstorrent chips this process could open: 0 when ttnn does not import or sees none."""
+    """The Tenstorrent chips this process could open: 0 when TT_VISIBLE_DEVICES=none, when ttnn does not import
+    or when it sees none."""
+    if chips_hidden():
+        return 0
     try:
         return device_count(import_ttnn(verbose))
     except TtnnUnavailableError:
