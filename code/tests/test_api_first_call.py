@@ -44,6 +44,7 @@ PARALLEL = 2  # worker processes at a time (one per core of the development mach
 WARMUP = os.environ.get("MOGE_FIRST_CALL_WARMUP", "default")  # "none" shows what the check catches
 TOL = float(os.environ.get("MOGE_FIRST_CALL_TOL", "0.10"))
 CLOCK = os.environ.get("MOGE_FIRST_CALL_CLOCK", "cpu")
+DEVICE_ID = int(os.environ.get("MOGE_DEVICE", "0"))  # the Tenstorrent chip of the device case
 SLACK_MS = 1.5
 
 
@@ -193,16 +194,16 @@ def test_first_call_of_each_warmed_variant_is_as_fast_as_steady(worker_runs):
 def _tt_chip_present() -> bool:
     from tt_moge.runners.ttnn.device import chips_here
 
-    return chips_here() > 0
+    return chips_here() > DEVICE_ID
 
 
-@pytest.mark.skipif(not _tt_chip_present(), reason="needs a Tenstorrent chip (ttnn imports and sees one): the CPU runs "
-                    "the same check above")
+@pytest.mark.skipif(not _tt_chip_present(), reason="needs a Tenstorrent chip (ttnn imports and sees one; MOGE_DEVICE "
+                    "names which): the CPU runs the same check above")
 def test_first_call_on_a_tenstorrent_chip(tmp_path):
     """The same check with the ttnn runner (one process at a time: one chip), on the wall clock: the device's
     time is not process CPU time."""
     path = _small_checkpoint(tmp_path)
-    _check_first_calls(_run_workers(path, [WARMUP] * 2, device="tt", parallel=1), "wall")
+    _check_first_calls(_run_workers(path, [WARMUP] * 2, device=f"tt:{DEVICE_ID}", parallel=1), "wall")
 
 
 def _check_first_calls(worker_runs: list, clock: str) -> None:
