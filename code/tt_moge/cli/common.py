@@ -54,16 +54,19 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, warmup: int = 0, war
     group.add_argument("--revision", default=DEFAULT_REVISION,
                        help="Hub revision of a repo id (default: the pinned revision of the published numbers; "
                             "'main' for the newest)")
-    group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when present, else the CPU)")
+    group.add_argument("--device", default=None,
+                       help="cpu, cuda, cuda:N, tt or tt:N (default: a Tenstorrent chip when ttnn sees one, else CUDA "
+                            "when present, else the CPU)")
     group.add_argument("--device-id", type=argtypes.non_negative_int, default=0, metavar="N",
-                       help="the device to open when --device is not given (default 0)")
+                       help="the chip or GPU to open when --device is not given or names no index (default 0)")
     group.add_argument("--resolution", type=argtypes.canvas, default=DEFAULT_CANVAS, metavar="WxH",
                        help=f"the canvas every image is fitted onto (default {DEFAULT_CANVAS[0]}x{DEFAULT_CANVAS[1]})")
     group.add_argument("--num-tokens", type=argtypes.token_budget, default=DEFAULT_NUM_TOKENS, metavar="N",
                        help=f"ViT token budget, 1200-3600 (default {DEFAULT_NUM_TOKENS})")
     group.add_argument("--precision", default="auto", choices=PRECISIONS,
                        help="arithmetic of the forward (default auto: bf16 on CPUs with bfloat16 instructions, else "
-                            "fp32; fp16 on CUDA). fp32 is the exact reference; int8 is an opt-in CPU mode")
+                            "fp32; fp16 on CUDA; bf16 on a Tenstorrent chip). fp32 is the exact reference; int8 is "
+                            "an opt-in CPU mode, bfp8 an opt-in Tenstorrent mode")
     group.add_argument("--dispatch", default="eth", choices=["eth", "worker"], help="Tenstorrent dispatch (default eth)")
     group.add_argument("--num-command-queues", type=int, default=None, choices=[1, 2],
                        help="Tenstorrent command queues (2: worker dispatch only)")

@@ -5,9 +5,15 @@ import argparse
 import json
 from typing import Any
 
-from .common import EXIT_CODES, EXIT_OK, EXIT_START, Formatter, add_model_arguments, load_model
+from .common import EXIT_OK, EXIT_START, EXIT_USAGE, Formatter, add_model_arguments, load_model
 
 __all__ = ["add_parser", "run"]
+
+EXIT_CODES = f"""\
+exit codes:
+  {EXIT_OK}    the model loaded and is described
+  {EXIT_USAGE}    bad command line: unknown option, bad value
+  {EXIT_START}    could not start: weights not found or unreadable, device unavailable, a library missing"""
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
