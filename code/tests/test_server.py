@@ -17,6 +17,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from tt_moge.output import NPZ_LAYOUT  # noqa: E402
+from tt_moge.server.settings import ServerSettings  # noqa: E402
 
 from .server_harness import (  # noqa: E402
     API_KEY, CANVAS, TOKENS, TORCH_THREADS, ServerProcess, auth_headers, encode_image, photo, shared_server,
@@ -142,6 +143,7 @@ def test_health_ready_info(client, server):
     info = client.get("/info").json()
     assert info["canvas"] == list(CANVAS) and info["num_tokens"] == TOKENS and info["device"] == "cpu"
     assert info["server"]["limits"]["max_pixels"] == 2_000_000 and info["server"]["limits"]["auth"] is True
+    assert info["server"]["limits"]["max_connections"] == ServerSettings().max_connections
     # Before the model had loaded, /ready answered 503 (with Retry-After) while /health already answered.
     early = [s for s in server.ready_statuses if s[0] == 503]
     assert early and early[0][1]["code"] == "not_ready" and early[0][2] == "1", server.ready_statuses
@@ -180,6 +182,7 @@ BAD_REQUESTS = {
     "truncated-png": (dict(content=_GOOD_PNG[: len(_GOOD_PNG) // 2], headers={"Content-Type": PNG}), 400, "bad_image"),
     "truncated-jpeg": (dict(content=_GOOD_JPEG[: len(_GOOD_JPEG) // 3], headers={"Content-Type": JPEG}), 400, "bad_image"),
     "png-magic-only": (dict(content=b"\x89PNG\r\n\x1a\n" + bytes(40), headers={"Content-Type": PNG}), 400, "bad_image"),
+    "png-bad-ihdr-crc": (dict(content=_GOOD_PNG[:29] + bytes(4) + _GOOD_PNG[33:], headers={"Content-Type": PNG}), 400, "bad_image"),
     "jpeg-garbage": (dict(content=b"\xff\xd8\xff" + bytes(range(256)) * 4, headers={"Content-Type": JPEG}), 400, "bad_image"),
     "below-8x8": (dict(content=encode_image(photo(7, 30), "PNG"), headers={"Content-Type": PNG}), 422, "image_too_small"),
     "bomb-60000x60000": (dict(content=png_declaring(60000, 60000), headers={"Content-Type": PNG}), 413, "too_many_pixels"),
@@ -210,6 +213,7 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_stays_up(client, name):
     assert r.headers["content-type"] == "application/json"
     body = r.json()
     assert body["code"] == code and len(body["detail"]) > 10, body
+    assert " object at 0x" not in body["detail"], body  # says what is wrong, not which Python object failed
     assert client.get("/health").json()["status"] == "ok"
 
 
@@ -289,10 +293,12 @@ def test_bad_flags_exit_with_code_2(capsys):
             return exc.code
 
     for flags, word in [(("--resolution", "10x10"), "resolution"), (("--resolution", "wide"), "resolution"),
-                        (("--num-tokens", "99"), "num_tokens"), (("--queue-size", "0"), "queue_size"),
+                        (("--num-tokens", "99"), "num_tokens"), (("--queue-size", "0"), "--queue-size"),
                         (("--num-command-queues", "2"), "num_command_queues"), (("--precision", "fp64"), "precision"),
                         (("--warmup-variants", "fast"), "preset"), (("--device", "tpu"), "device"),
-                        (("--max-pixels", "100000000"), "--memory-budget-mb"), (("--send-timeout", "0"), "send_timeout_s")]:
+                        (("--max-pixels", "100000000"), "--memory-budget-mb"), (("--send-timeout", "0"), "--send-timeout"),
+                        (("--port", "99999"), "--port"), (("--max-body-mb", "inf"), "--max-body-mb"),
+                        (("--memory-budget-mb", "inf"), "--memory-budget-mb")]:
         assert exit_code(*flags) == 2, flags
         assert word in capsys.readouterr().err, flags
 

@@ -73,6 +73,21 @@ def non_negative_int(text: str) -> int:
 
 
 @_usage
+def positive_float(text: str) -> float:
+    value = _number(text, "a number")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+@_usage
+def port(text: str) -> int:
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise ValueError(f"expected a TCP port, 0-65535 (0: any free port), got {text!r}")
+    return int(text)
+
+
+@_usage
 def non_negative_float(text: str) -> float:
     value = _number(text, "a number")
     if not (math.isfinite(value) and value >= 0):

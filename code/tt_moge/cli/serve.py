@@ -21,6 +21,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 from ..server.settings import API_KEY_ENV, BYTES_PER_PIXEL, DEFAULT_HOST, DEFAULT_PORT, ServerSettings
+from . import argtypes
 from .common import EXIT_START, Formatter, add_model_arguments, model_kwargs, say
 
 __all__ = ["add_parser", "build_parser", "add_arguments", "run", "EXIT_CODES"]
@@ -61,30 +62,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST}, this machine only)")
-    server.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port; 0 = any free port (default: {DEFAULT_PORT})")
+    server.add_argument("--port", type=argtypes.port, default=DEFAULT_PORT, help=f"port; 0 = any free port (default: {DEFAULT_PORT})")
     server.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' on /predict, /predict/summary and /info (default: ${API_KEY_ENV}, "
                              "else no key; prefer the variable: a flag shows in the process list)")
-    server.add_argument("--max-body-mb", type=float, default=_DEFAULTS.max_body_bytes / _MB,
+    server.add_argument("--max-body-mb", type=argtypes.positive_float, default=_DEFAULTS.max_body_bytes / _MB,
                         help=f"largest request body in MiB (default: {_DEFAULTS.max_body_bytes / _MB:g})")
-    server.add_argument("--max-pixels", type=int, default=_DEFAULTS.max_pixels,
+    server.add_argument("--max-pixels", type=argtypes.positive_int, default=_DEFAULTS.max_pixels,
                         help=f"largest image, width*height, checked before decoding (default: {_DEFAULTS.max_pixels})")
-    server.add_argument("--queue-size", type=int, default=_DEFAULTS.queue_size,
+    server.add_argument("--queue-size", type=argtypes.positive_int, default=_DEFAULTS.queue_size,
                         help=f"requests admitted at once; one more gets 503 + Retry-After (default: {_DEFAULTS.queue_size})")
-    server.add_argument("--host-threads", type=int, default=_DEFAULTS.host_threads,
+    server.add_argument("--host-threads", type=argtypes.positive_int, default=_DEFAULTS.host_threads,
                         help=f"threads that decode / post-process / encode admitted requests (default: {_DEFAULTS.host_threads})")
-    server.add_argument("--max-connections", type=int, default=_DEFAULTS.max_connections,
+    server.add_argument("--max-connections", type=argtypes.positive_int, default=_DEFAULTS.max_connections,
                         help=f"open connections before uvicorn answers 503 (default: {_DEFAULTS.max_connections})")
-    server.add_argument("--read-timeout", type=float, default=_DEFAULTS.read_timeout_s,
+    server.add_argument("--read-timeout", type=argtypes.positive_float, default=_DEFAULTS.read_timeout_s,
                         help=f"seconds for a request body to arrive, else 408 (default: {_DEFAULTS.read_timeout_s:g})")
-    server.add_argument("--send-timeout", type=float, default=_DEFAULTS.send_timeout_s,
+    server.add_argument("--send-timeout", type=argtypes.positive_float, default=_DEFAULTS.send_timeout_s,
                         help="seconds an answer may wait for the client to read more of it; then the connection is cut "
                              f"and its slot and memory freed (default: {_DEFAULTS.send_timeout_s:g})")
-    server.add_argument("--memory-budget-mb", type=float, default=_DEFAULTS.memory_budget_bytes / _MB,
+    server.add_argument("--memory-budget-mb", type=argtypes.positive_float, default=_DEFAULTS.memory_budget_bytes / _MB,
                         help="MiB that bodies being received, admitted requests and unsent answers may hold together; an "
                              f"admitted request counts {BYTES_PER_PIXEL} bytes per pixel + its body until its answer is encoded; over "
                              f"it, 503 + Retry-After (default: {_DEFAULTS.memory_budget_bytes / _MB:g})")
-    server.add_argument("--shutdown-grace", type=float, default=_DEFAULTS.shutdown_grace_s,
+    server.add_argument("--shutdown-grace", type=argtypes.positive_float, default=_DEFAULTS.shutdown_grace_s,
                         help="seconds that admitted requests and slow clients get after SIGTERM / SIGINT before they "
                              f"are cut (default: {_DEFAULTS.shutdown_grace_s:g})")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

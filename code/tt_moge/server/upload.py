@@ -24,6 +24,9 @@ IMAGE_MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPE
 MULTIPART = "multipart/form-data"
 MULTIPART_FIELD = "image"  # the form field that carries the file
 _MAGIC = {"PNG": b"\x89PNG\r\n\x1a\n", "JPEG": b"\xff\xd8\xff"}
+_HEADER_EXPECTED = {"PNG": "an IHDR chunk of 13 bytes with a sound CRC and a width and height of at least 1 "
+                           "right after the signature",
+                    "JPEG": "a frame header (SOF marker) with the image size before the compressed data"}
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def inspect_image(data: bytes, declared_format: str, settings: ServerSettings) -
 
     declared_format: the format the Content-Type names, or "" for a multipart file (any of PNG/JPEG).
     """
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     if not data:
         raise ApiError(400, "empty_body", "the image is empty (0 bytes)")
@@ -116,6 +119,9 @@ def inspect_image(data: bytes, declared_format: str, settings: ServerSettings) -
             width, height = img.size
     except Image.DecompressionBombError as exc:
         raise ApiError(413, "too_many_pixels", f"the image declares too many pixels ({exc})") from None
+    except UnidentifiedImageError:  # Pillow's message names only its stream object
+        raise ApiError(400, "bad_image", f"corrupt or truncated {found} data: its header cannot be read (expected "
+                                         f"{_HEADER_EXPECTED[found]})") from None
     except Exception as exc:  # untrusted bytes: any parser failure means a corrupt header
         raise ApiError(400, "bad_image", f"corrupt or truncated {found} data ({type(exc).__name__}: {exc})") from None
     if width * height > settings.max_pixels:
