@@ -129,6 +129,10 @@ def test_tenstorrent_options_are_validated(checkpoint):
         load(path, dispatch="pcie")
     with pytest.raises(ValueError, match="num_command_queues"):
         load(path, num_command_queues=3)
+    with pytest.raises(ValueError, match="num_command_queues"):
+        load(path, num_command_queues=True)
+    with pytest.raises(TypeError, match="verbose must be True or False"):
+        load(path, verbose="no")
     with pytest.raises(ValueError, match="num_command_queues=2 needs dispatch='worker'"):
         load(path, dispatch="eth", num_command_queues=2)
 
@@ -163,9 +167,11 @@ def test_warmup_variants_presets_dicts_lists(checkpoint):
         calls = {dict(k)["call"] for k in m.warmed_variants}
         assert calls == {"call", "predict_many", "infer", "forward"}
     for bad, match in [("fast", "unknown preset"), ({"input": "gif"}, "input"), ({"colour": 1}, "unknown key"),
-                       ({"size": (4, 4)}, "size"), ({"call": "forward", "size": (64, 48)}, "canvas size"), (3, "warmup_variants")]:
-        with pytest.raises((ValueError, TypeError), match=match):
+                       ({"size": (4, 4)}, "size"), ({"call": "forward", "size": (64, 48)}, "canvas size"), (3, "warmup_variants"),
+                       (["minimal", {"input": "gif"}], r"variant 2 of 2\): input")]:
+        with pytest.raises((ValueError, TypeError), match=match) as info:
             load(path, warmup_variants=bad)
+        assert str(info.value).startswith("warmup_variants"), info.value  # the argument is named
 
 
 def test_warmup_does_not_change_outputs(checkpoint, photo):
@@ -398,6 +404,8 @@ def test_predict_many_equals_single_calls(tiny_model, photo, tmp_path):
         tiny_model.predict_many([photo], fov=3)
     with pytest.raises(ValueError, match=r"images\[1\]"):
         tiny_model.predict_many([photo, np.zeros((4, 4, 3), np.uint8)])
+    with pytest.raises(FileNotFoundError, match=r"images\[1\]: no such file"):
+        tiny_model.predict_many([photo, "/nonexistent/photo.png"])
 
 
 def test_infer_is_a_drop_in(tiny_model, photo):

@@ -21,7 +21,7 @@ DEFAULT_CHUNK = 4  # images per predict_many call (the next chunk decodes meanwh
 
 
 def _decode(path: Path) -> Any:
-    return to_rgb_array(path, name=str(path))
+    return to_rgb_array(path)  # its errors name the file: "image file '<path>': ..."
 
 
 def _decoded_chunks(images: Sequence, size: int, reader: ThreadPoolExecutor) -> Iterator[list]:

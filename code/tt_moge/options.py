@@ -168,10 +168,12 @@ class LoadOptions:
         tokens = validate_token_budget(num_tokens)
         if dispatch not in DISPATCH:
             raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
-        if num_command_queues not in (None, 1, 2):
+        if isinstance(num_command_queues, bool) or num_command_queues not in (None, 1, 2):
             raise ValueError(f"num_command_queues must be None, 1 or 2, got {num_command_queues!r}")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup must be a non-negative int (device forwards at load), got {warmup!r}")
+        if not isinstance(verbose, bool):
+            raise TypeError(f"verbose must be True or False, got {verbose!r}")
         variants = tuple(expand_variants(warmup_variants, canvas))
         chosen = select_device(device, device_id, bool(verbose))
         callers_chip = isinstance(chosen, TtChip) and chosen.handle is not None  # opened already: dispatch is moot

@@ -112,10 +112,14 @@ def expand_variants(spec: Union[str, dict, Iterable, None], canvas_size: tuple) 
     else:
         raise TypeError(f"warmup_variants must be a preset name, a variant dict or a list, got {type(spec).__name__}")
     out: list = []
-    for item in items:
+    for index, item in enumerate(items):
         if isinstance(item, str):
             raise ValueError(f"warmup_variants: unknown preset {item!r}; expected one of {sorted(PRESETS)}")
-        key = canonical_variant(item, canvas_size)
+        try:
+            key = canonical_variant(item, canvas_size)
+        except (TypeError, ValueError) as exc:  # name the argument, and which entry of it
+            where = "warmup_variants" if isinstance(spec, dict) else f"warmup_variants (variant {index + 1} of {len(items)})"
+            raise type(exc)(f"{where}: {str(exc).removeprefix('warm-up variant: ')}") from None
         if key not in out:
             out.append(key)
     return out

@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     from tt_moge.cli.bench import add_bench_model_arguments, default_image, load_bench_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_bench_model_arguments(parser)
+    add_bench_model_arguments(parser, warmup_variants="all")  # it times every call kind, each one warm
     parser.add_argument("--image", help="PNG file (default: media/source.png or a synthetic PNG)")
     parser.add_argument("--runs", type=int, default=30, help="timed calls per row (default %(default)s)")
     args = parser.parse_args(argv)
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
             paths.append(str(p))
         arrays = [canvas_rgb.copy() for _ in range(BATCH)]
 
-        with load_bench_model(args, scratch, warmup_variants="all") as model:
+        with load_bench_model(args, scratch) as model:
             rows = [
                 ("model.forward(image), float32 canvas", lambda: model.forward(canvas_float), 1),
                 (f"model(array), uint8 {canvas_rgb.shape[1]}x{canvas_rgb.shape[0]}", lambda: model(canvas_rgb), 1),

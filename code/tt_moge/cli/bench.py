@@ -30,9 +30,10 @@ __all__ = ["STAGES", "add_parser", "build_parser", "run", "main", "add_bench_mod
            "default_image", "measure"]
 
 
-def add_bench_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The shared model flags (host warm-up "minimal" by default) plus --random-weights, for the benchmarks."""
-    add_model_arguments(parser, warmup=2, warmup_variants="minimal")
+def add_bench_model_arguments(parser: argparse.ArgumentParser, warmup_variants: str = "minimal") -> None:
+    """The shared model flags (host warm-up `warmup_variants` by default) plus --random-weights, for the
+    benchmarks."""
+    add_model_arguments(parser, warmup=2, warmup_variants=warmup_variants)
     parser.add_argument("--random-weights", metavar="PRESET",
                         help="use a random-weight checkpoint of this tt_moge.testing preset instead of --weights "
                              "(e.g. tiny-vits-normal)")

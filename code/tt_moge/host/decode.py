@@ -202,15 +202,16 @@ def _decode_jpeg_fast(data: bytes) -> Optional[np.ndarray]:
     return arr if flags is not None else cv2.cvtColor(arr, cv2.COLOR_BGR2RGB)
 
 
-def read_image_file(path: "str | os.PathLike") -> np.ndarray:
+def read_image_file(path: "str | os.PathLike", name: str = "image") -> np.ndarray:
+    """The decoded file; errors begin with `name` (the argument, e.g. "images[3]" in predict_many)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
-        raise ImageNotFoundError(f"image: no such file {os.fspath(path)!r}") from None
+        raise ImageNotFoundError(f"{name}: no such file {os.fspath(path)!r}") from None
     except IsADirectoryError:
-        raise InputError(f"image: {os.fspath(path)!r} is a directory, expected an image file") from None
-    return decode_bytes(data, name=f"image file {os.fspath(path)!r}")
+        raise InputError(f"{name}: {os.fspath(path)!r} is a directory, expected an image file") from None
+    return decode_bytes(data, name=f"{name} file {os.fspath(path)!r}")
 
 
 def read_image_header(path: "str | os.PathLike") -> tuple:
@@ -312,7 +313,7 @@ def _from_torch(t: Any, name: str) -> np.ndarray:
 def to_rgb_array(image: Any, name: str = "image") -> np.ndarray:
     """Any supported input -> (H, W, 3) RGB array: uint8, or float32 in [0, 1] for float inputs."""
     if isinstance(image, (str, os.PathLike)):
-        arr = read_image_file(image)
+        arr = read_image_file(image, name)
     elif isinstance(image, (bytes, bytearray, memoryview)):
         arr = decode_bytes(bytes(image), name)
     elif isinstance(image, np.ndarray):
