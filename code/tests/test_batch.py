@@ -166,6 +166,15 @@ def test_rerun_recomputes_nothing(files_run, local_ray, ckpt, photos):
     assert len((out / FAILURES_FILE).read_text().splitlines()) == 1, "the corrupt image was tried again, and failed"
 
 
+def test_quiet_still_names_each_failed_image(files_run, local_ray, ckpt, photos):
+    """-q drops the progress and the summary, never an error: the corrupt image is named on stderr."""
+    code, stdout, stderr, out = files_run
+    code, stdout, stderr = run_cli(["batch", photos["root"], "-o", out, "--weights", ckpt, *MODEL_ARGS, "--npz",
+                                    "--fit", CALL["fit"], "--fov-x", CALL["fov_x"], "-q"])
+    assert code == 1 and stdout == ""
+    assert f"failed: image file '{photos['corrupt'].resolve()}'" in stderr, stderr
+
+
 # ------------------------------------------------------------------------------ Parquet, a replica killed
 def test_replica_killed_mid_job_every_image_done_exactly_once(local_ray, ckpt, photos, expected, tmp_path,
                                                             monkeypatch):
@@ -227,6 +236,8 @@ def test_the_package_imports_without_ray():
     (["--format", "parquet", "--npz"], "choose the files of --format files"),
     (["--replicas", "0"], "expected a positive integer"),
     (["--gpus-per-replica", "-1"], "expected a number >= 0"),
+    (["--cpus-per-replica", "0"], "argument --cpus-per-replica: expected a finite number > 0"),
+    (["--object-store-mb", "1"], "argument --object-store-mb: expected an integer >= 80"),
     (["--format", "csv"], "invalid choice"),
 ])
 def test_bad_command_lines_exit_2(photos, tmp_path, args, message):
@@ -252,6 +263,30 @@ def test_a_job_that_cannot_fit_stops_before_it_starts(local_ray, ckpt, photos, t
         run_batch(BatchJob([photos["root"]], tmp_path / "cpu", model={"pretrained_model_name_or_path": ckpt, "device": "cuda"},
                            gpus_per_replica=0))
     assert not list((tmp_path / "cpu").rglob("result.json"))
+
+
+def test_device_none_on_a_gpu_machine_asks_ray_for_a_gpu(monkeypatch):
+    """No device and no --gpus-per-replica where torch sees a GPU (a local Ray): the replicas run on CUDA and
+    each asks Ray for one GPU, instead of the default command being refused."""
+    import torch
+
+    from tt_moge.batch import replica_resources
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert replica_resources(None, None, None, replicas=2, local=True) == ("cuda", 1.0, 1.0)
+    assert replica_resources(None, 0.5, None, replicas=2, local=False)[:2] == ("cuda", 0.5)  # a cluster: asked for
+    assert replica_resources("cpu", None, None, replicas=2, local=True)[:2] == ("cpu", 0.0)
+    with pytest.raises(ValueError, match="needs GPUs for the replicas"):
+        replica_resources("cuda", 0.0, None, replicas=1, local=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert replica_resources(None, None, None, replicas=1, local=True)[:2] == ("cpu", 0.0)
+
+
+@pytest.mark.parametrize("options, message", [(dict(fit="crop"), "fit must be one of"), (dict(fov_x=500.0), "fov_x")])
+def test_bad_call_options_are_refused_before_anything_starts(photos, tmp_path, options, message):
+    with pytest.raises(ValueError, match=message):
+        run_batch(BatchJob([photos["root"]], tmp_path / "out", model={"pretrained_model_name_or_path": "unused"}, **options))
+    assert not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------------------------ the driver killed

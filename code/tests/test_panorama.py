@@ -90,6 +90,12 @@ def test_a_non_2_to_1_image_is_refused(size):
         predict_panorama(RoomOracle(), np.zeros((size[1], size[0], 3), np.uint8))
 
 
+def test_a_panorama_below_16x8_names_the_panorama_minimum():
+    """Not the 8x8 minimum of a photo: a 14x7 panorama is told the panorama's own rule."""
+    with pytest.raises(ValueError, match=r"image: a panorama must be at least 16x8 pixels, got 14x7"):
+        predict_panorama(RoomOracle(), np.zeros((7, 14, 3), np.uint8))
+
+
 def test_the_aspect_tolerance_and_the_smallest_panorama():
     check_panorama_size(2048, 1030)  # within 1 %
     check_panorama_size(16, 8)

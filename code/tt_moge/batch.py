@@ -43,7 +43,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 from .export import DEFAULT_FORMATS, DEFAULT_MESH_STEP, FORMATS, check_formats
 
 __all__ = ["run_batch", "BatchJob", "BatchSummary", "RayMissingError", "OUTPUT_FORMATS", "FAILURES_FILE", "SHARDS_DIR",
-           "completed_names", "local_ray_cpus", "init_local_ray"]
+           "completed_names", "local_ray_cpus", "init_local_ray", "MIN_OBJECT_STORE_MB",
+           "replica_resources"]
 
 OUTPUT_FORMATS = ("files", "parquet")
 FAILURES_FILE = "failures.jsonl"  # one JSON object per failed image of the last run: input, name, error
@@ -52,6 +53,7 @@ SHARDS_DIR = "parquet"  # OUT/parquet/part-<hash>.parquet in --format parquet
 PARQUET_COLUMNS = ("name", "source", "result", "npz")
 DEFAULT_BATCH_SIZE = 4  # images per actor call (one predict_many); also images per read task
 DEFAULT_OBJECT_STORE_MB = 200  # the embedded local Ray's shared-memory object store (the machine may be shared)
+MIN_OBJECT_STORE_MB = 80  # Ray refuses a smaller object store
 DEFAULT_MAX_RETRIES = 3  # restarts of a dead replica, and retries of the batch it was running
 READER_CPUS = 1  # logical CPUs one read task asks for (see local_ray_cpus)
 RAY_INSTALL_HINT = "from a clone of the repository: pip install -e \"code/[ray]\" (or: pip install \"ray[data]>=2.9\")"
@@ -355,7 +357,7 @@ class BatchJob:
         formats = check_formats(self.formats)
         if not formats:
             raise ValueError(f"formats: expected at least one of {', '.join(FORMATS)}")
-        for name, low in (("replicas", 1), ("batch_size", 1), ("max_retries", 0), ("object_store_mb", 80), ("writers", 1),
+        for name, low in (("replicas", 1), ("batch_size", 1), ("max_retries", 0), ("object_store_mb", MIN_OBJECT_STORE_MB), ("writers", 1),
                           ("mesh_step", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -367,6 +369,9 @@ class BatchJob:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.cpus_per_replica == 0:
             raise ValueError("cpus_per_replica must be > 0 (a replica runs the host steps on the CPU)")
+        from .host.pipeline import CallOptions  # (torch: imported when a job runs, not with this module)
+
+        CallOptions.make(fit=self.fit, fov_x=self.fov_x)  # checked now, not in every replica for every image
         unknown = set(self.model) - _MODEL_KEYS
         if unknown:
             raise ValueError(f"model: unknown from_pretrained argument(s) {sorted(unknown)}")
@@ -388,6 +393,20 @@ def _default_device(device: Optional[str], gpus: float, local: bool) -> str:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     return "cpu"  # a cluster: ask for GPUs with gpus_per_replica (or device="cuda")
+
+
+def replica_resources(device: Optional[str], gpus_per_replica: Optional[float], cpus_per_replica: Optional[float],
+                      replicas: int, local: bool) -> tuple:
+    """(device, GPUs, CPUs) of each replica: the device first (None: CUDA where this machine, running a local
+    Ray, has a GPU; "cuda" when GPUs are asked for), then the GPUs it needs unless given (1 on CUDA, else 0),
+    then the CPUs unless given (a local CPU job: the cores / replicas; else 1)."""
+    device = _default_device(device, gpus_per_replica or 0.0, local)
+    gpus = gpus_per_replica if gpus_per_replica is not None else (1.0 if device.startswith("cuda") else 0.0)
+    cpus = cpus_per_replica if cpus_per_replica is not None else (
+        float(max(1, (os.cpu_count() or 1) // replicas)) if local and gpus == 0 else 1.0)
+    if device.startswith("cuda") and gpus == 0:
+        raise ValueError(f"device {device!r} needs GPUs for the replicas: gpus_per_replica > 0 (--gpus-per-replica)")
+    return device, gpus, cpus
 
 
 def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = None) -> BatchSummary:
@@ -432,13 +451,9 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     address = job.address or os.environ.get("RAY_ADDRESS") or None
     local = address is None and not ray.is_initialized()
     model_kwargs = dict(job.model)
-    device = model_kwargs.get("device")
-    gpus = job.gpus_per_replica if job.gpus_per_replica is not None else (1.0 if (device or "").startswith("cuda") else 0.0)
-    cpus = job.cpus_per_replica if job.cpus_per_replica is not None else (
-        float(max(1, (os.cpu_count() or 1) // replicas)) if local and gpus == 0 else 1.0)
-    device = model_kwargs["device"] = _default_device(device, gpus, local)
-    if device.startswith("cuda") and gpus == 0:
-        raise ValueError(f"device {device!r} needs GPUs for the replicas: gpus_per_replica > 0 (--gpus-per-replica)")
+    device, gpus, cpus = replica_resources(model_kwargs.get("device"), job.gpus_per_replica, job.cpus_per_replica,
+                                           replicas, local)
+    model_kwargs["device"] = device
     options.update(replicas=replicas, cpus_per_replica=cpus, gpus_per_replica=gpus)
     weights = os.fspath(model_kwargs.get("pretrained_model_name_or_path") or DEFAULT_REPO)
     revision = normalize_revision(model_kwargs.get("revision", DEFAULT_REVISION))

@@ -87,6 +87,17 @@ def port(text: str) -> int:
     return int(text)
 
 
+def int_at_least(minimum: int):
+    """An argparse type: an integer >= minimum."""
+    @_usage
+    def at_least(text: str) -> int:
+        if not text.strip().isdigit() or int(text) < minimum:
+            raise ValueError(f"expected an integer >= {minimum}, got {text!r}")
+        return int(text)
+    at_least.__name__ = f"integer >= {minimum}"
+    return at_least
+
+
 @_usage
 def non_negative_float(text: str) -> float:
     value = _number(text, "a number")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from typing import Any
 
-from ..batch import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES, DEFAULT_OBJECT_STORE_MB, FAILURES_FILE, OUTPUT_FORMATS,
-                     RECORD_FILE, SHARDS_DIR)
+from ..batch import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES, DEFAULT_OBJECT_STORE_MB, FAILURES_FILE,
+                     MIN_OBJECT_STORE_MB, OUTPUT_FORMATS, RECORD_FILE, SHARDS_DIR)
 from ..constants import FITS
 from . import argtypes
 from .common import (DEFAULT_OUTPUT, EXIT_CODES, EXIT_IMAGES_FAILED, EXIT_OK, EXIT_START, Formatter,
@@ -70,7 +70,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     ray.add_argument("--address", default=None, metavar="ADDR",
                      help="a Ray cluster, e.g. ray://head:10001 or auto (default: $RAY_ADDRESS, else a local Ray)")
     ray.add_argument("--replicas", type=argtypes.positive_int, default=1, metavar="N", help="model replicas (actors), one model each (default 1)")
-    ray.add_argument("--cpus-per-replica", type=argtypes.non_negative_float, default=None, metavar="X",
+    ray.add_argument("--cpus-per-replica", type=argtypes.positive_float, default=None, metavar="X",
                      help="CPUs per replica, also its torch threads (default: local CPU runs, the cores / replicas; else 1)")
     ray.add_argument("--gpus-per-replica", type=argtypes.non_negative_float, default=None, metavar="X",
                      help="GPUs per replica, fractions share a GPU (default: 1 with --device cuda, else 0)")
@@ -79,8 +79,9 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     ray.add_argument("--writers", type=argtypes.positive_int, default=2, metavar="N", help="file-writing threads per replica (default 2)")
     ray.add_argument("--max-retries", type=argtypes.non_negative_int, default=DEFAULT_MAX_RETRIES, metavar="N",
                      help=f"restarts of a replica that died, and retries of its batch (default {DEFAULT_MAX_RETRIES})")
-    ray.add_argument("--object-store-mb", type=argtypes.positive_int, default=DEFAULT_OBJECT_STORE_MB, metavar="MB",
-                     help=f"object store of a local Ray (default {DEFAULT_OBJECT_STORE_MB})")
+    ray.add_argument("--object-store-mb", type=argtypes.int_at_least(MIN_OBJECT_STORE_MB), default=DEFAULT_OBJECT_STORE_MB,
+                     metavar="MB", help=f"object store of a local Ray, at least {MIN_OBJECT_STORE_MB} (Ray's minimum; "
+                                        f"default {DEFAULT_OBJECT_STORE_MB})")
     ray.add_argument("-q", "--quiet", action="store_true", help="no progress output and no summary; errors still print")
     return parser
 
@@ -100,9 +101,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         say(missing)
         return EXIT_START
 
-    def on_failure(path: str, error: str) -> None:
-        if not args.quiet:
-            print(f"tt-moge: failed: {error}", file=sys.stderr, flush=True)
+    def on_failure(path: str, error: str) -> None:  # errors print with -q too
+        print(f"tt-moge: failed: {error}", file=sys.stderr, flush=True)
 
     job = BatchJob(args.inputs, args.output, model=model_kwargs(args), fit=args.fit, fov_x=args.fov_x,
                    formats=formats, mesh_step=args.mesh_step, output_format=args.output_format, replicas=args.replicas,

@@ -310,8 +310,9 @@ def _from_torch(t: Any, name: str) -> np.ndarray:
     raise InputError(f"{name}: tensor of shape {tuple(t.shape)} and dtype {t.dtype} not supported; expected (3, H, W) or (1, 3, H, W) float in [0, 1], or (H, W, 3) uint8")
 
 
-def to_rgb_array(image: Any, name: str = "image") -> np.ndarray:
-    """Any supported input -> (H, W, 3) RGB array: uint8, or float32 in [0, 1] for float inputs."""
+def to_rgb_array(image: Any, name: str = "image", min_side: int = MIN_IMAGE_SIDE) -> np.ndarray:
+    """Any supported input -> (H, W, 3) RGB array: uint8, or float32 in [0, 1] for float inputs. Smaller than
+    `min_side` on a side is an InputError (a caller with its own size rule, as panoramas, passes 1)."""
     if isinstance(image, (str, os.PathLike)):
         arr = read_image_file(image, name)
     elif isinstance(image, (bytes, bytearray, memoryview)):
@@ -327,6 +328,6 @@ def to_rgb_array(image: Any, name: str = "image") -> np.ndarray:
     else:
         raise TypeError(f"{name}: unsupported type {type(image).__name__}; expected a file path, encoded bytes, PIL image, numpy array or torch tensor")
     h, w = arr.shape[:2]
-    if h < MIN_IMAGE_SIDE or w < MIN_IMAGE_SIDE:
-        raise InputError(f"{name}: image is {w}x{h}; the minimum size is {MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE}")
+    if h < min_side or w < min_side:
+        raise InputError(f"{name}: image is {w}x{h}; the minimum size is {min_side}x{min_side}")
     return arr

@@ -134,9 +134,9 @@ def predict_panorama(model: Any, image: Any, *, return_views: bool = False, appl
     from ..host.decode import to_rgb_array
 
     t0 = time.perf_counter()
-    rgb = to_rgb_array(image, name="image")
+    rgb = to_rgb_array(image, name="image", min_side=1)
     height, width = rgb.shape[:2]
-    check_panorama_size(width, height, "image")
+    check_panorama_size(width, height, "image")  # the panorama's own minimum, 16x8
     cameras = view_cameras()
     views = split_panorama(rgb, cameras)
     t1 = time.perf_counter()
