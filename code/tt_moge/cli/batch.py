@@ -73,7 +73,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     ray.add_argument("--cpus-per-replica", type=argtypes.positive_float, default=None, metavar="X",
                      help="CPUs per replica, also its torch threads (default: local CPU runs, the cores / replicas; else 1)")
     ray.add_argument("--gpus-per-replica", type=argtypes.non_negative_float, default=None, metavar="X",
-                     help="GPUs per replica, fractions share a GPU (default: 1 with --device cuda, else 0)")
+                     help="GPUs per replica, fractions share a GPU (default: 1 when the replicas run on CUDA: --device "
+                          "cuda, or no --device where torch sees a GPU and Ray is local; else 0)")
     ray.add_argument("--batch-size", type=argtypes.positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
                      help=f"images per replica call, one predict_many (default {DEFAULT_BATCH_SIZE})")
     ray.add_argument("--writers", type=argtypes.positive_int, default=2, metavar="N", help="file-writing threads per replica (default 2)")
