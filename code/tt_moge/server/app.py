@@ -465,7 +465,8 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
             raise ApiError(503, "not_ready", "the model is not loaded yet; see GET /ready", {"Retry-After": str(settings.retry_after_s)})
         limits = {"max_body_bytes": settings.max_body_bytes, "max_pixels": settings.max_pixels,
                   "queue_size": settings.queue_size, "host_threads": settings.host_threads,
-                  "max_connections": settings.max_connections, "read_timeout_s": settings.read_timeout_s, "send_timeout_s": settings.send_timeout_s,
+                  "max_connections": settings.max_connections, "read_timeout_s": settings.read_timeout_s,
+                  "send_timeout_s": settings.send_timeout_s,
                   "memory_budget_bytes": settings.memory_budget_bytes, "shutdown_grace_s": settings.shutdown_grace_s,
                   "auth": settings.api_key is not None}
         return {**serving.model.info(), "server": {"limits": limits, "npz_deflate": DEFLATE_BACKEND,
