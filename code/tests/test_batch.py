@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -280,6 +281,27 @@ def test_device_none_on_a_gpu_machine_asks_ray_for_a_gpu(monkeypatch):
         replica_resources("cuda", 0.0, None, replicas=1, local=True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert replica_resources(None, None, None, replicas=1, local=True)[:2] == ("cpu", 0.0)
+
+
+def test_an_address_where_nothing_answers_is_a_clear_error_at_once():
+    """Ray would retry a dead address for minutes; the job says at once that nothing answers there."""
+    import socket
+
+    from tt_moge.batch import check_ray_address
+
+    with socket.socket() as sock:  # a port that was just free: nothing listens on it
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        t = time.monotonic()
+        with pytest.raises(ValueError, match=rf"address='{re.escape(address)}': nothing answers at 127.0.0.1:{port}"):
+            check_ray_address(address)
+        assert time.monotonic() - t < 10
+    with socket.socket() as server:  # a listening port passes
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        check_ray_address(f"127.0.0.1:{server.getsockname()[1]}")
+    check_ray_address("auto")  # no port: Ray's own lookup
 
 
 @pytest.mark.parametrize("options, message", [(dict(fit="crop"), "fit must be one of"), (dict(fov_x=500.0), "fov_x")])

@@ -44,7 +44,7 @@ from .export import DEFAULT_FORMATS, DEFAULT_MESH_STEP, FORMATS, check_formats
 
 __all__ = ["run_batch", "BatchJob", "BatchSummary", "RayMissingError", "OUTPUT_FORMATS", "FAILURES_FILE", "SHARDS_DIR",
            "completed_names", "local_ray_cpus", "init_local_ray", "MIN_OBJECT_STORE_MB",
-           "replica_resources"]
+           "replica_resources", "check_ray_address"]
 
 OUTPUT_FORMATS = ("files", "parquet")
 FAILURES_FILE = "failures.jsonl"  # one JSON object per failed image of the last run: input, name, error
@@ -175,6 +175,23 @@ def _log_options(quiet: bool) -> dict:
     return dict(logging_level="WARNING" if quiet else "INFO", log_to_driver=not quiet)
 
 
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """A ValueError naming `address` when nothing answers at its host:port (Ray itself would retry for minutes).
+    "auto", "local" and addresses without a port are left to Ray."""
+    import socket
+
+    target = address[len("ray://"):] if address.startswith("ray://") else address
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ValueError(f"address={address!r}: nothing answers at {host}:{port} ({exc.strerror or exc}); start the Ray "
+                         "head there, or fix --address / $RAY_ADDRESS") from None
+
+
 @contextlib.contextmanager
 def _ray_session(ray: Any, address: Optional[str], num_cpus: int, object_store_mb: int,
                  quiet: bool) -> Iterator[tuple]:
@@ -186,6 +203,7 @@ def _ray_session(ray: Any, address: Optional[str], num_cpus: int, object_store_m
         return
     watcher = None
     if address:
+        check_ray_address(address)
         ray.init(address=address, include_dashboard=False, **_log_options(quiet))
         where = f"the Ray cluster at {address}"
     else:
