@@ -401,24 +401,20 @@ _MODEL_KEYS = {"pretrained_model_name_or_path", "revision", "device", "device_id
                "precision", "dispatch", "num_command_queues", "warmup", "warmup_variants", "verbose"}
 
 
-def _default_device(device: Optional[str], gpus: float, local: bool) -> str:
-    if device is not None:
-        return device
-    if gpus > 0:
-        return "cuda"
-    if local:
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return "cpu"  # a cluster: ask for GPUs with gpus_per_replica (or device="cuda")
-
-
 def replica_resources(device: Optional[str], gpus_per_replica: Optional[float], cpus_per_replica: Optional[float],
                       replicas: int, local: bool) -> tuple:
     """(device, GPUs, CPUs) of each replica: the device first (None: CUDA where this machine, running a local
     Ray, has a GPU; "cuda" when GPUs are asked for), then the GPUs it needs unless given (1 on CUDA, else 0),
     then the CPUs unless given (a local CPU job: the cores / replicas; else 1)."""
-    device = _default_device(device, gpus_per_replica or 0.0, local)
+    if device is None:
+        if gpus_per_replica:
+            device = "cuda"
+        elif local:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        else:
+            device = "cpu"  # a cluster: ask for GPUs with gpus_per_replica (or device="cuda")
     gpus = gpus_per_replica if gpus_per_replica is not None else (1.0 if device.startswith("cuda") else 0.0)
     cpus = cpus_per_replica if cpus_per_replica is not None else (
         float(max(1, (os.cpu_count() or 1) // replicas)) if local and gpus == 0 else 1.0)

@@ -65,33 +65,34 @@ PRESETS["all"] = PRESETS["default"] + [
 ]
 
 
-def canonical_variant(variant: dict, canvas_size: tuple) -> tuple:
-    """Validate a variant dict and return its hashable canonical form (key, value) pairs in _KEYS order."""
+def canonical_variant(variant: dict, canvas_size: tuple, name: str = "warm-up variant") -> tuple:
+    """Validate a variant dict and return its hashable canonical form (key, value) pairs in _KEYS order. Errors
+    begin with `name` (the argument the variant came from)."""
     if not isinstance(variant, dict):
-        raise TypeError(f"warm-up variant must be a dict, got {type(variant).__name__}")
+        raise TypeError(f"{name} must be a dict, got {type(variant).__name__}")
     unknown = sorted(set(variant) - set(_KEYS))
     if unknown:
-        raise ValueError(f"warm-up variant: unknown key(s) {unknown}; expected keys from {list(_KEYS)}")
+        raise ValueError(f"{name}: unknown key(s) {unknown}; expected keys from {list(_KEYS)}")
     v = {"input": "array", "size": tuple(canvas_size), "fit": "pad", "fov_x": False, "apply_mask": True,
          "force_projection": True, "call": "call"}
     v.update(variant)
     if v["input"] not in INPUTS:
-        raise ValueError(f"warm-up variant: input must be one of {INPUTS}, got {v['input']!r}")
+        raise ValueError(f"{name}: input must be one of {INPUTS}, got {v['input']!r}")
     if v["call"] not in CALLS:
-        raise ValueError(f"warm-up variant: call must be one of {CALLS}, got {v['call']!r}")
+        raise ValueError(f"{name}: call must be one of {CALLS}, got {v['call']!r}")
     size = v["size"]
     if (not isinstance(size, (tuple, list)) or len(size) != 2
             or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 8 for s in size)):
-        raise ValueError(f"warm-up variant: size must be (width, height) integers >= 8, got {size!r}")
+        raise ValueError(f"{name}: size must be (width, height) integers >= 8, got {size!r}")
     v["size"] = tuple(size)
     if v["fit"] not in FITS:
-        raise ValueError(f"warm-up variant: fit must be one of {FITS}, got {v['fit']!r}")
+        raise ValueError(f"{name}: fit must be one of {FITS}, got {v['fit']!r}")
     v["fov_x"] = v["fov_x"] is not None and v["fov_x"] is not False
     for key in ("apply_mask", "force_projection"):
         if not isinstance(v[key], bool):
-            raise ValueError(f"warm-up variant: {key} must be True or False, got {v[key]!r}")
+            raise ValueError(f"{name}: {key} must be True or False, got {v[key]!r}")
     if v["call"] == "forward" and v["size"] != tuple(canvas_size):
-        raise ValueError(f"warm-up variant: call='forward' takes the canvas size {tuple(canvas_size)}, got size {v['size']}")
+        raise ValueError(f"{name}: call='forward' takes the canvas size {tuple(canvas_size)}, got size {v['size']}")
     return tuple((k, v[k]) for k in _KEYS)
 
 
@@ -115,11 +116,8 @@ def expand_variants(spec: Union[str, dict, Iterable, None], canvas_size: tuple) 
     for index, item in enumerate(items):
         if isinstance(item, str):
             raise ValueError(f"warmup_variants: unknown preset {item!r}; expected one of {sorted(PRESETS)}")
-        try:
-            key = canonical_variant(item, canvas_size)
-        except (TypeError, ValueError) as exc:  # name the argument, and which entry of it
-            where = "warmup_variants" if isinstance(spec, dict) else f"warmup_variants (variant {index + 1} of {len(items)})"
-            raise type(exc)(f"{where}: {str(exc).removeprefix('warm-up variant: ')}") from None
+        where = "warmup_variants" if isinstance(spec, dict) else f"warmup_variants (variant {index + 1} of {len(items)})"
+        key = canonical_variant(item, canvas_size, where)
         if key not in out:
             out.append(key)
     return out
