@@ -422,6 +422,34 @@ def test_kernel_chooser_picks_the_faster_candidate_and_caches_it(tmp_path):
         forced_choices("attention")
 
 
+def _choose_in_a_process(path, favourite, barrier, results):
+    """One process of the race below: its own timer makes `favourite` the fastest."""
+    candidates = {f"k{i}": (lambda i=i: f"k{i}") for i in range(4)}
+    barrier.wait()
+    choice = choose("attention", candidates, "one machine", cache=KernelCache(path), forced={},
+                    timer=lambda fn, repeats: 1.0 if fn() == favourite else 2.0)
+    results.put(choice.kernel)
+
+
+def test_processes_timing_one_key_at_once_all_take_the_first_choice(tmp_path):
+    """Replicas that start together time the same shape at once, and a loaded machine can rank the kernels
+    differently in each: the first choice written stands, and every process runs it (one machine never mixes
+    kernels for one shape, so replicas give the same bits)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(4), context.Queue()
+    processes = [context.Process(target=_choose_in_a_process, args=(tmp_path / "k.json", f"k{i}", barrier, results))
+                 for i in range(4)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(60)
+    chosen = [results.get(timeout=5) for _ in processes]
+    assert len(set(chosen)) == 1, f"each process ran its own choice: {chosen}"
+    assert KernelCache(tmp_path / "k.json").get("attention | one machine")["kernel"] == chosen[0]
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "heads", "native"])
 def test_forced_attention_kernel_runs_in_the_graph(attention, tmp_path):
     """Each kernel the chooser may pick runs in the CPU runner when forced, and the graph uses it."""

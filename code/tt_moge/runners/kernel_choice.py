@@ -8,7 +8,9 @@ candidate meets the accuracy limits of `tests/test_runners.py` (each is tested t
 
 Choices are cached in the user cache (`$MOGE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/tt_moge/kernels.json`, else
 `~/.cache/tt_moge/kernels.json`) under a key made of the CPU model and flags, the torch version, the thread
-count, the choice point and its shape, so later loads on the same machine skip the timing.
+count, the choice point and its shape, so later loads on the same machine skip the timing. The first choice
+written for a key wins: processes that time the same key at once (the replicas of a batch job starting
+together) all take the choice of the first to finish, so one machine never mixes kernels for one shape.
 
 `$MOGE_CPU_KERNELS` forces choices, e.g. ``attention=sdpa,int8_matmul=bf16`` (a forced kernel that cannot run
 here is an error). `describe()` of the runner says what was chosen and why (the milliseconds measured, or
@@ -16,6 +18,7 @@ here is an error). `describe()` of the runner says what was chosen and why (the 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -88,8 +91,9 @@ def cpu_signature() -> str:
 
 
 class KernelCache:
-    """A JSON file of earlier choices: {key: {"kernel": name, "times_ms": {...}}}. Safe across threads; a
-    write replaces the file atomically, so concurrent processes never read half a file (the last writer wins)."""
+    """A JSON file of earlier choices: {key: {"kernel": name, "times_ms": {...}}}. Safe across threads and
+    processes: a write replaces the file atomically (no reader sees half a file), under a lock file where the
+    OS has one, and `settle` keeps the first choice written for a key."""
 
     def __init__(self, path: Optional[Path] = None):
         if path is None:
@@ -109,10 +113,33 @@ class KernelCache:
         entry = self._read().get(key)
         return entry if isinstance(entry, dict) and isinstance(entry.get("kernel"), str) else None
 
-    def put(self, key: str, kernel: str, times_ms: dict) -> None:
+    @contextlib.contextmanager
+    def _locked(self):
+        """This process's threads, and other processes (an flock on a lock file beside the cache, where the
+        OS has flock and the folder is writable), one at a time."""
         with _lock:
+            try:
+                import fcntl
+
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                handle = open(self.path.with_name(f".{self.path.name}.lock"), "a")
+            except (ImportError, OSError):
+                yield
+                return
+            with handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                yield
+
+    def settle(self, key: str, kernel: str, times_ms: dict, candidates=None) -> dict:
+        """Record `kernel` for `key` unless a usable choice is there already (another process timed the same
+        key meanwhile); returns the entry that stands."""
+        with self._locked():
             data = self._read()
-            data[key] = {"kernel": kernel, "times_ms": {k: round(v, 3) for k, v in times_ms.items()}}
+            entry = data.get(key)
+            if isinstance(entry, dict) and isinstance(entry.get("kernel"), str) and (
+                    candidates is None or entry["kernel"] in candidates):
+                return entry
+            data[key] = entry = {"kernel": kernel, "times_ms": {k: round(v, 3) for k, v in times_ms.items()}}
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
@@ -120,6 +147,7 @@ class KernelCache:
                 os.replace(tmp, self.path)
             except OSError:
                 pass  # a read-only cache only costs the timing again next time
+            return entry
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -152,5 +180,7 @@ def choose(point: str, candidates: Mapping[str, Callable[[], object]], key: str,
     times = {name: timer(fn, repeats) for name, fn in candidates.items()}
     kernel = fastest(times)
     if cache is not None:
-        cache.put(full_key, kernel, times)
+        entry = cache.settle(full_key, kernel, times, candidates)
+        if entry["kernel"] != kernel:  # another process chose first: one kernel per shape on this machine
+            return KernelChoice(point, entry["kernel"], "cached", dict(entry.get("times_ms") or {}))
     return KernelChoice(point, kernel, "measured", times)
