@@ -169,7 +169,7 @@ def test_rerun_recomputes_nothing(files_run, local_ray, ckpt, photos):
 
 def test_quiet_still_names_each_failed_image(files_run, local_ray, ckpt, photos):
     """-q drops the progress and the summary, never an error: the corrupt image is named on stderr."""
-    code, stdout, stderr, out = files_run
+    out = files_run[-1]
     code, stdout, stderr = run_cli(["batch", photos["root"], "-o", out, "--weights", ckpt, *MODEL_ARGS, "--npz",
                                     "--fit", CALL["fit"], "--fov-x", CALL["fov_x"], "-q"])
     assert code == 1 and stdout == ""
