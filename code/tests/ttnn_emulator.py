@@ -12,11 +12,29 @@ Formats. Every tensor is a float32 torch tensor rounded to its ttnn dtype whenev
 by an op: bfloat16 by round-to-nearest-even (what ttnn's host conversion does), bfloat8_b as ttnn stores it:
 each run of 16 consecutive values along the last dim (one row of a 16x16 face of a 32x32 tile) shares the
 exponent of its largest magnitude, each value keeps a sign and a 7-bit magnitude rounded to nearest even and
-clipped at 127 (checked against ttnn's own host conversion). Ops compute in float32 (the graph asks the device
-for float32 accumulation); conv weights are rounded to `Conv2dConfig.weights_dtype`. SDPA models the
-FlashAttention kernel's bfloat16 intermediates: scores, probabilities and their row sums rounded to bfloat16.
-Not modelled: the matrix engine's input truncation and math fidelity, intra-op blocking, approximations in
-the SFPU (exp, gelu). `TtnnEmulator(exact=True)` is the "float32 everything" mode: no rounding anywhere.
+clipped at 127 (checked against ttnn's own host conversion).
+
+The matrix engine (`Fidelity`), as tt-metal documents it (tech_reports/matrix_engine, the ISA's MVMUL page): the
+source registers hold 19-bit values (TF32: a float32 operand loses its low 13 mantissa bits, bfloat16 and
+bfloat8_b are exact); matmul's first operand (activations, in0) goes to SrcB, its second (weights, in1) to
+SrcA; one pass of the 5 x 7-bit multipliers uses the implicit bit and the next 4 mantissa bits of SrcA (5
+significant bits) and the implicit bit and next 6 of SrcB (7 significant bits). LoFi is that one pass; HiFi2
+adds SrcA's next 5 bits (weights exact up to 10 bits, activations 7 bits); HiFi3 instead adds SrcB's next 4 bits;
+HiFi4 both (10 x 11 significant bits). The products are summed in the destination register: float32 with
+`fp32_dest_acc_en`, else bfloat16, which is rounded to after every 16-deep multiply-accumulate along K (one
+MVMUL). Convs are matmuls over their windows, so the same. Elementwise multiplies use the same passes; adds
+and subtractions do not (they see TF32 operands), except float32 + float32, which ttnn computes on the SFPU
+in float32. SDPA is emulated as the FlashAttention kernel runs it: per key chunk, QK^T and PV at the op's
+fidelity, scores, probabilities, the running max, sum and output rounded to bfloat16 (its intermediate
+buffers), and the softmax's exp either exact or, with `exp_approx_mode`, the SFPU's fast approximate exp
+(Schraudolph's bit trick: 2^(x / ln 2) built in the float's exponent and mantissa fields, a few per cent off).
+Layer norm as its kernel runs it: the mean and the variance by the matrix engine's row reduce (fidelity
+applies to the input), x - mean, its square, the statistics and the normalised value each stored in float32
+with `fp32_dest_acc_en`, else in bfloat16. A compute config that an op is not given takes ttnn 0.81's default
+(matmul: LoFi with a program config; HiFi2 without one, for bfloat16 inputs; layer norm: HiFi4 with float32
+accumulation; SDPA: HiFi2, approximate exp, no float32 accumulation; conv: HiFi4, float32 accumulation).
+Not modelled: intra-op blocking beyond the 16-deep accumulation, other SFPU approximations (gelu, rsqrt).
+`TtnnEmulator(exact=True)` is the "float32 everything" mode: no rounding, no fidelity, exact exp.
 
 Cheap validations raise like the real ops (shapes, ranks, program config arithmetic); memory configs and
 program configs are otherwise inert. Ops are counted in `emulator.op_counts`.
@@ -96,7 +114,32 @@ class _Inert:
         return f"{type(self).__name__}({fields})"
 
 
-class MemoryConfig(_Inert):
+class ShardOrientation(enum.Enum):
+    ROW_MAJOR = 0
+    COL_MAJOR = 1
+
+
+class MemoryConfig:
+    """Where a tensor lives; the emulator keeps it for `memory_config()` and `is_sharded()` only."""
+
+    def __init__(self, memory_layout=None, buffer_type=None, shard_spec=None):
+        self.memory_layout = TensorMemoryLayout.INTERLEAVED if memory_layout is None else memory_layout
+        self.buffer_type = BufferType.DRAM if buffer_type is None else buffer_type
+        self.shard_spec = shard_spec
+
+    def __repr__(self):
+        return f"MemoryConfig({self.memory_layout}, {self.buffer_type}, {self.shard_spec})"
+
+
+class ShardSpec(_Inert):
+    pass
+
+
+class CoreRange(_Inert):
+    pass
+
+
+class CoreRangeSet(_Inert):
     pass
 
 
@@ -123,7 +166,15 @@ class MatmulMultiCoreReuseMultiCastProgramConfig(_Inert):
     pass
 
 
+class MatmulMultiCoreReuseMultiCast1DProgramConfig(_Inert):
+    pass
+
+
 class SDPAProgramConfig(_Inert):
+    pass
+
+
+class LayerNormShardedMultiCoreProgramConfig(_Inert):
     pass
 
 
@@ -176,6 +227,92 @@ def round_bfp8(t: torch.Tensor) -> torch.Tensor:
     return q[..., :width] if pad else q
 
 
+_FIDELITY_PASSES = {"LoFi": (("hi", "hi"),), "HiFi2": (("hi", "hi"), ("lo", "hi")),
+                     "HiFi3": (("hi", "hi"), ("hi", "lo")), "HiFi4": (("hi", "hi"), ("lo", "hi"), ("hi", "lo"), ("lo", "lo"))}
+
+
+def truncate_bits(t: torch.Tensor, bits: int) -> torch.Tensor:
+    """float32 values keeping `bits` significant bits (the implicit one included), the rest cut toward zero."""
+    i = t.float().contiguous().view(torch.int32)
+    return (i & ~((1 << (24 - bits)) - 1)).view(torch.float32)
+
+
+def src_parts(t: torch.Tensor, register: str) -> dict:
+    """A matrix-engine operand split into what one fidelity pass uses ("hi") and what the next adds ("lo").
+    register "A" (weights: 5 + 5 bits of a 10-bit TF32 significand), "B" (activations: 7 + 4 of 11)."""
+    first, total = (5, 10) if register == "A" else (7, 11)
+    x = truncate_bits(t, total)
+    hi = truncate_bits(x, first)
+    return {"hi": hi, "lo": x - hi}
+
+
+def fidelity_name(config, default: str) -> str:
+    f = getattr(config, "math_fidelity", None)
+    return default if f is None else (f.name if isinstance(f, enum.Enum) else str(f))
+
+
+def approx_exp(x: torch.Tensor) -> torch.Tensor:
+    """Schraudolph's exp: the float whose bits are round(x * 2^23 / ln 2 + 127 * 2^23 - 486411), 0 below ~-87."""
+    a = x.double().clamp(min=-87.0) * (2 ** 23 / math.log(2)) + (127 * 2 ** 23 - 486411)
+    return a.clamp(min=0).round().to(torch.int32).view(torch.float32)
+
+
+class _Numerics:
+    """The matrix engine, the destination register and the SFPU's exp, for one emulator (see the docstring)."""
+
+    def __init__(self, exact: bool):
+        self.exact = exact
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, fidelity: str, fp32_acc: bool) -> torch.Tensor:
+        """x (..., M, K) @ w (..., K, N) as the matrix engine computes it."""
+        if self.exact:
+            return x @ w
+        bx, aw = src_parts(x, "B"), src_parts(w, "A")
+        if fp32_acc:
+            return sum(bx[pb] @ aw[pa] for pa, pb in _FIDELITY_PASSES[fidelity])
+        acc = None
+        for k in range(0, x.shape[-1], 16):  # bfloat16 destination: rounded after every 16-deep MVMUL
+            part = sum(bx[pb][..., k:k + 16] @ aw[pa][..., k:k + 16, :] for pa, pb in _FIDELITY_PASSES[fidelity])
+            acc = round_bf16(part if acc is None else acc + part)
+        return acc
+
+    def conv(self, fn, x: torch.Tensor, w: torch.Tensor, fidelity: str, fp32_acc: bool, weight_in_dim: int = 1,
+             groups: int = 1) -> torch.Tensor:
+        """fn(x, w): a conv without bias (bilinear in x and w) as the matrix engine computes it; the weight's
+        input channels are along `weight_in_dim` (1 for conv2d's OIHW, 0 for conv_transpose2d's IOHW)."""
+        if self.exact:
+            return fn(x, w)
+        bx, aw = src_parts(x, "B"), src_parts(w, "A")
+        if fp32_acc:
+            return sum(fn(bx[pb], aw[pa]) for pa, pb in _FIDELITY_PASSES[fidelity])
+        if groups != 1:
+            raise NotImplementedError("bfloat16 accumulation of a grouped conv is not emulated")
+        acc = None
+        for c in range(0, x.shape[1], 16):  # bfloat16 destination: rounded after every 16 input channels
+            part = sum(fn(bx[pb][:, c:c + 16], aw[pa].narrow(weight_in_dim, c, min(16, x.shape[1] - c)))
+                       for pa, pb in _FIDELITY_PASSES[fidelity])
+            acc = round_bf16(part if acc is None else acc + part)
+        return acc
+
+    def mul(self, a: torch.Tensor, b: torch.Tensor, fidelity: str) -> torch.Tensor:
+        """An elementwise multiply on the FPU (a in SrcA, b in SrcB)."""
+        if self.exact:
+            return a * b
+        pa_, pb_ = src_parts(a, "A"), src_parts(b, "B")
+        return sum(pa_[pa] * pb_[pb] for pa, pb in _FIDELITY_PASSES[fidelity])
+
+    def tf32(self, t: torch.Tensor) -> torch.Tensor:
+        """An operand of an FPU add or subtract (a TF32 source register)."""
+        return t if self.exact else truncate_bits(t, 11)
+
+    def store(self, t: torch.Tensor, fp32: bool) -> torch.Tensor:
+        """An intermediate circular buffer: float32 with fp32_dest_acc_en, else bfloat16."""
+        return t if self.exact or fp32 else round_bf16(t)
+
+    def exp(self, x: torch.Tensor, approx: bool) -> torch.Tensor:
+        return approx_exp(x) if approx and not self.exact else torch.exp(x)
+
+
 class TtnnEmulator:
     """The emulated `ttnn` module: pass an instance where graph.py expects `ttnn`.
 
@@ -190,9 +327,15 @@ class TtnnEmulator:
         self.TILE_LAYOUT, self.ROW_MAJOR_LAYOUT = Layout.TILE, Layout.ROW_MAJOR
         self.Layout = Layout
         self.TensorMemoryLayout, self.BufferType = TensorMemoryLayout, BufferType
-        self.DRAM_MEMORY_CONFIG = MemoryConfig(memory_layout=TensorMemoryLayout.INTERLEAVED, buffer_type=BufferType.DRAM)
-        self.L1_MEMORY_CONFIG = MemoryConfig(memory_layout=TensorMemoryLayout.INTERLEAVED, buffer_type=BufferType.L1)
-        self.MemoryConfig = MemoryConfig
+        self.DRAM_MEMORY_CONFIG = MemoryConfig(TensorMemoryLayout.INTERLEAVED, BufferType.DRAM)
+        self.L1_MEMORY_CONFIG = MemoryConfig(TensorMemoryLayout.INTERLEAVED, BufferType.L1)
+        self.L1_HEIGHT_SHARDED_MEMORY_CONFIG = MemoryConfig(TensorMemoryLayout.HEIGHT_SHARDED, BufferType.L1)
+        self.L1_BLOCK_SHARDED_MEMORY_CONFIG = MemoryConfig(TensorMemoryLayout.BLOCK_SHARDED, BufferType.L1)
+        self.MemoryConfig, self.ShardSpec, self.ShardOrientation = MemoryConfig, ShardSpec, ShardOrientation
+        self.CoreRange, self.CoreRangeSet = CoreRange, CoreRangeSet
+        self.MatmulMultiCoreReuseMultiCast1DProgramConfig = MatmulMultiCoreReuseMultiCast1DProgramConfig
+        self.LayerNormShardedMultiCoreProgramConfig = LayerNormShardedMultiCoreProgramConfig
+        self.num = _Numerics(exact)
         self.MathFidelity, self.UnaryOpType, self.UnaryWithParam = MathFidelity, UnaryOpType, UnaryWithParam
         self.CoreCoord, self.CoreGrid = CoreCoord, CoreGrid
         self.MatmulMultiCoreReuseMultiCastProgramConfig = MatmulMultiCoreReuseMultiCastProgramConfig
@@ -203,6 +346,7 @@ class TtnnEmulator:
         self.Conv2dL1FullSliceConfig = Conv2dSliceConfig(slice_type=SliceType.L1Full)
         emulator = self
         self.Tensor = type("Tensor", (EmulatedTensor,), {"_emulator": emulator})
+        self.experimental = types.SimpleNamespace()
         self.transformer = types.SimpleNamespace(
             split_query_key_value_and_split_heads=self._recorded(self._split_heads),
             scaled_dot_product_attention=self._recorded(self._sdpa),
@@ -301,15 +445,19 @@ class TtnnEmulator:
         if on_device and t.device is None:
             raise RuntimeError(f"{name}: tensor must be on the device")
 
-    @staticmethod
-    def _activation(x: torch.Tensor, act) -> torch.Tensor:
+    @property
+    def _exact_mode(self) -> bool:
+        return self.exact
+
+    def _activation(self, x: torch.Tensor, act) -> torch.Tensor:
         if act is None:
             return x
         op = act.op_type if isinstance(act, UnaryWithParam) else act
         if op in (UnaryOpType.RELU, "relu"):
             return torch.relu(x)
-        if op in (UnaryOpType.GELU, "gelu"):
-            return F.gelu(x)
+        if op in (UnaryOpType.GELU, "gelu"):  # a parameter of 1: ttnn's fast approximate GELU (tanh form here)
+            params = getattr(act, "params", ()) or (0.0,)
+            return F.gelu(x, approximate="tanh" if params[0] and not self._exact_mode else "none")
         raise ValueError(f"activation {act!r} not emulated")
 
     # ----------------------------------------------------------------------------------- tensor moves
@@ -364,11 +512,25 @@ class TtnnEmulator:
         self._count("typecast")
         return self._new(t.data, dtype, t.layout, t.device, kwargs.get("memory_config"))
 
-    def to_memory_config(self, t, memory_config, **_):
+    def to_memory_config(self, t, memory_config, dtype=None, **_):
         self._check(t, "to_memory_config")
-        out = t._copy()
+        out = t._copy() if dtype is None else self._new(t.data, dtype, t.layout, t.device)
         out.mem = memory_config
         return out
+
+    def num_cores_to_corerangeset(self, cores: int, grid, row_wise: bool = True):
+        return CoreRangeSet(cores=int(cores), grid=grid, row_wise=row_wise)
+
+    def untilize(self, t, *, memory_config=None, **_):
+        self._check(t, "untilize")
+        self._count("untilize")
+        if t.dtype == DataType.BFLOAT8_B:
+            raise RuntimeError("untilize: bfloat8_b has no row-major layout")
+        return self._new(t.data, t.dtype, Layout.ROW_MAJOR, t.device, memory_config or t.mem)
+
+    def reallocate(self, t, *_, **__):
+        self._check(t, "reallocate")
+        return t._copy()
 
     def deallocate(self, t, *_, **__) -> None:
         self._check(t, "deallocate")
@@ -448,7 +610,11 @@ class TtnnEmulator:
             torch.broadcast_shapes(a.data.shape, b.data.shape)
         except RuntimeError:
             raise RuntimeError(f"add: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not broadcast") from None
-        return self._new(a.data + b.data, dtype or a.dtype, Layout.TILE, a.device, memory_config)
+        if a.dtype == DataType.FLOAT32 and b.dtype == DataType.FLOAT32:  # ttnn adds float32 pairs on the SFPU
+            y = a.data + b.data
+        else:
+            y = self.num.tf32(a.data) + self.num.tf32(b.data)
+        return self._new(y, dtype or a.dtype, Layout.TILE, a.device, memory_config)
 
     def relu(self, t, *, memory_config=None, **_):
         self._check(t, "relu")
@@ -476,8 +642,19 @@ class TtnnEmulator:
         if pc.out_subblock_h * pc.out_subblock_w > 8:
             raise RuntimeError("matmul program config: out subblock larger than 8 tiles")
 
+    def _matmul_config(self, ck, program_config, a_dtype, b_dtype, out_dtype) -> tuple:
+        """(fidelity, fp32 accumulation) of a matmul: its compute config, else ttnn 0.81's defaults."""
+        if ck is not None and getattr(ck, "math_fidelity", None) is not None:
+            return fidelity_name(ck, "HiFi4"), bool(getattr(ck, "fp32_dest_acc_en", False))
+        low = {DataType.BFLOAT8_B}
+        if program_config is not None or (a_dtype in low and b_dtype in low):
+            return "LoFi", out_dtype == DataType.FLOAT32
+        if a_dtype == DataType.FLOAT32 and b_dtype == DataType.FLOAT32:
+            return "HiFi4", True
+        return "HiFi2", out_dtype == DataType.FLOAT32
+
     def linear(self, a, b, *, bias=None, dtype=None, program_config=None, activation=None, memory_config=None,
-               transpose_a=False, transpose_b=False, **_):
+               transpose_a=False, transpose_b=False, compute_kernel_config=None, **_):
         self._check(a, "linear")
         self._check(b, "linear")
         self._count("linear")
@@ -489,33 +666,67 @@ class TtnnEmulator:
         if x.shape[-1] != w.shape[-2]:
             raise RuntimeError(f"linear: K mismatch, {tuple(x.shape)} @ {tuple(w.shape)}")
         self._check_matmul_config(program_config, x.shape[-2], x.shape[-1], w.shape[-1])
-        y = x @ w
+        out_dtype = dtype or a.dtype
+        fidelity, fp32_acc = self._matmul_config(compute_kernel_config, program_config, a.dtype, b.dtype, out_dtype)
+        y = self.num.matmul(x, w, fidelity, fp32_acc)
         if bias is not None:
             self._check(bias, "linear bias")
             if bias.data.shape[-1] != w.shape[-1] or bias.data.numel() != w.shape[-1]:
                 raise RuntimeError(f"linear: bias {tuple(bias.data.shape)} for {w.shape[-1]} outputs")
-            y = y + bias.data.reshape(-1)
+            y = self.num.store(y + bias.data.reshape(-1), fp32_acc)
         fused = getattr(program_config, "fused_activation", None) if program_config is not None else None
         if fused is not None and activation is not None:
             raise RuntimeError("linear: pass the activation in the program config or as `activation`, not both")
         y = self._activation(y, fused if fused is not None else activation)
-        return self._new(y, dtype or a.dtype, Layout.TILE, a.device, memory_config)
+        return self._new(y, out_dtype, Layout.TILE, a.device, memory_config)
 
     matmul = linear
 
+    def _reduce_mean(self, x: torch.Tensor, fidelity: str, fp32: bool) -> torch.Tensor:
+        """The matrix engine's row average (the input in SrcA, the 1/N scaler in SrcB), accumulated in the
+        destination register (bfloat16 after every 16 values unless fp32)."""
+        n = x.shape[-1]
+        terms = self.num.mul(x, torch.full_like(x, 1.0 / n), fidelity)
+        if self.exact or fp32:
+            return terms.sum(-1, keepdim=True)
+        acc = None
+        for k in range(0, n, 16):
+            part = terms[..., k:k + 16].sum(-1, keepdim=True)
+            acc = round_bf16(part if acc is None else acc + part)
+        return acc
+
     def layer_norm(self, t, *, weight=None, bias=None, epsilon=1e-12, residual_input_tensor=None,
-                   memory_config=None, **_):
+                   memory_config=None, compute_kernel_config=None, program_config=None, **_):
+        """As tt-metal's layer-norm kernel computes it (see the module docstring): two passes of the row
+        reduce, intermediates in float32 with fp32_dest_acc_en (ttnn's default) else in bfloat16."""
         self._check(t, "layer_norm")
         self._count("layer_norm")
         if t.layout != Layout.TILE:
             raise RuntimeError("layer_norm: input must be in TILE layout")
-        x = t.data if residual_input_tensor is None else t.data + residual_input_tensor.data
+        N = self.num
+        ck = compute_kernel_config
+        fidelity = fidelity_name(ck, "HiFi4")
+        fp32 = True if ck is None else bool(getattr(ck, "fp32_dest_acc_en", True))
+        x = t.data
+        if residual_input_tensor is not None:
+            x = N.store(N.tf32(x) + N.tf32(residual_input_tensor.data), fp32)
         width = x.shape[-1]
         for name, p in (("weight", weight), ("bias", bias)):
             if p is not None and p.data.shape[-1] != width:
                 raise RuntimeError(f"layer_norm: {name} width {p.data.shape[-1]} != input width {width}")
-        y = F.layer_norm(x, (width,), None if weight is None else weight.data.reshape(-1),
-                         None if bias is None else bias.data.reshape(-1), epsilon)
+        if self.exact:
+            y = F.layer_norm(x, (width,), None if weight is None else weight.data.reshape(-1),
+                             None if bias is None else bias.data.reshape(-1), epsilon)
+            return self._new(y, t.dtype, Layout.TILE, t.device, memory_config)
+        mean = N.store(self._reduce_mean(x, fidelity, fp32), fp32)
+        centred = N.store(N.tf32(x) - N.tf32(mean), fp32)
+        var = N.store(self._reduce_mean(N.store(N.mul(centred, centred, fidelity), fp32), fidelity, fp32), fp32)
+        inv = N.store(torch.rsqrt(N.store(var + epsilon, fp32)), fp32)
+        y = N.store(N.mul(centred, inv.expand_as(centred), fidelity), fp32)
+        if weight is not None:
+            y = N.store(N.mul(y, weight.data.reshape(-1).expand_as(y), fidelity), fp32)
+        if bias is not None:
+            y = N.tf32(y) + N.tf32(bias.data.reshape(-1))
         return self._new(y, t.dtype, Layout.TILE, t.device, memory_config)
 
     def softmax(self, t, dim=-1, **kwargs):
@@ -542,8 +753,27 @@ class TtnnEmulator:
             k = k.transpose(-1, -2).contiguous()
         return tuple(self._new(z, t.dtype, Layout.TILE, t.device, memory_config) for z in (q, k, v))
 
+    def _flash_attention(self, q, k, v, scale, fidelity, fp32_acc, approx, k_chunk) -> torch.Tensor:
+        """Non-causal attention as the FlashAttention kernel computes it, key chunk by key chunk, with its
+        bfloat16 intermediates (exactly softmax attention in the exact mode)."""
+        N = self.num
+        inter = (lambda z: z) if self.exact else round_bf16
+        m = torch.full(q.shape[:-1] + (1,), -math.inf)
+        total = torch.zeros(q.shape[:-1] + (1,))
+        out = torch.zeros(q.shape[:-1] + (v.shape[-1],))
+        kt = k.transpose(-1, -2)
+        for j in range(0, k.shape[-2], k_chunk):
+            scores = inter(N.matmul(q, kt[..., j:j + k_chunk], fidelity, fp32_acc) * scale)
+            m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
+            p = inter(N.exp(scores - m_new, approx))
+            correction = inter(N.exp(m - m_new, approx))
+            total = inter(total * correction + p.sum(dim=-1, keepdim=True))
+            out = inter(out * correction + N.matmul(p, v[..., j:j + k_chunk, :], fidelity, fp32_acc))
+            m = m_new
+        return out / total
+
     def _sdpa(self, q, k, v, *, attn_mask=None, is_causal=True, scale=None, program_config=None,
-              output_concat_heads=False, memory_config=None, **_):
+              output_concat_heads=False, memory_config=None, compute_kernel_config=None, **_):
         for t in (q, k, v):
             self._check(t, "scaled_dot_product_attention")
         self._count("transformer.scaled_dot_product_attention")
@@ -556,10 +786,11 @@ class TtnnEmulator:
         if program_config is not None and (program_config.q_chunk_size % TILE or program_config.k_chunk_size % TILE):
             raise RuntimeError("SDPA: chunk sizes must be multiples of 32")
         scale = q.data.shape[-1] ** -0.5 if scale is None else scale
-        inter = (lambda z: z) if self.exact else round_bf16  # the kernel's bfloat16 intermediates
-        scores = inter(q.data @ k.data.transpose(-1, -2) * scale)
-        probs = inter(torch.exp(scores - scores.amax(dim=-1, keepdim=True)))
-        out = (probs @ v.data) / inter(probs.sum(dim=-1, keepdim=True))
+        fidelity = fidelity_name(compute_kernel_config, "HiFi2")
+        fp32_acc = bool(getattr(compute_kernel_config, "fp32_dest_acc_en", False))
+        approx = True if program_config is None else bool(getattr(program_config, "exp_approx_mode", True))
+        k_chunk = getattr(program_config, "k_chunk_size", None) or TILE
+        out = self._flash_attention(q.data, k.data, v.data, scale, fidelity, fp32_acc, approx, k_chunk)
         if output_concat_heads:
             b, h, s, d = out.shape
             out = out.permute(0, 2, 1, 3).reshape(b, 1, s, h * d)
@@ -607,10 +838,17 @@ class TtnnEmulator:
             result.append((pw, pb))
         return out if len(result) == 1 else tuple(result)
 
+    @staticmethod
+    def _conv_compute(ck) -> tuple:
+        """(fidelity, fp32 accumulation) of a conv: its compute config, else HiFi4 with float32 accumulation."""
+        if ck is None:
+            return "HiFi4", True
+        return fidelity_name(ck, "HiFi4"), bool(getattr(ck, "fp32_dest_acc_en", True))
+
     def conv2d(self, *, input_tensor, weight_tensor, device, in_channels, out_channels, batch_size, input_height,
                input_width, kernel_size, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, bias_tensor=None,
                conv_config=None, dtype=None, memory_config=None, return_output_dim=False,
-               return_weights_and_bias=False, **_):
+               return_weights_and_bias=False, compute_config=None, **_):
         self._count("conv2d")
         x, weight, bias, wdtype = self._conv_params("conv2d", input_tensor, weight_tensor, bias_tensor, in_channels,
                                                     batch_size, input_height, input_width, conv_config)
@@ -623,7 +861,11 @@ class TtnnEmulator:
         top, bottom, left, right = (pad[0], pad[0], pad[1], pad[1]) if len(pad) == 2 else pad
         mode = getattr(conv_config, "padding_mode", PaddingMode.Zeros)
         x = F.pad(x, (left, right, top, bottom), mode="replicate" if mode == PaddingMode.Replicate else "constant")
-        y = F.conv2d(x, weight, bias, stride=tuple(stride), dilation=tuple(dilation), groups=groups)
+        fidelity, fp32_acc = self._conv_compute(compute_config)
+        y = self.num.conv(lambda a, w: F.conv2d(a, w, stride=tuple(stride), dilation=tuple(dilation), groups=groups),
+                          x, weight, fidelity, fp32_acc, weight_in_dim=1, groups=groups)
+        if bias is not None:
+            y = y + bias.reshape(1, -1, 1, 1)
         return self._conv_out(y, getattr(conv_config, "activation", None), dtype or input_tensor.dtype,
                               input_tensor.device, memory_config, weight, bias, wdtype, weight_tensor, bias_tensor,
                               return_output_dim, return_weights_and_bias)
@@ -631,7 +873,8 @@ class TtnnEmulator:
     def conv_transpose2d(self, *, input_tensor, weight_tensor, device, in_channels, out_channels, batch_size,
                          input_height, input_width, kernel_size, stride=(1, 1), padding=(0, 0), output_padding=(0, 0),
                          dilation=(1, 1), groups=1, bias_tensor=None, conv_config=None, dtype=None,
-                         memory_config=None, return_output_dim=False, return_weights_and_bias=False, **_):
+                         memory_config=None, return_output_dim=False, return_weights_and_bias=False,
+                         compute_config=None, **_):
         self._count("conv_transpose2d")
         x, weight, bias, wdtype = self._conv_params("conv_transpose2d", input_tensor, weight_tensor, bias_tensor,
                                                     in_channels, batch_size, input_height, input_width, conv_config)
@@ -639,8 +882,13 @@ class TtnnEmulator:
         if tuple(weight.shape) != (in_channels, out_channels // groups, kh, kw):
             raise RuntimeError(f"conv_transpose2d: weight {tuple(weight.shape)}, expected "
                                f"{(in_channels, out_channels // groups, kh, kw)} (C_in, C_out, kH, kW)")
-        y = F.conv_transpose2d(x, weight, bias, stride=tuple(stride), padding=tuple(padding),
-                               output_padding=tuple(output_padding), groups=groups, dilation=tuple(dilation))
+        fidelity, fp32_acc = self._conv_compute(compute_config)
+        y = self.num.conv(lambda a, w: F.conv_transpose2d(a, w, stride=tuple(stride), padding=tuple(padding),
+                                                          output_padding=tuple(output_padding), groups=groups,
+                                                          dilation=tuple(dilation)),
+                          x, weight, fidelity, fp32_acc, weight_in_dim=0, groups=groups)
+        if bias is not None:
+            y = y + bias.reshape(1, -1, 1, 1)
         return self._conv_out(y, getattr(conv_config, "activation", None), dtype or input_tensor.dtype,
                               input_tensor.device, memory_config, weight, bias, wdtype, weight_tensor, bias_tensor,
                               return_output_dim, return_weights_and_bias)
@@ -649,7 +897,7 @@ class TtnnEmulator:
 # Ops whose results a trace replay recomputes (every op graph.py runs on the device between upload and read).
 _TRACED_OPS = ("reshape", "slice", "permute", "pad", "upsample", "concat", "add", "relu", "gelu", "linear",
                "layer_norm", "softmax", "conv2d", "conv_transpose2d", "typecast", "to_memory_config", "to_layout",
-               "deallocate")
+               "untilize", "reallocate", "deallocate")
 
 
 def _overwrite(recorded, fresh) -> None:

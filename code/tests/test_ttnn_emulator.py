@@ -1,0 +1,174 @@
+"""The emulator's model of Tenstorrent numerics (tests/ttnn_emulator.py), checked against the rules tt-metal documents:
+the matrix engine's fidelity passes (5 bits of SrcA = weights and 7 of SrcB = activations per pass; HiFi2 adds
+SrcA's next 5, HiFi3 SrcB's next 4, HiFi4 both), the destination register's bfloat16 accumulation without
+fp32_dest_acc_en, the SFPU's approximate exp, layer norm's intermediates, FlashAttention's chunked softmax. The
+accuracy of the device graph measured in this emulator (test_ttnn_lowering.py) is only as honest as these."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from .ttnn_emulator import TtnnEmulator, approx_exp, round_bf16, src_parts, truncate_bits
+
+
+def _significant_bits(t: torch.Tensor) -> int:
+    """The most significant bits any nonzero value of t uses (implicit bit included)."""
+    m, _ = torch.frexp(t[t != 0].double())
+    bits = 0
+    for k in range(1, 25):
+        if torch.all(torch.ldexp(m, torch.full_like(m, k, dtype=torch.int32)).frac() == 0):
+            return k
+        bits = k
+    return bits + 1
+
+
+def test_operand_parts_are_what_one_pass_and_the_next_read():
+    x = torch.randn(4096) * 10
+    for register, first, total in (("A", 5, 10), ("B", 7, 11)):
+        parts = src_parts(x, register)
+        assert _significant_bits(parts["hi"]) <= first
+        assert torch.equal(parts["hi"] + parts["lo"], truncate_bits(x, total))  # exact: no bits lost in the split
+        assert torch.all(parts["hi"].abs() <= x.abs()) and torch.all(parts["lo"] * x >= 0)  # cut toward zero
+    assert torch.equal(truncate_bits(torch.tensor([1.99609375]), 8), torch.tensor([1.9921875]))
+
+
+def _linear(emulator, x, w, fidelity, fp32=True, program_config=None, dtype="bfloat16"):
+    T = emulator
+    a = T.Tensor(x.numpy(), getattr(T, dtype), T.open_device(), T.TILE_LAYOUT)
+    b = T.Tensor(w.numpy(), T.bfloat16, T.open_device(), T.TILE_LAYOUT)
+    ck = None if fidelity is None else T.init_device_compute_kernel_config(
+        "blackhole", math_fidelity=getattr(T.MathFidelity, fidelity), fp32_dest_acc_en=fp32)
+    out = T.linear(a, b, compute_kernel_config=ck, program_config=program_config, dtype=T.float32)
+    return out.data, a.data, b.data
+
+
+def test_matmul_fidelity_passes():
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 128, generator=gen), torch.randn(128, 32, generator=gen)
+    T = TtnnEmulator()
+    hifi4, xb, wb = _linear(T, x, w, "HiFi4")
+    assert torch.allclose(hifi4, xb @ wb, rtol=1e-5, atol=1e-5)  # bfloat16 operands: HiFi4 is exact
+    lofi, _, _ = _linear(T, x, w, "LoFi")
+    assert torch.allclose(lofi, truncate_bits(xb, 7) @ truncate_bits(wb, 5), rtol=1e-5, atol=1e-5)
+    hifi2, _, _ = _linear(T, x, w, "HiFi2")
+    assert torch.allclose(hifi2, truncate_bits(xb, 7) @ wb, rtol=1e-5, atol=1e-5)  # weights whole, activations 7
+    hifi3, _, _ = _linear(T, x, w, "HiFi3")
+    assert torch.allclose(hifi3, xb @ truncate_bits(wb, 5), rtol=1e-5, atol=1e-5)
+    err = {name: float((y - xb @ wb).abs().max()) for name, y in (("LoFi", lofi), ("HiFi2", hifi2), ("HiFi4", hifi4))}
+    assert err["LoFi"] > 3 * err["HiFi2"] > 3 * err["HiFi4"]
+
+
+def test_ttnn_defaults_when_a_matmul_has_no_compute_config():
+    """ttnn 0.81: with a program config and no compute config, a matmul runs LoFi (what tt-metal's ViT relies on);
+    without either, HiFi2 for bfloat16 inputs; float32 accumulation when the output is float32."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(32, 64, generator=gen), torch.randn(64, 32, generator=gen)
+    T = TtnnEmulator()
+    pc = T.MatmulMultiCoreReuseMultiCastProgramConfig(compute_with_storage_grid_size=T.CoreCoord(1, 1), in0_block_w=1,
+                                                      out_subblock_h=1, out_subblock_w=1, per_core_M=1, per_core_N=1)
+    default, _, _ = _linear(T, x, w, None, program_config=pc)
+    lofi, _, _ = _linear(T, x, w, "LoFi", fp32=True)
+    assert torch.equal(default, lofi)
+    plain, _, _ = _linear(T, x, w, None)
+    assert torch.equal(plain, _linear(T, x, w, "HiFi2", fp32=True)[0])
+    assert not torch.equal(plain, lofi)
+
+
+def test_bfloat16_destination_register_accumulation():
+    """Without fp32_dest_acc_en the running sum is rounded to bfloat16 after every 16-deep step: 256 terms of 2^-12
+    added to 1 vanish 16 at a time (16 x 2^-12 is half an ulp of bfloat16 at 1: a tie, rounded to even), but
+    not in float32."""
+    x = torch.ones(1, 257)
+    w = torch.full((257, 1), 2.0 ** -12)
+    w[0, 0] = 1.0
+    T = TtnnEmulator()
+    fp32, _, _ = _linear(T, x, w, "HiFi4", fp32=True)
+    bf16, _, _ = _linear(T, x, w, "HiFi4", fp32=False)
+    assert float(fp32) == pytest.approx(1.0625)
+    assert float(bf16) == 1.0
+
+
+def test_the_approximate_exp_is_a_few_percent_off():
+    x = torch.linspace(-20, 0, 20001)
+    rel = (approx_exp(x) / torch.exp(x.double()) - 1).abs()
+    assert 0.01 < float(rel.max()) < 0.07 and float(rel.mean()) < 0.03
+    assert 0 <= float(approx_exp(torch.tensor([-200.0]))) < 1e-37  # clamped: no wrapped-around garbage
+    T = TtnnEmulator()
+    assert torch.equal(T.num.exp(x, approx=False), torch.exp(x))
+    assert torch.equal(TtnnEmulator(exact=True).num.exp(x, approx=True), torch.exp(x))
+
+
+def _layer_norm(emulator, x, fp32):
+    T = emulator
+    t = T.Tensor(x.numpy(), T.float32, T.open_device(), T.TILE_LAYOUT)
+    ck = T.init_device_compute_kernel_config("blackhole", math_fidelity=T.MathFidelity.HiFi4, fp32_dest_acc_en=fp32)
+    return T.layer_norm(t, epsilon=1e-6, compute_kernel_config=ck).data
+
+
+def test_layer_norm_intermediates_follow_the_accumulation_format():
+    """A row with a common offset of 10: centred with bfloat16 intermediates (fp32_dest_acc_en off) the
+    differences keep 8 bits of 10's scale, in float32 the TF32 operands' 11 (x - mean is an FPU subtract)."""
+    gen = torch.Generator().manual_seed(2)
+    x = 10.0 + torch.randn(8, 1024, generator=gen)
+    ref = F.layer_norm(x.double(), (1024,), eps=1e-6)
+    T = TtnnEmulator()
+    err32 = float((_layer_norm(T, x, True) - ref).abs().max())
+    err16 = float((_layer_norm(T, x, False) - ref).abs().max())
+    assert err32 < 0.02 and err16 > 4 * err32
+    exact = TtnnEmulator(exact=True)
+    assert float((_layer_norm(exact, x, False) - ref).abs().max()) < 1e-4
+
+
+def _sdpa(emulator, q, k, v, k_chunk, approx, fidelity="HiFi4"):
+    T = emulator
+    t = [T.Tensor(z.numpy(), T.bfloat16, T.open_device(), T.TILE_LAYOUT) for z in (q, k, v)]
+    pc = T.SDPAProgramConfig(compute_with_storage_grid_size=T.CoreCoord(13, 10), q_chunk_size=32,
+                             k_chunk_size=k_chunk, exp_approx_mode=approx)
+    ck = T.init_device_compute_kernel_config("blackhole", math_fidelity=getattr(T.MathFidelity, fidelity))
+    out = T.transformer.scaled_dot_product_attention(*t, is_causal=False, scale=1.0, program_config=pc,
+                                                     compute_kernel_config=ck)
+    return out.data, [z.data for z in t]
+
+
+def test_sdpa_is_flash_attention_with_bfloat16_intermediates():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 200, 64, generator=gen) * s for s in (0.3, 0.3, 1.0))
+    exact, (qe, ke, ve) = _sdpa(TtnnEmulator(exact=True), q, k, v, 64, approx=True)
+    ref = torch.softmax(qe @ ke.transpose(-1, -2), -1) @ ve
+    assert torch.allclose(exact, ref, atol=1e-5)  # the chunked online softmax is softmax
+    device, _ = _sdpa(TtnnEmulator(), q, k, v, 64, approx=False)
+    chunked, _ = _sdpa(TtnnEmulator(), q, k, v, 32, approx=False)
+    approx, _ = _sdpa(TtnnEmulator(), q, k, v, 64, approx=True)
+    e_device, e_approx = float((device - ref).abs().max()), float((approx - ref).abs().max())
+    assert 1e-4 < e_device < 0.05 and e_approx > e_device  # bfloat16 tiles cost a little, the fast exp more
+    assert not torch.equal(device, chunked)  # the key chunk size is part of the arithmetic
+
+
+def test_conv_fidelity_matches_the_matmul_rule():
+    gen = torch.Generator().manual_seed(4)
+    T = TtnnEmulator()
+    x = round_bf16(torch.randn(1, 1, 6 * 7, 32, generator=gen))
+    w = torch.randn(16, 32, 3, 3, generator=gen)
+    wt = T.Tensor(w.numpy(), T.float32, None, T.ROW_MAJOR_LAYOUT)
+    xt = T.Tensor(x.numpy(), T.bfloat16, T.open_device(), T.TILE_LAYOUT)
+
+    def run(fidelity):
+        ck = T.init_device_compute_kernel_config("blackhole", math_fidelity=getattr(T.MathFidelity, fidelity),
+                                                 fp32_dest_acc_en=True)
+        cfg = T.Conv2dConfig(weights_dtype=T.bfloat16, padding_mode=T.PaddingMode.Zeros)
+        return T.conv2d(input_tensor=xt, weight_tensor=wt, device=T.open_device(), in_channels=32, out_channels=16,
+                        batch_size=1, input_height=6, input_width=7, kernel_size=(3, 3), padding=(1, 1),
+                        conv_config=cfg, compute_config=ck, dtype=T.float32).data
+
+    img = x.reshape(1, 6, 7, 32).permute(0, 3, 1, 2)
+    wb = round_bf16(w)
+    ref_lofi = F.conv2d(truncate_bits(img, 7), truncate_bits(wb, 5), padding=1).permute(0, 2, 3, 1).reshape(1, 1, 42, 16)
+    assert torch.allclose(run("LoFi"), ref_lofi, atol=1e-4)
+    ref = F.conv2d(img, wb, padding=1).permute(0, 2, 3, 1).reshape(1, 1, 42, 16)
+    assert torch.allclose(run("HiFi4"), ref, atol=1e-4)
+    assert not np.allclose(run("HiFi2").numpy(), ref.numpy(), atol=1e-4)
+    assert math.isfinite(float(run("HiFi2").abs().max()))
