@@ -14,6 +14,7 @@ ttnn emulator (`tests/ttnn_emulator.py`): the numerics of the lowering, without 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from tt_moge.host import CallOptions, postprocess
 from tt_moge.host.canvas import plan_canvas
 from tt_moge.runners.base import RawMaps
 from tt_moge.runners.ttnn import Formats, Prepared, TtnnGraph, host_input, host_output, prepare_weights
+from tt_moge.runners.ttnn.graph import CONFIGS, GraphConfig
 from tt_moge.runners.ttnn.prepare import depth_to_space, phase_fold, resize_antialiased, resize_bilinear
 from tt_moge.testing import calibration_image, make_network, model_config
 
@@ -59,11 +61,11 @@ def _prepared(preset: str, canvas=SMALL, tokens=SMALL_TOKENS) -> Prepared:
     return _PREPARED[key]
 
 
-def _graph(prepared: Prepared, formats="bf16", exact=False, prepare_convs=False) -> TtnnGraph:
+def _graph(prepared: Prepared, formats="bf16", exact=False, prepare_convs=False, config="fast") -> TtnnGraph:
     """The graph on a fresh emulator. prepare_convs: run load()'s conv-preparing forward first, so that the
     forward under test reuses "device-prepared" conv weights (as on a chip); the other tests skip it."""
     emulator = TtnnEmulator(exact=exact)
-    graph = TtnnGraph(emulator, emulator.open_device(), prepared, formats=formats)
+    graph = TtnnGraph(emulator, emulator.open_device(), prepared, formats=formats, config=config)
     graph.load(prepare_convs=prepare_convs)
     return graph
 
@@ -193,9 +195,9 @@ def _references(preset: str, seed: int, canvas, tokens) -> tuple:
 
 
 def _compare(preset: str, formats="bf16", exact=False, seed=6, canvas=SMALL, tokens=SMALL_TOKENS,
-             graph: TtnnGraph = None, prepare_convs=False) -> dict:
+             graph: TtnnGraph = None, prepare_convs=False, config="fast") -> dict:
     prepared = _prepared(preset, canvas, tokens)
-    graph = graph or _graph(prepared, formats, exact, prepare_convs)
+    graph = graph or _graph(prepared, formats, exact, prepare_convs, config)
     raw, level0, cls_token = _run(graph, prepared, calibration_image(*canvas, seed=seed))
     ref, level0_ref, cls_ref = _references(preset, seed, canvas, tokens)
     return _errors(raw, ref, level0, level0_ref, cls_token, cls_ref, canvas)
@@ -209,30 +211,48 @@ def _check_exact(err: dict) -> None:
 # ----------------------------------------------------------------------------------------- whole graph
 
 
+@pytest.mark.parametrize("config", ["fast", "safe"])
 @pytest.mark.parametrize("preset", ["tiny-vits-normal", "tiny-vits", "registers", "nearest"])
-def test_exact_emulation_equals_the_reference(preset):
+def test_exact_emulation_equals_the_reference(preset, config):
     """Every fold and layout choice (patch matmul, token order, tap matrices, phase-folded finest level,
-    replicate padding, host steps) is exact: float32 emulation matches the reference to round-off. The forward
-    compared is the second one, with the conv weights prepared by the first (load), as on a chip."""
-    _check_exact(_compare(preset, exact=True, prepare_convs=True))
+    replicate padding, host steps; in the fast graph also the level-0 upsamples as matmul + pixel shuffle with
+    the heads' input convs folded in, 1x1 convs on sharded maps, the device untilize) is exact: float32 emulation
+    matches the reference to round-off. The forward compared is the second one, with the conv weights prepared
+    by the first (load), as on a chip."""
+    _check_exact(_compare(preset, exact=True, prepare_convs=True, config=config))
 
 
+@pytest.mark.parametrize("config", ["fast", "safe"])
 @pytest.mark.parametrize("formats", ["bf16", "bfp8-vit"])
-def test_device_formats_are_within_documented_limits(formats):
-    err = _compare("tiny-vits-normal", formats)
+def test_device_formats_are_within_documented_limits(formats, config):
+    err = _compare("tiny-vits-normal", formats, config=config)
     _check(err, LIMITS[formats], min_pcc=0.999)
     assert err["encoder_rms"] > 1e-4, "no rounding at all: the formats were not emulated"
 
 
-# Observed: 1.6x the ViT output error and 1.7x the class-token error on this 4-block network; 2.0x and 1.5x on
-# ViT-L at 1920x1080 / 1800 tokens (2.0x and 2.2x with massive activations injected at a few tokens).
-def test_bfloat16_residual_stream_costs_vit_accuracy():
-    """The residual-format decision (graph.py's docstring), measured: the same graph with a bfloat16 residual
-    stream has a clearly larger ViT output and class-token error."""
+def test_the_emulator_sees_each_fidelity_choice():
+    """The fidelity-aware emulator is not blind to the fast graph's choices: each lower fidelity it makes costs
+    accuracy where that op acts (so the accuracy table of docs/tenstorrent.md is not optimistic)."""
+    fast = _compare("tiny-vits-normal")
+    assert _compare("tiny-vits-normal", config=_fast(attention_fidelity="hifi4"))["encoder_rms"] < 0.8 * fast["encoder_rms"]
+    assert _compare("tiny-vits-normal", config=_fast(mlp_fidelity="lofi"))["cls_token"] > 2 * fast["cls_token"]
+    assert _compare("tiny-vits-normal", config=_fast(decoder_fidelity="lofi"))["normal_deg_p99"] > 1.5 * fast["normal_deg_p99"]
+
+
+# Observed in the fidelity-aware emulator, fast graph: 1.07x the ViT output error and 1.09x the class-token error
+# on this 4-block network (docs/tenstorrent.md has ViT-L); the cost model puts the time a bfloat16 stream would
+# save at 0.05 ms of the forward's 12.9. (With every op at HiFi4, before fidelity was emulated: 1.6x and 1.7x.)
+def test_float32_residual_stream_still_pays():
+    """The residual-format decision (graph.py's docstring), measured where the fast graph's lower fidelities
+    could have hidden it: the same graph with a bfloat16 residual stream has a larger ViT output and class-token
+    error."""
     fp32 = _compare("tiny-vits-normal", "bf16")
     bf16 = _compare("tiny-vits-normal", Formats(residual="bfloat16"))
-    assert bf16["encoder_rms"] > 1.3 * fp32["encoder_rms"], (bf16, fp32)
-    assert bf16["cls_token"] > 1.3 * fp32["cls_token"], (bf16, fp32)
+    assert bf16["encoder_rms"] > 1.05 * fp32["encoder_rms"], (bf16, fp32)
+    assert bf16["cls_token"] > 1.05 * fp32["cls_token"], (bf16, fp32)
+    safe_fp32 = _compare("tiny-vits-normal", "bf16", config="safe")
+    safe_bf16 = _compare("tiny-vits-normal", Formats(residual="bfloat16"), config="safe")
+    assert safe_bf16["encoder_rms"] > 1.3 * safe_fp32["encoder_rms"], (safe_bf16, safe_fp32)
 
 
 # ------------------------------------------------------------------------------------------- per module
@@ -327,8 +347,8 @@ def _break(graph: TtnnGraph, bug: str) -> None:
     elif bug == "zero_padding":  # ttnn's default conv padding instead of MoGe's replicate padding
         make = graph._conv_config
 
-        def zeros(shard, relu):
-            config = make(shard, relu)
+        def zeros(*args, **kwargs):
+            config = make(*args, **kwargs)
             config.padding_mode = T.PaddingMode.Zeros
             return config
 
@@ -476,13 +496,39 @@ def test_full_size_vitl_in_device_formats():
 
 # ------------------------------------------------------------------------------------------ the study
 
-_STUDY_FORMATS = {"bf16": "bf16", "bfp8-vit": "bfp8-vit", "bf16-res16": Formats(residual="bfloat16"),
-                  "bfp8-vit-res16": Formats(vit_weights="bfloat8_b", residual="bfloat16"),
-                  "bfp8-all": Formats(vit_weights="bfloat8_b", decoder_weights="bfloat8_b")}
+def _fast(**change) -> GraphConfig:
+    return dataclasses.replace(CONFIGS["fast"], **change)
+
+
+# name -> (formats, config) of the accuracy study (docs/tenstorrent.md)
+_STUDY = {
+    "safe": ("bf16", "safe"), "safe-bfp8-vit": ("bfp8-vit", "safe"), "fast": ("bf16", "fast"),
+    "fast-bfp8-vit": ("bfp8-vit", "fast"),
+    "fast-res16": (Formats(residual="bfloat16"), "fast"),
+    "fast-mlp-hifi2": ("bf16", _fast(mlp_fidelity="hifi2")),
+    "fast-bfp8-mlp-hifi2": ("bfp8-vit", _fast(mlp_fidelity="hifi2")),
+    "fast-exact-exp": ("bf16", _fast(sdpa_exp_approx=False)),
+    "fast-sdpa-hifi4": ("bf16", _fast(sdpa_fidelity="hifi4")),
+    "fast-attention-hifi4": ("bf16", _fast(attention_fidelity="hifi4")),
+    "fast-decoder-hifi4": ("bf16", _fast(decoder_fidelity="hifi4")),
+    "fast-decoder-lofi": ("bf16", _fast(decoder_fidelity="lofi")),
+    "fast-norm-hifi2": ("bf16", _fast(norm_fidelity="hifi2")),
+    "fast-all-hifi2": ("bf16", _fast(mlp_fidelity="hifi2", sdpa_exp_approx=False)),
+    "fast-bfp8-all-hifi2": ("bfp8-vit", _fast(mlp_fidelity="hifi2", sdpa_exp_approx=False)),
+    "fast-bfp8-decoder": ("bfp8-decoder", "fast"),
+    "fast-bfp8-decoder-maps": (Formats(decoder_weights="bfloat8_b", decoder_activations="bfloat8_b"), "fast"),
+    "fast-bfp8-all": ("bfp8", "fast"),
+    "fast-bfp8-all-maps": (Formats(vit_weights="bfloat8_b", decoder_weights="bfloat8_b",
+                                   decoder_activations="bfloat8_b"), "fast"),
+    "fast-bfp8-decoder-hifi4": ("bfp8-decoder", _fast(decoder_fidelity="hifi4")),
+    "fast-bfp8-decoder-maps-hifi4": (Formats(decoder_weights="bfloat8_b", decoder_activations="bfloat8_b"),
+                                     _fast(decoder_fidelity="hifi4")),
+}
 
 
 def main(argv=None) -> None:
-    """The accuracy study behind the limits above: every metric, per format, on one network and canvas.
+    """The accuracy study behind the limits above: every metric, per variant (formats + graph config), on one
+    network and canvas, in the fidelity-aware emulator.
 
         cd code && python -m tests.test_ttnn_lowering --preset vitl-normal --size 1920 1080 --tokens 1800
     """
@@ -493,17 +539,18 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", default="tiny-vits-normal")
     ap.add_argument("--size", type=int, nargs=2, default=SMALL, metavar=("W", "H"))
     ap.add_argument("--tokens", type=int, default=SMALL_TOKENS)
-    ap.add_argument("--formats", default="exact,bf16,bf16-res16,bfp8-vit",
-                    help=f"comma-separated: exact (float32 emulation) or {sorted(_STUDY_FORMATS)}")
+    ap.add_argument("--variants", default="exact,safe,fast",
+                    help=f"comma-separated: exact (float32 emulation) or {sorted(_STUDY)}")
     ap.add_argument("--seed", type=int, default=6)
     args = ap.parse_args(argv)
     canvas = tuple(args.size)
-    for name in args.formats.split(","):
+    for name in args.variants.split(","):
         t = time.perf_counter()
         exact = name == "exact"
-        err = _compare(args.preset, "bf16" if exact else _STUDY_FORMATS[name], exact=exact, seed=args.seed,
-                       canvas=canvas, tokens=args.tokens)
-        cells = ", ".join(f"{k} {v:.4g}" for k, v in err.items())
+        formats, config = ("bf16", "safe") if exact else _STUDY[name]
+        err = _compare(args.preset, formats, exact=exact, seed=args.seed, canvas=canvas, tokens=args.tokens,
+                       config=config)
+        cells = ", ".join(f"{k} {v:.4g}" for k, v in err.items() if not k.startswith("pcc"))
         print(f"{args.preset} {canvas[0]}x{canvas[1]} {args.tokens} tokens, {name} ({time.perf_counter() - t:.0f} s): {cells}",
               flush=True)
 

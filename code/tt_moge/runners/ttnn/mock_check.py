@@ -61,42 +61,18 @@ def _package_shim() -> None:
 
 if __package__ in (None, ""):
     _package_shim()
-    from tt_moge.runners.ttnn.graph import FORMATS, L1_BYTES, TtnnGraph
+    from tt_moge.runners.ttnn.cost import (PUBLISHED_HIRES_VIT_MS, OpRecorder, calibration_table, estimate,
+                                           fit_calibration)
+    from tt_moge.runners.ttnn.graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
+    from tt_moge.runners.ttnn.hires_vit import HiresVitLayer
+    from tt_moge.runners.ttnn.unet_shallow import PUBLISHED_E2E_MS, UnetShallow
     from tt_moge.runners.ttnn.prepare import Prepared, host_input, host_output
 else:
-    from .graph import FORMATS, L1_BYTES, TtnnGraph
+    from .cost import PUBLISHED_HIRES_VIT_MS, OpRecorder, calibration_table, estimate, fit_calibration
+    from .graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
+    from .hires_vit import HiresVitLayer
+    from .unet_shallow import PUBLISHED_E2E_MS, UnetShallow
     from .prepare import Prepared, host_input, host_output
-
-_NOT_OPS = {"init_device_compute_kernel_config"}
-
-
-class OpCounter:
-    """A proxy for the ttnn module that counts calls of its functions (classes and config helpers pass through)
-    and remembers the last one called (`last`)."""
-
-    def __init__(self, module, prefix: str = "", root: "OpCounter" = None):
-        self._module = module
-        self._prefix = prefix
-        self._root = root or self
-        self.counts = collections.Counter() if root is None else root.counts
-        self.last = None
-
-    def __getattr__(self, name):
-        attr = getattr(self._module, name)
-        if isinstance(attr, types.ModuleType):
-            return OpCounter(attr, f"{self._prefix}{name}.", self._root)
-        if callable(attr) and not isinstance(attr, type) and name not in _NOT_OPS:
-            key = self._prefix + name
-            root = self._root
-
-            def counted(*args, **kwargs):
-                root.counts[key] += 1
-                root.last = key
-                return attr(*args, **kwargs)
-
-            return counted
-        return attr
-
 
 def synthetic_canvas(width: int, height: int):
     """A smooth photo-like (H, W, 3) float32 canvas in [0, 1] (numpy only)."""
@@ -113,7 +89,64 @@ def _short(error: BaseException) -> str:
     return " | ".join(lines[:6])[:1500]
 
 
-def _forward_fits(ttnn, device, graph, x, counter, pages: int, banks: int):
+def graph_config(name: str, changes: list):
+    """CONFIGS[name] with `changes` ("field=value" strings, e.g. mlp_fidelity=hifi2) applied."""
+    import dataclasses
+
+    config = CONFIGS[name]
+    fields = {f.name: f.type for f in dataclasses.fields(config)}
+    values = {}
+    for change in changes or ():
+        key, _, value = change.partition("=")
+        if key not in fields:
+            raise SystemExit(f"--set {change}: GraphConfig has no field {key!r} (fields: {', '.join(fields)})")
+        old = getattr(config, key)
+        values[key] = (value.lower() in ("1", "true", "yes")) if isinstance(old, bool) else type(old)(value)
+    return dataclasses.replace(config, **values)
+
+
+def staged_forward(graph, recorder, x) -> dict:
+    """`graph.forward(x)`, with the recorder's stage set to "encoder" then "decoder" (for the estimate's groups)."""
+    recorder.stage = "encoder"
+    level0, cls_token = graph.encode(x)
+    recorder.stage = "decoder"
+    finest = graph.decode(level0)
+    recorder.stage = ""
+    return {"finest": finest, "cls_token": cls_token}
+
+
+def hires_vit_op_lists(ttnn, ttnn_graph, device) -> dict:
+    """tokens -> the device ops of one layer of tt-metal's hiRes ViT (`hires_vit.py`), captured on this device
+    after a first, compiling run."""
+    lists = {}
+    for tokens in sorted(PUBLISHED_HIRES_VIT_MS):
+        recorder = OpRecorder(ttnn, capture_api=ttnn_graph)
+        layer = HiresVitLayer(recorder, device, tokens)
+        ttnn.deallocate(layer(layer.input()))
+        x = layer.input()
+        recorder.clear()
+        recorder.capture = True
+        y = layer(x)
+        recorder.capture = False
+        ttnn.deallocate(y)
+        lists[tokens] = list(recorder.ops)
+    return lists
+
+
+def unet_op_list(ttnn, ttnn_graph, device) -> list:
+    """The device ops of one inference of tt-metal's UNet shallow (`unet_shallow.py`), after a compiling one."""
+    recorder = OpRecorder(ttnn, capture_api=ttnn_graph)
+    net = UnetShallow(recorder, device)
+    ttnn.deallocate(net(net.input()))
+    x = net.input()
+    recorder.capture = True
+    y = net(x)
+    recorder.capture = False
+    ttnn.deallocate(y)
+    return list(recorder.ops)
+
+
+def _forward_fits(ttnn, device, graph, x, recorder, pages: int, banks: int):
     """Run one forward with a blocking L1 reservation of `pages` 2 KiB pages per bank. -> (ran, failing op, error)."""
     blocker = None
     if pages:
@@ -126,13 +159,13 @@ def _forward_fits(ttnn, device, graph, x, counter, pages: int, banks: int):
             ttnn.deallocate(t)
         return True, None, None
     except Exception as error:  # the first op that no longer fits
-        return False, counter.last, _short(error)
+        return False, recorder.last, _short(error)
     finally:
         if blocker is not None:
             ttnn.deallocate(blocker)
 
 
-def l1_peak(ttnn, device, graph, x, counter) -> dict:
+def l1_peak(ttnn, device, graph, x, recorder) -> dict:
     """The peak L1 per core of one forward, by bisecting the largest blocking L1 reservation it survives."""
     view = ttnn.get_memory_view(device, ttnn.BufferType.L1)
     banks, bank_bytes = view.num_banks, view.total_bytes_per_bank
@@ -143,7 +176,7 @@ def l1_peak(ttnn, device, graph, x, counter) -> dict:
     tries = []
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        ran, op, error = _forward_fits(ttnn, device, graph, x, counter, mid, banks)
+        ran, op, error = _forward_fits(ttnn, device, graph, x, recorder, mid, banks)
         tries.append([mid, ran])
         if ran:
             lo = mid
@@ -159,7 +192,9 @@ def run(args) -> dict:
     import ttnn
     from ttnn._ttnn import graph as ttnn_graph
 
-    report: dict = {"prepared": str(args.prepared), "formats": args.formats, "oversize": args.oversize}
+    report: dict = {"prepared": str(args.prepared), "formats": args.formats, "config": args.config,
+                    "config_changes": args.set or [],
+                    "oversize": args.oversize}
     t0 = time.perf_counter()
     prepared = Prepared.load(args.prepared)
     plan = prepared.plan
@@ -170,38 +205,45 @@ def run(args) -> dict:
     try:
         grid = device.compute_with_storage_grid_size()
         report["grid"] = [grid.x, grid.y]
-        counter = OpCounter(ttnn)
-        graph = TtnnGraph(counter, device, prepared, formats=args.formats, math_fidelity=args.math_fidelity,
+        recorder = OpRecorder(ttnn, capture_api=ttnn_graph)
+        graph = TtnnGraph(recorder, device, prepared, formats=args.formats, config=graph_config(args.config, args.set),
                           oversize=args.oversize)
+        report["graph"] = {k: v for k, v in graph.describe().items() if k != "formats"}
         t = time.perf_counter()
-        graph.load()
+        try:
+            graph.load()
+        except Exception as error:  # name the ttnn call that failed
+            raise type(error)(f"in ttnn.{recorder.last}: {error}") from None
         report["load_s"] = round(time.perf_counter() - t, 2)
         patches = host_input(plan, synthetic_canvas(*plan["canvas"]))
         x = graph.upload(patches, into=graph.allocate_input())  # the persistent-input path a trace would use
-        counter.counts.clear()
+        recorder.clear()
+        recorder.capture = args.capture
         t = time.perf_counter()
-        if args.capture:
-            ttnn_graph.begin_graph_capture(ttnn_graph.RunMode.NORMAL)
-        try:
-            out = graph.forward(x)
-            ttnn.synchronize_device(device)
-        finally:
-            captured = ttnn_graph.end_graph_capture() if args.capture else None
+        out = staged_forward(graph, recorder, x)
+        ttnn.synchronize_device(device)
+        recorder.capture = False
         report["forward_s"] = round(time.perf_counter() - t, 2)
-        report["ttnn_calls"] = dict(sorted(counter.counts.items()))
-        report["ttnn_calls_total"] = sum(counter.counts.values())
-        if captured is not None:
-            ops = collections.Counter(n["params"].get("name", "?") for n in captured
-                                      if n.get("node_type") == "function_start" and n.get("stacking_level") == 1)
-            report["device_operations"] = dict(sorted(ops.items()))
-            report["device_operations_total"] = sum(ops.values())
-            usage = ttnn_graph.extract_resource_usage_per_core(captured)
-            report["capture_peak_per_core"] = {"l1_buffers": usage.peak_l1, "circular_buffers_seen": usage.peak_cb,
-                                               "total_seen": usage.peak_total}
+        report["ttnn_calls"] = dict(sorted(recorder.counts.items()))
+        report["ttnn_calls_total"] = sum(recorder.counts.values())
+        if args.capture:
+            report["device_operations"] = dict(sorted(recorder.device_counts.items()))
+            report["device_operations_total"] = sum(recorder.device_counts.values())
+            report["estimate_ms"] = estimate(recorder.ops).summary(top=args.top)
         if args.l1_headroom:
             t = time.perf_counter()
-            report["peak_l1_per_core"] = l1_peak(ttnn, device, graph, x, counter)
+            report["peak_l1_per_core"] = l1_peak(ttnn, device, graph, x, recorder)
             report["l1_bisection_s"] = round(time.perf_counter() - t, 2)
+        if args.capture and args.calibration:
+            t = time.perf_counter()
+            lists = hires_vit_op_lists(ttnn, ttnn_graph, device)
+            report["calibration"] = calibration_table(lists)
+            if args.fit:
+                report["calibration_fit"] = fit_calibration(lists)
+            unet = estimate(unet_op_list(ttnn, ttnn_graph, device)).total_ms
+            report["validation"] = {"unet_shallow": {"estimate_ms": round(unet, 3), "published_ms": PUBLISHED_E2E_MS,
+                                                     "ratio": round(unet / PUBLISHED_E2E_MS, 3)}}
+            report["calibration_s"] = round(time.perf_counter() - t, 2)
         t = time.perf_counter()
         readback = graph.read(out)
         raw = host_output(prepared, readback)
@@ -222,7 +264,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prepared", required=True, help=".npz written by Prepared.save (prepare_weights)")
     ap.add_argument("--formats", default="bf16", choices=sorted(FORMATS))
-    ap.add_argument("--math-fidelity", default="hifi4", choices=["hifi4", "hifi2", "lofi"])
+    ap.add_argument("--config", default="fast", choices=sorted(CONFIGS),
+                    help="the graph configuration (graph.CONFIGS): fast (the default) or safe")
     ap.add_argument("--oversize", action="store_true",
                     help="the negative check: an FFN matmul config whose circular buffers cannot fit in L1")
     ap.add_argument("--expect-refusal", action="store_true",
@@ -232,6 +275,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-l1-headroom", dest="l1_headroom", action="store_false",
                     help="skip the L1 bisection (no peak L1 per core)")
     ap.add_argument("--l1-small-size", type=int, default=32768)
+    ap.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                    help="change one field of the configuration (repeatable), e.g. --set mlp_fidelity=hifi2")
+    ap.add_argument("--top", type=int, default=10, help="how many of the costliest ops the estimate lists")
+    ap.add_argument("--no-calibration", dest="calibration", action="store_false",
+                    help="skip the cost model's calibration case (tt-metal's hiRes ViT at 1024 / 2048 / 3072 tokens)")
+    ap.add_argument("--fit", action="store_true",
+                    help="also fit the cost model's two calibrated figures to the published hiRes ViT times")
     ap.add_argument("--json", help="also write the report to this file")
     args = ap.parse_args(argv)
     try:
@@ -254,6 +304,16 @@ def main(argv=None) -> int:
           f"{args.formats}: {report['ttnn_calls_total']} ttnn calls ({report.get('device_operations_total', '?')} device "
           f"operations) ran; peak L1 per core {peak.get('peak_bytes', '?')} B of {peak.get('l1_bank_bytes', '?')} B "
           f"({peak.get('peak_op', '?')})", flush=True)
+    est = report.get("estimate_ms")
+    if est:
+        calib = ", ".join(f"{t} tokens {c['estimate_ms']:.2f} vs {c['published_ms']} ms"
+                          for t, c in (report.get("calibration") or {}).items())
+        unet = (report.get("validation") or {}).get("unet_shallow")
+        if unet:
+            calib += f"; its UNet shallow (convs) {unet['estimate_ms']:.2f} vs {unet['published_ms']:.2f} ms"
+        print(f"estimate: forward {est['total']:.2f} ms on a {est['chip']} (" +
+              ", ".join(f"{g} {est[g]:.2f}" for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers")) +
+              f"); calibration, tt-metal's hiRes ViT: {calib or 'not run'}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.expect_refusal:

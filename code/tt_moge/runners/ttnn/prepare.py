@@ -37,7 +37,7 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
-__all__ = ["Prepared", "prepare_weights", "host_input", "host_output", "depth_to_space", "phase_fold",
+__all__ = ["Prepared", "prepare_weights", "host_input", "host_output", "depth_to_space", "phase_fold", "convt_as_matmul",
            "resize_bilinear", "resize_antialiased", "PLAN_VERSION"]
 
 PLAN_VERSION = 1
@@ -103,6 +103,20 @@ def phase_fold(weight: np.ndarray, mode: str = "bilinear") -> np.ndarray:
     w = np.asarray(weight, dtype=np.float64)
     phases = [np.einsum("ocyx,yt,xs->octs", w, taps[a:a + 3], taps[b:b + 3]) for a in (0, 1) for b in (0, 1)]
     return np.concatenate(phases, axis=0).astype(np.float32)
+
+
+def convt_as_matmul(weight: np.ndarray, bias: np.ndarray, before: Optional[tuple] = None) -> tuple:
+    """A 2x2 stride-2 conv transpose (weight (C_in, C_out, 2, 2), bias (C_out,)) as one matmul per input pixel:
+    (C_in, 4 C_out) whose column (2 a + b) C_out + c gives output channel c at output pixel (2 i + a, 2 j + b),
+    and its bias (4 C_out,). `before`: a 1x1 conv applied first, (w (C, C_in) in the matmul layout, b (C_in,)),
+    folded in (both are per-pixel linear maps, so the composition is exact)."""
+    c_in, c_out = weight.shape[:2]
+    w = np.asarray(weight, np.float64).transpose(0, 2, 3, 1).reshape(c_in, 4 * c_out)
+    b = np.tile(np.asarray(bias, np.float64), 4)
+    if before is not None:
+        w_in, b_in = (np.asarray(v, np.float64) for v in before)
+        w, b = w_in @ w, b_in @ w + b
+    return w.astype(np.float32), b.astype(np.float32)
 
 
 def depth_to_space(phases: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -31,14 +31,25 @@ import torch.nn.functional as F
 from ..base import RawMaps, Runner
 from ..fixed_graph import raw_outputs
 from .device import close_chip, device_count, import_ttnn, open_chip
-from .graph import TtnnGraph
+from .graph import CONFIGS, TtnnGraph
 from .prepare import PLAN_VERSION, Prepared, depth_to_space, host_input, metric_scale, prepare_weights
 
-__all__ = ["TtnnRunner", "prepared_weights", "default_cache_dir", "PRECISION_FORMATS", "TRACE_ENV", "CACHE_ENV"]
+__all__ = ["TtnnRunner", "prepared_weights", "default_cache_dir", "graph_config_name", "PRECISION_FORMATS",
+           "TRACE_ENV", "CACHE_ENV", "GRAPH_ENV", "patch_matrix", "raw_maps"]
 
 TRACE_ENV = "TT_MOGE_TTNN_TRACE"  # "0": no trace capture (the mock device cannot capture one)
 CACHE_ENV = "MOGE_TTNN_CACHE"  # folder of the prepared weights (default: ~/.cache/tt_moge/ttnn)
-PRECISION_FORMATS = {"bf16": "bf16", "bfp8": "bfp8-vit"}  # precision= -> graph.FORMATS
+GRAPH_ENV = "MOGE_TTNN_GRAPH"  # "safe": the first graph (graph.CONFIGS), the switch back from the default "fast"
+# precision= -> graph.FORMATS, per graph configuration
+PRECISION_FORMATS = {"fast": {"bf16": "bf16", "bfp8": "bfp8-vit"}, "safe": {"bf16": "bf16", "bfp8": "bfp8-vit"}}
+
+
+def graph_config_name() -> str:
+    """$MOGE_TTNN_GRAPH: "fast" (default) or "safe"; anything else is an error that names the variable."""
+    name = os.environ.get(GRAPH_ENV, "").strip() or "fast"
+    if name not in CONFIGS:
+        raise ValueError(f"${GRAPH_ENV}={name!r}: expected one of {sorted(CONFIGS)}")
+    return name
 
 
 def default_cache_dir() -> Path:
@@ -81,6 +92,30 @@ def prepared_weights(network: torch.nn.Module, canvas_size: tuple, num_tokens: i
     return prepared, path
 
 
+def patch_matrix(prepared: Prepared, canvas: torch.Tensor) -> np.ndarray:
+    """The host step before the device: canvas (1, 3, H, W) in [0, 1] -> the patch matrix (the reference's
+    antialiased resize to the token grid, in torch, then `prepare.host_input`)."""
+    plan = prepared.plan
+    size = (plan["rows"] * plan["patch"], plan["cols"] * plan["patch"])
+    small = F.interpolate(canvas.to("cpu", torch.float32), size, mode="bilinear", align_corners=False, antialias=True)
+    return host_input(plan, small.numpy())
+
+
+def raw_maps(prepared: Prepared, readback: dict) -> RawMaps:
+    """The host step after the device: the read-back phase maps and class token -> the raw maps at the canvas
+    (phases interleaved, constant map added, bilinear resize and output activations in torch, as the CPU and
+    CUDA runners finish; the scale MLP on the class token)."""
+    plan = prepared.plan
+    fin = plan["finest"]
+    maps = depth_to_space(readback["finest"], fin["in_height"], fin["in_width"]) + prepared.arrays["finest.const"]
+    width, height = plan["canvas"]
+    maps = F.interpolate(torch.from_numpy(maps)[None], (height, width), mode="bilinear", align_corners=False)
+    heads = [h["name"] for h in plan["heads"]]
+    out = raw_outputs(maps, heads, [h["channels"] for h in plan["heads"]], plan["remap"])
+    return RawMaps(out["points"][0], out["normal"][0] if "normal" in out else None,
+                   out["mask"][0] if "mask" in out else None, metric_scale(prepared, readback["cls_token"]))
+
+
 class TtnnRunner(Runner):
     """MoGe-2 on one Tenstorrent chip. `chip` is an `options.TtChip`: its `handle` (an open ttnn device the
     caller owns and closes) or its `device_id` (opened here with `dispatch` / `num_command_queues`, closed by
@@ -92,8 +127,11 @@ class TtnnRunner(Runner):
                  dispatch: str = "eth", num_command_queues: Optional[int] = None, precision: str = "bf16",
                  verbose: bool = False, trace: Optional[bool] = None, cache_dir: Optional[Path] = None,
                  ttnn: Any = None):
-        if precision not in PRECISION_FORMATS:
-            raise ValueError(f"precision={precision!r}: the Tenstorrent runner runs {sorted(PRECISION_FORMATS)}")
+        self.graph_config = graph_config_name()
+        formats = PRECISION_FORMATS[self.graph_config]
+        if precision not in formats:
+            raise ValueError(f"precision={precision!r}: the Tenstorrent runner runs {sorted(formats)}")
+        self.formats = formats[precision]
         self.ttnn = ttnn if ttnn is not None else import_ttnn(verbose)
         self.canvas_size = tuple(int(v) for v in canvas_size)
         self.num_tokens = num_tokens
@@ -117,7 +155,8 @@ class TtnnRunner(Runner):
         else:
             self._device, self.dispatch = chip.handle, "the caller's"
         try:
-            self.graph = TtnnGraph(self.ttnn, self._device, self.prepared, formats=PRECISION_FORMATS[precision])
+            self.graph = TtnnGraph(self.ttnn, self._device, self.prepared, formats=self.formats,
+                                   config=self.graph_config)
             self._load_graph()
             self._input = self.graph.allocate_input()
         except BaseException:
@@ -136,13 +175,6 @@ class TtnnRunner(Runner):
                              f"this chip: {' | '.join(lines[:2])[:400]}; try a smaller canvas or token budget") from None
 
     # ----------------------------------------------------------------------------------------- calls
-    def _patches(self, canvas: torch.Tensor) -> np.ndarray:
-        """canvas (1, 3, H, W) in [0, 1] -> the patch matrix: the reference's antialiased resize, in torch."""
-        plan = self.prepared.plan
-        size = (plan["rows"] * plan["patch"], plan["cols"] * plan["patch"])
-        small = F.interpolate(canvas.to("cpu", torch.float32), size, mode="bilinear", align_corners=False, antialias=True)
-        return host_input(plan, small.numpy())
-
     def _run(self) -> dict:
         """The forward on the current input: replay the trace (captured on the first call), or run it eagerly."""
         T = self.ttnn
@@ -155,17 +187,6 @@ class TtnnRunner(Runner):
         T.execute_trace(self._device, self._trace_id, cq_id=0, blocking=False)
         return self._outputs
 
-    def _raw_maps(self, readback: dict) -> RawMaps:
-        plan = self.prepared.plan
-        fin = plan["finest"]
-        maps = depth_to_space(readback["finest"], fin["in_height"], fin["in_width"]) + self.prepared.arrays["finest.const"]
-        width, height = self.canvas_size
-        maps = F.interpolate(torch.from_numpy(maps)[None], (height, width), mode="bilinear", align_corners=False)
-        heads = [h["name"] for h in plan["heads"]]
-        out = raw_outputs(maps, heads, [h["channels"] for h in plan["heads"]], plan["remap"])
-        return RawMaps(out["points"][0], out["normal"][0] if "normal" in out else None,
-                       out["mask"][0] if "mask" in out else None, metric_scale(self.prepared, readback["cls_token"]))
-
     @torch.inference_mode()
     def forward(self, canvas: torch.Tensor) -> RawMaps:
         height, width = canvas.shape[-2:]
@@ -173,18 +194,19 @@ class TtnnRunner(Runner):
             raise ValueError(f"canvas: this runner runs {self.canvas_size[0]}x{self.canvas_size[1]}, got {width}x{height}")
         if self.graph is None:
             raise RuntimeError("this Tenstorrent runner is closed")
-        self.graph.upload(self._patches(canvas), into=self._input, cq_id=0)
+        self.graph.upload(patch_matrix(self.prepared, canvas), into=self._input, cq_id=0)
         outputs = self._run()
         read_queue = 0
         if self.queues == 2:  # read back on the second queue once the forward on the first has finished
             self.ttnn.wait_for_event(1, self.ttnn.record_event(self._device, 0))
             read_queue = 1
-        return self._raw_maps(self.graph.read(outputs, cq_id=read_queue))
+        return raw_maps(self.prepared, self.graph.read(outputs, cq_id=read_queue))
 
     # -------------------------------------------------------------------------------------- lifetime
     def describe(self) -> dict:
         info = {**super().describe(), "dispatch": self.dispatch, "command_queues": self.queues, "trace": self.trace,
-                "formats": PRECISION_FORMATS[self.precision], "prepared_cache": str(self.cache_file) if self.cache_file else None}
+                "graph": self.graph_config, "formats": self.formats,
+                "prepared_cache": str(self.cache_file) if self.cache_file else None}
         if self.graph is not None:
             info["grid"] = "x".join(map(str, self.graph.grid))
         return info
