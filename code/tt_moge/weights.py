@@ -14,6 +14,7 @@ from typing import Optional, Union
 
 import torch
 
+from . import env as environment
 from .network import ConfigError, MoGe2Config, MoGe2Network
 
 DEFAULT_REPO = "Ruicheng/moge-2-vitl-normal"
@@ -69,7 +70,7 @@ def resolve_checkpoint(name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, rev
         return _file_in(local), str(local), None
     if isinstance(name_or_path, os.PathLike) or _looks_like_path(name):
         raise CheckpointError(f"weights not found: {name} does not exist (expected a Hugging Face repo id like {DEFAULT_REPO!r}, a directory holding {CHECKPOINT_NAME}, or the path of {CHECKPOINT_NAME})")
-    env = os.environ.get(WEIGHTS_DIR_ENV)
+    env = environment.get(WEIGHTS_DIR_ENV)
     if env:
         env_path = Path(env).expanduser()
         if not env_path.exists():
@@ -84,7 +85,7 @@ def describe_source(name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, revisi
     name = os.fspath(name_or_path)
     if Path(name).expanduser().exists() or _looks_like_path(name):
         return name
-    env = os.environ.get(WEIGHTS_DIR_ENV)
+    env = environment.get(WEIGHTS_DIR_ENV)
     if env:
         return f"${WEIGHTS_DIR_ENV}={env}"
     return f"{name}@{revision or 'main'}"

@@ -1,9 +1,10 @@
 """Server limits and defaults: the one place their values are set (the CLI flags and docs/server.md read them)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
+
+from .. import env
 
 __all__ = ["ServerSettings", "API_KEY_ENV", "DEFAULT_HOST", "DEFAULT_PORT", "BYTES_PER_PIXEL"]
 
@@ -82,4 +83,4 @@ class ServerSettings:
 
     @staticmethod
     def api_key_from_env() -> Optional[str]:
-        return os.environ.get(API_KEY_ENV) or None
+        return env.get(API_KEY_ENV) or None
