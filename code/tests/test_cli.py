@@ -448,17 +448,17 @@ def test_one_failing_image_in_a_chunk_costs_only_itself(tmp_path):
                            mask=np.ones((30, 40), bool), intrinsics=np.eye(3, dtype=np.float32),
                            intrinsics_pixels=np.eye(3, dtype=np.float32), metric_scale=1.0, fov_x=60.0, fov_y=50.0)
 
-    class Model:
-        def predict_many(self, arrays, **options):
+    class Service:  # a PredictionService whose chunk call fails
+        def predict_many(self, arrays, options):
             raise RuntimeError("one of them is bad")
 
-        def predict(self, rgb, **options):
+        def predict(self, rgb, options):
             if rgb[0, 0, 0] == 10:  # p1.png
                 raise RuntimeError("device error on this one")
             return reference
 
     seen = []
-    status = predict_images(Model(), images, tmp_path / "out", ["npz"], chunk_size=3, on_done=lambda img, err: seen.append((img.name, err)))
+    status = predict_images(Service(), images, tmp_path / "out", ["npz"], chunk_size=3, on_done=lambda img, err: seen.append((img.name, err)))
     assert status[0] is None and status[2] is None and "device error on this one" in status[1]
     assert sorted(n for n, _ in seen) == ["p0", "p1", "p2"]
     assert (tmp_path / "out" / "p0" / "result.npz").exists() and not (tmp_path / "out" / "p1").exists()
@@ -561,7 +561,11 @@ def test_run_json_that_cannot_be_written_is_one_line_and_exit_1(photos, tmp_path
         def __exit__(self, *exc):
             return False
 
-        def predict_many(self, arrays, **options):
+        @property
+        def service(self):  # a PredictionService
+            return self
+
+        def predict_many(self, arrays, options):
             return [flat_result(*a.shape[:2]) for a in arrays]
 
         def info(self):

@@ -11,10 +11,10 @@ from typing import Any
 
 from ..batch import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES, DEFAULT_OBJECT_STORE_MB, FAILURES_FILE,
                      MIN_OBJECT_STORE_MB, OUTPUT_FORMATS, RECORD_FILE, SHARDS_DIR)
-from ..constants import FITS
 from . import argtypes
 from .common import (DEFAULT_OUTPUT, EXIT_CODES, EXIT_IMAGES_FAILED, EXIT_OK, EXIT_START, Formatter,
-                     add_format_arguments, add_model_arguments, chosen_formats, format_group_title, model_kwargs, say)
+                     add_call_arguments, add_format_arguments, add_model_arguments, call_options, chosen_formats,
+                     format_group_title, model_kwargs, say)
 
 __all__ = ["add_parser", "run"]
 
@@ -62,9 +62,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=OUTPUT_FORMATS, default="files", dest="output_format",
                         help="files: a folder per image, as tt-moge predict (default); parquet: sharded Parquet rows")
     add_format_arguments(parser.add_argument_group("files of --format files: " + format_group_title()))
-    call = parser.add_argument_group("per-image options")
-    call.add_argument("--fit", choices=FITS, default="pad", help="pad: keep the aspect ratio (default); stretch: fill the canvas")
-    call.add_argument("--fov-x", type=argtypes.fov_degrees, metavar="DEG", help="the horizontal field of view, if known")
+    add_call_arguments(parser)
     add_model_arguments(parser)
     ray = parser.add_argument_group("Ray")
     ray.add_argument("--address", default=None, metavar="ADDR",
@@ -105,7 +103,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     def on_failure(path: str, error: str) -> None:  # errors print with -q too
         print(f"tt-moge: failed: {error}", file=sys.stderr, flush=True)
 
-    job = BatchJob(args.inputs, args.output, model=model_kwargs(args), fit=args.fit, fov_x=args.fov_x,
+    job = BatchJob(args.inputs, args.output, model=model_kwargs(args), **call_options(args).kwargs(),
                    formats=formats, mesh_step=args.mesh_step, output_format=args.output_format, replicas=args.replicas,
                    cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
                    batch_size=args.batch_size, writers=args.writers, max_retries=args.max_retries,

@@ -8,14 +8,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import __version__
-from ..constants import DEPTH_EDGE_RTOL, FITS
-from ..constants import DEFAULT_CANVAS
+from ..constants import DEFAULT_CANVAS, DEPTH_EDGE_RTOL
 from ..jobs import DEFAULT_CHUNK
 from ..panorama.predict import PANORAMA_CANVAS
 from . import argtypes
 from .common import (DEFAULT_OUTPUT, EXIT_CODES, EXIT_IMAGES_FAILED, EXIT_OK, EXIT_START, FORMAT_MB, FULL_MESH_MB,
-                     Formatter, add_format_arguments, add_model_arguments, chosen_formats, format_group_title,
-                     load_model, say)
+                     Formatter, add_call_arguments, add_format_arguments, add_model_arguments, call_options,
+                     chosen_formats, format_group_title, load_model, say)
 
 __all__ = ["add_parser", "run"]
 
@@ -76,11 +75,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     predict.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders (recursive) or glob patterns")
     predict.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT", help=f"output folder (default ./{DEFAULT_OUTPUT})")
     add_format_arguments(predict.add_argument_group(format_group_title()))
-    call = predict.add_argument_group("per-image options")
-    call.add_argument("--fit", choices=FITS, default="pad",
-                      help="pad: keep the aspect ratio, gray bars (default); stretch: fill the canvas")
-    call.add_argument("--fov-x", type=argtypes.fov_degrees, metavar="DEG", help="the horizontal field of view, if known (then only the depth shift is solved)")
-    call.add_argument("--panorama", action="store_true",
+    add_call_arguments(predict).add_argument("--panorama", action="store_true",
                       help="the inputs are 360-degree equirectangular panoramas (width = 2 x height): 12 perspective "
                            "views, merged into one distance map of the sphere; depth.exr/png then hold the distance "
                            "from the centre, the mesh closes around the viewer. The canvas defaults to "
@@ -105,6 +100,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.resolution = PANORAMA_CANVAS if args.panorama else DEFAULT_CANVAS
     if args.panorama and args.fov_x is not None:
         parser.error("--fov-x does not apply to --panorama (the views' field of view is known: 90 degrees)")
+    options = call_options(args)
     formats = chosen_formats(args) or list(DEFAULT_FORMATS)
     out_root = Path(args.output)
     try:
@@ -157,7 +153,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     done_status = predict_panoramas(model, todo_images, out_root, formats, on_done=on_done,
                                                     mesh_step=args.mesh_step)
                 else:
-                    done_status = predict_images(model, todo_images, out_root, formats, fit=args.fit, fov_x=args.fov_x,
+                    done_status = predict_images(model.service, todo_images, out_root, formats, options=options,
                                                  chunk_size=args.chunk_size, writers=args.writers, on_done=on_done,
                                                  mesh_step=args.mesh_step)
                 info = model.info()
@@ -171,7 +167,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     record = {
         "tt_moge": __version__, "model": info, "formats": formats,
         "mesh_step": args.mesh_step if "glb" in formats else None, "bytes_written": nbytes,
-        "options": {"panorama": args.panorama, "fit": args.fit, "fov_x": args.fov_x, "resolution": list(args.resolution),
+        "options": {"panorama": args.panorama, **options.kwargs(), "resolution": list(args.resolution),
                     "num_tokens": args.num_tokens},
         "done": done, "failed": len(failed), "load_seconds": round(t_loaded - t_start, 3), "seconds": round(seconds, 3),
         "images": [{"input": str(img.path), "output": img.name, "status": "failed" if status.get(i) else "done",
