@@ -10,7 +10,7 @@ EXIF orientation is not applied (as upstream MoGe reads pixels: in stored order)
 Encoded PNG and JPEG data take a fast path when it applies (see `python -m perf.host.decode_bench` for the
 measurements behind the choice), and Pillow otherwise; both give the same pixels:
   * PNG, 8-bit gray / gray+alpha / RGB / RGBA, not interlaced: the IDAT stream is inflated with ISA-L
-    (`isal`, about 3x faster than zlib; zlib without it) and unfiltered by the native host library, straight
+    (`isal`, faster than zlib; zlib without it) and unfiltered by the native host library, straight
     into the RGB output (alpha dropped, gray replicated, as Pillow's convert("RGB")). Bit-exact: PNG is
     lossless. Palette, 16-bit, low-bit-depth and interlaced PNGs go to Pillow.
   * JPEG with 1 or 3 components: libjpeg-turbo through `simplejpeg` when it is installed (the `fast` extra),

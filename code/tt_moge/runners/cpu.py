@@ -32,8 +32,7 @@ def keep_freed_memory() -> bool:
     """Ask glibc to serve large blocks from the heap and keep freed memory (up to 1 GiB) for reuse.
 
     By default glibc maps every block above ~32 MB fresh from the kernel and unmaps it on free, so each
-    forward page-faults its big activations in again: about 200 000 faults, 0.6 s of kernel time per ViT-L
-    1920x1080 forward on one thread here. Process-wide and idempotent; glibc on Linux only; set
+    forward page-faults its big activations in again (docs/performance.md has the count and the time). Process-wide and idempotent; glibc on Linux only; set
     MOGE_CPU_MALLOC_TUNING=0 to opt out. Returns whether the settings are in effect.
     """
     global _malloc_tuned
