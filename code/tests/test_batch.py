@@ -200,9 +200,9 @@ def crashing_once(trap: Path) -> type:
 
 def test_replica_killed_mid_job_every_image_done_exactly_once(local_ray, ckpt, photos, expected, tmp_path,
                                                             monkeypatch):
-    import pyarrow.parquet as pq
-
     import shutil
+
+    import pyarrow.parquet as pq
 
     inputs = tmp_path / "photos"
     shutil.copytree(photos["root"], inputs)
@@ -274,7 +274,8 @@ def test_missing_input_exits_2_before_anything_starts(tmp_path):
 
 
 def test_a_job_that_cannot_fit_stops_before_it_starts(local_ray, ckpt, photos, tmp_path):
-    # The module's Ray has 3 logical CPUs and no GPU: a GPU replica, or 3 replicas x 1 CPU + a read task, would wait forever.
+    # The module's Ray has 3 logical CPUs and no GPU: a GPU replica, or 3 replicas x 1 CPU + a read task, would
+    # wait forever.
     code, stdout, stderr = run_cli(["batch", photos["root"], "-o", tmp_path / "gpu", "--weights", ckpt,
                                     "--device", "cuda", "-q"])
     assert code == 3 and "the job needs 1 GPU (1 replica(s) x 1), it has 0" in stderr

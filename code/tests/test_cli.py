@@ -168,13 +168,13 @@ def test_npz_and_json_equal_the_api(folder_run, photos, api):
 
 
 def test_maps(folder_run, photos):
-    import OpenEXR
     import cv2
+    import OpenEXR
 
     turbo = cv2.applyColorMap(np.arange(256, dtype=np.uint8)[:, None], cv2.COLORMAP_TURBO)[:, 0, ::-1].astype(int)
     turbo_key = turbo[:, 0] << 16 | turbo[:, 1] << 8 | turbo[:, 2]  # the 256 turbo colours are distinct
     key_order = np.argsort(turbo_key)
-    for name, (rel, (w, h), _) in PHOTOS.items():
+    for name, (_rel, (w, h), _) in PHOTOS.items():
         folder = folder_run[3] / name
         npz = np.load(folder / "result.npz")
         mask, depth = npz["mask"].astype(bool), npz["depth"]
@@ -438,8 +438,8 @@ def test_depth_edge_rule():
 
 def test_one_failing_image_in_a_chunk_costs_only_itself(tmp_path):
     """If predict_many raises for a chunk, the images are retried one by one; the good ones are written."""
-    from tt_moge.jobs import predict_images
     from tt_moge.inputs import collect_images
+    from tt_moge.jobs import predict_images
 
     for i in range(3):
         Image.new("RGB", (40, 30), (10 * i, 0, 0)).save(tmp_path / f"p{i}.png")

@@ -92,7 +92,8 @@ CHECKS = textwrap.dedent('''
     from tt_moge.batch import BatchJob
     check("BatchJob field", lambda: "sharpen" in {f.name for f in dataclasses.fields(BatchJob)})
     check("BatchJob.call_options", lambda: BatchJob(["x.png"], "out", sharpen=True).call_options().sharpen is True)
-    check("BatchJob.model", lambda: BatchJob(["x.png"], "out", model={"cache_tag": "t"}).model_arguments()["cache_tag"] == "t")
+    check("BatchJob.model",
+          lambda: BatchJob(["x.png"], "out", model={"cache_tag": "t"}).model_arguments()["cache_tag"] == "t")
 
     # --- a model: the load option is resolved, the call option accepted, the output field produced
     with warnings.catch_warnings():

@@ -48,7 +48,8 @@ def predict_images(service: Any, images: Sequence, out_root: Path, formats: Sequ
                    options: CallOptions = CallOptions(), chunk_size: int = DEFAULT_CHUNK, writers: int = 2,
                    on_done: Optional[Callable[[Any, Optional[str]], None]] = None,
                    mesh_step: int = DEFAULT_MESH_STEP) -> dict:
-    """Run `service` (a `PredictionService`) over [ImageInput] with `options` and write each result to out_root / image.name with `write_outputs`.
+    """Run `service` (a `PredictionService`) over [ImageInput] with `options` and write each result to
+    out_root / image.name with `write_outputs`.
 
     Decoding of the next chunk, the model on this chunk (`predict_many`) and the writing of finished images
     overlap. An image that fails (unreadable, or its writing fails, e.g. on a full disk) is recorded and the

@@ -188,7 +188,7 @@ class MoGeModel:
         ignored (the precision is chosen at load)."""
         self.service.check_open()
         if num_tokens is not None and num_tokens != self.num_tokens:
-            raise ValueError(f"num_tokens={num_tokens}: this model runs {self.num_tokens} tokens (fixed at load); pass None or load another model")
+            raise ValueError(f"num_tokens={num_tokens}: this model runs {self.num_tokens} " "tokens (fixed at load); pass None or load another model")
         device = image.device if isinstance(image, torch.Tensor) else torch.device("cpu")
         batched = isinstance(image, (torch.Tensor, np.ndarray)) and image.ndim == 4
         items = list(image) if batched else [image]

@@ -47,7 +47,7 @@ def validate_resolution(resolution: Any) -> tuple:
         raise ValueError(f"resolution must be a (width, height) pair of ints, got {resolution!r}")
     w, h = resolution
     if not (64 <= w <= MAX_CANVAS_SIDE and 64 <= h <= MAX_CANVAS_SIDE and 0.25 <= w / h <= 4.0):
-        raise ValueError(f"resolution must be a canvas of 64..{MAX_CANVAS_SIDE} pixels per side with an aspect ratio in [1/4, 4], got {w}x{h}")
+        raise ValueError(f"resolution must be a canvas of 64..{MAX_CANVAS_SIDE} pixels " f"per side with an aspect ratio in [1/4, 4], got {w}x{h}")
     return int(w), int(h)
 
 

@@ -20,8 +20,16 @@ from ..fields import include_options, options_of
 from ..host import CallOptions
 from ..options import LoadOptions
 from .replica import Replica, read_images
-from .session import (DEFAULT_OBJECT_STORE_MB, MIN_OBJECT_STORE_MB, READER_CPUS, check_resources, import_ray,
-                      local_ray_cpus, ray_data_output, ray_session)
+from .session import (
+    DEFAULT_OBJECT_STORE_MB,
+    MIN_OBJECT_STORE_MB,
+    READER_CPUS,
+    check_resources,
+    import_ray,
+    local_ray_cpus,
+    ray_data_output,
+    ray_session,
+)
 from .sinks import FAILURES_FILE, OUTPUT_FORMATS, SHARDS_DIR, FailureLog, completed_names, write_record
 
 __all__ = ["BatchJob", "BatchSummary", "run_batch", "replica_resources", "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_RETRIES",
@@ -80,8 +88,9 @@ class BatchJob:
     `model` holds keyword arguments of `MoGeModel.from_pretrained` (the options of `options.LoadOptions`:
     pretrained_model_name_or_path, revision, device, resolution, num_tokens, precision, ...); each replica loads
     its own model with them (without warm-up). After `model` come the options of `model(image, ...)` (the fields
-    of `host.CallOptions`: fit, fov_x, apply_mask, force_projection), applied to every image. A missing `pretrained_model_name_or_path` is the default repo (or $MOGE_WEIGHTS_DIR); a missing
-    `device` is CUDA when the replicas get GPUs (or, on a local Ray, when this machine has one), else the CPU.
+    of `host.CallOptions`: fit, fov_x, apply_mask, force_projection), applied to every image. A missing
+    `pretrained_model_name_or_path` is the default repo (or $MOGE_WEIGHTS_DIR); a missing `device` is CUDA when
+    the replicas get GPUs (or, on a local Ray, when this machine has one), else the CPU.
 
     output_format "files": OUT/NAME/ as `tt-moge predict` writes it (`formats` picks the files); "parquet":
     OUT/parquet/part-*.parquet, one row per image (name, source, result = result.json text, npz = the npz bytes).

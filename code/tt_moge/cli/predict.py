@@ -12,12 +12,29 @@ from ..constants import DEFAULT_CANVAS, DEPTH_EDGE_RTOL
 from ..jobs import DEFAULT_CHUNK
 from ..panorama.predict import PANORAMA_CANVAS
 from . import argtypes
-from .common import (DEFAULT_OUTPUT, EXIT_CODES, EXIT_IMAGES_FAILED, EXIT_OK, EXIT_START, FORMAT_MB, FULL_MESH_MB,
-                     Formatter, add_call_arguments, add_format_arguments, add_model_arguments, call_options,
-                     chosen_formats, format_group_title, load_model, say)
+from .common import (
+    DEFAULT_OUTPUT,
+    EXIT_CODES,
+    EXIT_IMAGES_FAILED,
+    EXIT_OK,
+    EXIT_START,
+    FORMAT_MB,
+    FULL_MESH_MB,
+    Formatter,
+    add_call_arguments,
+    add_format_arguments,
+    add_model_arguments,
+    call_options,
+    chosen_formats,
+    format_group_title,
+    load_model,
+    say,
+)
 
 __all__ = ["add_parser", "run"]
 
+_MB = {name: f"about {mb} MB" for name, mb in FORMAT_MB.items()}  # for the epilog's lines
+_EDGE = f"{DEPTH_EDGE_RTOL:.0%}"
 _PREDICT_EPILOG = f"""\
 inputs:
   Files are taken as given. Folders are searched recursively for .png, .jpg and .jpeg files. Anything
@@ -32,13 +49,13 @@ photo with 3/4 of its pixels valid (the 3D files grow with that share):
           normal.png   normals as RGB = ((x, -y, -z) + 1) / 2 (OpenGL colours); invalid pixels black
           mask.png     255 valid, 0 invalid
           depth.exr    float32 metres, channel Y, inf where invalid: the exact depth of result.npz
-                       (the four files: about {FORMAT_MB["maps"]} MB)
+                       (the four files: {_MB["maps"]})
   --npz   result.npz   points, depth, normal (float16), mask (uint8), intrinsics, intrinsics_pixels,
-                       metric_scale, fov_x, fov_y, deflated: MoGeOutput.from_npz reads it back (about {FORMAT_MB["npz"]} MB)
-  --ply   points.ply   one vertex per kept pixel: xyz (metres), normal, RGBA from the image (about {FORMAT_MB["ply"]} MB)
+                       metric_scale, fov_x, fov_y, deflated: MoGeOutput.from_npz reads it back ({_MB["npz"]})
+  --ply   points.ply   one vertex per kept pixel: xyz (metres), normal, RGBA from the image ({_MB["ply"]})
   --glb   mesh.glb     the kept pixels of every Nth row and column (--mesh-step N, default 2) joined into
-                       triangles, the full image as texture (about {FORMAT_MB["glb"]} MB; {FULL_MESH_MB} MB with --mesh-step 1)
-  Kept pixels: valid, and not on a depth edge (their 3x3 neighbourhood spans more than {DEPTH_EDGE_RTOL:.0%} of their depth).
+                       triangles, the full image as texture ({_MB["glb"]}; {FULL_MESH_MB} MB with --mesh-step 1)
+  Kept pixels: valid, and not on a depth edge (their 3x3 neighbourhood spans more than {_EDGE} of their depth).
   3D files use glTF/OpenGL axes: x right, y up, z towards the viewer (camera at the origin, looking down -z).
 
 output layout:
@@ -187,7 +204,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             mesh = f" (mesh every {args.mesh_step} px)" if "glb" in formats and args.mesh_step > 1 else ""
             print(f"  wrote {' '.join('--' + f for f in formats)}{mesh}: {nbytes / 1e6:.1f} MB, "
                   f"{nbytes / 1e6 / done:.1f} MB per image (each format's size: tt-moge predict --help)")
-        for image, error in failed:
+        for _image, error in failed:
             print(f"  failed: {error}")
     return EXIT_IMAGES_FAILED if failed or not run_json.exists() else EXIT_OK
 

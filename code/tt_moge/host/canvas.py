@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..constants import PAD_GRAY
 from .. import native
+from ..constants import PAD_GRAY
 from . import buffers
 from .decode import float_to_uint8
 

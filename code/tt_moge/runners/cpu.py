@@ -32,8 +32,9 @@ def keep_freed_memory() -> bool:
     """Ask glibc to serve large blocks from the heap and keep freed memory (up to 1 GiB) for reuse.
 
     By default glibc maps every block above ~32 MB fresh from the kernel and unmaps it on free, so each
-    forward page-faults its big activations in again (docs/performance.md has the count and the time). Process-wide and idempotent; glibc on Linux only; set
-    MOGE_CPU_MALLOC_TUNING=0 to opt out. Returns whether the settings are in effect.
+    forward page-faults its big activations in again (docs/performance.md has the count and the time).
+    Process-wide and idempotent; glibc on Linux only; set MOGE_CPU_MALLOC_TUNING=0 to opt out. Returns whether
+    the settings are in effect.
     """
     global _malloc_tuned
     if _malloc_tuned:
@@ -87,7 +88,7 @@ class CpuGraphRunner(Runner):
         threads = torch.get_num_threads()
         if self.native is not None:
             self.native.moge_runner_set_threads(threads)
-        key = f"{cpu_signature()} | torch {torch.__version__} | {threads} threads | {dtype} | {tokens}x{dim}, {heads} heads"
+        key = f"{cpu_signature()} | torch {torch.__version__} | {threads} " f"threads | {dtype} | {tokens}x{dim}, {heads} heads"
         # The candidates' inputs are made on their first call only: a cached or forced choice times nothing.
         @functools.lru_cache(maxsize=None)
         def qkv() -> tuple:

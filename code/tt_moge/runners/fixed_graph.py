@@ -101,11 +101,11 @@ class HeadByHeadAttention:
     fused native attention, `cpu_kernels.attention_bf16`, cannot run: no AVX512-BF16, MOGE_HOST=torch, float32).
 
     On CPU this beats PyTorch's flash-attention kernel in bfloat16 (docs/performance.md): the score matrices of
-    `heads_per_step` heads stay in the L3 cache, both matmuls go to oneDNN's bfloat16 GEMM on transposed views
-    (q, k, v come from one transposed qkv projection, so no head is copied), and reusing the buffers saves the
-    page faults of fresh allocations of the score matrices. Several heads per step keep the number of parallel
-    regions low: one head per step was slower on 2 threads than on 1 on a loaded machine. Softmax over `dtype` scores accumulates in float32.
-    The 1/sqrt(head_dim) scale must be folded into q. Not re-entrant: one forward at a time per instance.
+    `heads_per_step` heads stay in the L3 cache, both matmuls go to oneDNN's bfloat16 GEMM on transposed views (q, k,
+    v come from one transposed qkv projection, so no head is copied), and reusing the buffers saves the page faults of
+    fresh allocations of the score matrices. Several heads per step keep the number of parallel regions low: one head
+    per step was slower on 2 threads than on 1 on a loaded machine. Softmax over `dtype` scores accumulates in
+    float32. The 1/sqrt(head_dim) scale must be folded into q. Not re-entrant: one forward at a time per instance.
     """
 
     def __init__(self, heads_per_step: int = 8):
@@ -416,7 +416,8 @@ class FixedShapeMoGe2(nn.Module):
         return x if self.channels_last else x.contiguous()
 
     def encode(self, canvas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """canvas (1, 3, H, W) float32 -> neck level-0 input (1, d0, rows, cols) in `dtype`, class token (1, C) float32."""
+        """canvas (1, 3, H, W) float32 -> neck level-0 input (1, d0, rows, cols) in `dtype`, class token (1, C)
+        float32."""
         size = (self.rows * self.patch, self.cols * self.patch)
         x = F.interpolate(canvas, size, mode="bilinear", align_corners=False, antialias=True)
         tokens = self._embed(x, self.token_prefix, self.patch_pos)

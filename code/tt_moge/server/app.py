@@ -27,8 +27,19 @@ from ..output import SUMMARY_FIELDS
 from .docs import install_docs
 from .errors import ERROR_RESPONSES, ApiError, ErrorBody, install_error_handlers
 from .sending import ABORT_KEY, connection_aborter
-from .serving import (CALL_OPTION_NAMES, NPZ_MEDIA_TYPE, TIMING_HEADER, TIMING_STAGES, Serving, Timing,
-                      call_options_query, check_query, client_is_loopback, summary_model, timing_headers)
+from .serving import (
+    CALL_OPTION_NAMES,
+    NPZ_MEDIA_TYPE,
+    TIMING_HEADER,
+    TIMING_STAGES,
+    Serving,
+    Timing,
+    call_options_query,
+    check_query,
+    client_is_loopback,
+    summary_model,
+    timing_headers,
+)
 from .settings import ServerSettings
 from .upload import IMAGE_MEDIA_TYPES, MULTIPART_FIELD
 

@@ -26,8 +26,9 @@ most VIEW_MAX_SIDE^2 vertices; a texture that would not fit is scaled down).
 
 Results live in a temporary folder (`ResultStore`): at most KEEP_RESULTS results and KEEP_BYTES bytes, none
 older than KEEP_SECONDS; the oldest goes first; a dropped result that is still being read or written is deleted
-once its last holder is done. The folder is removed when the server stops. Result URLs carry a random 128-bit id: they work without
-the API key (an <img> cannot send one) for whoever was given them, until the result is dropped.
+once its last holder is done. The folder is removed when the server stops. Result URLs carry a random 128-bit
+id: they work without the API key (an <img> cannot send one) for whoever was given them, until the result is
+dropped.
 """
 from __future__ import annotations
 
