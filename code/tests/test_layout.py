@@ -210,3 +210,22 @@ def test_the_environment_check_sees_what_it_guards(tmp_path):
                       'c = os.environ["TT_MOGE_X"]\nd = "MOGE_CXX" in os.environ\ne = os.environ.get("HOME")\n')
     assert _environment_reads(module) == [(3, "MOGE_WEIGHTS_DIR"), (4, "MOGE_HOST"), (5, "TT_MOGE_X"), (6, "MOGE_CXX"),
                                           (7, "HOME")]
+
+
+def test_every_module_imports():
+    """Each module of the package imports, so a name that one module dropped and another still imports fails here
+    and not in the first command that loads it (the entry points, __main__, are left out: they run)."""
+    import importlib
+    import pkgutil
+
+    import tt_moge
+
+    names = [m.name for m in pkgutil.walk_packages(tt_moge.__path__, "tt_moge.") if not m.name.endswith("__main__")]
+    assert len(names) > 50
+    failed = {}
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # reported, not raised: every failure at once
+            failed[name] = f"{type(exc).__name__}: {exc}"
+    assert failed == {}

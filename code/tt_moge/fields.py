@@ -4,8 +4,10 @@ how each surface spells it.
 `options.LoadOptions` (the arguments of `from_pretrained`) and `host.CallOptions` (the options of
 `model(image, ...)`) are made of such fields. Everything else is generated from them: the signatures of
 `from_pretrained`, `model(...)`, `predict`, `predict_many` and `CallOptions.make`, the command-line flags
-(`cli/common.py`), the HTTP query parameters (`server/app.py`), the fields of `batch.BatchJob` and the keys of
-a warm-up variant (`warmup.py`). A new option is one new field; no surface keeps a list of names.
+(`cli/common.py`), the HTTP query parameters and the web page's controls (`server/serving.py`, `server/ui.py`),
+the fields of `batch.BatchJob` and the keys of a warm-up variant (`warmup.py`). A new option is one new field;
+no surface keeps a list of names (tests/test_one_definition.py checks it). The output fields have their own
+definitions, in `output.py`.
 
 This module is the machinery only; it imports nothing of tt_moge.
 """
@@ -73,10 +75,9 @@ class OptionInfo:
     def flag(self) -> str:
         return self.spec.flag or "--" + self.argument.replace("_", "-")
 
-    def describe(self, default: Any = None) -> str:
+    def describe(self) -> str:
         """The help text with its default filled in (for surfaces other than argparse)."""
-        shown = self.default if default is None else default
-        return self.spec.help.replace("%(default)s", str(shown)).replace("%%", "%")
+        return self.spec.help.replace("%(default)s", str(self.default)).replace("%%", "%")
 
 
 def option(default: Any, help: str, *, required: bool = False, **spec: Any) -> Any:
@@ -85,9 +86,7 @@ def option(default: Any, help: str, *, required: bool = False, **spec: Any) -> A
     metadata = {FIELD_KEY: Spec(help=help, **spec), "default": default}
     if required:
         return dataclasses.field(metadata=metadata)
-    if isinstance(default, (list, dict, set)):
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)  # options' defaults are immutable values
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,17 +101,16 @@ def options_of(cls: type) -> tuple:
     return tuple(found)
 
 
-def signature(cls: type, *, keyword_only: bool = True, leading: tuple = (), returns: Any = inspect.Signature.empty,
-              defaults: Optional[dict] = None) -> inspect.Signature:
+def signature(cls: type, *, keyword_only: bool = True, leading: tuple = (),
+              returns: Any = inspect.Signature.empty) -> inspect.Signature:
     """A function signature with one parameter per option of `cls` (after `leading` parameters): keyword-only
     (or, with keyword_only=False, positional-or-keyword), except a `positional` option, which comes first."""
     kinds = inspect.Parameter
     params = list(leading)
     for info in sorted(options_of(cls), key=lambda i: not i.spec.positional):
         kind = kinds.POSITIONAL_OR_KEYWORD if info.spec.positional or not keyword_only else kinds.KEYWORD_ONLY
-        default = (defaults or {}).get(info.argument, info.default)
         annotation = info.type if info.spec.argtype is None else info.spec.argtype
-        params.append(kinds(info.argument, kind, default=default, annotation=annotation))
+        params.append(kinds(info.argument, kind, default=info.default, annotation=annotation))
     return inspect.Signature(params, return_annotation=returns)
 
 

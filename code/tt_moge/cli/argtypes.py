@@ -7,7 +7,7 @@ import argparse
 import math
 
 from .. import fields
-from ..options import parse_wxh
+from ..options import parse_token_budget, parse_wxh
 
 
 def usage(fn):
@@ -22,6 +22,7 @@ def usage(fn):
 
 
 wxh = usage(parse_wxh)
+token_budget = usage(parse_token_budget)
 non_negative_int = usage(fields.non_negative_int)
 
 
