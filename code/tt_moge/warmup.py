@@ -71,7 +71,7 @@ PRESETS["all"] = PRESETS["default"] + [
 
 
 def canonical_variant(variant: dict, canvas_size: tuple, name: str = "warm-up variant") -> tuple:
-    """Validate a variant dict and return its hashable canonical form (key, value) pairs in _KEYS order. Errors
+    """Validate a variant dict and return its hashable canonical form (key, value) pairs in KEYS order. Errors
     begin with `name` (the argument the variant came from)."""
     if not isinstance(variant, dict):
         raise TypeError(f"{name} must be a dict, got {type(variant).__name__}")

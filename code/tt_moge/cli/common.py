@@ -67,8 +67,8 @@ def _add_option(group: Any, info: OptionInfo, default: Any) -> None:
         kwargs["choices"] = [c for c in spec.choices if c is not None]
     if spec.metavar:
         kwargs["metavar"] = spec.metavar
-    if spec.choices is not None and "%(default)" not in spec.help and default is not None and "default" not in spec.help:
-        kwargs["help"] = f"{spec.help} (default %(default)s)"
+    if spec.choices is not None and default is not None and "default" not in spec.help:
+        kwargs["help"] = f"{spec.help} (default %(default)s)"  # a help that lists choices, but not which one
     group.add_argument(*flags, **kwargs)
 
 
