@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tt_moge.batch import CRASH_ENV, FAILURES_FILE, SHARDS_DIR, BatchJob, init_local_ray, run_batch
+from tt_moge.batch import FAILURES_FILE, SHARDS_DIR, BatchJob, init_local_ray, run_batch
+from tt_moge.batch import job as batch_job
 from tt_moge.cli import main
 from tt_moge.output import MoGeOutput
 
@@ -177,18 +178,38 @@ def test_quiet_still_names_each_failed_image(files_run, local_ray, ckpt, photos)
 
 
 # ------------------------------------------------------------------------------ Parquet, a replica killed
+def crashing_once(trap: Path) -> type:
+    """A Replica whose first batch, in whichever replica takes it, ends its process after the batch's outputs
+    are written and before they are reported: the worst moment for exactly-once. The trap file "armed" is
+    renamed to "fired" (atomic: exactly one replica wins). Defined here, in a function, so that Ray ships the
+    class itself (with `trap`) to the replica processes: product code has no fault switch."""
+    from tt_moge.batch.replica import Replica
+
+    class CrashingReplica(Replica):
+        def __call__(self, batch: dict) -> dict:
+            reported = super().__call__(batch)
+            try:
+                os.rename(trap / "armed", trap / "fired")
+            except OSError:
+                return reported  # not armed, or another replica took it
+            sys.stderr.flush()
+            os._exit(17)
+
+    return CrashingReplica
+
+
 def test_replica_killed_mid_job_every_image_done_exactly_once(local_ray, ckpt, photos, expected, tmp_path,
                                                             monkeypatch):
-    import pyarrow.parquet as pq
-
     import shutil
+
+    import pyarrow.parquet as pq
 
     inputs = tmp_path / "photos"
     shutil.copytree(photos["root"], inputs)
     trap = tmp_path / "trap"
     trap.mkdir()
     (trap / "armed").write_text("")  # the first replica to finish a batch kills itself before reporting it
-    monkeypatch.setenv(CRASH_ENV, str(trap))
+    monkeypatch.setattr(batch_job, "Replica", crashing_once(trap))
     out = tmp_path / "out"
     summary = run_batch(BatchJob([inputs], out, model=model_args(ckpt), output_format="parquet", replicas=REPLICAS,
                                  batch_size=3, progress=False, **CALL))
@@ -253,7 +274,8 @@ def test_missing_input_exits_2_before_anything_starts(tmp_path):
 
 
 def test_a_job_that_cannot_fit_stops_before_it_starts(local_ray, ckpt, photos, tmp_path):
-    # The module's Ray has 3 logical CPUs and no GPU: a GPU replica, or 3 replicas x 1 CPU + a read task, would wait forever.
+    # The module's Ray has 3 logical CPUs and no GPU: a GPU replica, or 3 replicas x 1 CPU + a read task, would
+    # wait forever.
     code, stdout, stderr = run_cli(["batch", photos["root"], "-o", tmp_path / "gpu", "--weights", ckpt,
                                     "--device", "cuda", "-q"])
     assert code == 3 and "the job needs 1 GPU (1 replica(s) x 1), it has 0" in stderr

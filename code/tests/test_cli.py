@@ -168,13 +168,13 @@ def test_npz_and_json_equal_the_api(folder_run, photos, api):
 
 
 def test_maps(folder_run, photos):
-    import OpenEXR
     import cv2
+    import OpenEXR
 
     turbo = cv2.applyColorMap(np.arange(256, dtype=np.uint8)[:, None], cv2.COLORMAP_TURBO)[:, 0, ::-1].astype(int)
     turbo_key = turbo[:, 0] << 16 | turbo[:, 1] << 8 | turbo[:, 2]  # the 256 turbo colours are distinct
     key_order = np.argsort(turbo_key)
-    for name, (rel, (w, h), _) in PHOTOS.items():
+    for name, (_rel, (w, h), _) in PHOTOS.items():
         folder = folder_run[3] / name
         npz = np.load(folder / "result.npz")
         mask, depth = npz["mask"].astype(bool), npz["depth"]
@@ -438,8 +438,8 @@ def test_depth_edge_rule():
 
 def test_one_failing_image_in_a_chunk_costs_only_itself(tmp_path):
     """If predict_many raises for a chunk, the images are retried one by one; the good ones are written."""
-    from tt_moge.jobs import predict_images
     from tt_moge.inputs import collect_images
+    from tt_moge.jobs import predict_images
 
     for i in range(3):
         Image.new("RGB", (40, 30), (10 * i, 0, 0)).save(tmp_path / f"p{i}.png")
@@ -448,17 +448,17 @@ def test_one_failing_image_in_a_chunk_costs_only_itself(tmp_path):
                            mask=np.ones((30, 40), bool), intrinsics=np.eye(3, dtype=np.float32),
                            intrinsics_pixels=np.eye(3, dtype=np.float32), metric_scale=1.0, fov_x=60.0, fov_y=50.0)
 
-    class Model:
-        def predict_many(self, arrays, **options):
+    class Service:  # a PredictionService whose chunk call fails
+        def predict_many(self, arrays, options):
             raise RuntimeError("one of them is bad")
 
-        def predict(self, rgb, **options):
+        def predict(self, rgb, options):
             if rgb[0, 0, 0] == 10:  # p1.png
                 raise RuntimeError("device error on this one")
             return reference
 
     seen = []
-    status = predict_images(Model(), images, tmp_path / "out", ["npz"], chunk_size=3, on_done=lambda img, err: seen.append((img.name, err)))
+    status = predict_images(Service(), images, tmp_path / "out", ["npz"], chunk_size=3, on_done=lambda img, err: seen.append((img.name, err)))
     assert status[0] is None and status[2] is None and "device error on this one" in status[1]
     assert sorted(n for n, _ in seen) == ["p0", "p1", "p2"]
     assert (tmp_path / "out" / "p0" / "result.npz").exists() and not (tmp_path / "out" / "p1").exists()
@@ -561,7 +561,11 @@ def test_run_json_that_cannot_be_written_is_one_line_and_exit_1(photos, tmp_path
         def __exit__(self, *exc):
             return False
 
-        def predict_many(self, arrays, **options):
+        @property
+        def service(self):  # a PredictionService
+            return self
+
+        def predict_many(self, arrays, options):
             return [flat_result(*a.shape[:2]) for a in arrays]
 
         def info(self):

@@ -164,7 +164,7 @@ def test_bad_data_raises_input_error(photo, tmp_path):
         "jpeg cut": jpeg[: len(jpeg) // 2],
         "jpeg header only": jpeg[:300],
     }
-    for name, data in bad.items():
+    for data in bad.values():
         with pytest.raises(InputError, match="image"):
             decode_bytes(data)
         path = tmp_path / "bad.bin"

@@ -157,3 +157,75 @@ def test_revision_main_is_the_default_branch_everywhere(checkpoint):
                                       warmup_variants="none")
         assert options.revision is None
     assert LoadOptions.resolve("x", revision="v2", device="cpu", warmup_variants="none").revision == "v2"
+
+
+def _environment_reads(path: Path) -> list:
+    """[(line, variable name)] of the os.environ / os.getenv reads of a module whose name is a string literal or
+    a module-level string constant."""
+    tree = ast.parse(path.read_text())
+    constants = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                 for t in node.targets if isinstance(t, ast.Name)}
+
+    def name_of(arg: ast.AST):
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return arg.value
+        return constants.get(arg.id) if isinstance(arg, ast.Name) else None
+
+    def is_environ(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    found = []
+    for node in ast.walk(tree):
+        arg = None
+        if isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute):
+            if (node.func.attr == "get" and is_environ(node.func.value)) or node.func.attr == "getenv":
+                arg = node.args[0]
+        elif isinstance(node, ast.Subscript) and is_environ(node.value):
+            arg = node.slice
+        elif isinstance(node, ast.Compare) and any(is_environ(c) for c in node.comparators):
+            arg = node.left
+        name = name_of(arg) if arg is not None else None
+        if name is not None:
+            found.append((node.lineno, name))
+    return found
+
+
+def test_our_environment_variables_are_read_in_one_place():
+    """tt_moge reads its MOGE_* variables through tt_moge/env.py only, which keeps the old TT_MOGE_* names
+    working with a deprecation warning; no other module spells a TT_MOGE_* name."""
+    modules = _modules()
+    reads = {name: _environment_reads(path) for name, path in modules.items() if name != "tt_moge.env"}
+    assert len([r for found in reads.values() for r in found]) >= 3, "the walk found no reads of other variables"
+    ours = [f"{name}:{line} reads ${var}" for name, found in reads.items() for line, var in found
+            if var.startswith(("MOGE_", "TT_MOGE_"))]
+    assert ours == [], "read them with tt_moge.env.get"
+    old_names = [name for name, path in modules.items() if name != "tt_moge.env" and "TT_MOGE_" in path.read_text()]
+    assert old_names == []
+
+
+def test_the_environment_check_sees_what_it_guards(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text('import os\nWEIGHTS = "MOGE_WEIGHTS_DIR"\na = os.environ.get(WEIGHTS)\nb = os.getenv("MOGE_HOST")\n'
+                      'c = os.environ["TT_MOGE_X"]\nd = "MOGE_CXX" in os.environ\ne = os.environ.get("HOME")\n')
+    assert _environment_reads(module) == [(3, "MOGE_WEIGHTS_DIR"), (4, "MOGE_HOST"), (5, "TT_MOGE_X"), (6, "MOGE_CXX"),
+                                          (7, "HOME")]
+
+
+def test_every_module_imports():
+    """Each module of the package imports, so a name that one module dropped and another still imports fails here
+    and not in the first command that loads it (the entry points, __main__, are left out: they run)."""
+    import importlib
+    import pkgutil
+
+    import tt_moge
+
+    names = [m.name for m in pkgutil.walk_packages(tt_moge.__path__, "tt_moge.") if not m.name.endswith("__main__")]
+    assert len(names) > 50
+    failed = {}
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # reported, not raised: every failure at once
+            failed[name] = f"{type(exc).__name__}: {exc}"
+    assert failed == {}

@@ -119,7 +119,8 @@ def test_postprocess_native_equals_torch(raw, size, fit, options):
 def test_native_path_uses_the_shared_mask_threshold(raw, monkeypatch):
     """The native solve and finish take MASK_THRESHOLD from Python: change it and both paths still agree (and
     the mask does change)."""
-    from tt_moge.host import finish as finish_mod, solve as solve_mod
+    from tt_moge.host import finish as finish_mod
+    from tt_moge.host import solve as solve_mod
 
     plan = plan_canvas((300, 300), (448, 252), "pad")
     default, _ = _both_paths(lambda: postprocess(raw, plan, CallOptions()))

@@ -1,14 +1,13 @@
 """Our MoGe-2 network against upstream's (PyPI dlr-moge = microsoft/MoGe): same state dict, same raw outputs."""
 from __future__ import annotations
 
+import moge.model.v2 as upstream_v2  # the oracle: pip install --no-deps dlr-moge==2.0.0 dlr-utils3d==1.3
 import pytest
 import torch
 
 from tt_moge.network import MoGe2Config, MoGe2Network
 from tt_moge.testing import PRESETS, calibration_image, model_config
 from tt_moge.weights import build_network, read_checkpoint
-
-import moge.model.v2 as upstream_v2  # the oracle: pip install --no-deps dlr-moge==2.0.0 dlr-utils3d==1.3
 
 TINY = [p for p in PRESETS if p.startswith("tiny")]
 FULL = [p for p in PRESETS if not p.startswith("tiny")]

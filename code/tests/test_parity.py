@@ -13,16 +13,15 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import moge.utils.geometry_numpy as upstream_np  # the oracle (PyPI dlr-moge)
+import moge.utils.geometry_torch as upstream_geo
 import numpy as np
 import pytest
 import torch
 
-import moge.utils.geometry_numpy as upstream_np  # the oracle (PyPI dlr-moge)
-import moge.utils.geometry_torch as upstream_geo
-from tt_moge import MoGeModel
+from tt_moge import MoGeModel, native
 from tt_moge.host.canvas import plan_canvas
 from tt_moge.host.finish import finish
-from tt_moge import native
 from tt_moge.host.solve import native_solve, objective, solve_focal_shift, solve_samples, solve_shift
 from tt_moge.runners.base import RawMaps
 from tt_moge.testing import calibration_image

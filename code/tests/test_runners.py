@@ -5,8 +5,8 @@
   (channels-last or not, head-by-head attention or SDPA, configs with norms, other resamplers, registers, no
   residual blocks): this is what proves the folds exact.
 * The graph in bfloat16 (the CPU default where the hardware has it) and float16 (the CUDA default; checked
-  here on CPU through the same code) stay within the tolerances documented in docs/devices-and-precision.md, and the check
-  fails when one weight is broken.
+  here on CPU through the same code) stay within the tolerances documented in docs/devices-and-precision.md,
+  and the check fails when one weight is broken.
 """
 from __future__ import annotations
 
@@ -24,8 +24,15 @@ from tt_moge.network import MoGe2Config, MoGe2Network
 from tt_moge.options import LoadOptions
 from tt_moge.runners import CpuGraphRunner, PendingMaps, TorchRunner, make_runner, resolve_precision
 from tt_moge.runners import precision as precision_mod
-from tt_moge.runners.cpu_kernels import (attention_bf16, dequantize, dequantize_reference, native_attention_supported,
-                                         native_library, quantize_rows, quantize_rows_reference)
+from tt_moge.runners.cpu_kernels import (
+    attention_bf16,
+    dequantize,
+    dequantize_reference,
+    native_attention_supported,
+    native_library,
+    quantize_rows,
+    quantize_rows_reference,
+)
 from tt_moge.runners.fixed_graph import FixedShapeMoGe2, HeadByHeadAttention, Int8Linear
 from tt_moge.runners.kernel_choice import FORCE_ENV, KernelCache, choose, fastest, forced_choices
 from tt_moge.testing import add_outlier_channels, calibration_image, make_network, model_config

@@ -20,8 +20,17 @@ from tt_moge.output import NPZ_LAYOUT  # noqa: E402
 from tt_moge.server.settings import ServerSettings  # noqa: E402
 
 from .server_harness import (  # noqa: E402
-    API_KEY, CANVAS, TOKENS, TORCH_THREADS, ServerProcess, auth_headers, encode_image, photo, shared_server,
-    shared_weights, timing_record,
+    API_KEY,
+    CANVAS,
+    TOKENS,
+    TORCH_THREADS,
+    ServerProcess,
+    auth_headers,
+    encode_image,
+    photo,
+    shared_server,
+    shared_weights,
+    timing_record,
 )
 
 PNG, JPEG = "image/png", "image/jpeg"

@@ -30,7 +30,13 @@ httpx = pytest.importorskip("httpx")
 from tt_moge.server.settings import ServerSettings  # noqa: E402
 
 from .server_harness import (  # noqa: E402
-    API_KEY, ServerProcess, auth_headers, encode_image, micro_config, photo, shared_server,
+    API_KEY,
+    ServerProcess,
+    auth_headers,
+    encode_image,
+    micro_config,
+    photo,
+    shared_server,
 )
 
 BOMB_SIZE = (4990, 5000)  # under the default --max-pixels (25 MP): an all-zero PNG of 72 KB, a 574 MB npz

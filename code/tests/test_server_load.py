@@ -1,12 +1,12 @@
 """Concurrent load on a real server: more clients than queue slots, every response checked against its request.
 
-8 clients x 25 requests (MOGE_LOAD_CLIENTS / MOGE_LOAD_REQUESTS change it), each request a distinct image size;
-one in ten is a truncated PNG (its header is fine, so it is admitted and fails to decode: 400, or 503 when the
-queue is full) and one in ten is not an image at all (refused before admission: always 415). The server admits 2 requests at once (--queue-size 2), so most clients meet
-deliberate 503s; after one, a client waits a short back-off (the Retry-After, scaled down to keep the test
-short) and sends its next request. Passes when no request is lost, there is no 5xx but 503, every 2xx holds
-the result of its own image, every bad upload got its 4xx (or 503), the server's counts agree with the clients',
-and /health answers with no request left in flight.
+8 clients x 25 requests (MOGE_LOAD_CLIENTS / MOGE_LOAD_REQUESTS change it), each request a distinct image size; one in
+ten is a truncated PNG (its header is fine, so it is admitted and fails to decode: 400, or 503 when the queue is full)
+and one in ten is not an image at all (refused before admission: always 415). The server admits 2 requests at once
+(--queue-size 2), so most clients meet deliberate 503s; after one, a client waits a short back-off (the Retry-After,
+scaled down to keep the test short) and sends its next request. Passes when no request is lost, there is no 5xx but
+503, every 2xx holds the result of its own image, every bad upload got its 4xx (or 503), the server's counts agree
+with the clients', and /health answers with no request left in flight.
 
 Run: cd code && python -m pytest tests/test_server_load.py -q -s   (-s shows the counts)
 """
@@ -140,7 +140,7 @@ def test_bounded_concurrent_load_loses_nothing(tmp_path_factory, capsys):
     p95 = sorted(latencies)[int(0.95 * (len(latencies) - 1))] if latencies else float("nan")
     with capsys.disabled():  # the counts show in every run, CI included (pytest captures prints otherwise)
         print(f"\n[load] {CLIENTS} clients x {REQUESTS} requests in {seconds:.1f} s: sent {sent}, 2xx {outcomes['2xx']}, "
-              f"4xx {outcomes['4xx']} (bad uploads sent: {kinds[400]} truncated, {kinds[415]} not images), 503 {outcomes['503']}, other {outcomes['other']}, "
+              f"4xx {outcomes['4xx']} (bad uploads sent: {kinds[400]} truncated, " f"{kinds[415]} not images), 503 {outcomes['503']}, other {outcomes['other']}, "
               f"lost {sent - answered}; 2xx latency p50 {p50:.2f} s, p95 {p95:.2f} s; server health: {health}")
 
     assert not problems, "\n".join(problems[:20])

@@ -2,7 +2,7 @@
 validated, programs created and L1 / circular buffers / DRAM allocated as on a chip (values are not computed).
 
 Needs the mock environment (`bash scripts/tt-mock/setup.sh`: a Python 3.12 venv with ttnn, RISC-V binutils).
-Where it is not set up these tests skip and say so; CI sets it up and sets TT_MOGE_REQUIRE_MOCK=1, which turns
+Where it is not set up these tests skip and say so; CI sets it up and sets MOGE_REQUIRE_MOCK=1, which turns
 a missing mock into a failure.
 """
 from __future__ import annotations
@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from tt_moge import env as environment
+
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "scripts" / "tt-mock-check"
-WORK = Path(os.environ.get("TT_MOGE_MOCK_DIR", Path.home() / ".cache" / "tt_moge" / "tt-mock"))
+WORK = Path(environment.get("MOGE_MOCK_DIR") or Path.home() / ".cache" / "tt_moge" / "tt-mock")
 
 
 def _mock_ready() -> bool:
@@ -26,12 +28,12 @@ def _mock_ready() -> bool:
 
 
 pytestmark = pytest.mark.skipif(
-    not _mock_ready() and os.environ.get("TT_MOGE_REQUIRE_MOCK") != "1",
+    not _mock_ready() and environment.get("MOGE_REQUIRE_MOCK") != "1",
     reason=f"no mock P150 environment in {WORK}: run `bash scripts/tt-mock/setup.sh` (CI does)")
 
 
 def _check(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": sys.executable, "TT_MOGE_MOCK_DIR": str(WORK),
+    env = {**os.environ, "PYTHON": sys.executable, "MOGE_MOCK_DIR": str(WORK),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "code"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([str(CHECK), *args], capture_output=True, text=True, timeout=timeout, env=env)
     print(done.stdout[-600:], done.stderr[-1500:], sep="\n")  # shown with -s, and on failure

@@ -107,7 +107,7 @@ def test_page_results_are_the_api_results(model, tmp_path, image):
     from tt_moge.server.ui import VIEW_MAX_BYTES
 
     client, _ = make_client(model, tmp_path)
-    query = {"fov_x": "55", "apply_mask": "false", "fit": "stretch"}
+    query = {"fov_x": "55", "apply_mask": "false", "fit": "stretch", "force_projection": "false"}  # every call option
     with client:
         r = client.post("/ui/api/predict", content=image, headers={"Content-Type": PNG}, params=query)
         assert r.status_code == 200, r.text
@@ -121,7 +121,8 @@ def test_page_results_are_the_api_results(model, tmp_path, image):
         assert npz.status_code == 200 and npz.headers["content-type"] == "application/x-npz"
         assert npz.content == client.post("/predict", content=image, headers={"Content-Type": PNG}, params=query).content
 
-        expected = write_outputs(model(image, fit="stretch", fov_x=55.0, apply_mask=False), decode_bytes(image),
+        expected = write_outputs(model(image, fit="stretch", fov_x=55.0, apply_mask=False, force_projection=False),
+                                 decode_bytes(image),
                                  tmp_path / "cli", formats=("maps", "ply", "glb"))
         assert {"mesh.glb", "points.ply", "depth.exr"} <= set(expected["files"])
         for name in ("mesh.glb", "points.ply", "depth.exr"):
@@ -187,14 +188,14 @@ def test_page_requests_share_the_admission_queue_of_predict(model, tmp_path, mon
     with client:
         done = client.post("/ui/api/predict", content=image, headers={"Content-Type": PNG}).json()
         entered, release = threading.Event(), threading.Event()
-        predict = model.predict
+        predict = model.service.predict  # what the server's routes and the page call
 
         def blocking(*args, **kwargs):
             entered.set()
             assert release.wait(30)
             return predict(*args, **kwargs)
 
-        monkeypatch.setattr(model, "predict", blocking)
+        monkeypatch.setattr(model.service, "predict", blocking)
         holder = {}
         thread = threading.Thread(target=lambda: holder.update(r=client.post("/ui/api/predict", content=image,
                                                                              headers={"Content-Type": PNG})))

@@ -5,6 +5,7 @@ DEFAULT_NUM_TOKENS = 1800  # ViT patch tokens for the canvas
 MIN_IMAGE_SIDE = 8  # smallest input width/height we accept
 PAD_GRAY = 128  # uint8 value of the letterbox bars of fit="pad"
 FITS = ("pad", "stretch")
+FOV_X_RANGE = (0.0, 180.0)  # a given horizontal field of view lies strictly inside, in degrees
 MASK_THRESHOLD = 0.5  # a pixel is valid where the mask probability exceeds this
 SOLVE_GRID = (64, 64)  # (height, width) of the nearest-neighbour grid the focal/shift solve runs on
 MAX_CANVAS_SIDE = 4096

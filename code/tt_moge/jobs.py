@@ -1,10 +1,10 @@
 """Predicting a list of image files and writing each result: the work of `tt-moge predict` and of each batch
 replica (`tt_moge.batch`), in one place.
 
-`predict_images(model, images, out_root, formats)` overlaps three things: decoding the next chunk of files (a
-reader thread), the model on this chunk (`predict_many`, which itself overlaps the device with the host steps)
-and writing finished images (writer threads, bounded so that finished maps do not pile up in memory).
-`predict_chunk` is the model step alone: one bad image costs only itself.
+`predict_images(service, images, out_root, formats)` overlaps three things: decoding the next chunk of files (a
+reader thread), the model on this chunk (`PredictionService.predict_many`, which itself overlaps the device
+with the host steps) and writing finished images (writer threads, bounded so that finished maps do not pile up
+in memory). `predict_chunk` is the model step alone: one bad image costs only itself.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from .export import DEFAULT_MESH_STEP, remove_outputs, write_outputs
-from .host import to_rgb_array
+from .host import CallOptions, to_rgb_array
 
 __all__ = ["DEFAULT_CHUNK", "predict_images", "predict_chunk", "predict_panoramas", "written_bytes"]
 
@@ -44,11 +44,12 @@ def _write_reason(image: Any, folder: Path, exc: BaseException) -> str:
     return f"{image.path}: writing {folder} failed: {str(exc) or type(exc).__name__}"
 
 
-def predict_images(model: Any, images: Sequence, out_root: Path, formats: Sequence[str], *, fit: str = "pad",
-                   fov_x: Optional[float] = None, chunk_size: int = DEFAULT_CHUNK, writers: int = 2,
+def predict_images(service: Any, images: Sequence, out_root: Path, formats: Sequence[str], *,
+                   options: CallOptions = CallOptions(), chunk_size: int = DEFAULT_CHUNK, writers: int = 2,
                    on_done: Optional[Callable[[Any, Optional[str]], None]] = None,
                    mesh_step: int = DEFAULT_MESH_STEP) -> dict:
-    """Run `model` over [ImageInput] and write each result to out_root / image.name with `write_outputs`.
+    """Run `service` (a `PredictionService`) over [ImageInput] with `options` and write each result to
+    out_root / image.name with `write_outputs`.
 
     Decoding of the next chunk, the model on this chunk (`predict_many`) and the writing of finished images
     overlap. An image that fails (unreadable, or its writing fails, e.g. on a full disk) is recorded and the
@@ -87,7 +88,7 @@ def predict_images(model: Any, images: Sequence, out_root: Path, formats: Sequen
                 else:
                     finish(index, image, _reason(image, exc))
                 index += 1
-            for (i, image, rgb), output in zip(decoded, predict_chunk(model, [d[2] for d in decoded], fit, fov_x)):
+            for (i, image, rgb), output in zip(decoded, predict_chunk(service, [d[2] for d in decoded], options)):
                 if isinstance(output, BaseException):
                     finish(i, image, _reason(image, output))
                     continue
@@ -102,17 +103,18 @@ def predict_images(model: Any, images: Sequence, out_root: Path, formats: Sequen
     return status
 
 
-def predict_chunk(model: Any, arrays: list, fit: str, fov_x: Optional[float]) -> list:
-    """MoGeOutputs for decoded arrays; if the chunk call fails, image by image, so one bad image costs only itself."""
+def predict_chunk(service: Any, arrays: list, options: CallOptions = CallOptions()) -> list:
+    """MoGeOutputs for decoded arrays (a `PredictionService`); if the chunk call fails, image by image, so one bad
+    image costs only itself."""
     if not arrays:
         return []
     try:
-        return model.predict_many(arrays, fit=fit, fov_x=fov_x)
+        return service.predict_many(arrays, options)
     except Exception:
         results: list = []
         for rgb in arrays:
             try:
-                results.append(model.predict(rgb, fit=fit, fov_x=fov_x))
+                results.append(service.predict(rgb, options))
             except Exception as exc:
                 results.append(exc)
         return results

@@ -1,11 +1,11 @@
 """Fast npz encoding: a standard numpy `.npz` (a zip of `.npy` members), the large maps deflated by ISA-L.
 
-`np.savez_compressed` deflates with zlib level 6 and `np.savez` copies every array several times. Measured on
-the maps of one 1920x1080 result (2 shared cores, loaded): zlib-6 28.7 MB in about 1040 ms, ISA-L level 1 29.9 MB
-in about 85 ms; stored 47.7 MB. The writer below deflates each member once with ISA-L (zlib level 1 without the
-`isal` package), takes CRC-32 from ISA-L too (10x faster than zlib's), and copies each array once. Members
+`np.savez_compressed` deflates with zlib level 6 (slow, for a few per cent fewer bytes than level 1) and `np.savez`
+copies every array several times. The writer below deflates each member once with ISA-L (zlib level 1 without
+the `isal` package), takes CRC-32 from ISA-L too (faster than zlib's), and copies each array once. Members
 smaller than `MIN_DEFLATE_BYTES` (intrinsics, scalars) are stored: deflate only makes them larger. The result
-is an ordinary zip: `np.load`, `zipfile` and `unzip -t` read it. `python -m perf.server.server_bench encode` measures it.
+is an ordinary zip: `np.load`, `zipfile` and `unzip -t` read it. `python -m perf.server.server_bench encode` measures it
+(docs/performance.md, Server).
 """
 from __future__ import annotations
 

@@ -1,27 +1,38 @@
 """The load options of `MoGeModel.from_pretrained`, validated and resolved once, before any weights are read.
 
+Each field of `LoadOptions` is the one definition of its option (`tt_moge.fields`): its default, its help
+and its checks. The signature of `from_pretrained`, the model flags of every `tt-moge` command and the model
+arguments a batch job accepts are generated from these fields.
+
 `LoadOptions.resolve(...)` takes the arguments as a caller gives them (the API, the server's and the CLI's
 flags) and returns one frozen record in which every choice is made: the weights source and revision, the
 torch device, the concrete precision, the canvas, the token budget, the Tenstorrent dispatch options and the
 canonical warm-up variants. The server resolves its flags this way before it binds its port, then loads from
-the same record; nothing downstream validates or resolves an option again.
+the same record; nothing downstream validates or resolves an option again. `LoadOptions.arguments(...)` runs
+the checks that do not depend on the machine (for a batch job's driver, whose replicas may run elsewhere).
 """
 from __future__ import annotations
 
+import inspect
+import json
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, MAX_CANVAS_SIDE
+from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, MAX_CANVAS_SIDE, PRECISIONS
+from .fields import bind, checked, non_negative_int, option, options_of, signature
+from .host.pipeline import CallOptions
 from .network import validate_token_budget
 from .runners.precision import resolve_precision
 from .warmup import expand_variants
-from .weights import DEFAULT_REPO, DEFAULT_REVISION
+from .weights import DEFAULT_REPO, DEFAULT_REVISION, WEIGHTS_DIR_ENV
 
-__all__ = ["LoadOptions", "TtChip", "DISPATCH", "validate_resolution", "select_device", "normalize_revision"]
+__all__ = ["LoadOptions", "CallOptions", "TtChip", "DISPATCH", "validate_resolution", "select_device",
+           "normalize_revision", "parse_wxh", "parse_canvas", "parse_token_budget", "parse_warmup_spec"]
 
 DISPATCH = ("eth", "worker")
 DEFAULT_BRANCH_NAMES = ("main", "")  # revision names that mean "the default branch" (revision None)
@@ -36,8 +47,38 @@ def validate_resolution(resolution: Any) -> tuple:
         raise ValueError(f"resolution must be a (width, height) pair of ints, got {resolution!r}")
     w, h = resolution
     if not (64 <= w <= MAX_CANVAS_SIDE and 64 <= h <= MAX_CANVAS_SIDE and 0.25 <= w / h <= 4.0):
-        raise ValueError(f"resolution must be a canvas of 64..{MAX_CANVAS_SIDE} pixels per side with an aspect ratio in [1/4, 4], got {w}x{h}")
+        raise ValueError(f"resolution must be a canvas of 64..{MAX_CANVAS_SIDE} pixels " f"per side with an aspect ratio in [1/4, 4], got {w}x{h}")
     return int(w), int(h)
+
+
+def parse_wxh(text: str) -> tuple:
+    """'1920x1080' -> (1920, 1080)."""
+    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not match:
+        raise ValueError(f"expected WIDTHxHEIGHT, e.g. 1920x1080, got {text!r}")
+    return int(match[1]), int(match[2])
+
+
+def parse_canvas(text: str) -> tuple:
+    """A canvas size WxH that from_pretrained accepts."""
+    return validate_resolution(parse_wxh(text))
+
+
+def parse_token_budget(text: str) -> int:
+    if not text.strip().lstrip("-").isdigit():
+        raise ValueError(f"expected an integer, got {text!r}")
+    return validate_token_budget(int(text))
+
+
+def parse_warmup_spec(text: str) -> Any:
+    """A preset name, a comma-separated list of presets, or JSON (a variant dict or a list)."""
+    if text.lstrip().startswith(("{", "[")):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON ({exc})") from None
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    return names[0] if len(names) == 1 else names
 
 
 def normalize_revision(revision: Optional[str]) -> Optional[str]:
@@ -79,14 +120,31 @@ def _tt_chip(text: str, device_id: int, verbose: bool) -> TtChip:
     return TtChip(index)
 
 
+def _check_device_id(device_id: Any) -> int:
+    if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
+        raise ValueError(f"device_id must be a non-negative int, got {device_id!r}")
+    return device_id
+
+
+def _check_weights(name: Any) -> str:
+    if not isinstance(name, (str, os.PathLike)):
+        raise TypeError(f"pretrained_model_name_or_path must be a repo id or a path, got {type(name).__name__}")
+    return os.fspath(name)
+
+
+def _check_warmup(count: Any) -> int:
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"warmup must be a non-negative int (device forwards at load), got {count!r}")
+    return count
+
+
 def select_device(device: Any = None, device_id: int = 0, verbose: bool = False) -> Union[torch.device, TtChip]:
     """Where to run. None: a Tenstorrent chip (`device_id`) when ttnn imports and sees one, else CUDA, else the
     CPU (with a RuntimeWarning only when this torch is a CUDA build: a GPU was expected but none is seen; with a
     CPU build the CPU is the only choice); a `device_id` the machine lacks is a ValueError, never another kind of
     device; TT_VISIBLE_DEVICES=none hides the chips. An open ttnn device is used as it is (never closed by the model);
     "tt" / "tt:N" name a chip; "cpu", "cuda", "cuda:N" or a torch.device a torch device."""
-    if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
-        raise ValueError(f"device_id must be a non-negative int, got {device_id!r}")
+    _check_device_id(device_id)
     if device is None:
         from .runners.ttnn.device import chips_here
 
@@ -138,48 +196,71 @@ def select_device(device: Any = None, device_id: int = 0, verbose: bool = False)
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """Every load-time choice of a MoGeModel, resolved (see `resolve`)."""
+    """Every load-time choice of a MoGeModel, resolved (see `resolve`). Each field is an option of
+    `from_pretrained` (its argument default, help and checks are in its definition)."""
 
-    weights: str  # a Hub repo id, a folder holding model.pt, or a model.pt path, as given
-    revision: Optional[str]  # None: the default branch
-    device: Union[torch.device, TtChip]
-    precision: str  # concrete: "fp32", "bf16", "fp16" or "int8"
-    resolution: tuple  # the canvas (width, height)
-    num_tokens: int
-    dispatch: str  # Tenstorrent: "eth" or "worker"
-    num_command_queues: Optional[int]  # Tenstorrent: None (1) or 1 or 2 (worker dispatch only)
-    warmup: int  # device forwards at load
-    warmup_variants: tuple  # canonical variants (see tt_moge.warmup)
-    verbose: bool = False
+    weights: str = option(
+        DEFAULT_REPO, f"a Hugging Face repo id, a folder holding model.pt, or model.pt itself (default {DEFAULT_REPO}; "
+        f"${WEIGHTS_DIR_ENV}, when set, replaces a repo id)", required=True, argument="pretrained_model_name_or_path",
+        positional=True, flag="--weights", metavar="REPO|DIR|FILE", check=_check_weights,
+        argtype=Union[str, os.PathLike])
+    device: Union[torch.device, TtChip] = option(
+        None, "cpu, cuda, cuda:N, tt or tt:N (default: a Tenstorrent chip when ttnn sees one, else CUDA when present, "
+        "else the CPU)", required=True, argtype=Any)
+    device_id: int = option(
+        0, "the chip or GPU to open when --device is not given or names no index (default 0)", required=True,
+        metavar="N", parse=non_negative_int, check=_check_device_id)
+    revision: Optional[str] = option(
+        DEFAULT_REVISION, "Hub revision of a repo id (default: the pinned revision of the published numbers; 'main' "
+        "for the newest)", required=True, check=normalize_revision)
+    resolution: tuple = option(
+        DEFAULT_CANVAS, f"the canvas every image is fitted onto (default {DEFAULT_CANVAS[0]}x{DEFAULT_CANVAS[1]})",
+        required=True, metavar="WxH", parse=parse_canvas, check=validate_resolution, argtype=Sequence[int])
+    num_tokens: int = option(
+        DEFAULT_NUM_TOKENS, "ViT token budget, 1200-3600 (default %(default)s)", required=True, metavar="N",
+        parse=parse_token_budget, check=validate_token_budget)
+    dispatch: str = option("eth", "Tenstorrent dispatch (default %(default)s)", required=True, choices=DISPATCH)
+    num_command_queues: Optional[int] = option(
+        None, "Tenstorrent command queues (2: worker dispatch only)", required=True, choices=(None, 1, 2), parse=int)
+    warmup: int = option(2, "device forwards at load (default %(default)s)", required=True, metavar="N",
+                         parse=non_negative_int, check=_check_warmup)
+    warmup_variants: tuple = option(
+        "default", "host warm-up: a preset (default, all, minimal, none), presets separated by commas, or JSON such "
+        "as '[\"default\", {\"input\": \"jpeg\", \"size\": [4032, 3024]}]' (default %(default)s)", required=True,
+        metavar="SPEC", parse=parse_warmup_spec, argtype=Any)  # resolved with the canvas, in resolve()
+    verbose: bool = option(False, "print model loading steps", required=True, short="-v")
+    precision: str = option(
+        "auto", "arithmetic of the forward (default auto: bf16 on CPUs with bfloat16 instructions, else fp32; fp16 on "
+        "CUDA; bf16 on a Tenstorrent chip). fp32 is the exact reference; int8 is an opt-in CPU mode, bfp8 an opt-in "
+        "Tenstorrent mode", required=True, choices=PRECISIONS)  # concrete once resolved: fp32, bf16, fp16, int8, bfp8
 
     @classmethod
-    def resolve(cls, pretrained_model_name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, *,
-                device: Any = None, device_id: int = 0, revision: Optional[str] = DEFAULT_REVISION,
-                resolution: Sequence[int] = DEFAULT_CANVAS, num_tokens: int = DEFAULT_NUM_TOKENS,
-                dispatch: str = "eth", num_command_queues: Optional[int] = None, warmup: int = 2,
-                warmup_variants: Any = "default", verbose: bool = False, precision: str = "auto") -> "LoadOptions":
+    def arguments(cls, *args: Any, **kwargs: Any) -> dict:
+        """{argument: value} of a `from_pretrained` call with its defaults filled in, each option checked on its
+        own (its type, choices and range: a ValueError / TypeError naming it); nothing is chosen for the machine
+        yet. Unknown arguments are a TypeError."""
+        given = bind(_SIGNATURE, "from_pretrained", args, kwargs)
+        return {info.argument: checked(info, given[info.argument]) for info in options_of(cls)}
+
+    @classmethod
+    def resolve(cls, *args: Any, **kwargs: Any) -> "LoadOptions":
         """Validate the arguments of `from_pretrained` (a ValueError/TypeError naming the argument) and resolve
         them: the device (None -> a Tenstorrent chip, else CUDA, else the CPU with a RuntimeWarning), "auto"
-        precision, "main" revision."""
-        if not isinstance(pretrained_model_name_or_path, (str, os.PathLike)):
-            raise TypeError("pretrained_model_name_or_path must be a repo id or a path, "
-                            f"got {type(pretrained_model_name_or_path).__name__}")
-        canvas = validate_resolution(resolution)
-        tokens = validate_token_budget(num_tokens)
-        if dispatch not in DISPATCH:
-            raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
-        if isinstance(num_command_queues, bool) or num_command_queues not in (None, 1, 2):
-            raise ValueError(f"num_command_queues must be None, 1 or 2, got {num_command_queues!r}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup must be a non-negative int (device forwards at load), got {warmup!r}")
-        if not isinstance(verbose, bool):
-            raise TypeError(f"verbose must be True or False, got {verbose!r}")
-        variants = tuple(expand_variants(warmup_variants, canvas))
-        chosen = select_device(device, device_id, bool(verbose))
+        precision, "main" revision, the warm-up variants for the canvas."""
+        given = cls.arguments(*args, **kwargs)
+        values = {info.name: given[info.argument] for info in options_of(cls)}
+        values["warmup_variants"] = tuple(expand_variants(values["warmup_variants"], values["resolution"]))
+        chosen = select_device(values["device"], values["device_id"], values["verbose"])
         callers_chip = isinstance(chosen, TtChip) and chosen.handle is not None  # opened already: dispatch is moot
-        if num_command_queues == 2 and dispatch != "worker" and not callers_chip:
+        if values["num_command_queues"] == 2 and values["dispatch"] != "worker" and not callers_chip:
             raise ValueError("num_command_queues=2 needs dispatch='worker' (ETH dispatch supports 1 command queue)")
-        return cls(weights=os.fspath(pretrained_model_name_or_path), revision=normalize_revision(revision),
-                   device=chosen, precision=resolve_precision(precision, chosen), resolution=canvas,
-                   num_tokens=tokens, dispatch=dispatch, num_command_queues=num_command_queues, warmup=warmup,
-                   warmup_variants=variants, verbose=bool(verbose))
+        values.update(device=chosen, precision=resolve_precision(values["precision"], chosen))
+        return cls(**values)
+
+
+_SIGNATURE = signature(LoadOptions)
+# inspect.signature(LoadOptions.resolve) and help() show the arguments, not *args, **kwargs
+for _method in (LoadOptions.arguments, LoadOptions.resolve):
+    _method.__func__.__signature__ = signature(
+        LoadOptions, leading=(inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),),
+        returns=dict if _method is LoadOptions.arguments else "LoadOptions")

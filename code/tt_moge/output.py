@@ -1,7 +1,11 @@
 """MoGeOutput: what one image gives, at the image's own resolution, plus the npz layout shared with the server.
 
-The npz layout (`NPZ_LAYOUT`) is defined once here and used by `save_npz`, the server's `/predict` response,
-the CLI and batch jobs:
+Each field of `MoGeOutput` is the one definition of an output (`output_field`): what it holds, its dtype and
+shape in the npz, its dtype in memory and its key in the summary. Generated from these definitions: the npz
+layout (`NPZ_LAYOUT`: `save_npz`, the server's `/predict` response, the CLI and batch jobs), `from_npz`, the
+summary record (`summary()` and `SUMMARY_FIELDS`: the server's /predict/summary, result.json, Parquet rows, the
+web page) and `sliced` (every map cut to a grid). A new output is one new field here, and its producer in
+`host/finish.py`.
 
 | key                 | dtype   | shape     | content                                                     |
 |---------------------|---------|-----------|-------------------------------------------------------------|
@@ -16,6 +20,7 @@ the CLI and batch jobs:
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -25,21 +30,42 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-__all__ = ["MoGeOutput", "NPZ_LAYOUT", "INFER_KEYS", "finite_or_none", "depth_p1_p99"]
+__all__ = ["MoGeOutput", "NPZ_LAYOUT", "SUMMARY_FIELDS", "INFER_KEYS", "OutputField", "output_field",
+           "finite_or_none", "depth_p1_p99"]
 
-NPZ_LAYOUT: dict[str, tuple] = {
-    "points": ("float32", "(H, W, 3)"),
-    "depth": ("float32", "(H, W)"),
-    "normal": ("float16", "(H, W, 3)"),
-    "mask": ("uint8", "(H, W)"),
-    "intrinsics": ("float32", "(3, 3)"),
-    "intrinsics_pixels": ("float32", "(3, 3)"),
-    "metric_scale": ("float32", "()"),
-    "fov_x": ("float32", "()"),
-    "fov_y": ("float32", "()"),
-}
-# The keys of upstream MoGe's `infer()` dict, in its order.
-INFER_KEYS = ("points", "intrinsics", "depth", "mask", "normal")
+_KEY = "tt_moge.output"  # the key of a field's OutputField in its dataclass metadata
+
+
+@dataclass(frozen=True)
+class OutputField:
+    """One output, for people and for each surface.
+
+    content   what it holds, with units (the docs, the npz table, the summary's descriptions).
+    npz       (dtype, shape) in the npz layout; a shape starting "(H, W" is a map at the image's size.
+    memory    its numpy dtype in memory, where it differs from the npz dtype (scalars are Python floats).
+    summary   its key in the summary record (None: not in it; maps are summarised by derived numbers).
+    optional  it may be None (then it is absent from the npz), e.g. the normal of a model without that head.
+    """
+
+    content: str
+    npz: tuple
+    memory: Optional[str] = None
+    summary: Optional[str] = None
+    optional: bool = False
+
+    @property
+    def is_map(self) -> bool:
+        return self.npz[1].startswith("(H, W")
+
+    @property
+    def is_scalar(self) -> bool:
+        return self.npz[1] == "()"
+
+
+def output_field(content: str, npz: tuple, *, memory: Optional[str] = None, summary: Optional[str] = None,
+                 optional: bool = False, **default: Any) -> Any:
+    """A dataclass field of MoGeOutput that is an output (see `OutputField`); `default=...` gives it a default."""
+    return dataclasses.field(**default, metadata={_KEY: OutputField(content, npz, memory, summary, optional)})
 
 
 def finite_or_none(x: Any) -> Optional[float]:
@@ -55,24 +81,30 @@ def depth_p1_p99(depth: np.ndarray, mask: np.ndarray) -> dict:
     return {"depth_p1_m": finite_or_none(p1), "depth_p99_m": finite_or_none(p99)}
 
 
+def _summarised(value: Any) -> Any:
+    """An output's summary entry: a number (None where not finite), or nested lists of them."""
+    if np.ndim(value) == 0:
+        return finite_or_none(value)
+    return [_summarised(v) for v in np.asarray(value, np.float64)]
+
+
 @dataclass(repr=False, eq=False)
 class MoGeOutput:
-    """The result for one image. Arrays are numpy, at the input image's resolution.
+    """The result for one image. Arrays are numpy, at the input image's resolution (see each field)."""
 
-    points (H, W, 3) float32 metres, depth (H, W) float32 metres (inf where mask is False when masked),
-    normal (H, W, 3) float32 unit vectors or None, mask (H, W) bool, intrinsics (3, 3) float32 normalised,
-    intrinsics_pixels (3, 3) float32, metric_scale float, fov_x / fov_y float degrees.
-    """
-
-    points: np.ndarray
-    depth: np.ndarray
-    normal: Optional[np.ndarray]
-    mask: np.ndarray
-    intrinsics: np.ndarray
-    intrinsics_pixels: np.ndarray
-    metric_scale: float
-    fov_x: float
-    fov_y: float
+    points: np.ndarray = output_field("metres, camera space (x right, y down, z forward)", ("float32", "(H, W, 3)"))
+    depth: np.ndarray = output_field("metres (z); inf where mask is False when masked", ("float32", "(H, W)"))
+    normal: Optional[np.ndarray] = output_field(
+        "unit normals, camera space (absent for models without one)", ("float16", "(H, W, 3)"), memory="float32",
+        optional=True)
+    mask: np.ndarray = output_field("1 = valid", ("uint8", "(H, W)"), memory="bool")
+    intrinsics: np.ndarray = output_field("normalised (fx, cx by width; fy, cy by height)", ("float32", "(3, 3)"),
+                                          summary="intrinsics")
+    intrinsics_pixels: np.ndarray = output_field("in pixels", ("float32", "(3, 3)"), summary="intrinsics_pixels")
+    metric_scale: float = output_field("the predicted scale, already applied", ("float32", "()"),
+                                       summary="metric_scale")
+    fov_x: float = output_field("horizontal field of view, degrees", ("float32", "()"), summary="fov_x_deg")
+    fov_y: float = output_field("vertical field of view, degrees", ("float32", "()"), summary="fov_y_deg")
 
     @property
     def size(self) -> tuple:
@@ -90,25 +122,27 @@ class MoGeOutput:
         return float(np.median(d)) if d.size else math.nan
 
     def summary(self, depth_percentiles: bool = False) -> dict:
-        """The numbers of this result without the maps (JSON-ready; non-finite values are None): size, field of
-        view (degrees), intrinsics (normalised and pixels), metric scale, valid fraction, median depth of the
-        valid pixels (metres), whether there is a normal map; with `depth_percentiles`, also the 1st and 99th
-        percentile depth (one pass over the valid pixels). The server's /predict/summary, result.json of the CLI
-        and of batch jobs are this record (result.json adds the percentiles)."""
+        """The numbers of this result without the maps (JSON-ready; non-finite values are None), as
+        `SUMMARY_FIELDS` lists them: size, the summary entry of each output (fields of view in degrees,
+        intrinsics normalised and in pixels, metric scale), valid fraction, median depth of the valid pixels
+        (metres), whether there is a normal map; with `depth_percentiles`, also the 1st and 99th percentile depth
+        (one pass over the valid pixels). The server's /predict/summary, result.json of the CLI and of batch jobs
+        are this record (result.json adds the percentiles)."""
         w, h = self.size
-        record = {
-            "width": w, "height": h,
-            "fov_x_deg": finite_or_none(self.fov_x), "fov_y_deg": finite_or_none(self.fov_y),
-            "intrinsics": [[finite_or_none(v) for v in row] for row in np.asarray(self.intrinsics, np.float64)],
-            "intrinsics_pixels": [[finite_or_none(v) for v in row] for row in np.asarray(self.intrinsics_pixels, np.float64)],
-            "metric_scale": finite_or_none(self.metric_scale),
-            "valid_fraction": float(self.valid_fraction),
-            "median_depth_m": finite_or_none(self.median_depth),
-            "has_normal": self.normal is not None,
-        }
+        record: dict = {"width": w, "height": h}
+        for name, spec in _FIELDS.items():
+            if spec.summary is not None:
+                record[spec.summary] = _summarised(getattr(self, name))
+        record.update(valid_fraction=float(self.valid_fraction), median_depth_m=finite_or_none(self.median_depth),
+                      has_normal=self.normal is not None)
         if depth_percentiles:
             record.update(depth_p1_p99(self.depth, self.mask))
         return record
+
+    def sliced(self, rows: slice, cols: slice) -> "MoGeOutput":
+        """The same result with every map cut to `[rows, cols]` (views, no copy); the rest as it is."""
+        return dataclasses.replace(self, **{name: getattr(self, name)[rows, cols] for name, spec in _FIELDS.items()
+                                            if spec.is_map and getattr(self, name) is not None})
 
     def __repr__(self) -> str:
         w, h = self.size
@@ -123,7 +157,7 @@ class MoGeOutput:
         return [k for k in INFER_KEYS if getattr(self, k) is not None]
 
     def __getitem__(self, key: str) -> Any:
-        if key not in {f.name for f in fields(self)}:
+        if key not in _FIELDS:
             raise KeyError(key)
         value = getattr(self, key)
         if value is None:
@@ -156,6 +190,11 @@ class MoGeOutput:
                 out[key] = np.asarray(value, dtype=dtype)
         return out
 
+    def exact_arrays(self) -> dict:
+        """Every output as it is in memory (float32 normals, a bool mask), for an exact copy:
+        `np.savez(f, **out.exact_arrays())`, which `from_npz` reads back unchanged."""
+        return {name: np.asarray(getattr(self, name)) for name in _FIELDS if getattr(self, name) is not None}
+
     def to_npz_bytes(self, compress: bool = False) -> bytes:
         """The npz file as bytes; compress=True deflates the maps (ISA-L when installed, see `tt_moge.npzio`)."""
         from .npzio import npz_bytes
@@ -172,7 +211,8 @@ class MoGeOutput:
 
     @classmethod
     def from_npz(cls, source: Union[str, os.PathLike, bytes]) -> "MoGeOutput":
-        """Read an npz written by `save_npz` or returned by the server (normal comes back as float32)."""
+        """Read an npz written by `save_npz` or returned by the server (normal comes back as float32), or one
+        of `exact_arrays`."""
         try:
             data = np.load(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source, allow_pickle=False)
         except (zipfile.BadZipFile, EOFError, ValueError) as exc:
@@ -183,13 +223,39 @@ class MoGeOutput:
             return cls._from_arrays(data)
 
     @classmethod
-    def _from_arrays(cls, data) -> "MoGeOutput":
+    def _from_arrays(cls, data: Any) -> "MoGeOutput":
+        values: dict = {}
         try:
-            normal = data["normal"].astype(np.float32) if "normal" in data.files else None
-            return cls(
-                points=data["points"], depth=data["depth"], normal=normal, mask=data["mask"].astype(bool),
-                intrinsics=data["intrinsics"], intrinsics_pixels=data["intrinsics_pixels"],
-                metric_scale=float(data["metric_scale"]), fov_x=float(data["fov_x"]), fov_y=float(data["fov_y"]),
-            )
+            for f in fields(cls):
+                spec = f.metadata[_KEY]
+                if f.name not in data.files:
+                    if spec.optional:
+                        values[f.name] = None
+                    elif f.default is dataclasses.MISSING:
+                        raise KeyError(f"{f.name} is missing")
+                    continue
+                value = data[f.name]
+                if spec.is_scalar:
+                    values[f.name] = float(value)
+                else:
+                    wanted = np.dtype(spec.memory or spec.npz[0])
+                    values[f.name] = value if value.dtype == wanted else value.astype(wanted)
+            return cls(**values)
         except (KeyError, zipfile.BadZipFile) as exc:
             raise ValueError(f"not a tt_moge npz ({exc})") from None
+
+
+_FIELDS: dict = {f.name: f.metadata[_KEY] for f in fields(MoGeOutput)}  # {name: OutputField}, in field order
+NPZ_LAYOUT: dict = {name: spec.npz for name, spec in _FIELDS.items()}  # {key: (dtype, shape)}
+# The summary record: {key: (type, what it is)}, in its order (the server's Summary is generated from it).
+SUMMARY_FIELDS: dict = {
+    "width": (int, "image width, pixels"),
+    "height": (int, "image height, pixels"),
+    **{spec.summary: (Optional[float] if spec.is_scalar else list[list[Optional[float]]], f"{name}: {spec.content}")
+       for name, spec in _FIELDS.items() if spec.summary is not None},
+    "valid_fraction": (float, "share of pixels with mask == 1"),
+    "median_depth_m": (Optional[float], "median depth of the valid pixels, metres; null when none is valid"),
+    "has_normal": (bool, "whether there is a normal map (the model has a normal head)"),
+}
+# The keys of upstream MoGe's `infer()` dict, in its order.
+INFER_KEYS = ("points", "intrinsics", "depth", "mask", "normal")

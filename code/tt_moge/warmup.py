@@ -8,10 +8,12 @@ variants. `MoGeModel.warmup(**variant)` runs one; it is idempotent per canonical
 | input              | "array" (uint8 numpy), "float" (float32 torch (1,3,H,W)),     | "array"        |
 |                    | "png", "jpeg" (a temporary file path), "pil"                  |                |
 | size               | (width, height) of the input image                            | the canvas     |
-| fit, apply_mask,   | as in model(image, ...); for fov_x only "given or not"        | call defaults  |
-| force_projection,  | matters                                                       |                |
-| fov_x              |                                                               |                |
+| every call option  | as in model(image, ...) (`host.CallOptions`: fit, fov_x,      | call defaults  |
+|                    | apply_mask, force_projection); for fov_x only "given or not"  |                |
+|                    | matters                                                       |                |
 | call               | "call", "predict_many" (2 images), "infer", "forward"         | "call"         |
+
+The call-option keys are generated from `host.CallOptions`: a new call option is a new key.
 
 How a variant is warmed (`run_variant`): one real call of that kind with a synthetic photo-like image of that
 size (one image per size per load; a temporary PNG/JPEG file for the decoders). The device part is the same
@@ -30,13 +32,16 @@ from typing import Any, Iterable, Union
 
 import numpy as np
 
-from .constants import FITS
+from .fields import checked, options_of
+from .host.pipeline import CallOptions
 
-__all__ = ["INPUTS", "CALLS", "PRESETS", "canonical_variant", "expand_variants", "run_variant", "synthetic_photo"]
+__all__ = ["INPUTS", "CALLS", "PRESETS", "KEYS", "canonical_variant", "expand_variants", "run_variant",
+           "synthetic_photo"]
 
 INPUTS = ("array", "float", "png", "jpeg", "pil")
 CALLS = ("call", "predict_many", "infer", "forward")
-_KEYS = ("input", "size", "fit", "fov_x", "apply_mask", "force_projection", "call")
+_CALL_OPTIONS = options_of(CallOptions)
+KEYS = ("input", "size", *(o.argument for o in _CALL_OPTIONS), "call")  # of a variant, in its canonical order
 _SMALL = (800, 600)
 
 PRESETS: dict[str, list] = {
@@ -66,15 +71,15 @@ PRESETS["all"] = PRESETS["default"] + [
 
 
 def canonical_variant(variant: dict, canvas_size: tuple, name: str = "warm-up variant") -> tuple:
-    """Validate a variant dict and return its hashable canonical form (key, value) pairs in _KEYS order. Errors
+    """Validate a variant dict and return its hashable canonical form (key, value) pairs in KEYS order. Errors
     begin with `name` (the argument the variant came from)."""
     if not isinstance(variant, dict):
         raise TypeError(f"{name} must be a dict, got {type(variant).__name__}")
-    unknown = sorted(set(variant) - set(_KEYS))
+    unknown = sorted(set(variant) - set(KEYS))
     if unknown:
-        raise ValueError(f"{name}: unknown key(s) {unknown}; expected keys from {list(_KEYS)}")
-    v = {"input": "array", "size": tuple(canvas_size), "fit": "pad", "fov_x": False, "apply_mask": True,
-         "force_projection": True, "call": "call"}
+        raise ValueError(f"{name}: unknown key(s) {unknown}; expected keys from {list(KEYS)}")
+    v = {"input": "array", "size": tuple(canvas_size), "call": "call"}
+    v.update({o.argument: False if o.spec.warm is not None else o.default for o in _CALL_OPTIONS})
     v.update(variant)
     if v["input"] not in INPUTS:
         raise ValueError(f"{name}: input must be one of {INPUTS}, got {v['input']!r}")
@@ -85,15 +90,17 @@ def canonical_variant(variant: dict, canvas_size: tuple, name: str = "warm-up va
             or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 8 for s in size)):
         raise ValueError(f"{name}: size must be (width, height) integers >= 8, got {size!r}")
     v["size"] = tuple(size)
-    if v["fit"] not in FITS:
-        raise ValueError(f"{name}: fit must be one of {FITS}, got {v['fit']!r}")
-    v["fov_x"] = v["fov_x"] is not None and v["fov_x"] is not False
-    for key in ("apply_mask", "force_projection"):
-        if not isinstance(v[key], bool):
-            raise ValueError(f"{name}: {key} must be True or False, got {v[key]!r}")
+    for o in _CALL_OPTIONS:
+        if o.spec.warm is not None:  # only "given or not" matters
+            v[o.argument] = v[o.argument] is not None and v[o.argument] is not False
+        else:
+            try:
+                v[o.argument] = checked(o, v[o.argument])
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{name}: {exc}") from None
     if v["call"] == "forward" and v["size"] != tuple(canvas_size):
         raise ValueError(f"{name}: call='forward' takes the canvas size {tuple(canvas_size)}, got size {v['size']}")
-    return tuple((k, v[k]) for k in _KEYS)
+    return tuple((k, v[k]) for k in KEYS)
 
 
 def expand_variants(spec: Union[str, dict, Iterable, None], canvas_size: tuple) -> list:
@@ -143,8 +150,8 @@ def run_variant(model: Any, key: tuple, photos: dict) -> None:
     photo = photos.get(v["size"])
     if photo is None:
         photo = photos[v["size"]] = synthetic_photo(v["size"])
-    options = dict(fit=v["fit"], fov_x=60.0 if v["fov_x"] else None, apply_mask=v["apply_mask"],
-                   force_projection=v["force_projection"])
+    options = {o.argument: (o.spec.warm if v[o.argument] else o.default) if o.spec.warm is not None else v[o.argument]
+               for o in _CALL_OPTIONS}
     with tempfile.TemporaryDirectory(prefix="tt_moge-warmup-") as tmp:
         inputs = [_input(v["input"], photo, Path(tmp), i) for i in range(2 if v["call"] == "predict_many" else 1)]
         if v["call"] == "forward":
@@ -152,7 +159,7 @@ def run_variant(model: Any, key: tuple, photos: dict) -> None:
         elif v["call"] == "infer":
             image = inputs[0]
             model.infer(image[0] if hasattr(image, "dim") else image, fov_x=options["fov_x"],
-                        apply_mask=v["apply_mask"], force_projection=v["force_projection"])
+                        apply_mask=options["apply_mask"], force_projection=options["force_projection"])
         elif v["call"] == "predict_many":
             model.predict_many(inputs, **options)
         else:

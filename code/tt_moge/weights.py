@@ -14,6 +14,7 @@ from typing import Optional, Union
 
 import torch
 
+from . import env as environment
 from .network import ConfigError, MoGe2Config, MoGe2Network
 
 DEFAULT_REPO = "Ruicheng/moge-2-vitl-normal"
@@ -49,7 +50,7 @@ def _file_in(path: Path) -> Path:
     if path.is_dir():
         candidate = path / CHECKPOINT_NAME
         if not candidate.is_file():
-            raise CheckpointError(f"{path} is a directory without {CHECKPOINT_NAME}; put the MoGe-2 {CHECKPOINT_NAME} there or pass its path")
+            raise CheckpointError(f"{path} is a directory without {CHECKPOINT_NAME}; put " f"the MoGe-2 {CHECKPOINT_NAME} there or pass its path")
         return candidate
     return path
 
@@ -68,12 +69,12 @@ def resolve_checkpoint(name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, rev
     if local.exists():
         return _file_in(local), str(local), None
     if isinstance(name_or_path, os.PathLike) or _looks_like_path(name):
-        raise CheckpointError(f"weights not found: {name} does not exist (expected a Hugging Face repo id like {DEFAULT_REPO!r}, a directory holding {CHECKPOINT_NAME}, or the path of {CHECKPOINT_NAME})")
-    env = os.environ.get(WEIGHTS_DIR_ENV)
+        raise CheckpointError(f"weights not found: {name} does not exist (expected a Hugging Face repo id like " f"{DEFAULT_REPO!r}, a directory holding {CHECKPOINT_NAME}, or the path of {CHECKPOINT_NAME})")
+    env = environment.get(WEIGHTS_DIR_ENV)
     if env:
         env_path = Path(env).expanduser()
         if not env_path.exists():
-            raise CheckpointError(f"${WEIGHTS_DIR_ENV}={env} does not exist; point it at a directory holding {CHECKPOINT_NAME} or unset it")
+            raise CheckpointError(f"${WEIGHTS_DIR_ENV}={env} does not exist; point it at " f"a directory holding {CHECKPOINT_NAME} or unset it")
         return _file_in(env_path), f"${WEIGHTS_DIR_ENV}={env}", None
     return _download(name, revision), f"{name}@{revision or 'main'}", revision
 
@@ -84,7 +85,7 @@ def describe_source(name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, revisi
     name = os.fspath(name_or_path)
     if Path(name).expanduser().exists() or _looks_like_path(name):
         return name
-    env = os.environ.get(WEIGHTS_DIR_ENV)
+    env = environment.get(WEIGHTS_DIR_ENV)
     if env:
         return f"${WEIGHTS_DIR_ENV}={env}"
     return f"{name}@{revision or 'main'}"
@@ -181,12 +182,12 @@ def read_checkpoint(path: Union[str, os.PathLike]) -> tuple[dict, dict]:
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
-            f"{path} ({size} bytes) is not a readable MoGe-2 checkpoint: torch.load failed ({type(exc).__name__}: {first}). "
+            f"{path} ({size} bytes) is not a readable MoGe-2 checkpoint: " f"torch.load failed ({type(exc).__name__}: {first}). "
             f"The file may be truncated or corrupt (an interrupted download?) or not a PyTorch file; download it again."
         ) from None
     if not isinstance(ckpt, dict) or "model_config" not in ckpt or "model" not in ckpt:
         keys = sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__
-        raise CheckpointError(f"{path} is a PyTorch file but not a MoGe checkpoint: expected a dict with 'model_config' and 'model', found {keys}")
+        raise CheckpointError(f"{path} is a PyTorch file but not a MoGe checkpoint: expected " f"a dict with 'model_config' and 'model', found {keys}")
     if not isinstance(ckpt["model"], dict):
         raise CheckpointError(f"{path}: 'model' must be a state dict, found {type(ckpt['model']).__name__}")
     return ckpt["model_config"], ckpt["model"]

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 from perf import common
-
 from tt_moge.cli.argtypes import wxh  # noqa: E402
 
 
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
                       f"{summary.steady_images_per_second:.2f} steady ({summary.seconds:.1f} s job, Ray start "
                       f"{summary.ray_start_seconds:.1f} s, {time.perf_counter() - t:.1f} s in all)", flush=True)
 
-    print(f"\n{args.images} photos {args.size[0]}x{args.size[1]}, canvas {args.resolution[0]}x{args.resolution[1]}, {args.num_tokens} tokens, device {args.device}, "
+    print(f"\n{args.images} photos {args.size[0]}x{args.size[1]}, canvas " f"{args.resolution[0]}x{args.resolution[1]}, {args.num_tokens} tokens, device {args.device}, "
           f"medians of {args.runs} run(s):")
     base_job = base_steady = None
     for n in counts:

@@ -35,7 +35,6 @@ import numpy as np
 
 from perf import common
 from perf.common import ROOT
-
 from tt_moge.cli.argtypes import wxh  # noqa: E402
 
 

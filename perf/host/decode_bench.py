@@ -1,7 +1,8 @@
 """PNG and JPEG decoders side by side: median ms per decode of the same bytes, and whether each is exact.
 
 Candidates (each only if importable): Pillow (the reference), OpenCV, pyspng (libspng), simplejpeg and
-PyTurboJPEG (libjpeg-turbo), and tt_moge's decoder (PNG: ISA-L inflate + native unfilter; JPEG: libjpeg-turbo through simplejpeg when installed, else OpenCV).
+PyTurboJPEG (libjpeg-turbo), and tt_moge's decoder (PNG: ISA-L inflate + native unfilter; JPEG: libjpeg-turbo
+through simplejpeg when installed, else OpenCV).
 "exact" = the same (H, W, 3) uint8 pixels as Pillow's `convert("RGB")`.
 
     python -m perf.host.decode_bench                       # media/source.png if present, else a synthetic photo
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format="JPEG", quality=args.jpeg_quality)
     jpeg = buf.getvalue()
-    print(f"image: {source}, {rgb.shape[1]}x{rgb.shape[0]}; PNG {len(png) / 1e6:.2f} MB, JPEG q{args.jpeg_quality} {len(jpeg) / 1e6:.2f} MB")
+    print(f"image: {source}, {rgb.shape[1]}x{rgb.shape[0]}; PNG {len(png) / 1e6:.2f} " f"MB, JPEG q{args.jpeg_quality} {len(jpeg) / 1e6:.2f} MB")
     for kind, data in (("png", png), ("jpeg", jpeg)):
         ref = pillow(data)
         results = {}

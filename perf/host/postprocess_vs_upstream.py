@@ -21,7 +21,6 @@ import tempfile
 import time
 
 from perf import common
-
 from tt_moge.cli.argtypes import wxh  # noqa: E402
 
 
@@ -41,8 +40,7 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore", message="In CPU autocast")  # upstream's fp32 autocast block on the CPU
 
-    from tt_moge import MoGeModel
-    from tt_moge import native
+    from tt_moge import MoGeModel, native
     from tt_moge.host import CallOptions, plan_canvas, postprocess
     from tt_moge.runners.base import RawMaps
     from tt_moge.testing import calibration_image, make_checkpoint

@@ -130,7 +130,7 @@ def main() -> None:
     for precision, table in rows.items():
         keys = list(dict.fromkeys(k for _, r in table for k in r))
         extra = ", ViT with outlier channels" if args.outliers else ""
-        print(f"\n{precision} vs fp32{extra}, {size[0]}x{size[1]}, {args.tokens} tokens, device {args.device}, torch {torch.__version__}\n")
+        print(f"\n{precision} vs fp32{extra}, {size[0]}x{size[1]}, {args.tokens} " f"tokens, device {args.device}, torch {torch.__version__}\n")
         print("| metric | " + " | ".join(name for name, _ in table) + " |")
         print("|---|" + "---:|" * len(table))
         for k in keys:

@@ -33,7 +33,7 @@ def _upstream_fp16_capped(path, size, tokens, cap_s: float) -> str:
         return f"did not finish in {cap_s:.0f} s (stopped; load + call)"
     if out.returncode != 0:
         return f"failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
-    return f"{float(out.stdout.strip().splitlines()[-1]):.1f} s for one call ({time.perf_counter() - t:.0f} s with loading)"
+    return f"{float(out.stdout.strip().splitlines()[-1]):.1f} s for " f"one call ({time.perf_counter() - t:.0f} s with loading)"
 
 
 def main() -> None:
@@ -93,7 +93,7 @@ def main() -> None:
         print(f"[{i + 1}/{args.repeats}] " + "   ".join(line), flush=True)
 
     arch = next(iter(models.values())).info()["architecture"]
-    print(f"\n{arch}, {size[0]}x{size[1]}, {args.tokens} tokens, {args.repeats} calls each, {torch.get_num_threads()} threads: "
+    print(f"\n{arch}, {size[0]}x{size[1]}, {args.tokens} tokens, " f"{args.repeats} calls each, {torch.get_num_threads()} threads: "
           f"median wall s / CPU s")
     result: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": common.cpu_line(),
                     "kernels": {name: m.info()["runner"] for name, m in models.items()}}
@@ -111,7 +111,7 @@ def main() -> None:
         for name in models:
             result[name]["ratio"] = result[name]["median_s"] / up["median_s"]
             result[name]["ratio_cpu"] = result[name]["median_cpu_s"] / up["median_cpu_s"]
-            print(f"ratio {name} / upstream fp32: {result[name]['ratio']:.3f} wall, {result[name]['ratio_cpu']:.3f} CPU time")
+            print(f"ratio {name} / upstream fp32: {result[name]['ratio']:.3f} " f"wall, {result[name]['ratio_cpu']:.3f} CPU time")
         del upstream
     if args.upstream_fp16_cap > 0:
         result["upstream_fp16_capped"] = _upstream_fp16_capped(path, size, args.tokens, args.upstream_fp16_cap)

@@ -33,7 +33,7 @@ def main() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        sys.exit(f"perf.runners.bench_cuda needs a CUDA GPU; torch {torch.__version__} sees none. CPU: python -m perf.runners.bench_cpu")
+        sys.exit(f"perf.runners.bench_cuda needs a CUDA GPU; torch {torch.__version__} " "sees none. CPU: python -m perf.runners.bench_cpu")
     from tt_moge import MoGeModel
 
     device = torch.device(args.device)

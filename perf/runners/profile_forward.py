@@ -85,10 +85,10 @@ def main() -> None:
             runner.forward(canvas)
         total = time.perf_counter() - t
     glue = " (torch int8 glue)" if args.torch_glue else ""
-    print(f"{args.precision}{glue}, {size[0]}x{size[1]}, {args.tokens} tokens, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"{args.precision}{glue}, {size[0]}x{size[1]}, {args.tokens} tokens, " f"{torch.get_num_threads()} threads, torch {torch.__version__}")
     print(common.cpu_line())
     print(common.kernel_line(runner.describe()))
-    print(f"stages (median of {args.passes} unprofiled passes): ViT encoder {enc:.2f} s, neck + heads {dec:.2f} s, resize to canvas {out:.3f} s")
+    print(f"stages (median of {args.passes} unprofiled passes): ViT encoder " f"{enc:.2f} s, neck + heads {dec:.2f} s, resize to canvas {out:.3f} s")
     print(f"profiled forward: {total:.2f} s")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
     print(f"rerun: {common.rerun_command()}")

@@ -122,7 +122,9 @@ def bench_serve(args: argparse.Namespace) -> None:
                     ms = common.median_min_ms(post, args.repeats)[0]
                     print(f"HTTP  POST /predict?compress={compress:5s} + np.load median {ms:8.1f} ms  "
                           f"({ms / api_ms:.2f}x the API, +{ms - api_ms:.1f} ms), {sizes[compress][0] / 1e6:.1f} MB")
-                summary = lambda: http.post("/predict/summary", content=data, headers={"Content-Type": "image/png"}).raise_for_status()
+                def summary() -> None:
+                    http.post("/predict/summary", content=data, headers={"Content-Type": "image/png"}).raise_for_status()
+
                 ms = common.median_min_ms(summary, args.repeats)[0]
                 print(f"HTTP  POST /predict/summary                   median {ms:8.1f} ms  ({ms / api_ms:.2f}x the API)")
                 _concurrent(url, data, args, api_ms)
@@ -153,7 +155,7 @@ def _concurrent(url: str, data: bytes, args: argparse.Namespace, api_ms: float) 
     for th in threads:
         th.join()
     seconds = time.perf_counter() - t
-    print(f"HTTP  {args.clients} clients x {args.repeats} requests: {counts['ok']} ok, {counts['busy']} 503 in {seconds:.1f} s "
+    print(f"HTTP  {args.clients} clients x {args.repeats} requests: " f"{counts['ok']} ok, {counts['busy']} 503 in {seconds:.1f} s "
           f"= {counts['ok'] / seconds:.2f} images/s (one-at-a-time API: {1e3 / api_ms:.2f} images/s)")
 
 

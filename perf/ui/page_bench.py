@@ -139,7 +139,7 @@ def main(argv=None) -> int:
                                  "server_page_ms": marks["server"]["page_ms"], "view_bytes": marks["viewBytes"],
                                  "fetched": marks["fetched"], "view": marks["server"]["view"]})
                     r = rows[-1]
-                    print(f"  run {i + 1}: POST /predict {api_ms:8.0f} ms | page: 3D view after {r['page_view_ms']:8.0f} ms "
+                    print(f"  run {i + 1}: POST /predict {api_ms:8.0f} ms | " f"page: 3D view after {r['page_view_ms']:8.0f} ms "
                           f"(answer {r['page_response_ms']:.0f} ms, then {r['browser_view_ms']:.0f} ms in the browser) "
                           f"-> {r['page_view_ms'] - api_ms:+.0f} ms; without the forward (device) "
                           f"{r['predict_wo_forward_ms']:.0f} vs {r['page_view_wo_forward_ms']:.0f} ms "

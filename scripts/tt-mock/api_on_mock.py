@@ -2,19 +2,19 @@
 then `model(image)`, in a Python where both ttnn and torch import (the mock venv after
 `pip install torch` (PyPI's CUDA build for cp312) and `pip install -c <(echo 'numpy<2') -e code/`).
 
-    cd $TT_MOGE_MOCK_DIR && . ./env.sh
+    cd $MOGE_MOCK_DIR && . ./env.sh
     python /path/to/scripts/tt-mock/api_on_mock.py --weights DIR_OR_MODEL_PT --resolution 640x480 --num-tokens 1200
 
 The mock computes nothing (every value read back is zero), so the outputs say only that every step ran: the
 device graph at the model's canvas and token budget, the host's resize, solve and finish. No trace: the mock
-cannot capture one (TT_MOGE_TTNN_TRACE=0 is set here).
+cannot capture one (MOGE_TTNN_TRACE=0 is set here).
 """
 import argparse
 import os
 import sys
 import time
 
-os.environ.setdefault("TT_MOGE_TTNN_TRACE", "0")
+os.environ.setdefault("MOGE_TTNN_TRACE", "0")
 
 
 def main() -> int:

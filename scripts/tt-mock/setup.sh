@@ -3,14 +3,20 @@
 # a Python 3.12 venv with ttnn (PyPI), GNU binutils for RISC-V (Debian package), this folder's stub compiler
 # driver inside the venv's ttnn, the P150 cluster descriptor, and WORK/env.sh to source.
 #
-#   bash scripts/tt-mock/setup.sh [WORK]     WORK defaults to $TT_MOGE_MOCK_DIR or ~/.cache/tt_moge/tt-mock
+#   bash scripts/tt-mock/setup.sh [WORK]     WORK defaults to $MOGE_MOCK_DIR or ~/.cache/tt_moge/tt-mock
 #
 # On the mock every ttnn op runs its real validation, program creation and L1 / circular-buffer / DRAM
 # allocation; kernels are not compiled (the stub writes empty objects), so read-back values are zeros.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
-WORK="${1:-${TT_MOGE_MOCK_DIR:-$HOME/.cache/tt_moge/tt-mock}}"
-TTNN_VERSION="${TT_MOGE_TTNN_VERSION:-0.81.1}"  # the newest ttnn on PyPI with cp312 wheels when this was written
+if [ -z "${MOGE_MOCK_DIR:-}" ] && [ -n "${TT_MOGE_MOCK_DIR:-}" ]; then  # the old name, still read
+  echo "tt-mock: \$TT_MOGE_MOCK_DIR is deprecated: set \$MOGE_MOCK_DIR instead" >&2; MOGE_MOCK_DIR="$TT_MOGE_MOCK_DIR"
+fi
+if [ -z "${MOGE_TTNN_VERSION:-}" ] && [ -n "${TT_MOGE_TTNN_VERSION:-}" ]; then  # the old name, still read
+  echo "tt-mock: \$TT_MOGE_TTNN_VERSION is deprecated: set \$MOGE_TTNN_VERSION instead" >&2; MOGE_TTNN_VERSION="$TT_MOGE_TTNN_VERSION"
+fi
+WORK="${1:-${MOGE_MOCK_DIR:-$HOME/.cache/tt_moge/tt-mock}}"
+TTNN_VERSION="${MOGE_TTNN_VERSION:-0.81.1}"  # the newest ttnn on PyPI with cp312 wheels when this was written
 mkdir -p "$WORK"
 WORK="$(cd "$WORK" && pwd)"
 STAMP="$WORK/.ready-ttnn-$TTNN_VERSION-$(cat "$HERE/riscv-tt-elf-g++" "$HERE/tt-mock-stub.S" "$HERE/blackhole_P150.yaml" | sha1sum | cut -c1-12)"

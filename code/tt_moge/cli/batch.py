@@ -6,15 +6,35 @@ import argparse
 import re
 import sys
 from pathlib import Path
-
 from typing import Any
 
-from ..batch import (DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES, DEFAULT_OBJECT_STORE_MB, FAILURES_FILE,
-                     MIN_OBJECT_STORE_MB, OUTPUT_FORMATS, RECORD_FILE, SHARDS_DIR)
-from ..constants import FITS
+from ..batch import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_OBJECT_STORE_MB,
+    FAILURES_FILE,
+    MIN_OBJECT_STORE_MB,
+    OUTPUT_FORMATS,
+    RECORD_FILE,
+    SHARDS_DIR,
+)
 from . import argtypes
-from .common import (DEFAULT_OUTPUT, EXIT_CODES, EXIT_IMAGES_FAILED, EXIT_OK, EXIT_START, Formatter,
-                     add_format_arguments, add_model_arguments, chosen_formats, format_group_title, model_kwargs, say)
+from .common import (
+    DEFAULT_OUTPUT,
+    EXIT_CODES,
+    EXIT_IMAGES_FAILED,
+    EXIT_OK,
+    EXIT_START,
+    Formatter,
+    add_call_arguments,
+    add_format_arguments,
+    add_model_arguments,
+    call_options,
+    chosen_formats,
+    format_group_title,
+    model_kwargs,
+    say,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -25,6 +45,8 @@ DESCRIPTION = ("Run MoGe-2 over many photos as a Ray Data job: images are read i
 
 
 def _epilog(exit_codes: str, default_output: str) -> str:
+    codes = exit_codes.replace("in OUT/run.json", f"in OUT/{FAILURES_FILE}")
+    codes = codes.replace("  could not start: ", "  could not start (or the Ray job stopped; rerun to resume): ")
     return f"""\
 output (--format files, the default): the layout of tt-moge predict, one folder per image
   OUT/NAME/result.json + the files of --maps --npz --ply --glb (--maps --glb when none is given)
@@ -39,8 +61,9 @@ resume: an image is done when OUT/NAME/result.json exists (written last) or its 
   are renamed into place when whole). A rerun does only the rest; failed images are tried again. Use a new
   OUT for other model options: done images are not recomputed when the options change.
 
-on a cluster: every node needs tt-moge with its ray extra installed (from a clone: pip install -e "code/[ray]"), the inputs and OUT on a file system they all see,
-  and the weights (a path they all see, a hub id, or $MOGE_WEIGHTS_DIR, which is passed on to the replicas).
+on a cluster: every node needs tt-moge with its ray extra installed (from a clone: pip install -e "code/[ray]"),
+  the inputs and OUT on a file system they all see, and the weights (a path they all see, a hub id, or
+  $MOGE_WEIGHTS_DIR, which is passed on to the replicas).
 
 examples:
   tt-moge batch photos/ -o {default_output}/           # a local Ray, 1 replica, the default files of predict
@@ -49,7 +72,7 @@ examples:
   tt-moge batch /data/frames --address ray://head:10001 --device cuda --replicas 8
   RAY_ADDRESS=ray://head:10001 tt-moge batch /data/frames --device cuda
 
-{exit_codes.replace("in OUT/run.json", f"in OUT/{FAILURES_FILE}").replace("  could not start: ", "  could not start (or the Ray job stopped; rerun to resume): ")}
+{codes}
 """
 
 
@@ -62,9 +85,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=OUTPUT_FORMATS, default="files", dest="output_format",
                         help="files: a folder per image, as tt-moge predict (default); parquet: sharded Parquet rows")
     add_format_arguments(parser.add_argument_group("files of --format files: " + format_group_title()))
-    call = parser.add_argument_group("per-image options")
-    call.add_argument("--fit", choices=FITS, default="pad", help="pad: keep the aspect ratio (default); stretch: fill the canvas")
-    call.add_argument("--fov-x", type=argtypes.fov_degrees, metavar="DEG", help="the horizontal field of view, if known")
+    add_call_arguments(parser)
     add_model_arguments(parser)
     ray = parser.add_argument_group("Ray")
     ray.add_argument("--address", default=None, metavar="ADDR",
@@ -105,7 +126,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     def on_failure(path: str, error: str) -> None:  # errors print with -q too
         print(f"tt-moge: failed: {error}", file=sys.stderr, flush=True)
 
-    job = BatchJob(args.inputs, args.output, model=model_kwargs(args), fit=args.fit, fov_x=args.fov_x,
+    job = BatchJob(args.inputs, args.output, model=model_kwargs(args), **call_options(args).kwargs(),
                    formats=formats, mesh_step=args.mesh_step, output_format=args.output_format, replicas=args.replicas,
                    cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
                    batch_size=args.batch_size, writers=args.writers, max_retries=args.max_retries,

@@ -1,5 +1,6 @@
-"""What every `tt-moge` command shares: the model flags (defined once, here), the format flags, exit codes,
-messages, and the one mapping from parsed flags to `MoGeModel.from_pretrained` arguments."""
+"""What every `tt-moge` command shares: the model flags and the per-image flags (generated from the options'
+definitions: `options.LoadOptions`, `host.CallOptions`), the format flags, exit codes, messages, and the one
+mapping from parsed flags to `MoGeModel.from_pretrained` and call arguments."""
 from __future__ import annotations
 
 import argparse
@@ -8,14 +9,16 @@ import time
 import warnings
 from typing import Any, Optional
 
-from ..constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, PRECISIONS
 from ..export import DEFAULT_FORMATS, DEFAULT_MESH_STEP, FORMATS
+from ..fields import OptionInfo, options_of
+from ..host import CallOptions
+from ..options import LoadOptions
 from . import argtypes
 
 __all__ = ["EXIT_OK", "EXIT_IMAGES_FAILED", "EXIT_USAGE", "EXIT_START", "EXIT_INTERRUPTED", "EXIT_CODES",
            "DEFAULT_OUTPUT", "FORMAT_MB", "FULL_MESH_MB", "Formatter", "say", "add_model_arguments",
-           "add_format_arguments", "format_group_title", "chosen_formats",
-           "model_kwargs", "load_model"]
+           "add_call_arguments", "add_format_arguments", "format_group_title", "chosen_formats",
+           "model_kwargs", "call_options", "load_model"]
 
 EXIT_OK, EXIT_IMAGES_FAILED, EXIT_USAGE, EXIT_START, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_CODES = f"""\
@@ -42,41 +45,50 @@ def say(message: str) -> None:
     print(f"tt-moge: {message}", file=sys.stderr, flush=True)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, warmup: int = 0, warmup_variants: str = "none") -> None:
-    """The flags of `MoGeModel.from_pretrained`, for every command. `warmup` / `warmup_variants` are the
-    command's defaults: a run over many images does not need its first call to be fast; a server does."""
-    from ..weights import DEFAULT_REPO, DEFAULT_REVISION, WEIGHTS_DIR_ENV
+def _dest(info: OptionInfo) -> str:
+    return info.flag.lstrip("-").replace("-", "_")  # argparse's own: --device-id -> args.device_id
 
+
+def _add_option(group: Any, info: OptionInfo, default: Any) -> None:
+    """One flag of an option, as its definition says (tt_moge.fields.Spec)."""
+    spec = info.spec
+    flags = ([spec.short] if spec.short else []) + [info.flag]
+    kwargs: dict = dict(default=default, help=spec.help)
+    if info.type is bool:
+        if default:  # --x / --no-x
+            kwargs.update(action=argparse.BooleanOptionalAction, help=f"{spec.help} (default: on)")
+        else:
+            kwargs.update(action="store_true")
+        group.add_argument(*flags, **kwargs)
+        return
+    if spec.parse is not None:  # builtins (int, float) keep argparse's own "invalid int value" message
+        kwargs["type"] = spec.parse if spec.parse in (int, float, str) else argtypes.usage(spec.parse)
+    if spec.choices is not None:
+        kwargs["choices"] = [c for c in spec.choices if c is not None]
+    if spec.metavar:
+        kwargs["metavar"] = spec.metavar
+    if spec.choices is not None and default is not None and "default" not in spec.help:
+        kwargs["help"] = f"{spec.help} (default %(default)s)"  # a help that lists choices, but not which one
+    group.add_argument(*flags, **kwargs)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, warmup: int = 0, warmup_variants: str = "none") -> None:
+    """The flags of `MoGeModel.from_pretrained`, for every command: one per field of `options.LoadOptions`.
+    `warmup` / `warmup_variants` are the command's defaults: a run over many images does not need its first
+    call to be fast; a server does."""
     group = parser.add_argument_group("model (as MoGeModel.from_pretrained)")
-    group.add_argument("--weights", default=DEFAULT_REPO, metavar="REPO|DIR|FILE",
-                       help=f"a Hugging Face repo id, a folder holding model.pt, or model.pt itself (default {DEFAULT_REPO}; "
-                            f"${WEIGHTS_DIR_ENV}, when set, replaces a repo id)")
-    group.add_argument("--revision", default=DEFAULT_REVISION,
-                       help="Hub revision of a repo id (default: the pinned revision of the published numbers; "
-                            "'main' for the newest)")
-    group.add_argument("--device", default=None,
-                       help="cpu, cuda, cuda:N, tt or tt:N (default: a Tenstorrent chip when ttnn sees one, else CUDA "
-                            "when present, else the CPU)")
-    group.add_argument("--device-id", type=argtypes.non_negative_int, default=0, metavar="N",
-                       help="the chip or GPU to open when --device is not given or names no index (default 0)")
-    group.add_argument("--resolution", type=argtypes.canvas, default=DEFAULT_CANVAS, metavar="WxH",
-                       help=f"the canvas every image is fitted onto (default {DEFAULT_CANVAS[0]}x{DEFAULT_CANVAS[1]})")
-    group.add_argument("--num-tokens", type=argtypes.token_budget, default=DEFAULT_NUM_TOKENS, metavar="N",
-                       help=f"ViT token budget, 1200-3600 (default {DEFAULT_NUM_TOKENS})")
-    group.add_argument("--precision", default="auto", choices=PRECISIONS,
-                       help="arithmetic of the forward (default auto: bf16 on CPUs with bfloat16 instructions, else "
-                            "fp32; fp16 on CUDA; bf16 on a Tenstorrent chip). fp32 is the exact reference; int8 is "
-                            "an opt-in CPU mode, bfp8 an opt-in Tenstorrent mode")
-    group.add_argument("--dispatch", default="eth", choices=["eth", "worker"], help="Tenstorrent dispatch (default eth)")
-    group.add_argument("--num-command-queues", type=int, default=None, choices=[1, 2],
-                       help="Tenstorrent command queues (2: worker dispatch only)")
-    group.add_argument("--warmup", type=argtypes.non_negative_int, default=warmup, metavar="N",
-                       help=f"device forwards at load (default {warmup})")
-    group.add_argument("--warmup-variants", type=argtypes.warmup_spec, default=warmup_variants, metavar="SPEC",
-                       help="host warm-up: a preset (default, all, minimal, none), presets separated by commas, or "
-                            "JSON such as '[\"default\", {\"input\": \"jpeg\", \"size\": [4032, 3024]}]' "
-                            f"(default {warmup_variants})")
-    group.add_argument("-v", "--verbose", action="store_true", help="print model loading steps")
+    defaults = {"warmup": warmup, "warmup_variants": warmup_variants}
+    for info in options_of(LoadOptions):
+        _add_option(group, info, defaults.get(info.argument, info.default))
+
+
+def add_call_arguments(parser: argparse.ArgumentParser) -> Any:
+    """The per-image flags, as the options of `model(image, ...)`: one per field of `host.CallOptions`.
+    Returns their group (a command may add its own per-image flags to it)."""
+    group = parser.add_argument_group("per-image options (as model(image, ...))")
+    for info in options_of(CallOptions):
+        _add_option(group, info, info.default)
+    return group
 
 
 def format_group_title() -> str:
@@ -103,10 +115,12 @@ def chosen_formats(args: argparse.Namespace) -> list:
 
 def model_kwargs(args: argparse.Namespace) -> dict:
     """The keyword arguments of `MoGeModel.from_pretrained` that the model flags stand for."""
-    return dict(pretrained_model_name_or_path=args.weights, revision=args.revision, device=args.device,
-                device_id=args.device_id, resolution=args.resolution, num_tokens=args.num_tokens,
-                precision=args.precision, dispatch=args.dispatch, num_command_queues=args.num_command_queues,
-                warmup=args.warmup, warmup_variants=args.warmup_variants, verbose=args.verbose)
+    return {info.argument: getattr(args, _dest(info)) for info in options_of(LoadOptions)}
+
+
+def call_options(args: argparse.Namespace) -> CallOptions:
+    """The options of `model(image, ...)` that the per-image flags stand for (checked by their flags' types)."""
+    return CallOptions.make(**{info.argument: getattr(args, _dest(info)) for info in options_of(CallOptions)})
 
 
 def load_model(args: argparse.Namespace) -> Optional[Any]:

@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Each command has its own manual: tt-moge COMMAND --help.\n\n" + EXIT_CODES)
     parser.add_argument("--version", action="version", version=f"tt-moge {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         module.add_parser(commands).set_defaults(command_parser=None, command_module=module)
     for action in commands.choices.values():  # each command's parser, for its own usage errors
         action.set_defaults(command_parser=action)

@@ -8,17 +8,33 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import __version__
-from ..constants import DEPTH_EDGE_RTOL, FITS
-from ..constants import DEFAULT_CANVAS
+from ..constants import DEFAULT_CANVAS, DEPTH_EDGE_RTOL
 from ..jobs import DEFAULT_CHUNK
 from ..panorama.predict import PANORAMA_CANVAS
 from . import argtypes
-from .common import (DEFAULT_OUTPUT, EXIT_CODES, EXIT_IMAGES_FAILED, EXIT_OK, EXIT_START, FORMAT_MB, FULL_MESH_MB,
-                     Formatter, add_format_arguments, add_model_arguments, chosen_formats, format_group_title,
-                     load_model, say)
+from .common import (
+    DEFAULT_OUTPUT,
+    EXIT_CODES,
+    EXIT_IMAGES_FAILED,
+    EXIT_OK,
+    EXIT_START,
+    FORMAT_MB,
+    FULL_MESH_MB,
+    Formatter,
+    add_call_arguments,
+    add_format_arguments,
+    add_model_arguments,
+    call_options,
+    chosen_formats,
+    format_group_title,
+    load_model,
+    say,
+)
 
 __all__ = ["add_parser", "run"]
 
+_MB = {name: f"about {mb} MB" for name, mb in FORMAT_MB.items()}  # for the epilog's lines
+_EDGE = f"{DEPTH_EDGE_RTOL:.0%}"
 _PREDICT_EPILOG = f"""\
 inputs:
   Files are taken as given. Folders are searched recursively for .png, .jpg and .jpeg files. Anything
@@ -33,13 +49,13 @@ photo with 3/4 of its pixels valid (the 3D files grow with that share):
           normal.png   normals as RGB = ((x, -y, -z) + 1) / 2 (OpenGL colours); invalid pixels black
           mask.png     255 valid, 0 invalid
           depth.exr    float32 metres, channel Y, inf where invalid: the exact depth of result.npz
-                       (the four files: about {FORMAT_MB["maps"]} MB)
+                       (the four files: {_MB["maps"]})
   --npz   result.npz   points, depth, normal (float16), mask (uint8), intrinsics, intrinsics_pixels,
-                       metric_scale, fov_x, fov_y, deflated: MoGeOutput.from_npz reads it back (about {FORMAT_MB["npz"]} MB)
-  --ply   points.ply   one vertex per kept pixel: xyz (metres), normal, RGBA from the image (about {FORMAT_MB["ply"]} MB)
+                       metric_scale, fov_x, fov_y, deflated: MoGeOutput.from_npz reads it back ({_MB["npz"]})
+  --ply   points.ply   one vertex per kept pixel: xyz (metres), normal, RGBA from the image ({_MB["ply"]})
   --glb   mesh.glb     the kept pixels of every Nth row and column (--mesh-step N, default 2) joined into
-                       triangles, the full image as texture (about {FORMAT_MB["glb"]} MB; {FULL_MESH_MB} MB with --mesh-step 1)
-  Kept pixels: valid, and not on a depth edge (their 3x3 neighbourhood spans more than {DEPTH_EDGE_RTOL:.0%} of their depth).
+                       triangles, the full image as texture ({_MB["glb"]}; {FULL_MESH_MB} MB with --mesh-step 1)
+  Kept pixels: valid, and not on a depth edge (their 3x3 neighbourhood spans more than {_EDGE} of their depth).
   3D files use glTF/OpenGL axes: x right, y up, z towards the viewer (camera at the origin, looking down -z).
 
 output layout:
@@ -76,11 +92,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     predict.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders (recursive) or glob patterns")
     predict.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT", help=f"output folder (default ./{DEFAULT_OUTPUT})")
     add_format_arguments(predict.add_argument_group(format_group_title()))
-    call = predict.add_argument_group("per-image options")
-    call.add_argument("--fit", choices=FITS, default="pad",
-                      help="pad: keep the aspect ratio, gray bars (default); stretch: fill the canvas")
-    call.add_argument("--fov-x", type=argtypes.fov_degrees, metavar="DEG", help="the horizontal field of view, if known (then only the depth shift is solved)")
-    call.add_argument("--panorama", action="store_true",
+    add_call_arguments(predict).add_argument("--panorama", action="store_true",
                       help="the inputs are 360-degree equirectangular panoramas (width = 2 x height): 12 perspective "
                            "views, merged into one distance map of the sphere; depth.exr/png then hold the distance "
                            "from the centre, the mesh closes around the viewer. The canvas defaults to "
@@ -105,6 +117,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.resolution = PANORAMA_CANVAS if args.panorama else DEFAULT_CANVAS
     if args.panorama and args.fov_x is not None:
         parser.error("--fov-x does not apply to --panorama (the views' field of view is known: 90 degrees)")
+    options = call_options(args)
     formats = chosen_formats(args) or list(DEFAULT_FORMATS)
     out_root = Path(args.output)
     try:
@@ -157,7 +170,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     done_status = predict_panoramas(model, todo_images, out_root, formats, on_done=on_done,
                                                     mesh_step=args.mesh_step)
                 else:
-                    done_status = predict_images(model, todo_images, out_root, formats, fit=args.fit, fov_x=args.fov_x,
+                    done_status = predict_images(model.service, todo_images, out_root, formats, options=options,
                                                  chunk_size=args.chunk_size, writers=args.writers, on_done=on_done,
                                                  mesh_step=args.mesh_step)
                 info = model.info()
@@ -171,7 +184,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     record = {
         "tt_moge": __version__, "model": info, "formats": formats,
         "mesh_step": args.mesh_step if "glb" in formats else None, "bytes_written": nbytes,
-        "options": {"panorama": args.panorama, "fit": args.fit, "fov_x": args.fov_x, "resolution": list(args.resolution),
+        "options": {"panorama": args.panorama, **options.kwargs(), "resolution": list(args.resolution),
                     "num_tokens": args.num_tokens},
         "done": done, "failed": len(failed), "load_seconds": round(t_loaded - t_start, 3), "seconds": round(seconds, 3),
         "images": [{"input": str(img.path), "output": img.name, "status": "failed" if status.get(i) else "done",
@@ -191,7 +204,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             mesh = f" (mesh every {args.mesh_step} px)" if "glb" in formats and args.mesh_step > 1 else ""
             print(f"  wrote {' '.join('--' + f for f in formats)}{mesh}: {nbytes / 1e6:.1f} MB, "
                   f"{nbytes / 1e6 / done:.1f} MB per image (each format's size: tt-moge predict --help)")
-        for image, error in failed:
+        for _image, error in failed:
             print(f"  failed: {error}")
     return EXIT_IMAGES_FAILED if failed or not run_json.exists() else EXIT_OK
 

@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
 
     server: Any = None
     app = create_app(load, settings, on_load_error=lambda exc: setattr(server, "should_exit", True))
-    serving = app.state.serving
+    serving = app.serving
 
     def on_stop(sig: int) -> None:
         serving.drain()

@@ -1,15 +1,16 @@
 """Recycled memory for the large arrays of the host steps (decoded images, canvases, the finish outputs).
 
-Why: one 1920x1080 result holds about 60 MB of maps. Fresh memory costs a page fault per 4 KiB page on its
-first write (10-20 ms per result on the 2-core development machine, more than the finish pass itself), and
-glibc hands freed blocks of this size back to the OS, so a loop of calls would pay it on every call.
+Why: one result holds tens of MB of maps (4 + 12 + 12 + 1 bytes per pixel of float32 depth, points, normal and
+the mask). Fresh memory costs a page fault per 4 KiB page on its first write (more than the finish pass itself:
+docs/performance.md), and glibc hands freed blocks of this size back to the OS, so a loop of calls would pay it
+on every call.
 
-`empty(shape, dtype)` returns a numpy array on a pooled block. The array's base is a small "lease" object
-(numpy keeps the object that offered `__array_interface__` as the base); when the last array or view (or
-torch tensor made with `torch.from_numpy`) that uses the lease is gone, the block goes back to the pool. A block is reused only after nothing can see it any more. Small
-arrays (< MIN_POOLED_BYTES) use plain `np.empty`. The pool keeps at most MAX_FREE_BYTES of released blocks; when
-a release would exceed that, the blocks released longest ago go first (so a server whose photo sizes change
-keeps the sizes it sees now, not the first ones it saw).
+`empty(shape, dtype)` returns a numpy array on a pooled block. The array's base is a small "lease" object (numpy keeps
+the object that offered `__array_interface__` as the base); when the last array or view (or torch tensor made with
+`torch.from_numpy`) that uses the lease is gone, the block goes back to the pool. A block is reused only after nothing
+can see it any more. Small arrays (< MIN_POOLED_BYTES) use plain `np.empty`. The pool keeps at most MAX_FREE_BYTES of
+released blocks; when a release would exceed that, the blocks released longest ago go first (so a server whose photo
+sizes change keeps the sizes it sees now, not the first ones it saw).
 """
 from __future__ import annotations
 

@@ -16,18 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..constants import FITS, PAD_GRAY
 from .. import native
+from ..constants import PAD_GRAY
 from . import buffers
-from .decode import InputError, float_to_uint8
+from .decode import float_to_uint8
 
-__all__ = ["CanvasPlan", "plan_canvas", "fit_to_canvas", "validate_fit"]
-
-
-def validate_fit(fit: object) -> str:
-    if fit not in FITS:
-        raise InputError(f"fit must be one of {FITS}, got {fit!r}")
-    return fit  # type: ignore[return-value]
+__all__ = ["CanvasPlan", "plan_canvas", "fit_to_canvas"]
 
 
 @dataclass(frozen=True)

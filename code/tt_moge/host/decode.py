@@ -10,7 +10,7 @@ EXIF orientation is not applied (as upstream MoGe reads pixels: in stored order)
 Encoded PNG and JPEG data take a fast path when it applies (see `python -m perf.host.decode_bench` for the
 measurements behind the choice), and Pillow otherwise; both give the same pixels:
   * PNG, 8-bit gray / gray+alpha / RGB / RGBA, not interlaced: the IDAT stream is inflated with ISA-L
-    (`isal`, about 3x faster than zlib; zlib without it) and unfiltered by the native host library, straight
+    (`isal`, faster than zlib; zlib without it) and unfiltered by the native host library, straight
     into the RGB output (alpha dropped, gray replicated, as Pillow's convert("RGB")). Bit-exact: PNG is
     lossless. Palette, 16-bit, low-bit-depth and interlaced PNGs go to Pillow.
   * JPEG with 1 or 3 components: libjpeg-turbo through `simplejpeg` when it is installed (the `fast` extra),
@@ -280,7 +280,7 @@ def _from_numpy(arr: np.ndarray, name: str) -> np.ndarray:
         elif arr.shape[0] == 1:
             arr = arr[0][..., None].repeat(3, axis=2)
         elif 4 in (arr.shape[-1], arr.shape[0]):
-            raise InputError(f"{name}: 4-channel arrays are not accepted (shape {arr.shape}); drop the alpha channel, e.g. image[..., :3]")
+            raise InputError(f"{name}: 4-channel arrays are not accepted (shape " f"{arr.shape}); drop the alpha channel, e.g. image[..., :3]")
         else:
             raise InputError(f"{name}: expected (H, W, 3), (3, H, W) or (H, W); got shape {arr.shape}")
     else:
@@ -298,7 +298,7 @@ def _from_torch(t: Any, name: str) -> np.ndarray:
     t = t.detach()
     if t.ndim == 4:
         if t.shape[0] != 1:
-            raise InputError(f"{name}: a (B, 3, H, W) tensor with B={t.shape[0]} > 1; pass a list of images or use model.infer for batches")
+            raise InputError(f"{name}: a (B, 3, H, W) tensor with B={t.shape[0]} > 1; " "pass a list of images or use model.infer for batches")
         t = t[0]
     if t.ndim == 3 and t.shape[0] == 3 and t.is_floating_point():
         arr = t.to("cpu", torch.float32).numpy()
@@ -307,7 +307,7 @@ def _from_torch(t: Any, name: str) -> np.ndarray:
         return np.ascontiguousarray(t.cpu().numpy())
     if t.ndim in (2, 3) and (t.dtype == torch.uint8 or t.is_floating_point()):
         return _from_numpy(t.cpu().float().numpy() if t.is_floating_point() else t.cpu().numpy(), name)
-    raise InputError(f"{name}: tensor of shape {tuple(t.shape)} and dtype {t.dtype} not supported; expected (3, H, W) or (1, 3, H, W) float in [0, 1], or (H, W, 3) uint8")
+    raise InputError(f"{name}: tensor of shape {tuple(t.shape)} and dtype {t.dtype} not supported; " "expected (3, H, W) or (1, 3, H, W) float in [0, 1], or (H, W, 3) uint8")
 
 
 def to_rgb_array(image: Any, name: str = "image", min_side: int = MIN_IMAGE_SIDE) -> np.ndarray:
@@ -326,7 +326,7 @@ def to_rgb_array(image: Any, name: str = "image", min_side: int = MIN_IMAGE_SIDE
     elif image is None:
         raise InputError(f"{name}: got None; expected a file path, PIL image, numpy array or torch tensor")
     else:
-        raise TypeError(f"{name}: unsupported type {type(image).__name__}; expected a file path, encoded bytes, PIL image, numpy array or torch tensor")
+        raise TypeError(f"{name}: unsupported type {type(image).__name__}; expected a file " "path, encoded bytes, PIL image, numpy array or torch tensor")
     h, w = arr.shape[:2]
     if h < min_side or w < min_side:
         raise InputError(f"{name}: image is {w}x{h}; the minimum size is {min_side}x{min_side}")

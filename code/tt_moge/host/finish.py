@@ -25,10 +25,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import native
 from ..constants import MASK_THRESHOLD
 from ..output import MoGeOutput
 from ..runners.base import RawMaps
-from .. import native
 from . import buffers
 from .canvas import CanvasPlan
 

@@ -5,6 +5,7 @@ the same arrays everywhere. Stage times (milliseconds) go into an optional `timi
 """
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -13,14 +14,16 @@ from typing import Any, Optional
 
 import torch
 
+from ..constants import FITS, FOV_X_RANGE
+from ..fields import bind, checked, option, options_of, signature
 from ..output import MoGeOutput
 from ..runners.base import RawMaps
-from .canvas import CanvasPlan, fit_to_canvas, plan_canvas, validate_fit
+from .canvas import CanvasPlan, fit_to_canvas, plan_canvas
 from .decode import InputError, to_rgb_array
 from .finish import finish
 from .solve import recover_camera
 
-__all__ = ["CallOptions", "Prepared", "prepare", "postprocess", "Stopwatch"]
+__all__ = ["CallOptions", "Prepared", "prepare", "postprocess", "Stopwatch", "check_fov_x", "parse_fov_degrees"]
 
 
 class Stopwatch:
@@ -37,30 +40,69 @@ class Stopwatch:
         self._t = now
 
 
+def check_fov_x(fov_x: Any) -> Optional[float]:
+    """fov_x: None, or a horizontal field of view in degrees strictly inside FOV_X_RANGE (a 0-d array counts)."""
+    if fov_x is None:
+        return None
+    if hasattr(fov_x, "item") and getattr(fov_x, "ndim", 0) == 0:
+        fov_x = fov_x.item()  # a 0-d numpy / torch value
+    if isinstance(fov_x, bool) or not isinstance(fov_x, Real):
+        raise InputError(f"fov_x must be a number of degrees or None, got {type(fov_x).__name__}")
+    low, high = FOV_X_RANGE
+    fov_x = float(fov_x)
+    if not (math.isfinite(fov_x) and low < fov_x < high):
+        raise InputError(f"fov_x must be a horizontal field of view in degrees, {low:g} < fov_x < {high:g}, got {fov_x}")
+    return fov_x
+
+
+def parse_fov_degrees(text: str) -> float:
+    """Command-line text -> a horizontal field of view in degrees."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected degrees, e.g. 60, got {text!r}") from None
+    low, high = FOV_X_RANGE
+    if not (math.isfinite(value) and low < value < high):
+        raise ValueError(f"the horizontal field of view must be in ({low:g}, {high:g}) degrees, got {text}")
+    return value
+
+
 @dataclass(frozen=True)
 class CallOptions:
-    """The per-call options of `model(image, ...)`, validated."""
+    """The per-call options of `model(image, ...)`, validated (`make`). Each field is the one definition of its
+    option (`tt_moge.fields`): the signatures of `model(...)`, `predict` and `predict_many`, the per-image flags
+    of `tt-moge predict` / `batch`, the query parameters of the server and of its web page, the fields of
+    `BatchJob` and the keys of a warm-up variant are generated from them."""
 
-    fit: str = "pad"
-    fov_x: Optional[float] = None
-    apply_mask: bool = True
-    force_projection: bool = True
+    fit: str = option("pad", "pad: keep the aspect ratio, gray bars around the image; stretch: resize it to fill the "
+                             "canvas", choices=FITS)
+    fov_x: Optional[float] = option(None, "the horizontal field of view in degrees, if known (then only the depth "
+                                          "shift is solved)", metavar="DEG", parse=parse_fov_degrees, bounds=FOV_X_RANGE,
+                                    check=check_fov_x, warm=60.0)
+    apply_mask: bool = option(True, "set invalid pixels to inf (depth, points) and 0 (normal)")
+    force_projection: bool = option(True, "compute the points from the depth and the intrinsics (as upstream does)")
 
     @classmethod
-    def make(cls, fit: Any = "pad", fov_x: Any = None, apply_mask: Any = True, force_projection: Any = True) -> "CallOptions":
-        validate_fit(fit)
-        if fov_x is not None:
-            if hasattr(fov_x, "item") and getattr(fov_x, "ndim", 0) == 0:
-                fov_x = fov_x.item()  # a 0-d numpy / torch value
-            if isinstance(fov_x, bool) or not isinstance(fov_x, Real):
-                raise InputError(f"fov_x must be a number of degrees or None, got {type(fov_x).__name__}")
-            fov_x = float(fov_x)
-            if not (math.isfinite(fov_x) and 0.0 < fov_x < 180.0):
-                raise InputError(f"fov_x must be a horizontal field of view in degrees, 0 < fov_x < 180, got {fov_x}")
-        for name, value in (("apply_mask", apply_mask), ("force_projection", force_projection)):
-            if not isinstance(value, bool):
-                raise InputError(f"{name} must be True or False, got {value!r}")
-        return cls(fit, fov_x, apply_mask, force_projection)
+    def make(cls, *args: Any, **kwargs: Any) -> "CallOptions":
+        """Validated options (an InputError naming the option); positional arguments in field order."""
+        return cls.of_call("CallOptions.make", args, kwargs)
+
+    @classmethod
+    def of_call(cls, where: str, args: tuple = (), kwargs: Optional[dict] = None) -> "CallOptions":
+        """The options of a call of `where` (e.g. "predict_many"), validated; unknown options are a TypeError
+        and bad values an InputError, each naming the option."""
+        given = bind(_MAKE_SIGNATURE, where, args, kwargs or {})
+        return cls(**{i.name: checked(i, given[i.argument], InputError, InputError) for i in options_of(cls)})
+
+    def kwargs(self) -> dict:
+        """{argument: value}: these options as keyword arguments of `model(image, ...)`."""
+        return {i.argument: getattr(self, i.name) for i in options_of(type(self))}
+
+
+_MAKE_SIGNATURE = signature(CallOptions, keyword_only=False)
+CallOptions.make.__func__.__signature__ = signature(
+    CallOptions, keyword_only=False, leading=(inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),),
+    returns="CallOptions")
 
 
 @dataclass

@@ -24,9 +24,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .. import native
 from ..constants import MASK_THRESHOLD, SOLVE_GRID
 from ..network import view_plane_axes
-from .. import native
 from .canvas import CanvasPlan
 
 __all__ = ["solve_samples", "solve_focal_shift", "solve_shift", "objective", "focal_from_fov_x", "recover_camera",

@@ -19,6 +19,7 @@ import threading
 import warnings
 from typing import Optional
 
+from .. import env
 from .build import NativeBuildError, build
 
 __all__ = ["HOST_PATHS", "NativeBuildError", "host_path", "library", "set_host_path", "set_threads", "threads",
@@ -35,7 +36,7 @@ _override: Optional[str] = None
 
 
 def _requested() -> str:
-    mode = (_override or os.environ.get("MOGE_HOST") or "auto").strip().lower()
+    mode = (_override or env.get("MOGE_HOST") or "auto").strip().lower()
     if mode not in HOST_PATHS:
         raise ValueError(f"MOGE_HOST must be one of {HOST_PATHS}, got {mode!r}")
     return mode
@@ -60,7 +61,7 @@ def host_path() -> str:
 
 def default_threads() -> int:
     """$MOGE_SERVE_THREADS, else the cores this process may use (at most MAX_DEFAULT_THREADS)."""
-    value = os.environ.get("MOGE_SERVE_THREADS", "").strip()
+    value = (env.get("MOGE_SERVE_THREADS") or "").strip()
     if value:
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"MOGE_SERVE_THREADS must be a positive integer (threads of the native host kernels), got {value!r}")

@@ -17,6 +17,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from .. import env
+
 __all__ = ["NativeBuildError", "FLAGS", "SOURCES", "cache_dir", "compiler", "library_path", "build"]
 
 SOURCE_DIR = Path(__file__).resolve().parent
@@ -34,7 +36,7 @@ class NativeBuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    explicit = os.environ.get("MOGE_NATIVE_CACHE")
+    explicit = env.get("MOGE_NATIVE_CACHE")
     if explicit:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -43,7 +45,7 @@ def cache_dir() -> Path:
 
 def compiler() -> str:
     """The compiler command: $MOGE_CXX or g++."""
-    return os.environ.get("MOGE_CXX") or "g++"
+    return env.get("MOGE_CXX") or "g++"
 
 
 def _cpu_signature() -> str:

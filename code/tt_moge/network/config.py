@@ -143,7 +143,7 @@ class MoGe2Config:
             raise ConfigError("model_config.encoder must be a dict with a 'backbone' name (e.g. 'dinov2_vitl14')")
         name = enc["backbone"]
         if name not in BACKBONES:
-            raise ConfigError(f"model_config.encoder.backbone {name!r} is not a DINOv2 backbone we know; expected one of {sorted(BACKBONES)}")
+            raise ConfigError(f"model_config.encoder.backbone {name!r} is not a DINOv2 " f"backbone we know; expected one of {sorted(BACKBONES)}")
         spec = BACKBONES[name]
         layers = enc.get("intermediate_layers", 4)
         if isinstance(layers, int):

@@ -46,8 +46,8 @@ def make_runner(network: Any, canvas_size: tuple, num_tokens: int, device: Any =
     from .torch_runner import TorchRunner
 
     device = torch.device(device)
-    if precision not in (*precisions.DTYPES, "int8"):
-        raise ValueError(f"make_runner takes a resolved precision {(*precisions.DTYPES, 'int8')}, got {precision!r}")
+    if precisions.resolve_precision(precision, device) != precision:  # the one table of what runs where
+        raise ValueError(f"make_runner takes a resolved precision (see resolve_precision), got {precision!r}")
     if device.type == "cpu":
         if precision == "fp32":
             return TorchRunner(network, canvas_size, num_tokens, device)

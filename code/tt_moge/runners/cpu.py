@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import sys
 from typing import Optional
 
 import torch
 
+from .. import env
 from ..network import MoGe2Network, token_grid
 from .base import RawMaps, Runner
 from .cpu_kernels import attention_bf16, native_attention_supported, native_library
@@ -22,7 +22,7 @@ from .precision import DTYPES
 
 __all__ = ["CpuGraphRunner", "keep_freed_memory", "MALLOC_TUNING_ENV"]
 
-MALLOC_TUNING_ENV = "TT_MOGE_CPU_MALLOC_TUNING"  # "0" leaves glibc's malloc settings alone
+MALLOC_TUNING_ENV = "MOGE_CPU_MALLOC_TUNING"  # "0" leaves glibc's malloc settings alone
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
 _KEEP_BYTES = 1 << 30
 _malloc_tuned = False
@@ -32,14 +32,14 @@ def keep_freed_memory() -> bool:
     """Ask glibc to serve large blocks from the heap and keep freed memory (up to 1 GiB) for reuse.
 
     By default glibc maps every block above ~32 MB fresh from the kernel and unmaps it on free, so each
-    forward page-faults its big activations in again: about 200 000 faults, 0.6 s of kernel time per ViT-L
-    1920x1080 forward on one thread here. Process-wide and idempotent; glibc on Linux only; set
-    TT_MOGE_CPU_MALLOC_TUNING=0 to opt out. Returns whether the settings are in effect.
+    forward page-faults its big activations in again (docs/performance.md has the count and the time).
+    Process-wide and idempotent; glibc on Linux only; set MOGE_CPU_MALLOC_TUNING=0 to opt out. Returns whether
+    the settings are in effect.
     """
     global _malloc_tuned
     if _malloc_tuned:
         return True
-    if os.environ.get(MALLOC_TUNING_ENV, "1") == "0" or not sys.platform.startswith("linux"):
+    if env.get(MALLOC_TUNING_ENV, "1") == "0" or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -88,7 +88,7 @@ class CpuGraphRunner(Runner):
         threads = torch.get_num_threads()
         if self.native is not None:
             self.native.moge_runner_set_threads(threads)
-        key = f"{cpu_signature()} | torch {torch.__version__} | {threads} threads | {dtype} | {tokens}x{dim}, {heads} heads"
+        key = f"{cpu_signature()} | torch {torch.__version__} | {threads} " f"threads | {dtype} | {tokens}x{dim}, {heads} heads"
         # The candidates' inputs are made on their first call only: a cached or forced choice times nothing.
         @functools.lru_cache(maxsize=None)
         def qkv() -> tuple:

@@ -3,14 +3,14 @@ bfloat16 attention, and the int8 glue (per-row quantisation with the smoothing o
 dequantisation) with a torch reference for each.
 
 * Attention (`attention_bf16`): both products with AVX512-BF16 dot products, the scores and the softmax of 8
-  queries at a time in float32 in a per-thread buffer: ViT-L, 1825 tokens, 16 heads, 2 threads here: 40 ms
-  per layer where the torch head-by-head path takes 65-78 ms, and 10x closer to float32 (its scores are not
-  rounded to bfloat16). Built only where the compiler targets AVX512-BF16 (`-march=native`); elsewhere the torch
-  path runs.
+  queries at a time in float32 in a per-thread buffer: faster than the torch head-by-head path, and closer to
+  float32 (its scores are not rounded to bfloat16). Built only where the compiler targets AVX512-BF16
+  (`-march=native`); elsewhere the torch path runs.
 * int8 glue: for finite inputs bit-identical to the torch reference ops (the same float operations in the same order,
-  tests/test_runners.py), one pass each where torch makes five or six over activations of up to 1825 x 4096.
-  In the ViT-L 1920x1080 int8 forward that saved 0.02-0.2 s of a ~4 s encoder on this 2-core machine
-  (`python -m perf.runners.profile_forward --precision int8 [--torch-glue]`).
+  tests/test_runners.py), one pass each where torch makes five or six over activations of up to 1825 x 4096
+  (`python -m perf.runners.profile_forward --precision int8 [--torch-glue]` measures what it saves).
+
+The measured times and errors are in docs/performance.md (one-off measurements, and the forward's breakdown).
 
 They run when the host library is available when the runner is built (not with MOGE_HOST=torch then), on as
 many threads as torch uses (`torch.get_num_threads()`, set per forward by `CpuGraphRunner`).

@@ -57,8 +57,8 @@ class Int8Linear(nn.Module):
     """y = x W^T + b with int8 weights (one scale per output channel) and int8 activations (one scale per token,
     taken at run time), int32 accumulation (`torch._int_mm`: VNNI dot products on x86), output in `dtype`.
 
-    About 2x the bfloat16 GEMM rate on an AVX512-VNNI EPYC (fc1 of ViT-L, 1825 tokens, one thread: 47 vs 95 ms
-    with the quantisation and rescaling included); about 3x the bfloat16 rounding error.
+    Faster than the bfloat16 GEMM where the CPU has int8 dot products (VNNI), the quantisation and rescaling
+    included, for a larger rounding error than bfloat16's (docs/performance.md has both).
 
     `act_max` (per input channel, the largest |x| seen in calibration) turns on SmoothQuant-style smoothing
     (Xiao et al. 2023): channel j of x is divided by s_j = act_max_j^alpha / max_i |W_ij|^(1 - alpha) and column j
@@ -100,13 +100,12 @@ class HeadByHeadAttention:
     """Multi-head softmax attention a few heads at a time, into preallocated buffers (the CPU path where the
     fused native attention, `cpu_kernels.attention_bf16`, cannot run: no AVX512-BF16, MOGE_HOST=torch, float32).
 
-    On CPU this beats PyTorch's flash-attention kernel in bfloat16 by a third or more (an AVX-512 BF16 EPYC,
-    16 heads x 1825 tokens: 62 vs 98 ms on 2 threads): the score matrices of `heads_per_step` heads stay in the
-    L3 cache, both matmuls go to oneDNN's bfloat16 GEMM on transposed views (q, k, v come from one transposed
-    qkv projection, so no head is copied), and reusing the buffers saves the page faults of fresh 100 MB
-    allocations. Several heads per step keep the number of parallel regions low: one head per step was 2.5x
-    slower on 2 threads than on 1 on a loaded machine. Softmax over `dtype` scores accumulates in float32.
-    The 1/sqrt(head_dim) scale must be folded into q. Not re-entrant: one forward at a time per instance.
+    On CPU this beats PyTorch's flash-attention kernel in bfloat16 (docs/performance.md): the score matrices of
+    `heads_per_step` heads stay in the L3 cache, both matmuls go to oneDNN's bfloat16 GEMM on transposed views (q, k,
+    v come from one transposed qkv projection, so no head is copied), and reusing the buffers saves the page faults of
+    fresh allocations of the score matrices. Several heads per step keep the number of parallel regions low: one head
+    per step was slower on 2 threads than on 1 on a loaded machine. Softmax over `dtype` scores accumulates in
+    float32. The 1/sqrt(head_dim) scale must be folded into q. Not re-entrant: one forward at a time per instance.
     """
 
     def __init__(self, heads_per_step: int = 8):
@@ -417,7 +416,8 @@ class FixedShapeMoGe2(nn.Module):
         return x if self.channels_last else x.contiguous()
 
     def encode(self, canvas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """canvas (1, 3, H, W) float32 -> neck level-0 input (1, d0, rows, cols) in `dtype`, class token (1, C) float32."""
+        """canvas (1, 3, H, W) float32 -> neck level-0 input (1, d0, rows, cols) in `dtype`, class token (1, C)
+        float32."""
         size = (self.rows * self.patch, self.cols * self.patch)
         x = F.interpolate(canvas, size, mode="bilinear", align_corners=False, antialias=True)
         tokens = self._embed(x, self.token_prefix, self.patch_pos)

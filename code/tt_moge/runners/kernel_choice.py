@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
+from .. import env
+
 __all__ = ["KernelChoice", "KernelCache", "choose", "fastest", "forced_choices", "cpu_signature", "FORCE_ENV",
            "CACHE_ENV"]
 
@@ -64,7 +66,7 @@ def fastest(times_ms: Mapping[str, float]) -> str:
 
 def forced_choices(text: Optional[str] = None) -> dict:
     """{choice point: kernel} from $MOGE_CPU_KERNELS ("point=kernel,point=kernel")."""
-    text = os.environ.get(FORCE_ENV, "") if text is None else text
+    text = (env.get(FORCE_ENV) or "") if text is None else text
     forced = {}
     for part in filter(None, (p.strip() for p in text.replace(";", ",").split(","))):
         point, sep, kernel = part.partition("=")
@@ -97,7 +99,7 @@ class KernelCache:
 
     def __init__(self, path: Optional[Path] = None):
         if path is None:
-            explicit = os.environ.get(CACHE_ENV)
+            explicit = env.get(CACHE_ENV)
             base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
             path = Path(explicit) if explicit else Path(base) / "tt_moge" / "kernels.json"
         self.path = Path(path)

@@ -25,6 +25,7 @@ import torch
 __all__ = ["PRECISIONS", "DTYPES", "cpu_has_native_bf16", "cpu_has_int8_dot", "resolve_precision"]
 
 from ..constants import PRECISIONS
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # "int8" is a CPU mode of bf16
 
 

@@ -1,9 +1,10 @@
 """Server limits and defaults: the one place their values are set (the CLI flags and docs/server.md read them)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
+
+from .. import env
 
 __all__ = ["ServerSettings", "API_KEY_ENV", "DEFAULT_HOST", "DEFAULT_PORT", "BYTES_PER_PIXEL"]
 
@@ -13,7 +14,7 @@ DEFAULT_PORT = 8000
 # What one admitted request may hold per pixel of its image, at its peak: the decoded image, the full-resolution
 # maps of the result (float32 points, depth and normal, the mask), the npz views of them (float16 normal, uint8
 # mask) and their deflated copy when the answer is compressed. A rounded-up bound of what was measured
-# (docs/server-limits.md says how); the memory budget counts every admitted request at this rate.
+# (docs/performance.md, "Server memory per request"); the memory budget counts every admitted request at this rate.
 BYTES_PER_PIXEL = 64
 
 
@@ -23,7 +24,8 @@ class ServerSettings:
 
     max_body_bytes: largest request body (raw image or multipart), else 413.
     max_pixels: largest decoded image, width * height, checked from the image header before decoding (413).
-      25 MP covers 6000x4000 photos; one 25 MP result holds about 550 MB of float maps.
+      25 MP covers 6000x4000 photos; each pixel of a result holds 29 bytes of maps (float32 depth, points and
+      normal, a bool mask).
     queue_size: requests admitted at once (decoding, waiting for or on the device, post-processing, encoding);
       one more gets 503 with Retry-After. Bounds the memory and the latency of a burst.
     host_threads: threads that run admitted requests (decode, post-process and encode in parallel while the
@@ -82,4 +84,4 @@ class ServerSettings:
 
     @staticmethod
     def api_key_from_env() -> Optional[str]:
-        return os.environ.get(API_KEY_ENV) or None
+        return env.get(API_KEY_ENV) or None

@@ -1,21 +1,22 @@
 """The web page of `tt-moge serve`: drop a photo, see depth, normals, mask and the 3D scene, download the files.
 
-    mount_ui(app)      adds the page to an app made by `create_app` (the CLI does, unless --no-ui)
+    mount_ui(app)      adds the page to an app made by `create_app` (the CLI does, unless --no-ui): its routes
+                       and its lifespan, as one APIRouter
 
 Routes (none is in the OpenAPI schema: the API is /predict and /predict/summary):
 
     GET  /, /ui                     the page (HTML, our own JS and CSS from tt_moge/server/static/, nothing else)
     GET  /ui/static/<file>          its script, viewer and style sheet
-    GET  /ui/api/config             whether an API key is needed
+    GET  /ui/api/config             whether an API key is needed, and the call options (the page's controls)
     GET  /ui/demo.png               the demo image: the pixels of media/source.png (tt_moge.testing.scene)
-    POST /ui/api/predict            the image, as for POST /predict/summary -> JSON: the same summary, plus the
-                                    URLs of the maps, the 3D view and the downloads of this result
+    POST /ui/api/predict            the image and the call options, as for POST /predict/summary -> JSON: the
+                                    same summary, plus the URLs of the maps, the 3D view and the downloads
     GET  /ui/results/<id>/<file>    depth.jpg, normal.jpg, mask.png, view.glb (made with the result), and the
                                     downloads result.npz, mesh.glb, points.ply, depth.exr (made on first request)
 
-A page request goes through the API's own path: the same bearer key, body and pixel limits and admission
-(`app.state.authorize`, `app.state.run_prediction`); the maps and the 3D view are made on the host thread of
-the admitted request. The full-resolution downloads are made when asked for, each admitted like a prediction
+A page request goes through the API's own path, the app's `Serving`: the same bearer key, body and pixel
+limits, admission and query parameters (one per call option); the maps and the 3D view are made on the host
+thread of the admitted request. The full-resolution downloads are made when asked for, each admitted like a prediction
 (a full-resolution mesh is large and slow to make), so the page does not wait for files nobody takes.
 
 The 3D view is a lighter mesh than mesh.glb: the same rule (`tt_moge.export.image_mesh`, cut at depth edges) on
@@ -25,35 +26,39 @@ most VIEW_MAX_SIDE^2 vertices; a texture that would not fit is scaled down).
 
 Results live in a temporary folder (`ResultStore`): at most KEEP_RESULTS results and KEEP_BYTES bytes, none
 older than KEEP_SECONDS; the oldest goes first; a dropped result that is still being read or written is deleted
-once its last holder is done. The folder is removed when the server stops. Result URLs carry a random 128-bit id: they work without
-the API key (an <img> cannot send one) for whoever was given them, until the result is dropped.
+once its last holder is done. The folder is removed when the server stops. Result URLs carry a random 128-bit
+id: they work without the API key (an <img> cannot send one) for whoever was given them, until the result is
+dropped.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import secrets
 import shutil
 import tempfile
 import threading
 import time
-from contextlib import asynccontextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import FileResponse, HTMLResponse, Response
 
 from .. import __version__
 from ..constants import DEPTH_EDGE_RTOL
-from ..host import CallOptions, InputError
+from ..fields import options_of
+from ..host import CallOptions
 from ..host.decode import decode_bytes
 from ..output import MoGeOutput
-from .app import NPZ_MEDIA_TYPE, Summary, Timing, client_is_loopback, timing_headers
+from .app import MoGeApp, Summary
 from .errors import ApiError
+from .serving import CALL_OPTION_NAMES, NPZ_MEDIA_TYPE, Serving, call_options_query, check_query, client_is_loopback
 from .upload import ImageUpload
 
 __all__ = ["mount_ui", "ResultStore", "view_mesh", "VIEW_MAX_BYTES", "UI_PATHS", "VIEW_MAX_SIDE",
@@ -81,7 +86,6 @@ _STATIC_FILES = {"app.js": "text/javascript", "viewer.js": "text/javascript", "s
 _CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' blob: data:; connect-src 'self'; "
         "object-src 'none'; base-uri 'none'; frame-ancestors 'self'")
 _PAGE_HEADERS = {"Content-Security-Policy": _CSP, "Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
-_OPTION_NAMES = {"fit", "fov_x", "apply_mask"}
 
 
 # ------------------------------------------------------------------------------------------ result store
@@ -219,10 +223,7 @@ def view_mesh(output: MoGeOutput, image_rgb: np.ndarray, max_side: int = VIEW_MA
     step = view_step((w, h), max_side)
     first = step // 2
     rows, cols = slice(first, None, step), slice(first, None, step)
-    coarse = MoGeOutput(points=output.points[rows, cols], depth=output.depth[rows, cols], normal=None,
-                        mask=output.mask[rows, cols], intrinsics=output.intrinsics,
-                        intrinsics_pixels=output.intrinsics_pixels, metric_scale=output.metric_scale,
-                        fov_x=output.fov_x, fov_y=output.fov_y)
+    coarse = dataclasses.replace(output.sliced(rows, cols), normal=None)  # unlit: no vertex normals
     keep = kept_pixels(coarse, rtol=DEPTH_EDGE_RTOL * step)
     if step > 1:
         keep &= kept_pixels(output)[rows, cols]
@@ -262,22 +263,9 @@ def _encode(rgb_or_gray: np.ndarray, kind: str) -> bytes:
 
 
 def _save_arrays(path: Path, out: MoGeOutput) -> Path:
-    arrays = {"points": out.points, "depth": out.depth, "mask": out.mask, "intrinsics": out.intrinsics,
-              "intrinsics_pixels": out.intrinsics_pixels, "metric_scale": np.float64(out.metric_scale),
-              "fov_x": np.float64(out.fov_x), "fov_y": np.float64(out.fov_y)}
-    if out.normal is not None:
-        arrays["normal"] = out.normal
     with open(path, "wb") as f:
-        np.savez(f, **arrays)
+        np.savez(f, **out.exact_arrays())
     return path
-
-
-def _load_arrays(path: Path) -> MoGeOutput:
-    with np.load(path) as data:
-        return MoGeOutput(points=data["points"], depth=data["depth"],
-                          normal=data["normal"] if "normal" in data.files else None, mask=data["mask"],
-                          intrinsics=data["intrinsics"], intrinsics_pixels=data["intrinsics_pixels"],
-                          metric_scale=float(data["metric_scale"]), fov_x=float(data["fov_x"]), fov_y=float(data["fov_y"]))
 
 
 def make_page_result(out: MoGeOutput, upload: ImageUpload, store: ResultStore) -> dict:
@@ -334,12 +322,12 @@ def _make_download(store: ResultStore, entry: _Entry, name: str, compress: bool)
 
     entry.saved.result()  # the arrays are written
     if name == "result.npz":
-        return _load_arrays(entry.path / _ARRAYS).to_npz_bytes(compress=compress)
+        return MoGeOutput.from_npz(entry.path / _ARRAYS).to_npz_bytes(compress=compress)
     target = entry.path / name
     with entry.lock:
         if target.exists():
             return target
-        out = _load_arrays(entry.path / _ARRAYS)
+        out = MoGeOutput.from_npz(entry.path / _ARRAYS)
         if name == "depth.exr":
             write_depth_exr(target, out.depth)
         else:
@@ -376,16 +364,20 @@ def _warm_up() -> None:
     """Import and run once what the first page result needs (trimesh, OpenCV, the GLB export), so that the
     first person to use the page does not wait for the imports."""
     try:
+        import torch
+
+        from ..host.canvas import plan_canvas
+        from ..host.finish import finish
+        from ..runners.base import RawMaps
+
         side = 16
-        k = np.eye(3, dtype=np.float32)
-        depth = np.full((side, side), 2.0, np.float32)
-        v, u = np.mgrid[0:side, 0:side].astype(np.float32)
-        out = MoGeOutput(points=np.stack([u, v, depth], -1), depth=depth, normal=None, mask=np.ones((side, side), bool),
-                         intrinsics=k, intrinsics_pixels=k, metric_scale=1.0, fov_x=60.0, fov_y=60.0)
+        v, u = torch.meshgrid(torch.linspace(-0.5, 0.5, side), torch.linspace(-0.5, 0.5, side), indexing="ij")
+        raw = RawMaps(points=torch.stack([u, v, torch.zeros_like(u)], -1), normal=None, mask=None, metric_scale=1.0)
+        out = finish(raw, plan_canvas((side, side), (side, side), "pad"), focal=1.0, shift=2.0)  # a wall 2 m away
         view_mesh(out, np.zeros((side, side, 3), np.uint8))
         from ..export import colorize_depth
 
-        _encode(colorize_depth(depth, out.mask)[0], ".jpg")
+        _encode(colorize_depth(out.depth, out.mask)[0], ".jpg")
     except Exception:  # only a head start: a real failure shows on the first request
         pass
 
@@ -397,53 +389,62 @@ def _demo_png() -> bytes:
     return _encode(render(1920, 1080).image, ".png")
 
 
-def mount_ui(app: FastAPI, store: Optional[ResultStore] = None) -> ResultStore:
+def _option_controls() -> list:
+    """The page's option controls, one per call option (`host.CallOptions`): what app.js builds its form from."""
+    controls = []
+    for info in options_of(CallOptions):
+        spec = info.spec
+        kind = ("bool" if info.type is bool else "choice" if spec.choices is not None
+                else "number" if spec.bounds is not None else "text")
+        controls.append({"name": info.argument, "kind": kind, "default": info.default, "help": info.describe(),
+                         "choices": [c for c in spec.choices if c is not None] if spec.choices else None,
+                         "bounds": list(spec.bounds) if spec.bounds else None})
+    return controls
+
+
+def mount_ui(app: MoGeApp, store: Optional[ResultStore] = None) -> ResultStore:
     """Add the web page to an app made by `tt_moge.server.app.create_app`; returns its result store (whose
-    folder is removed when the app shuts down)."""
+    folder is removed when the app stops, after the app's host threads have ended)."""
     store = ResultStore() if store is None else store
-    serving = app.state.serving
+    serving: Serving = app.serving
     settings = serving.settings
-    run_prediction = app.state.run_prediction
     page = (_STATIC / "index.html").read_text()
     static = {name: (_STATIC / name).read_bytes() for name in _STATIC_FILES}
+    controls = _option_controls()
     demo: dict = {}
     demo_lock = threading.Lock()
 
-    inner = app.router.lifespan_context
-
     @asynccontextmanager
-    async def lifespan(a: FastAPI):
+    async def lifespan(_: Any):
         warm = threading.Thread(target=_warm_up, name="tt_moge-ui-warmup", daemon=True)
         warm.start()
-        async with inner(a) as state:
-            try:
-                yield state
-            finally:
-                # a process that stops while the warm-up still imports OpenCV / SciPy / trimesh aborts in C++
-                # ("terminate called without an active exception"): let the imports end first
-                await asyncio.get_running_loop().run_in_executor(None, warm.join, WARM_UP_JOIN_S)
-                store.close()
+        try:
+            yield
+        finally:
+            # a process that stops while the warm-up still imports OpenCV / SciPy / trimesh aborts in C++
+            # ("terminate called without an active exception"): let the imports end first
+            await asyncio.get_running_loop().run_in_executor(None, warm.join, WARM_UP_JOIN_S)
 
-    app.router.lifespan_context = lifespan
-    app.state.ui_store = store
+    serving.close_after_work(store.close)
+    router = APIRouter(lifespan=lifespan, include_in_schema=False)  # FastAPI runs it inside the app's lifespan
 
     async def show_page() -> HTMLResponse:
         return HTMLResponse(page, headers=_PAGE_HEADERS)
 
     for path in (*UI_PATHS, "/ui/"):
-        app.add_api_route(path, show_page, methods=["GET"], include_in_schema=False, response_class=HTMLResponse)
+        router.add_api_route(path, show_page, methods=["GET"], response_class=HTMLResponse)
 
-    @app.get("/ui/static/{name}", include_in_schema=False)
+    @router.get("/ui/static/{name}")
     async def static_file(name: str) -> Response:
         if name not in static:
             raise ApiError(404, "not_found", f"no page file {name!r}")
         return Response(static[name], media_type=_STATIC_FILES[name], headers={"Cache-Control": "no-cache"})
 
-    @app.get("/ui/api/config", include_in_schema=False)
-    async def config() -> dict:  # no key needed: it only says whether the page must ask for one
-        return {"auth": settings.api_key is not None, "version": __version__}
+    @router.get("/ui/api/config")
+    async def config() -> dict:  # no key needed: it says whether the page must ask for one, and what it can send
+        return {"auth": settings.api_key is not None, "version": __version__, "options": controls}
 
-    @app.get("/ui/demo.png", include_in_schema=False)
+    @router.get("/ui/demo.png")
     async def demo_image() -> Response:
         def render() -> bytes:
             with demo_lock:
@@ -454,28 +455,19 @@ def mount_ui(app: FastAPI, store: Optional[ResultStore] = None) -> ResultStore:
         data = demo.get("png") or await asyncio.get_running_loop().run_in_executor(None, render)
         return Response(data, media_type="image/png", headers={"Cache-Control": "max-age=86400"})
 
-    @app.post("/ui/api/predict", dependencies=[Depends(app.state.authorize)], include_in_schema=False)
-    async def predict(request: Request, fit: str = "pad", fov_x: Optional[float] = None,
-                      apply_mask: bool = True) -> JSONResponse:
-        unknown = sorted(set(request.query_params.keys()) - _OPTION_NAMES)
-        if unknown:
-            raise ApiError(422, "invalid_option", f"unknown query parameter(s) {unknown}; expected some of {sorted(_OPTION_NAMES)}")
+    @router.post("/ui/api/predict", dependencies=[Depends(serving.authorize)])
+    async def predict(request: Request, options: CallOptions = Depends(call_options_query())) -> Response:
+        check_query(request, CALL_OPTION_NAMES)
+        done = await serving.predict(request, options, lambda out, upload: make_page_result(out, upload, store))
+        record = done.payload
         try:
-            options = CallOptions.make(fit, fov_x, apply_mask)
-        except InputError as exc:
-            raise ApiError(422, "invalid_option", str(exc)) from None
-        record, timing, ticket = await run_prediction(
-            request, dict(fit=options.fit, fov_x=options.fov_x, apply_mask=options.apply_mask),
-            lambda out, upload: make_page_result(out, upload, store))
-        try:
-            record["summary"] = Summary(**record["summary"], timing_ms=Timing(**timing)).model_dump()
-            body = JSONResponse(record).body
+            record["summary"] = Summary(**record["summary"], timing_ms=done.timing).model_dump()
         except BaseException:
-            ticket.done("answer")
+            done.ticket.done("answer")
             raise
-        return app.state.answer([body], "application/json", timing_headers(timing), ticket)
+        return serving.answer_json(record, done.timing, done.ticket)
 
-    @app.get("/ui/results/{rid}/{name}", include_in_schema=False)
+    @router.get("/ui/results/{rid}/{name}")
     async def result_file(request: Request, rid: str, name: str) -> Response:
         if name not in VIEW_FILES and name not in DOWNLOADS:
             raise ApiError(404, "not_found", f"no result file {name!r}; expected one of {sorted({**VIEW_FILES, **DOWNLOADS})}")
@@ -490,11 +482,11 @@ def mount_ui(app: FastAPI, store: Optional[ResultStore] = None) -> ResultStore:
                                 headers={"Cache-Control": "private, max-age=3600"})
             # a download is made like a prediction: admitted (its arrays read back and encoded: about twice their
             # bytes), on a host thread, answered through the same answer path
-            made, ticket = await app.state.run_admitted(
+            made, ticket = await serving.run_admitted(
                 lambda: _make_download(store, entry, name, not client_is_loopback(request)), 2 * entry.nbytes)
             headers = {"Content-Disposition": f'attachment; filename="{name}"', "Cache-Control": "no-store"}
             if isinstance(made, bytes):
-                return app.state.answer([made], DOWNLOADS[name], headers, ticket)
+                return serving.answer([made], DOWNLOADS[name], headers, ticket)
             held = False  # the file is streamed after this returns: the result is released once it is sent
 
             def sent() -> None:
@@ -506,4 +498,5 @@ def mount_ui(app: FastAPI, store: Optional[ResultStore] = None) -> ResultStore:
             if held:
                 store.release(entry)
 
+    app.include_router(router)
     return store

@@ -6,11 +6,12 @@ WebGL runs on SwiftShader (software), so the 3D view draws on machines without a
 """
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+from .. import env as environment
 
 __all__ = ["find_chromium", "start_chromium", "wait_for_download", "canvas_pixels"]
 
@@ -19,8 +20,8 @@ _DRIVERS = ("chromedriver",)
 
 
 def _first(env: str, names: tuple, extra: tuple) -> Optional[str]:
-    if os.environ.get(env):
-        return os.environ[env]
+    if environment.get(env):
+        return environment.get(env)
     for name in names:
         found = shutil.which(name)
         if found:

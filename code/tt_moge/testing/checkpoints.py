@@ -41,7 +41,9 @@ def _stack(dim_in, dims, n_res, dim_out, **extra) -> dict:
 def _moge2(backbone: str, layers: list, enc_out: int, dims: list, scale: list, normal: bool = True,
            neck_res=(0, 2, 2, 2, 0), head_res=(0, 1, 1, 1, 0), **stack_extra) -> dict:
     """A MoGe-2 config with the published structure: 5 levels, uv inputs, last-level outputs only."""
-    head = lambda out: _stack(list(dims), list(dims), list(head_res), [None] * 4 + [out], **stack_extra)
+    def head(out: int) -> dict:
+        return _stack(list(dims), list(dims), list(head_res), [None] * 4 + [out], **stack_extra)
+
     cfg = {
         "encoder": {"backbone": backbone, "intermediate_layers": layers, "dim_out": enc_out},
         "neck": _stack([enc_out + 2, 2, 2, 2, 2], list(dims), list(neck_res), None, **stack_extra),
@@ -96,7 +98,7 @@ def calibration_image(width: int = 224, height: int = 126, seed: int = 0) -> tor
     y = torch.linspace(0, 1, height)[:, None]
     x = torch.linspace(0, 1, width)[None, :]
     chans = []
-    for c in range(3):
+    for _channel in range(3):
         fx, fy, ph = (torch.rand(3, generator=g) * torch.tensor([6.0, 4.0, 6.28])).tolist()
         chans.append(0.5 + 0.3 * torch.sin(2 * math.pi * (fx * x + fy * y) + ph) + 0.15 * (x - y))
     return torch.stack(chans).clamp(0, 1)[None]

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ... import env
 from ..base import RawMaps, Runner
 from ..fixed_graph import raw_outputs
 from .device import close_chip, device_count, import_ttnn, open_chip
@@ -37,7 +38,7 @@ from .prepare import PLAN_VERSION, Prepared, depth_to_space, host_input, metric_
 __all__ = ["TtnnRunner", "prepared_weights", "default_cache_dir", "graph_config_name", "PRECISION_FORMATS",
            "TRACE_ENV", "CACHE_ENV", "GRAPH_ENV", "patch_matrix", "raw_maps"]
 
-TRACE_ENV = "TT_MOGE_TTNN_TRACE"  # "0": no trace capture (the mock device cannot capture one)
+TRACE_ENV = "MOGE_TTNN_TRACE"  # "0": no trace capture (the mock device cannot capture one)
 CACHE_ENV = "MOGE_TTNN_CACHE"  # folder of the prepared weights (default: ~/.cache/tt_moge/ttnn)
 GRAPH_ENV = "MOGE_TTNN_GRAPH"  # "safe": the first graph (graph.CONFIGS), the switch back from the default "fast"
 # precision= -> graph.FORMATS, per graph configuration
@@ -46,7 +47,7 @@ PRECISION_FORMATS = {"fast": {"bf16": "bf16", "bfp8": "bfp8-vit"}, "safe": {"bf1
 
 def graph_config_name() -> str:
     """$MOGE_TTNN_GRAPH: "fast" (default) or "safe"; anything else is an error that names the variable."""
-    name = os.environ.get(GRAPH_ENV, "").strip() or "fast"
+    name = (env.get(GRAPH_ENV) or "").strip() or "fast"
     if name not in CONFIGS:
         raise ValueError(f"${GRAPH_ENV}={name!r}: expected one of {sorted(CONFIGS)}")
     return name
@@ -54,7 +55,7 @@ def graph_config_name() -> str:
 
 def default_cache_dir() -> Path:
     """$MOGE_TTNN_CACHE, else ~/.cache/tt_moge/ttnn (under $XDG_CACHE_HOME when set)."""
-    explicit = os.environ.get(CACHE_ENV)
+    explicit = env.get(CACHE_ENV)
     if explicit:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -119,7 +120,7 @@ def raw_maps(prepared: Prepared, readback: dict) -> RawMaps:
 class TtnnRunner(Runner):
     """MoGe-2 on one Tenstorrent chip. `chip` is an `options.TtChip`: its `handle` (an open ttnn device the
     caller owns and closes) or its `device_id` (opened here with `dispatch` / `num_command_queues`, closed by
-    `close()`). `trace=None` follows $TT_MOGE_TTNN_TRACE (default on). `ttnn` replaces the ttnn module (tests)."""
+    `close()`). `trace=None` follows $MOGE_TTNN_TRACE (default on). `ttnn` replaces the ttnn module (tests)."""
 
     name = "ttnn"
 
@@ -137,7 +138,7 @@ class TtnnRunner(Runner):
         self.num_tokens = num_tokens
         self.precision = precision
         self.queues = num_command_queues or 1
-        self.trace = os.environ.get(TRACE_ENV, "1") != "0" if trace is None else bool(trace)
+        self.trace = env.get(TRACE_ENV, "1") != "0" if trace is None else bool(trace)
         self.owns_device = chip.handle is None
         self.device_id = chip.device_id
         self.device = f"tt:{chip.device_id}"

@@ -118,9 +118,7 @@ async function run() {
   }, 1000);
   progress(stage);
   try {
-    const query = new URLSearchParams({ fit: $("fit").value, apply_mask: $("apply_mask").checked ? "true" : "false" });
-    const fov = $("fov_x").value.trim();
-    if (fov) query.set("fov_x", fov);
+    const query = optionQuery();
     const r = await post(`/ui/api/predict?${query}`, state.file, () => { stage = "running the model…"; });
     marks.response = performance.now();
     if (r.status !== 200) {
@@ -311,12 +309,55 @@ async function watchServer() {
   }
 }
 
+// One control per call option of the server (GET /ui/api/config: name, kind, default, help, choices, bounds),
+// with the option's name as its id; optionQuery() sends what they show.
+function buildOptions(options) {
+  const box = $("options");
+  for (const o of options) {
+    const label = document.createElement("label");
+    let input;
+    if (o.kind === "bool") {
+      label.className = "check";
+      input = document.createElement("input");
+      input.type = "checkbox";
+      input.checked = o.default;
+      label.append(input, ` ${o.name}`);
+    } else if (o.kind === "choice") {
+      input = document.createElement("select");
+      for (const value of o.choices) input.append(new Option(value, value, value === o.default, value === o.default));
+      label.append(`${o.name} `, input);
+    } else {
+      input = document.createElement("input");
+      input.type = o.kind === "number" ? "number" : "text";
+      if (o.bounds) { [input.min, input.max] = o.bounds; input.step = "any"; }
+      input.placeholder = o.default === null ? "not given" : String(o.default);
+      label.append(`${o.name} `, input);
+    }
+    input.id = o.name;
+    const help = document.createElement("small");
+    help.textContent = o.help;
+    label.append(help);
+    box.append(label);
+  }
+}
+
+function optionQuery() {
+  const query = new URLSearchParams();
+  for (const o of (state.config && state.config.options) || []) {
+    const input = $(o.name);
+    if (o.kind === "bool") query.set(o.name, input.checked ? "true" : "false");
+    else if (input.value.trim() !== "") query.set(o.name, input.value.trim());
+  }
+  return query;
+}
+
 async function start() {
   bindInput();
   try {
     state.config = await (await fetch("/ui/api/config")).json();
     if (state.config.auth) $("key-row").hidden = false;
-  } catch { /* the page still works; a 401 shows the key field */ }
+    buildOptions(state.config.options || []);
+  } catch { /* the page still works with the server's defaults; a 401 shows the key field */ }
   try { state.viewer = new MeshViewer($("view")); } catch (err) { $("view-message").textContent = String(err.message); }
   watchServer();
 }

@@ -1,0 +1,156 @@
+"""One definition per option and per output field: a load option, a call option and an output field, each added
+in one place only (its dataclass field), reach every surface.
+
+The test copies the package, adds the three fields to the copy's sources (`LoadOptions` in options.py,
+`CallOptions` in host/pipeline.py, `MoGeOutput` in output.py), and checks in a fresh process that the copy's
+command line, Python signatures, BatchJob, warm-up keys, HTTP query parameters and OpenAPI schema, npz,
+summary and web page all carry them. A surface that keeps its own list of names misses them and fails here."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "tt_moge"
+pytest.importorskip("fastapi", reason="the server surfaces need the server extra")
+
+# (file, class, source of the new field): each goes after the class's last field
+NEW_FIELDS = [
+    ("options.py", "LoadOptions",
+     'cache_tag: Optional[str] = option(None, "a tag for this load (test)", required=True, metavar="TAG")'),
+    ("host/pipeline.py", "CallOptions", 'sharpen: bool = option(False, "sharpen the image first (test)")'),
+    ("output.py", "MoGeOutput",
+     'sharpness: float = output_field("how sharp the image is (test)", ("float32", "()"), summary="sharpness", '
+     'default=0.25)'),
+]
+
+
+def add_field(path: Path, class_name: str, source: str) -> None:
+    """Insert `source` as the last field of `class_name` in the file at `path`."""
+    text = path.read_text()
+    tree = ast.parse(text)
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == class_name)
+    last = [n for n in cls.body if isinstance(n, ast.AnnAssign)][-1]
+    lines = text.splitlines(keepends=True)
+    indent = " " * last.col_offset
+    lines.insert(last.end_lineno, f"{indent}{source}\n")
+    path.write_text("".join(lines))
+
+
+CHECKS = textwrap.dedent('''
+    import dataclasses, inspect, io, json, sys, warnings
+    import numpy as np
+
+    import tt_moge
+    assert tt_moge.__file__.startswith(sys.argv[2]), tt_moge.__file__  # the copy, not the package under test
+    failures = []
+
+    def check(surface, test):
+        try:
+            ok = test()
+        except BaseException as exc:  # argparse exits on an unknown flag
+            ok = False
+            surface += f" ({type(exc).__name__}: {exc})"
+        if not ok:
+            failures.append(surface)
+
+    # --- Python signatures and records
+    from tt_moge import MoGeModel
+    from tt_moge.host import CallOptions
+    from tt_moge.options import LoadOptions
+    check("from_pretrained signature", lambda: "cache_tag" in inspect.signature(MoGeModel.from_pretrained).parameters)
+    for method in (MoGeModel.__call__, MoGeModel.predict, MoGeModel.predict_many):
+        check(f"{method.__name__} signature", lambda: "sharpen" in inspect.signature(method).parameters)
+    check("CallOptions.make", lambda: CallOptions.make(sharpen=True).sharpen is True)
+    check("LoadOptions.arguments", lambda: LoadOptions.arguments(cache_tag="t")["cache_tag"] == "t")
+
+    # --- the command line
+    from tt_moge.cli import build_parser
+    from tt_moge.cli.common import call_options, model_kwargs
+    parser = build_parser()
+    for command in ("predict", "batch", "info", "serve", "bench"):
+        positional = ["x.png"] if command in ("predict", "batch") else []
+        check(f"tt-moge {command} --cache-tag", lambda: model_kwargs(
+            parser.parse_args([command, *positional, "--cache-tag", "t"])).get("cache_tag") == "t")
+    for command in ("predict", "batch"):
+        check(f"tt-moge {command} --sharpen",
+              lambda: call_options(parser.parse_args([command, "x.png", "--sharpen"])).sharpen is True)
+
+    # --- warm-up keys
+    from tt_moge.warmup import canonical_variant, expand_variants
+    check("warm-up keys", lambda: dict(canonical_variant({"sharpen": True}, (64, 64))).get("sharpen") is True)
+    check("warm-up presets", lambda: all(dict(v)["sharpen"] is False for v in expand_variants("all", (64, 64))))
+
+    # --- BatchJob
+    from tt_moge.batch import BatchJob
+    check("BatchJob field", lambda: "sharpen" in {f.name for f in dataclasses.fields(BatchJob)})
+    check("BatchJob.call_options", lambda: BatchJob(["x.png"], "out", sharpen=True).call_options().sharpen is True)
+    check("BatchJob.model",
+          lambda: BatchJob(["x.png"], "out", model={"cache_tag": "t"}).model_arguments()["cache_tag"] == "t")
+
+    # --- a model: the load option is resolved, the call option accepted, the output field produced
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = MoGeModel.from_pretrained(sys.argv[1], device="cpu", resolution=(128, 96), num_tokens=1200,
+                                          warmup=1, warmup_variants="minimal", precision="fp32", cache_tag="t")
+    check("LoadOptions field", lambda: model.options.cache_tag == "t")
+    check("warm-up of the option", lambda: model.warmup(sharpen=True) > 0)
+    rgb = (np.random.default_rng(0).random((60, 80, 3)) * 255).astype(np.uint8)
+    out = model(rgb)
+    check("model(image, sharpen=True)", lambda: model(rgb, sharpen=True).sharpness == 0.25)
+    check("MoGeOutput field", lambda: out.sharpness == 0.25)
+    check("npz layout", lambda: "sharpness" in out.npz_arrays())
+    check("from_npz", lambda: tt_moge.MoGeOutput.from_npz(out.to_npz_bytes()).sharpness == 0.25)
+    check("summary", lambda: out.summary().get("sharpness") == 0.25)
+    check("predict_many", lambda: model.predict_many([rgb], sharpen=True)[0].sharpness == 0.25)
+
+    # --- the server and its web page
+    from PIL import Image
+    from fastapi.testclient import TestClient
+    from tt_moge.server.app import create_app
+    from tt_moge.server.ui import mount_ui
+    app = create_app(model)
+    mount_ui(app)
+    png = io.BytesIO()
+    Image.fromarray(rgb).save(png, format="PNG")
+    body = dict(content=png.getvalue(), headers={"Content-Type": "image/png"})
+    with TestClient(app, raise_server_exceptions=False) as client:
+        schema = client.get("/openapi.json").json()
+        for path in ("/predict", "/predict/summary"):
+            check(f"OpenAPI parameter of {path}", lambda: "sharpen" in {
+                p["name"] for p in schema["paths"][path]["post"].get("parameters", [])})
+        check("OpenAPI Summary", lambda: "sharpness" in schema["components"]["schemas"]["Summary"]["properties"])
+        check("POST /predict/summary", lambda: client.post("/predict/summary", params={"sharpen": "true"},
+                                                           **body).json().get("sharpness") == 0.25)
+        check("POST /predict npz", lambda: "sharpness" in np.load(io.BytesIO(
+            client.post("/predict", params={"sharpen": "true"}, **body).content)).files)
+        check("page controls", lambda: "sharpen" in [o["name"] for o in client.get("/ui/api/config").json()["options"]])
+        page = {}
+        check("page result", lambda: page.update(client.post("/ui/api/predict", params={"sharpen": "true"},
+                                                             **body).json()) or page["summary"]["sharpness"] == 0.25)
+        check("page download", lambda: "sharpness" in np.load(io.BytesIO(
+            client.get(page["downloads"]["result.npz"]).content)).files)
+    model.close()
+    print(json.dumps(failures))
+''')
+
+
+def test_a_field_added_in_one_place_reaches_every_surface(tmp_path, checkpoint):
+    copy = tmp_path / "pkg" / "tt_moge"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    for relative, class_name, source in NEW_FIELDS:
+        add_field(copy / relative, class_name, source)
+    env = {**os.environ, "PYTHONPATH": str(copy.parent), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", CHECKS, str(checkpoint("tiny-vits-normal")), str(copy)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    failures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert failures == [], f"surfaces that did not get the new fields: {failures}"
+

@@ -1,0 +1,303 @@
+"""The driver of a batch job: `BatchJob` (what to do), `run_batch` (do it), `BatchSummary` (what was done).
+
+`run_batch` collects the images, skips those already done (`sinks.completed_names`), resolves the weights
+once on a local Ray, starts or joins Ray (`session`), streams the dataset of read tasks and replicas
+(`replica`) and collects each image's status into the summary and OUT/failures.jsonl.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+from ..export import DEFAULT_FORMATS, DEFAULT_MESH_STEP, FORMATS, check_formats
+from ..fields import include_options, options_of
+from ..host import CallOptions
+from ..options import LoadOptions
+from .replica import Replica, read_images
+from .session import (
+    DEFAULT_OBJECT_STORE_MB,
+    MIN_OBJECT_STORE_MB,
+    READER_CPUS,
+    check_resources,
+    import_ray,
+    local_ray_cpus,
+    ray_data_output,
+    ray_session,
+)
+from .sinks import FAILURES_FILE, OUTPUT_FORMATS, SHARDS_DIR, FailureLog, completed_names, write_record
+
+__all__ = ["BatchJob", "BatchSummary", "run_batch", "replica_resources", "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_RETRIES",
+           "FORWARDED_ENV"]
+
+DEFAULT_BATCH_SIZE = 4  # images per actor call (one predict_many); also images per read task
+DEFAULT_MAX_RETRIES = 3  # restarts of a dead replica, and retries of the batch it was running
+# Passed on to the replicas (they may run on other machines, where the driver's environment is not inherited).
+FORWARDED_ENV = ("MOGE_WEIGHTS_DIR", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE")
+
+
+@dataclass
+class BatchSummary:
+    """What one `run_batch` did. Counts are images; seconds is the Ray Data job (replica start-up included, Ray
+    start excluded); images_per_second = done / seconds."""
+
+    out: Path
+    total: int  # images found in the inputs
+    done: int  # computed and written by this run
+    failed: int  # this run's failures (listed in OUT/failures.jsonl)
+    skipped: int  # complete before this run (resume)
+    seconds: float
+    ray_start_seconds: float
+    replicas: int  # replicas started (0: nothing to do, no Ray)
+    output_format: str
+    failures: list = field(default_factory=list)  # [(input path, error)]
+    done_names: list = field(default_factory=list)  # output names of the images done by this run, as reported
+    arrivals: list = field(default_factory=list)  # seconds after the job start at which each image's status came
+
+    @property
+    def steady_images_per_second(self) -> float:
+        """Images/s after the first result (replica start-up and model loading left out): for benchmarks."""
+        if len(self.arrivals) < 2 or self.arrivals[-1] <= self.arrivals[0]:
+            return 0.0
+        first = sum(1 for t in self.arrivals if t == self.arrivals[0])
+        return (len(self.arrivals) - first) / (self.arrivals[-1] - self.arrivals[0])
+
+    @property
+    def images_per_second(self) -> float:
+        return self.done / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        if self.replicas == 0:
+            return f"nothing to do: all {self.total} images already done (skipped {self.skipped})"
+        rate = f", {self.images_per_second:.2f} images/s" if self.done else ""
+        return (f"{self.done} done, {self.failed} failed, {self.skipped} skipped (already done) of {self.total} images "
+                f"in {self.seconds:.1f} s{rate} with {self.replicas} replica{'s' * (self.replicas != 1)} "
+                f"(Ray start {self.ray_start_seconds:.1f} s)")
+
+
+@dataclass
+@include_options(CallOptions, after="model")
+class BatchJob:
+    """One batch job: which images, where the results go, the model, and how Ray spreads the work.
+
+    `model` holds keyword arguments of `MoGeModel.from_pretrained` (the options of `options.LoadOptions`:
+    pretrained_model_name_or_path, revision, device, resolution, num_tokens, precision, ...); each replica loads
+    its own model with them (without warm-up). After `model` come the options of `model(image, ...)` (the fields
+    of `host.CallOptions`: fit, fov_x, apply_mask, force_projection), applied to every image. A missing
+    `pretrained_model_name_or_path` is the default repo (or $MOGE_WEIGHTS_DIR); a missing `device` is CUDA when
+    the replicas get GPUs (or, on a local Ray, when this machine has one), else the CPU.
+
+    output_format "files": OUT/NAME/ as `tt-moge predict` writes it (`formats` picks the files); "parquet":
+    OUT/parquet/part-*.parquet, one row per image (name, source, result = result.json text, npz = the npz bytes).
+    Ray: `address` (or $RAY_ADDRESS) joins a cluster; without one a local Ray starts on this machine (loopback
+    only, `object_store_mb`) and stops at the end; a Ray already started in this process is used as it is.
+    Each of `replicas` actors takes `cpus_per_replica` (default: local CPU device, the cores / replicas; else 1)
+    and `gpus_per_replica` (default 1 when the device is CUDA, else 0) and runs torch with that many threads.
+    """
+
+    inputs: Sequence[Union[str, os.PathLike]]
+    out: Union[str, os.PathLike]
+    model: dict = field(default_factory=dict)
+    # + the fields of CallOptions (include_options)
+    formats: Sequence[str] = DEFAULT_FORMATS
+    mesh_step: int = DEFAULT_MESH_STEP
+    output_format: str = "files"
+    replicas: int = 1
+    cpus_per_replica: Optional[float] = None
+    gpus_per_replica: Optional[float] = None
+    batch_size: int = DEFAULT_BATCH_SIZE
+    writers: int = 2
+    max_retries: int = DEFAULT_MAX_RETRIES
+    address: Optional[str] = None
+    object_store_mb: int = DEFAULT_OBJECT_STORE_MB
+    quiet: bool = False
+    progress: bool = True
+
+    def call_options(self) -> CallOptions:
+        """The options applied to every image, validated (a ValueError naming the option)."""
+        return CallOptions.make(**{o.argument: getattr(self, o.name) for o in options_of(CallOptions)})
+
+    def model_arguments(self) -> dict:
+        """`model` with the defaults of from_pretrained filled in, each checked (a ValueError naming it)."""
+        try:
+            return LoadOptions.arguments(**self.model)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"model: {exc}") from None
+
+    def checked_formats(self) -> tuple:
+        """Validate the job's own options (a ValueError naming the field); returns the format groups."""
+        if self.output_format not in OUTPUT_FORMATS:
+            raise ValueError(f"output_format must be one of {OUTPUT_FORMATS}, got {self.output_format!r}")
+        formats = check_formats(self.formats)
+        if not formats:
+            raise ValueError(f"formats: expected at least one of {', '.join(FORMATS)}")
+        for name, low in (("replicas", 1), ("batch_size", 1), ("max_retries", 0),
+                          ("object_store_mb", MIN_OBJECT_STORE_MB), ("writers", 1), ("mesh_step", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name in ("cpus_per_replica", "gpus_per_replica"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value < 0):
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.cpus_per_replica == 0:
+            raise ValueError("cpus_per_replica must be > 0 (a replica runs the host steps on the CPU)")
+        return formats
+
+
+def replica_resources(device: Optional[str], gpus_per_replica: Optional[float], cpus_per_replica: Optional[float],
+                      replicas: int, local: bool) -> tuple:
+    """(device, GPUs, CPUs) of each replica: the device first (None: CUDA where this machine, running a local
+    Ray, has a GPU; "cuda" when GPUs are asked for), then the GPUs it needs unless given (1 on CUDA, else 0),
+    then the CPUs unless given (a local CPU job: the cores / replicas; else 1)."""
+    if device is None:
+        if gpus_per_replica:
+            device = "cuda"
+        elif local:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        else:
+            device = "cpu"  # a cluster: ask for GPUs with gpus_per_replica (or device="cuda")
+    gpus = gpus_per_replica if gpus_per_replica is not None else (1.0 if device.startswith("cuda") else 0.0)
+    cpus = cpus_per_replica if cpus_per_replica is not None else (
+        float(max(1, (os.cpu_count() or 1) // replicas)) if local and gpus == 0 else 1.0)
+    if device.startswith("cuda") and gpus == 0:
+        raise ValueError(f"device {device!r} needs GPUs for the replicas: gpus_per_replica > 0 (--gpus-per-replica)")
+    return device, gpus, cpus
+
+
+def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = None) -> BatchSummary:
+    """Run MoGe-2 over every image of `job.inputs` (files, folders, glob patterns: `collect_images`) on Ray Data
+    and write the results into `job.out`; returns a BatchSummary.
+
+    Images already complete in OUT are skipped. Failed images go to OUT/failures.jsonl (rewritten by each run);
+    `on_failure(path, error)` is called for each as it arrives.
+
+    Raises RayMissingError without Ray, InputPathError for inputs that name nothing, ValueError for bad options,
+    CheckpointError / OSError / RuntimeError when the weights or the device are unusable.
+    """
+    from .. import env
+    from ..inputs import InputPathError, collect_images
+
+    formats = job.checked_formats()
+    call = job.call_options()  # checked now, not in every replica for every image
+    model_kwargs = job.model_arguments()
+    out = Path(job.out)
+    images = collect_images([os.fspath(i) for i in job.inputs], exclude=out)
+    if not images:
+        raise InputPathError(f"inputs: no PNG or JPEG images found in {', '.join(map(str, job.inputs))}")
+    ray = import_ray()
+    out.mkdir(parents=True, exist_ok=True)
+    if job.output_format == "parquet":
+        (out / SHARDS_DIR).mkdir(exist_ok=True)
+    done_before = completed_names(out, [im.name for im in images], job.output_format)
+    todo = [im for im in images if im.name not in done_before]
+    failures_path = out / FAILURES_FILE
+
+    summary = BatchSummary(out=out, total=len(images), done=0, failed=0, skipped=len(images) - len(todo), seconds=0.0,
+                           ray_start_seconds=0.0, replicas=job.replicas, output_format=job.output_format)
+    files = job.output_format == "files"
+    options = {"output_format": job.output_format, "formats": list(formats) if files else None,
+               "mesh_step": job.mesh_step if files and "glb" in formats else None, **call.kwargs(),
+               "batch_size": job.batch_size, "max_retries": job.max_retries}
+    if not todo:  # nothing to do: no Ray, no model
+        summary.replicas = 0
+        failures_path.write_text("")
+        write_record(out, summary, "nowhere (nothing to do)", None, options)
+        return summary
+
+    replicas = min(job.replicas, math.ceil(len(todo) / job.batch_size))  # no idle replicas for a short remainder
+    summary.replicas = replicas
+    address = job.address or os.environ.get("RAY_ADDRESS") or None
+    local = address is None and not ray.is_initialized()
+    given_device = job.model.get("device")  # None: chosen for the replicas' resources, not for this machine
+    device, gpus, cpus = replica_resources(given_device, job.gpus_per_replica, job.cpus_per_replica, replicas, local)
+    model_kwargs["device"] = device
+    options.update(replicas=replicas, cpus_per_replica=cpus, gpus_per_replica=gpus)
+    if address is None:  # the replicas share this file system: resolve (and download) the weights once, here
+        from ..weights import resolve_checkpoint
+
+        weights = model_kwargs["pretrained_model_name_or_path"]
+        model_kwargs.update(pretrained_model_name_or_path=str(resolve_checkpoint(weights, model_kwargs["revision"])[0]
+                                                              .resolve()), revision=None)
+    model_kwargs["resolution"] = list(model_kwargs["resolution"])  # JSON
+    model_record = dict(model_kwargs)
+    weights_dir = env.get("MOGE_WEIGHTS_DIR")
+    if address is not None and weights_dir:  # the replicas resolve it, and it wins over a repo id
+        model_record["MOGE_WEIGHTS_DIR"] = weights_dir
+
+    with ray_session(ray, address, local_ray_cpus(replicas, cpus), job.object_store_mb, job.quiet) as (where, start_s):
+        summary.ray_start_seconds = start_s
+        check_resources(ray, replicas, cpus, gpus, strict=address is None)
+        if not job.quiet:
+            print(f"tt-moge batch: {len(todo)} images to do ({summary.skipped} already done) on {where}, "
+                  f"{replicas} replica(s) x ({cpus:g} CPU, {gpus:g} GPU), device {device}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        with ray_data_output(ray, job.quiet):
+            dataset = _build_dataset(ray, job, todo, out, formats, call, model_kwargs, replicas, cpus, gpus,
+                                     address is None)
+            _collect(dataset, summary, failures_path, len(todo), job.progress and not job.quiet, on_failure, t0)
+        summary.seconds = time.perf_counter() - t0
+    write_record(out, summary, where, model_record, options)
+    return summary
+
+
+def _build_dataset(ray: Any, job: BatchJob, todo: list, out: Path, formats: tuple, call: CallOptions,
+                   model_kwargs: dict, replicas: int, cpus: float, gpus: float, local: bool) -> Any:
+    batch_size, max_retries = job.batch_size, job.max_retries
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    if local:  # workers import the very tt_moge this driver runs, installed or not (a source tree, a script's sys.path)
+        here = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join([here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    runtime_env = {"env_vars": env} if env else None
+    items = [{"path": str(im.path.resolve()), "name": im.name} for im in todo]
+    blocks = min(len(items), max(1, math.ceil(len(items) / batch_size)))  # one read task per batch of images
+    try:
+        dataset = ray.data.from_items(items, override_num_blocks=blocks)
+    except TypeError:  # Ray < 2.10 names it parallelism
+        dataset = ray.data.from_items(items, parallelism=blocks)
+    dataset = dataset.map_batches(read_images, batch_size=batch_size, num_cpus=READER_CPUS, runtime_env=runtime_env)
+    with warnings.catch_warnings():
+        # Ray Data has no named parameter for the actors' fault tolerance yet; its default is to restart a dead
+        # replica and retry its batch without limit, which never ends on an image that kills the process each time.
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        return dataset.map_batches(
+            Replica, batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=replicas),
+            fn_constructor_kwargs=dict(model_kwargs=model_kwargs, out=str(out.resolve()), output_format=job.output_format,
+                                       formats=formats, options=call, writers=job.writers, threads=int(cpus),
+                                       mesh_step=job.mesh_step),
+            num_cpus=cpus, num_gpus=gpus or None, runtime_env=runtime_env,
+            max_restarts=max_retries, max_task_retries=max_retries)
+
+
+def _collect(dataset: Any, summary: BatchSummary, failures_path: Path, total: int, progress: bool,
+             on_failure: Optional[Callable[[str, str], None]], t0: float) -> None:
+    """Stream the per-image statuses: count them, append failures to the failures file as they come."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="img", desc="tt-moge batch", file=sys.stderr, dynamic_ncols=True, disable=not progress)
+    try:
+        with FailureLog(failures_path) as failures:
+            for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
+                arrived = time.perf_counter() - t0
+                for name, path, error in zip(batch["name"], batch["path"], batch["error"]):
+                    if error:
+                        summary.failed += 1
+                        summary.failures.append((str(path), str(error)))
+                        failures.add(str(path), str(name), str(error))
+                        if on_failure is not None:
+                            on_failure(str(path), str(error))
+                    else:
+                        summary.done += 1
+                        summary.done_names.append(str(name))
+                    summary.arrivals.append(arrived)
+                    bar.update(1)
+    finally:
+        bar.close()

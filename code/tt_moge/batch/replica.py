@@ -1,0 +1,71 @@
+"""The Ray stages of a batch job: `read_images` (Ray tasks: files -> RGB arrays) and `Replica` (an actor: one
+model, loaded once; each call predicts a batch with the model's PredictionService and writes it)."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..export import DEFAULT_MESH_STEP
+from ..host import CallOptions
+from .sinks import write_files, write_shard
+
+__all__ = ["read_images", "Replica"]
+
+
+def read_images(batch: dict) -> dict:
+    """Ray task: {path, name} -> + rgb ((H, W, 3) uint8; (0, 0, 3) when unreadable) and error ('' or why)."""
+    import numpy as np
+
+    from ..host.decode import read_image_file
+
+    rgbs, errors = [], []
+    for path in batch["path"]:
+        try:
+            rgbs.append(read_image_file(str(path)))
+            errors.append("")
+        except Exception as exc:  # a corrupt or vanished file costs only itself
+            rgbs.append(np.zeros((0, 0, 3), np.uint8))  # same ndim and dtype: Ray keeps a ragged tensor column
+            errors.append(str(exc) or type(exc).__name__)
+    return {"path": batch["path"], "name": batch["name"], "rgb": rgbs, "error": errors}
+
+
+class Replica:
+    """Ray actor: one MoGeModel, loaded once (`model_kwargs`: from_pretrained arguments, no warm-up); each
+    call predicts a batch with `options` and writes it to `out` (`output_format` "files" or "parquet")."""
+
+    def __init__(self, model_kwargs: dict, out: str, output_format: str, formats: tuple, options: CallOptions,
+                 writers: int, threads: int, mesh_step: int = DEFAULT_MESH_STEP):
+        import torch
+
+        from .. import env, native
+        from ..model import MoGeModel
+
+        torch.set_num_threads(max(1, threads))  # this replica's share of the cores, for torch ...
+        if not env.get("MOGE_SERVE_THREADS"):
+            native.set_threads(max(1, threads))  # ... and for the native host kernels
+        self.model = MoGeModel.from_pretrained(**{**model_kwargs, "warmup": 0, "warmup_variants": "none"})
+        self.out, self.output_format, self.formats, self.mesh_step = Path(out), output_format, formats, mesh_step
+        self.options = options
+        self.writer = ThreadPoolExecutor(writers, thread_name_prefix="tt_moge-write")
+
+    def __call__(self, batch: dict) -> dict:
+        """{name, path, rgb, error} -> {name, path, error}: each image predicted and written, or why not. Only
+        what is returned counts as done: a replica that dies before returning has its batch retried."""
+        from ..jobs import predict_chunk
+
+        names, paths = [str(n) for n in batch["name"]], [str(p) for p in batch["path"]]
+        errors = [str(e) for e in batch["error"]]
+        todo = [i for i, e in enumerate(errors) if not e]
+        outputs = predict_chunk(self.model.service, [batch["rgb"][i] for i in todo], self.options)
+        results: dict = {}
+        for i, output in zip(todo, outputs):
+            if isinstance(output, BaseException):
+                errors[i] = str(output) or type(output).__name__
+            else:
+                results[i] = output
+        if self.output_format == "files":
+            write_files(self.writer, self.out, results, batch["rgb"], names, paths, errors, self.formats,
+                        self.mesh_step)
+        else:
+            write_shard(self.out, results, names, paths, errors)
+        return {"name": names, "path": paths, "error": errors}

@@ -1,0 +1,146 @@
+"""Ray for a batch job: importing it, starting the embedded local Ray or joining a cluster, checking that the
+job fits in it, and Ray Data's own output. Nothing here knows the model."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from typing import Any, Iterator, Optional
+
+__all__ = ["RayMissingError", "RAY_INSTALL_HINT", "READER_CPUS", "DEFAULT_OBJECT_STORE_MB", "MIN_OBJECT_STORE_MB",
+           "import_ray", "local_ray_cpus", "init_local_ray", "check_ray_address", "ray_session", "check_resources",
+           "ray_data_output"]
+
+DEFAULT_OBJECT_STORE_MB = 200  # the embedded local Ray's shared-memory object store (the machine may be shared)
+MIN_OBJECT_STORE_MB = 80  # Ray refuses a smaller object store
+READER_CPUS = 1  # logical CPUs one read task asks for (see local_ray_cpus)
+RAY_INSTALL_HINT = "from a clone of the repository: pip install -e \"code/[ray]\" (or: pip install \"ray[data]>=2.9\")"
+
+
+class RayMissingError(ImportError):
+    """Ray Data is not installed."""
+
+
+def import_ray() -> Any:
+    """The ray module, with Ray Data; RayMissingError (saying how to install it) without them."""
+    try:
+        import ray
+        import ray.data  # noqa: F401  (ray without the data extra lacks it)
+    except ImportError as exc:
+        raise RayMissingError(f"batch jobs need Ray Data, which is not installed ({exc}): {RAY_INSTALL_HINT}") from None
+    return ray
+
+
+def local_ray_cpus(replicas: int, cpus_per_replica: float) -> int:
+    """Logical CPUs of the embedded local Ray: the cores of this machine, but at least enough for every replica
+    plus one read task. Replicas hold their CPUs for the whole job; with no CPU left over the read tasks never
+    run and the job waits forever (seen here: 2 replicas x 1 CPU on a 2-CPU Ray). The extra logical CPU
+    oversubscribes the cores a little: decoding a photo is short next to the model's forward."""
+    return max(os.cpu_count() or 1, math.ceil(replicas * cpus_per_replica) + READER_CPUS)
+
+
+def _log_options(quiet: bool) -> dict:
+    return dict(logging_level="WARNING" if quiet else "INFO", log_to_driver=not quiet)
+
+
+def init_local_ray(ray: Any, num_cpus: int, object_store_mb: int = DEFAULT_OBJECT_STORE_MB, quiet: bool = False,
+                   num_gpus: Optional[int] = None) -> Optional[Any]:
+    """Start the embedded local Ray: always a new one (address "local", never another user's Ray on this
+    machine), no dashboard, `object_store_mb` of shared memory, the node advertised on 127.0.0.1.
+    Ray's servers still listen on every interface (Ray has no option against it); Ray's token authentication,
+    on by default for a local Ray since 2.5x, is what keeps other hosts out.
+
+    Its processes do not outlive this process for long, however it ends (`ray_reaper`): first, whatever an
+    earlier driver that died left is ended; then a watcher starts. Returns the watcher (None where it cannot
+    run): call its release() after ray.shutdown(), or let this process's end release it."""
+    from ..ray_reaper import Watcher, sweep_dead
+
+    for driver, pids in sweep_dead():
+        print(f"tt-moge batch: ended {len(pids)} Ray process(es) left by an earlier run whose driver (pid {driver}) "
+              f"died", file=sys.stderr)
+    context = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_mb * 2**20,
+                       include_dashboard=False, _node_ip_address="127.0.0.1", **_log_options(quiet))
+    session_dir = (getattr(context, "address_info", None) or {}).get("session_dir", "")
+    try:
+        return Watcher.start(ray.get_runtime_context().get_node_id(), session_dir)
+    except OSError as exc:  # no temp dir to write the record to: run without it
+        print(f"tt-moge batch: warning: cannot watch the local Ray ({exc}); if this process is killed, its Ray "
+              f"processes may outlive it", file=sys.stderr)
+        return None
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """A ValueError naming `address` when nothing answers at its host:port (Ray itself would retry for minutes).
+    "auto", "local" and addresses without a port are left to Ray."""
+    import socket
+
+    target = address[len("ray://"):] if address.startswith("ray://") else address
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ValueError(f"address={address!r}: nothing answers at {host}:{port} ({exc.strerror or exc}); start the Ray "
+                         "head there, or fix --address / $RAY_ADDRESS") from None
+
+
+@contextlib.contextmanager
+def ray_session(ray: Any, address: Optional[str], num_cpus: int, object_store_mb: int,
+                quiet: bool) -> Iterator[tuple]:
+    """Yield (where, seconds to start). Reuses a Ray this process already started (and leaves it running);
+    else connects to `address`, or starts a local Ray (init_local_ray), and shuts it down after."""
+    t0 = time.perf_counter()
+    if ray.is_initialized():
+        yield "the Ray of this process", 0.0
+        return
+    watcher = None
+    if address:
+        check_ray_address(address)
+        ray.init(address=address, include_dashboard=False, **_log_options(quiet))
+        where = f"the Ray cluster at {address}"
+    else:
+        watcher = init_local_ray(ray, num_cpus, object_store_mb, quiet)
+        where = f"a local Ray ({num_cpus} logical CPUs, {object_store_mb} MB object store)"
+    try:
+        yield where, time.perf_counter() - t0
+    finally:
+        ray.shutdown()
+        if watcher is not None:
+            watcher.release()
+
+
+def check_resources(ray: Any, replicas: int, cpus: float, gpus: float, strict: bool) -> None:
+    """Every replica, plus one read task, must fit in the Ray cluster, or the job waits forever: a ValueError
+    (strict: a local Ray, which cannot grow) or a warning (a cluster may autoscale)."""
+    have = ray.cluster_resources()
+    short = [f"{need:g} {kind} ({replicas} replica(s) x {per:g}{' + 1 read task' * (kind == 'CPU')}), it has "
+             f"{have.get(kind, 0):g}" for kind, per, need in (("CPU", cpus, replicas * cpus + READER_CPUS),
+                                                               ("GPU", gpus, replicas * gpus))
+             if need > have.get(kind, 0) + 1e-9]
+    if not short:
+        return
+    message = "the job needs " + "; ".join(short)
+    if strict:
+        raise ValueError(f"{message}: ask for fewer replicas or fewer CPUs/GPUs per replica")
+    print(f"tt-moge batch: warning: {message}; it waits until the cluster has them (autoscaling)", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def ray_data_output(ray: Any, quiet: bool) -> Iterator[None]:
+    """Ray Data's progress bars and log lines, off when quiet; its settings are restored afterwards."""
+    import logging
+
+    context, logger = ray.data.DataContext.get_current(), logging.getLogger("ray.data")
+    saved = context.enable_progress_bars, logger.level
+    if quiet:
+        context.enable_progress_bars = False
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        context.enable_progress_bars, _ = saved
+        logger.setLevel(saved[1])

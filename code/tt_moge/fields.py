@@ -1,0 +1,180 @@
+"""One definition per option: a dataclass field whose metadata (`Spec`) holds its help text, its checks and
+how each surface spells it.
+
+`options.LoadOptions` (the arguments of `from_pretrained`) and `host.CallOptions` (the options of
+`model(image, ...)`) are made of such fields. Everything else is generated from them: the signatures of
+`from_pretrained`, `model(...)`, `predict`, `predict_many` and `CallOptions.make`, the command-line flags
+(`cli/common.py`), the HTTP query parameters and the web page's controls (`server/serving.py`, `server/ui.py`),
+the fields of `batch.BatchJob` and the keys of a warm-up variant (`warmup.py`). A new option is one new field;
+no surface keeps a list of names (tests/test_one_definition.py checks it). The output fields have their own
+definitions, in `output.py`.
+
+This module is the machinery only; it imports nothing of tt_moge.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+__all__ = ["Spec", "OptionInfo", "option", "options_of", "signature", "bind", "checked", "include_options",
+           "non_negative_int", "FIELD_KEY"]
+
+FIELD_KEY = "tt_moge"  # the key of a field's Spec in its dataclass metadata
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What an option is, for people and for each surface.
+
+    help      one phrase, for --help, the API's parameter description and the docs. `%(default)s` stands for
+              the default (argparse's own notation; "%%" is a percent sign).
+    argument  the keyword argument, where it differs from the field name (`weights` is the argument
+              `pretrained_model_name_or_path`); `positional`: it may also be given by position (first).
+    flag      the command-line flag (default: --field-name); `short` an extra short one, e.g. "-v".
+    metavar   the value's name in --help.
+    choices   the allowed values (None may be one: "not given").
+    parse     command-line text -> value; a ValueError says what was expected (the command line turns it
+              into a usage error).
+    check     value -> checked value; raises a ValueError / TypeError naming the argument.
+    bounds    (low, high): a number strictly between them, finite (the API's query limits too).
+    warm      for a warm-up variant: None, the value is part of the variant's key; else only "given or not"
+              matters, and a given one warms with the value `warm`.
+    argtype   the type the argument accepts, where it differs from the field's (a resolved record's) type.
+    """
+
+    help: str
+    argument: Optional[str] = None
+    positional: bool = False
+    flag: Optional[str] = None
+    short: Optional[str] = None
+    metavar: Optional[str] = None
+    choices: Optional[tuple] = None
+    parse: Optional[Callable[[str], Any]] = None
+    check: Optional[Callable[[Any], Any]] = None
+    bounds: Optional[tuple] = None
+    warm: Any = None
+    argtype: Any = None
+
+
+@dataclass(frozen=True)
+class OptionInfo:
+    """One option of a record, with everything resolved: its field name, argument name, type and default."""
+
+    name: str  # the dataclass field
+    argument: str  # the keyword argument
+    type: Any  # the field's annotation, resolved
+    default: Any
+    spec: Spec
+
+    @property
+    def flag(self) -> str:
+        return self.spec.flag or "--" + self.argument.replace("_", "-")
+
+    def describe(self) -> str:
+        """The help text with its default filled in (for surfaces other than argparse)."""
+        return self.spec.help.replace("%(default)s", str(self.default)).replace("%%", "%")
+
+
+def option(default: Any, help: str, *, required: bool = False, **spec: Any) -> Any:
+    """A dataclass field that is an option (the keywords are those of `Spec`). `default` is the argument's
+    default; `required=True` keeps it off the dataclass itself (a resolved record has no defaults)."""
+    metadata = {FIELD_KEY: Spec(help=help, **spec), "default": default}
+    if required:
+        return dataclasses.field(metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)  # options' defaults are immutable values
+
+
+@functools.lru_cache(maxsize=None)
+def options_of(cls: type) -> tuple:
+    """The options of a dataclass made of `option` fields, in field order."""
+    hints = typing.get_type_hints(cls)
+    found = []
+    for f in dataclasses.fields(cls):
+        spec = f.metadata.get(FIELD_KEY)
+        if isinstance(spec, Spec):
+            found.append(OptionInfo(f.name, spec.argument or f.name, hints.get(f.name, Any), f.metadata["default"], spec))
+    return tuple(found)
+
+
+def signature(cls: type, *, keyword_only: bool = True, leading: tuple = (),
+              returns: Any = inspect.Signature.empty) -> inspect.Signature:
+    """A function signature with one parameter per option of `cls` (after `leading` parameters): keyword-only
+    (or, with keyword_only=False, positional-or-keyword), except a `positional` option, which comes first."""
+    kinds = inspect.Parameter
+    params = list(leading)
+    for info in sorted(options_of(cls), key=lambda i: not i.spec.positional):
+        kind = kinds.POSITIONAL_OR_KEYWORD if info.spec.positional or not keyword_only else kinds.KEYWORD_ONLY
+        annotation = info.type if info.spec.argtype is None else info.spec.argtype
+        params.append(kinds(info.argument, kind, default=info.default, annotation=annotation))
+    return inspect.Signature(params, return_annotation=returns)
+
+
+def bind(sig: inspect.Signature, where: str, args: tuple, kwargs: dict) -> dict:
+    """{argument: value} of a call, defaults filled in; a TypeError naming `where` for unknown or extra arguments."""
+    unknown = sorted(set(kwargs) - set(sig.parameters))
+    if unknown:
+        names = [name for name, p in sig.parameters.items() if p.kind is not p.VAR_KEYWORD]
+        raise TypeError(f"{where}() got unexpected option(s) {unknown}; it takes {names}")
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{where}(): {exc}") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def checked(info: OptionInfo, value: Any, error: type = ValueError, type_error: type = TypeError) -> Any:
+    """`value` after the option's own checks: a bool option takes only True or False; then its choices, then its
+    `check` (or, without one, its bounds). `error` / `type_error`: the exceptions for a bad value / type."""
+    spec, name = info.spec, info.argument
+    if info.type is bool and not isinstance(value, bool):
+        raise type_error(f"{name} must be True or False, got {value!r}")
+    if spec.choices is not None:
+        a_bool = isinstance(value, bool) and not any(isinstance(c, bool) for c in spec.choices)  # True is not 1
+        if a_bool or value not in spec.choices:
+            raise error(f"{name} must be one of {spec.choices}, got {value!r}")
+    if spec.check is not None:
+        return spec.check(value)
+    if spec.bounds is not None and value is not None:
+        low, high = spec.bounds
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise error(f"{name} must be a number, {low} < {name} < {high}, or None, got {type(value).__name__}")
+        if not (math.isfinite(value) and low < value < high):
+            raise error(f"{name} must be a number, {low} < {name} < {high}, got {value}")
+    return value
+
+
+def include_options(source: type, *, after: str) -> Callable[[type], type]:
+    """A class decorator, applied before @dataclass: the option fields of the dataclass `source` become fields
+    of the decorated class too, right after its field `after` (same names, types, defaults and metadata)."""
+    def decorate(cls: type) -> type:
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        if after not in own:
+            raise TypeError(f"{cls.__name__} has no field {after!r} to put the options of {source.__name__} after")
+        annotations: dict = {}
+        for name, annotation in own.items():
+            annotations[name] = annotation
+            if name == after:
+                for f in dataclasses.fields(source):
+                    if f.name in own:
+                        raise TypeError(f"{cls.__name__}.{f.name} would shadow the option of {source.__name__}")
+                    annotations[f.name] = f.type
+                    default = ({"default": f.default} if f.default is not dataclasses.MISSING
+                               else {"default_factory": f.default_factory})
+                    setattr(cls, f.name, dataclasses.field(**default, metadata=f.metadata))
+        cls.__annotations__ = annotations
+        return cls
+
+    return decorate
+
+
+def non_negative_int(text: str) -> int:
+    """Command-line text -> an integer >= 0."""
+    if not text.strip().isdigit():
+        raise ValueError(f"expected an integer >= 0, got {text!r}")
+    return int(text)

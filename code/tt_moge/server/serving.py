@@ -1,0 +1,352 @@
+"""`Serving`: the model's PredictionService behind HTTP, one per app: the host threads, admission (queue slots
+and the memory budget), the API key, and the streamed answers. The API's routes (`app.py`) and the web page
+(`ui.py`) call the same object, so a page request gets the same limits, errors and arrays as POST /predict.
+
+A prediction goes: receive + check the upload (event loop, no queue slot; its bytes counted against the memory
+budget as they arrive) -> admission (at most `queue_size` requests at once and within the memory budget, each
+counted by its pixels, else 503 + Retry-After) -> a host thread runs the PredictionService (decode, canvas,
+device forward under its lock, solve, finish) and encodes the answer -> the answer is streamed to the client
+(`sending.StreamedAnswer`). The request keeps its queue slot and its memory until the answer has been sent, or
+the client is gone or cut for not reading (`send_timeout_s`).
+
+Also here, generated from the definitions: the query parameters of the call options (`call_options_query`,
+one per field of `host.CallOptions`) and the response records `Timing` (the stages, `service.STAGES` inside)
+and `Summary` (the fields of `MoGeOutput.summary`, `output.SUMMARY_FIELDS`).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import inspect
+import ipaddress
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional
+
+from fastapi import Depends, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import ConfigDict, Field, create_model
+
+from ..fields import OptionInfo, options_of
+from ..host import CallOptions, InputError
+from ..model import MoGeModel
+from ..service import STAGES, PredictionService
+from .admission import MemoryBudget, Reservation, Ticket
+from .errors import ApiError
+from .sending import StreamedAnswer
+from .settings import ServerSettings
+from .upload import ImageUpload, receive_image
+
+__all__ = ["Serving", "Prediction", "call_options_query", "check_query", "summary_model", "CALL_OPTION_NAMES",
+           "Timing", "TIMING_STAGES", "TIMING_HEADER", "NPZ_MEDIA_TYPE", "timing_headers", "client_is_loopback"]
+
+log = logging.getLogger("tt_moge.server")
+
+NPZ_MEDIA_TYPE = "application/x-npz"
+TIMING_HEADER = "X-Timing-Ms"  # the timing_ms record of an npz response, as a JSON object
+# Stages of timing_ms, in ms, in the order a request passes them: {stage: what it times}. `device` is the
+# forward only; the PredictionService's own stages are in the middle.
+TIMING_STAGES = {
+    "read": "receiving and checking the upload",
+    "queue": "admitted, waiting for a host thread",
+    **STAGES,
+    "post": "solve + finish",
+    "encode": "npz or JSON",
+    "total": "the whole request",
+}
+CALL_OPTION_NAMES = tuple(info.argument for info in options_of(CallOptions))
+
+Timing = create_model("Timing", __doc__="Stage times of one request in milliseconds.",
+                      **{stage: (float, Field(description=what)) for stage, what in TIMING_STAGES.items()})
+_BEARER = HTTPBearer(auto_error=False, description="Needed only when the server runs with an API key")
+
+
+def client_is_loopback(request: Request) -> bool:
+    """The client runs on this machine: bytes cost almost nothing to move, so deflating only adds time."""
+    host = request.client.host if request.client else ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def timing_headers(timing_ms: dict) -> dict:
+    """Server-Timing (shown by browser dev tools) and X-Timing-Ms (the timing_ms record as JSON)."""
+    stages = [stage for stage in TIMING_STAGES if stage in timing_ms]
+    return {"Server-Timing": ", ".join(f"{stage};dur={timing_ms[stage]:.2f}" for stage in stages),
+            TIMING_HEADER: json.dumps({stage: round(timing_ms[stage], 3) for stage in stages})}
+
+
+# ------------------------------------------------------------------------------------ the call options
+def _query_parameter(info: OptionInfo) -> inspect.Parameter:
+    """The query parameter of one call option: its type, limits and description from its definition."""
+    spec, annotation = info.spec, info.type
+    limits: dict = {}
+    if spec.choices is not None:
+        values = tuple(c for c in spec.choices if c is not None)
+        annotation = Literal[values] if None not in spec.choices else Optional[Literal[values]]
+    if spec.bounds is not None:
+        limits = dict(gt=spec.bounds[0], lt=spec.bounds[1], allow_inf_nan=False)
+    query = Query(info.default, description=info.describe(), **limits)
+    return inspect.Parameter(info.argument, inspect.Parameter.KEYWORD_ONLY, default=query, annotation=annotation)
+
+
+def call_options_query() -> Callable[..., CallOptions]:
+    """A FastAPI dependency with one query parameter per field of `host.CallOptions` -> the CallOptions."""
+    def options(**values: Any) -> CallOptions:
+        try:
+            return CallOptions.make(**values)
+        except InputError as exc:
+            raise ApiError(422, "invalid_option", str(exc)) from None
+
+    options.__signature__ = inspect.Signature([_query_parameter(i) for i in options_of(CallOptions)],
+                                              return_annotation=CallOptions)
+    return options
+
+
+def check_query(request: Request, allowed: tuple) -> None:
+    """422 for a query parameter that is not one of `allowed`, or one given twice: a typo never silently falls
+    back to a default."""
+    names = list(request.query_params.keys())
+    unknown = sorted(set(names) - set(allowed))
+    if unknown:
+        raise ApiError(422, "invalid_option", f"unknown query parameter(s) {unknown}; expected some of {sorted(allowed)}")
+    repeated = sorted({n for n in names if len(request.query_params.getlist(n)) > 1})
+    if repeated:
+        raise ApiError(422, "invalid_option", f"query parameter(s) {repeated} given more than once")
+
+
+# ---------------------------------------------------------------------------------------------- serving
+@dataclass
+class Prediction:
+    """What `Serving.predict` gives a route: the encoded payload, its stage times, and the request's ticket
+    (hand it to `Serving.answer`, which frees it once the answer is sent)."""
+
+    payload: Any
+    timing: dict
+    ticket: Ticket
+
+
+class Serving:
+    """The model, its host threads, the admission counter and the memory budget of one app."""
+
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.model: Optional[MoGeModel] = None
+        self.owns_model = False
+        self.load_error: Optional[str] = None
+        self.executor = ThreadPoolExecutor(settings.host_threads, thread_name_prefix="tt_moge-serve")
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.budget = MemoryBudget(settings.memory_budget_bytes)
+        self.draining = False
+        self.responses = {"2xx": 0, "4xx": 0, "503": 0, "5xx": 0}
+        self._closing = contextlib.ExitStack()  # what closes after the host threads have ended (the page's store)
+
+    @property
+    def service(self) -> Optional[PredictionService]:
+        return None if self.model is None else self.model.service
+
+    # ---------------------------------------------------------------------------------------- life
+    def load(self, loader: Callable[[], MoGeModel], on_error: Optional[Callable[[BaseException], None]]) -> None:
+        t = time.perf_counter()
+        try:
+            model = loader()
+            if not isinstance(model, MoGeModel):
+                raise TypeError(f"the model loader returned {type(model).__name__}, expected a MoGeModel")
+        except BaseException as exc:  # reported on /ready and /health; the CLI exits
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("loading the model failed: %s", self.load_error)
+            if on_error is not None:
+                on_error(exc)
+            return
+        self.model, self.owns_model = model, True
+        log.info("model ready in %.1f s: %s", time.perf_counter() - t, model)
+
+    def status(self) -> str:
+        if self.draining:
+            return "stopping"
+        return "ok" if self.model is not None else ("failed" if self.load_error else "loading")
+
+    def drain(self) -> None:
+        """Stop admitting (503 shutting_down): the server is stopping; what is admitted finishes."""
+        self.draining = True
+
+    def close_after_work(self, close: Callable[[], Any]) -> None:
+        """Call `close()` when the app stops, after every host thread has ended (the last one first)."""
+        self._closing.callback(close)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        try:
+            if self.owns_model and self.model is not None:
+                self.model.close()
+        finally:
+            self._closing.close()
+
+    # ----------------------------------------------------------------------------------- admission
+    def _refuse(self, code: str, detail: str, close: bool = False) -> ApiError:
+        headers = {"Retry-After": str(self.settings.retry_after_s)}
+        if close:
+            headers["Connection"] = "close"
+        return ApiError(503, code, detail, headers)
+
+    def reserver(self, reservation: Reservation) -> Callable[[int], None]:
+        """reserve(n) for receive_image: n more body bytes from the budget, or 503 memory_full."""
+
+        def reserve(nbytes: int) -> None:
+            if not reservation.grow(nbytes):
+                raise self._refuse("memory_full", self._budget_detail("the body", reservation.nbytes + nbytes))
+
+        return reserve
+
+    def _budget_detail(self, what: str, needed: int) -> str:
+        mb = 1024 * 1024
+        return (f"{what} needs {needed / mb:.1f} MiB of the server's memory budget; requests in progress hold "
+                f"{self.budget.used / mb:.1f} of {self.budget.limit / mb:.0f} MiB (--memory-budget-mb); "
+                f"retry after {self.settings.retry_after_s} s")
+
+    def admit(self, reservation: Reservation, cost: int) -> Ticket:
+        """Take a queue slot and `cost` bytes of the memory budget (the reservation grows to it), or raise 503.
+        The ticket frees both once the work has ended and the answer has been sent or abandoned."""
+        if self.draining:
+            raise self._refuse("shutting_down", "the server is stopping and admits no more requests; retry on "
+                                                "another instance or after it restarts", close=True)
+        if self.model is None:
+            reason = f"the model failed to load ({self.load_error})" if self.load_error else "the model is still loading"
+            raise self._refuse("not_ready", f"{reason}; see GET /ready")
+        with self._lock:
+            if self.in_flight >= self.settings.queue_size:
+                raise self._refuse("queue_full", f"{self.in_flight} requests are in progress (--queue-size "
+                                                 f"{self.settings.queue_size}); retry after {self.settings.retry_after_s} s")
+            if not reservation.resize(cost):
+                raise self._refuse("memory_full", self._budget_detail("this image", cost))
+            self.in_flight += 1
+
+        def free() -> None:
+            reservation.release()
+            with self._lock:
+                self.in_flight -= 1
+
+        return Ticket(reservation, free)
+
+    def count(self, status: int) -> None:
+        key = "503" if status == 503 else f"{status // 100}xx"
+        if key in self.responses:
+            with self._lock:
+                self.responses[key] += 1
+
+    # --------------------------------------------------------------------------------------- auth
+    def authorize(self, credentials: Optional[HTTPAuthorizationCredentials] = Depends(_BEARER)) -> None:
+        """A route dependency: 401 unless the request carries the API key (when the server has one)."""
+        api_key = self.settings.api_key
+        if api_key is None:
+            return
+        if credentials is None or credentials.scheme.lower() != "bearer" or not hmac.compare_digest(
+                credentials.credentials.encode(), api_key.encode()):
+            raise ApiError(401, "unauthorized", "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           {"WWW-Authenticate": "Bearer"})
+
+    # -------------------------------------------------------------------------------------- work
+    async def predict(self, request: Request, options: CallOptions,
+                      encode: Callable[[Any, ImageUpload], Any]) -> Prediction:
+        """Receive the image, admit it, run the PredictionService with `options` and `encode(output, upload)` on
+        a host thread. On any error here the ticket's answer part ends at once, and its slot frees when the work
+        has ended too."""
+        start = time.perf_counter()
+        reservation = self.budget.reservation()
+        try:
+            upload: ImageUpload = await receive_image(request, self.settings, self.reserver(reservation))
+            width, height = upload.size
+            ticket = self.admit(reservation, self.settings.request_cost(width * height, len(upload.data)))
+        except BaseException:
+            reservation.release()
+            raise
+        admitted = time.perf_counter()
+        timing: dict = {"read": upload.read_ms}
+        service = self.service
+
+        def job() -> Any:
+            timing["queue"] = (time.perf_counter() - admitted) * 1e3
+            try:
+                out = service.predict(upload.data, options, timing)
+            except InputError as exc:
+                raise ApiError(400, "bad_image", str(exc)) from None
+            except Exception as exc:
+                if "decode" not in timing:  # the decoder choked on untrusted bytes: the image is bad, not the server
+                    raise ApiError(400, "bad_image",
+                                   f"could not decode the {upload.format} data ({type(exc).__name__}: {exc})") from None
+                raise
+            timing["post"] = timing["solve"] + timing["finish"]
+            t = time.perf_counter()
+            payload = encode(out, upload)
+            timing["encode"] = (time.perf_counter() - t) * 1e3
+            return payload
+
+        payload = await self.on_host(job, ticket)
+        timing["total"] = (time.perf_counter() - start) * 1e3
+        return Prediction(payload, timing, ticket)
+
+    async def on_host(self, work: Callable[[], Any], ticket: Ticket) -> Any:
+        """Run `work` on a host thread for an admitted request; its ticket's work part ends with it (even if the
+        client left), and its answer part at once if there is nothing to answer."""
+        try:
+            future = self.executor.submit(work)
+        except BaseException:  # the executor is shut down (the server is stopping)
+            ticket.done("work")
+            ticket.done("answer")
+            raise
+        future.add_done_callback(lambda _: ticket.done("work"))  # even if the client left or the route was cancelled
+        try:
+            return await asyncio.wrap_future(future)
+        except BaseException:
+            ticket.done("answer")  # nothing to send
+            raise
+
+    async def run_admitted(self, work: Callable[[], Any], cost: int) -> tuple:
+        """Admit a request that costs `cost` bytes of the memory budget and run `work` on a host thread ->
+        (its result, ticket); the caller answers with `answer(..., ticket)` (the web page's downloads)."""
+        reservation = self.budget.reservation()
+        try:
+            ticket = self.admit(reservation, cost)
+        except BaseException:
+            reservation.release()
+            raise
+        return await self.on_host(work, ticket), ticket
+
+    def answer(self, parts: list, media_type: str, headers: dict, ticket: Ticket) -> StreamedAnswer:
+        """The streamed 200 answer; from now on the request holds only the answer's bytes of the budget."""
+        try:
+            response = StreamedAnswer(parts, media_type, headers, self.settings.send_timeout_s,
+                                      on_end=lambda: ticket.done("answer"))
+            ticket.reservation.resize(min(response.nbytes, ticket.reservation.nbytes))
+        except BaseException:
+            ticket.done("answer")
+            raise
+        return response
+
+    def answer_json(self, record: dict, timing: dict, ticket: Ticket) -> StreamedAnswer:
+        """A JSON body (encoded here: an encoding error frees the ticket) with the timing headers."""
+        from fastapi.responses import JSONResponse
+
+        try:
+            body = JSONResponse(record).body
+        except BaseException:
+            ticket.done("answer")
+            raise
+        return self.answer([body], "application/json", timing_headers(timing), ticket)
+
+
+def summary_model(fields: dict) -> type:
+    """The pydantic record of /predict/summary from {key: (type, description)} (output.SUMMARY_FIELDS), plus
+    timing_ms. Unknown keys are refused (a key the output adds must be declared with it, never dropped)."""
+    return create_model("Summary", __doc__="A small JSON view of one result (no maps). Non-finite values are null.",
+                        __config__=ConfigDict(extra="forbid"),
+                        **{key: (kind, Field(description=what)) for key, (kind, what) in fields.items()},
+                        timing_ms=(Timing, Field(description="stage times of this request")))
+

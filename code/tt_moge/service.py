@@ -1,0 +1,124 @@
+"""PredictionService: images through the five stages, timed, on one device runner.
+
+    decode -> canvas fit -> device forward -> focal/shift solve -> finish      (STAGES, in milliseconds)
+
+Every prediction of tt_moge is a call of this one object: `MoGeModel.__call__` / `predict` / `predict_many`,
+the server's /predict routes and its web page (`server/app.py`, `server/ui.py`), `tt-moge predict` and each
+batch replica (`jobs.py`). The same image and `CallOptions` therefore give the same arrays on every surface.
+
+The device forward runs one canvas at a time under a lock; the host stages (`host.prepare`, `host.postprocess`)
+of different calls run in parallel. `predict_many` overlaps the decode of the next image and the finish of the
+previous one with the device.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Optional
+
+import torch
+
+from .host import CallOptions, InputError, Stopwatch, postprocess, prepare
+from .output import MoGeOutput
+from .runners.base import PendingMaps, RawMaps, ReplayRunner, Runner
+
+__all__ = ["PredictionService", "STAGES"]
+
+# The stages one prediction is timed in, in the order it passes them: {name: what it times}. A `timing` dict
+# given to `predict` receives them in milliseconds; the server adds its own stages around them.
+STAGES = {
+    "decode": "the input -> RGB (PNG/JPEG decode, array checks)",
+    "canvas": "fit onto the model's canvas",
+    "device_wait": "waiting while the device ran other calls",
+    "device": "the device forward only",
+    "solve": "focal / shift recovery",
+    "finish": "crop, resize, re-projection, mask",
+}
+
+
+class PredictionService:
+    """The prediction pipeline of one runner on a canvas of `canvas_size` = (width, height). Thread-safe."""
+
+    def __init__(self, runner: Runner, canvas_size: tuple):
+        self.runner = runner
+        self.canvas_size = tuple(canvas_size)
+        self._device_lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------ device
+    def check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this MoGeModel is closed; load a new one with MoGeModel.from_pretrained(...)")
+
+    def submit(self, canvas: torch.Tensor, watch: Optional[Stopwatch] = None) -> PendingMaps:
+        """Start the device forward of a canvas (on CUDA it returns before the maps are back; `.result()`
+        waits). `watch` laps "device_wait": the time spent waiting while another call held the device."""
+        with self._device_lock:
+            if watch is not None:
+                watch.lap("device_wait")
+            self.check_open()
+            return self.runner.submit(canvas)
+
+    def forward_raw(self, canvas: torch.Tensor, timing: Optional[dict] = None) -> RawMaps:
+        """The device forward of one canvas; `timing` gets "device_wait" and "device" (the forward only)."""
+        watch = Stopwatch(timing)
+        raw = self.submit(canvas, watch).result()
+        watch.lap("device")
+        return raw
+
+    # ------------------------------------------------------------------------------------------ images
+    def predict(self, image: Any, options: CallOptions = CallOptions(), timing: Optional[dict] = None) -> MoGeOutput:
+        """One image -> MoGeOutput at its own resolution. `timing`, if a dict, receives STAGES in ms."""
+        self.check_open()
+        prepared = prepare(image, self.canvas_size, options, timing)
+        raw = self.forward_raw(prepared.canvas, timing)
+        return postprocess(raw, prepared.plan, options, timing)
+
+    def predict_many(self, images: Iterable[Any], options: CallOptions = CallOptions()) -> list:
+        """Several images, in order, with the same options. While the device runs image i, a host thread
+        decodes image i+1 and another finishes image i-1. Same results as single calls."""
+        self.check_open()
+        images = list(images)
+        if not images:
+            return []
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tt_moge-host") as pool:
+            next_prepared = pool.submit(prepare, images[0], self.canvas_size, options, None, "images[0]")
+            finishing, running = [], None  # running: (pending raw maps, plan) of the image on the device
+            for i in range(len(images)):
+                prepared = next_prepared.result()
+                if i + 1 < len(images):
+                    next_prepared = pool.submit(prepare, images[i + 1], self.canvas_size, options, None,
+                                                f"images[{i + 1}]")
+                pending = self.submit(prepared.canvas)  # on CUDA, starts while image i-1 still copies back
+                if running is not None:
+                    finishing.append(pool.submit(postprocess, running[0].result(), running[1], options))
+                running = (pending, prepared.plan)
+            finishing.append(pool.submit(postprocess, running[0].result(), running[1], options))
+            return [f.result() for f in finishing]
+
+    def forward(self, image: Any) -> RawMaps:
+        """The raw maps of a canvas-sized image (no solve, no finish); an InputError for any other size."""
+        self.check_open()
+        prepared = prepare(image, self.canvas_size, CallOptions(), None)
+        if not prepared.plan.is_identity:
+            w, h = prepared.plan.image_size
+            cw, ch = self.canvas_size
+            raise InputError(f"image: forward takes a canvas-sized image ({cw}x{ch}), got {w}x{h}; use model(image) "
+                             "for other sizes")
+        return self.forward_raw(prepared.canvas)
+
+    # ------------------------------------------------------------------------------------------ life
+    def replaying(self, raw: RawMaps) -> "PredictionService":
+        """A service with the same host path whose device part hands back `raw` (a warm-up of the host stages)."""
+        return PredictionService(ReplayRunner(raw, like=self.runner), self.canvas_size)
+
+    def close(self) -> None:
+        """Release the runner (and its device memory). Idempotent."""
+        with self._device_lock:
+            if not self._closed:
+                self._closed = True
+                self.runner.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
