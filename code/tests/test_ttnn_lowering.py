@@ -156,15 +156,12 @@ def _errors(ours: dict, ref: dict, level0, level0_ref, cls_token, cls_ref, canva
 # Emulated in float32: round-off only (the folds reassociate sums).
 EXACT_LIMITS = {"points": 1e-5, "normal_deg": 0.01, "mask_prob": 1e-5, "scale": 1e-5, "encoder_rms": 1e-5,
                 "cls_token": 1e-5, "depth": 1e-5}
-# Device formats, bf16 weights and activations with a float32 residual stream: the CPU bf16 graph's documented
-# limits (test_runners.REDUCED_LIMITS), the normal angle's p99, and the depth after the host pipeline. Observed
-# (emulator, tiny-vits-normal 224x126 / 300 tokens): points 1.2e-4, normal p99 / max 0.15 / 0.33 deg, mask
-# probability 4.7e-3, mask agreement 0.9994, scale 2.6e-5, encoder output 0.0062 (relative rms), class token
-# 0.0036, depth 1.6e-4; ViT-L 1920x1080 / 1800 tokens: see test_full_size_vitl_in_device_formats.
+# Device formats, bf16 weights and activations with a float32 residual stream, either graph: the CPU bf16 graph's
+# documented limits (test_runners.REDUCED_LIMITS), the normal angle's p99, the depth after the host pipeline,
+# and bounds on the ViT's output and class token. What the study measures: `main` below, docs/performance.md.
 DEVICE_LIMITS = {"points": 0.008, "normal_deg": 1.5, "normal_deg_p99": 0.5, "mask_prob": 0.025, "mask_agree": 0.997,
                  "scale": 0.005, "encoder_rms": 0.02, "cls_token": 0.02, "depth": 2e-3}
-# bfloat8_b ViT weights: the class token moves most (observed 0.009 tiny, 0.022 ViT-L), the scale follows
-# (2.9e-4 tiny, 1.9e-4 ViT-L); everything else as bf16.
+# bfloat8_b ViT weights: the class token moves most, the scale follows; everything else as bf16.
 BFP8_VIT_LIMITS = {**DEVICE_LIMITS, "cls_token": 0.04}
 LIMITS = {"bf16": DEVICE_LIMITS, "bfp8-vit": BFP8_VIT_LIMITS}
 
@@ -239,9 +236,7 @@ def test_the_emulator_sees_each_fidelity_choice():
     assert _compare("tiny-vits-normal", config=_fast(decoder_fidelity="lofi"))["normal_deg_p99"] > 1.5 * fast["normal_deg_p99"]
 
 
-# Observed in the fidelity-aware emulator, fast graph: 1.07x the ViT output error and 1.09x the class-token error
-# on this 4-block network (docs/tenstorrent.md has ViT-L); the cost model puts the time a bfloat16 stream would
-# save at 0.05 ms of the forward's 12.9. (With every op at HiFi4, before fidelity was emulated: 1.6x and 1.7x.)
+# Observed (this network and ViT-L) and what a bfloat16 stream would save: docs/performance.md.
 def test_float32_residual_stream_still_pays():
     """The residual-format decision (graph.py's docstring), measured where the fast graph's lower fidelities
     could have hidden it: the same graph with a bfloat16 residual stream has a larger ViT output and class-token
@@ -482,16 +477,19 @@ def test_emulator_formats_match_ttnn_host_conversions():
 # ------------------------------------------------------------------------------------------- full size
 
 
-# Observed (bf16): points 1.8e-4, normal p99 / max 0.10 / 0.22 deg, mask probability 0.030, mask agreement
-# 0.9984, scale 1.7e-4, encoder output 0.0069, class token 0.0097, depth 2.7e-4: the size of the CPU bf16
-# graph's full-size numbers in docs/performance.md. The mask probability limit is the one loosened.
+# The CPU bfloat16 graph's limits with the issue's depth bound after the full pipeline (1e-3), the full-size mask
+# probability limit of the CPU graph (0.06), and the class token's (it feeds only the scale MLP, whose own limit
+# holds) loosened to what the fast graph's HiFi2 projections give ViT-L. Observed: docs/performance.md.
+FULL_SIZE_LIMITS = {**DEVICE_LIMITS, "mask_prob": 0.06, "depth": 1e-3, "cls_token": 0.03}
+
+
 @pytest.mark.full_size
 def test_full_size_vitl_in_device_formats():
-    """ViT-L at the spec case (1920x1080, 1800 tokens: 32x57 grid, 1825 tokens, 24 blocks, 512x912 finest level)
-    in bf16, within the device limits."""
+    """ViT-L at the spec case (1920x1080, 1800 tokens: 32x57 grid, 1825 tokens, 24 blocks, 512x912 finest level),
+    the fast graph in bf16, within the limits."""
     canvas, tokens = (1920, 1080), 1800
     err = _compare("vitl-normal", "bf16", canvas=canvas, tokens=tokens)
-    _check(err, {**DEVICE_LIMITS, "mask_prob": 0.06}, min_pcc=0.999)
+    _check(err, FULL_SIZE_LIMITS, min_pcc=0.999)
 
 
 # ------------------------------------------------------------------------------------------ the study
