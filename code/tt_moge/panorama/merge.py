@@ -59,6 +59,16 @@ class MergeData:
     log_views: list  # per view: (rows slice, (h, w) log distance or None, (h, w) valid mask)
     mask: np.ndarray
 
+    def mean_log_distance(self) -> np.ndarray:
+        """(H, W) float32: the valid views' mean log distance at each pixel (0 where none is valid), the
+        solve's start: metric, and near the answer."""
+        total = np.zeros((self.height, self.width), np.float32)
+        count = np.zeros((self.height, self.width), np.float32)
+        for rows, log_p, valid in self.log_views:
+            total[rows] += log_p * valid
+            count[rows] += valid
+        return total / np.maximum(count, 1.0)
+
     @functools.cached_property
     def regions(self) -> tuple:
         """(labels (H, W) int, count): the connected regions of the gradient equations (`_regions`)."""
@@ -513,6 +523,13 @@ class SolveResult:
 RELIABLE = 1e-2  # the recursive residual is replaced by the true one each time it falls this much
 
 
+def _check_solve_options(rtol: float, maxiter: int) -> None:
+    if not rtol > 0:  # also refuses nan
+        raise ValueError(f"rtol: a positive relative residual, got {rtol!r}")
+    if isinstance(maxiter, bool) or not (isinstance(maxiter, (int, np.integer)) and maxiter >= 0):
+        raise ValueError(f"maxiter: a count of CG steps >= 0, got {maxiter!r}")
+
+
 def solve_log_distance(data: MergeData, x0: np.ndarray, rtol: float = 1e-6, maxiter: int = 500) -> SolveResult:
     """Minimise the objective from x0 (H, W): conjugate gradients on the normal equations M x = rhs,
     preconditioned by a multigrid V-cycle of the gradient term K = D^T A D alone. Where a view sees the
@@ -540,10 +557,7 @@ def solve_log_distance(data: MergeData, x0: np.ndarray, rtol: float = 1e-6, maxi
 
     Stops when the float64 |rhs - M x| <= rtol |rhs| (converged), after maxiter steps, or when a step finds
     no descent left (round-off: not converged). Pixels without any equation keep their x0."""
-    if not rtol > 0:
-        raise ValueError(f"rtol: a positive relative residual, got {rtol!r}")
-    if not (isinstance(maxiter, (int, np.integer)) and maxiter >= 0):
-        raise ValueError(f"maxiter: a count of CG steps >= 0, got {maxiter!r}")
+    _check_solve_options(rtol, maxiter)
     if np.shape(x0) != (data.height, data.width):
         raise ValueError(f"x0: the start, a ({data.height}, {data.width}) array, got shape {np.shape(x0)}")
     system = _NormalEquations(data)
@@ -696,16 +710,11 @@ def merge_distance_maps(distance_maps: Sequence[np.ndarray], masks: Sequence[np.
     if not (len(distance_maps) == len(masks) == len(cameras)) or not len(cameras):
         raise ValueError(f"distance_maps, masks and cameras: one of each per view, got {len(distance_maps)}, "
                          f"{len(masks)} and {len(cameras)}")
+    _check_solve_options(rtol, maxiter)  # before the warp's work
     t0 = time.perf_counter()
     data = warp_views(distance_maps, masks, cameras, width, height)
-    total = np.zeros((height, width), np.float32)
-    count = np.zeros((height, width), np.float32)
-    for rows, log_p, valid in data.log_views:
-        total[rows] += log_p * valid
-        count[rows] += valid
-    x0 = total / np.maximum(count, 1.0)  # the views' own (metric) log distance: a start near the answer
     t1 = time.perf_counter()
-    solved = solve_log_distance(data, x0, rtol, maxiter)
+    solved = solve_log_distance(data, data.mean_log_distance(), rtol, maxiter)
     if not solved.converged:
         warnings.warn(f"panorama merge: the least-squares solve stopped at a relative residual of "
                       f"{solved.residual:.2e} after {solved.iterations} CG iterations, short of rtol={rtol:g}; "
