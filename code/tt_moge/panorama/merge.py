@@ -538,10 +538,11 @@ def solve_log_distance(data: MergeData, x0: np.ndarray, rtol: float = 1e-6, maxi
 
     What makes it converge on every input (issue #23):
     * M is singular by one constant per connected region. Round-off puts a little of those constants into
-      every residual; a preconditioner that amplifies them (the old V-cycle of K + 1e-4 I did, by 1e4) turns
-      them into search directions that M maps to nothing, and CG diverged. Here the preconditioned residuals
-      have their region means removed (`_RegionMeans`) and the V-cycle has no shift: the search stays in M's
-      range, and each region keeps x0's constant (`metric_offsets` sets it afterwards).
+      every residual; a preconditioner that amplifies them (the old V-cycle of K + 1e-4 I did, by 1e4, and
+      any V-cycle of K does by up to the inverse of its smallest coarse eigenvalues) turns them into search
+      directions that M maps to nothing, and CG diverged. Here the residuals and the preconditioned
+      residuals have their region means removed (`_RegionMeans`), and the V-cycle has no shift: the search
+      stays in M's range, and each region keeps x0's constant (`metric_offsets` sets it afterwards).
     * Mixed precision with reliable updates: the products and the V-cycle run in float32 (half the memory
       traffic), x in float64, and the recursive float32 residual is replaced by the true one, rhs - M x in
       float64, each time it has fallen by RELIABLE and before stopping. Float32 alone drifts from the true
@@ -598,6 +599,7 @@ def solve_log_distance(data: MergeData, x0: np.ndarray, rtol: float = 1e-6, maxi
         alpha = np.float32(float(np.vdot(r, p)) / pq)  # the exact line search along p, whatever r was
         x += np.multiply(p, alpha, out=step)
         r -= np.multiply(q, alpha, out=step)
+        project(r)  # the round-off of this step in M's null space, which the V-cycle would amplify
         norm_r, exact = float(np.linalg.norm(r)), False
         iteration += 1
         if stop < norm_r <= RELIABLE * replaced:
