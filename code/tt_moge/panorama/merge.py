@@ -76,16 +76,19 @@ class MergeData:
 
 
 def _project(directions: np.ndarray, camera, size: int) -> tuple:
-    """Panorama directions -> (view pixel coordinates (..., 2) float32, in-view mask) for a square view."""
+    """Panorama directions -> (view pixel column, row (...) float32, contiguous as cv2.remap takes them;
+    in-view mask) for a square view. In float32 throughout (the coordinates' own precision, at half the
+    memory traffic)."""
     cam = directions @ camera.rotation.T.astype(directions.dtype)
     z = cam[..., 2]
+    scale = np.float32(0.5 / np.tan(np.radians(camera.fov_deg) / 2.0))
     with np.errstate(divide="ignore", invalid="ignore"):
-        half = np.tan(np.radians(camera.fov_deg) / 2.0)
-        u = (cam[..., 0] / z / half + 1.0) * 0.5
-        v = (cam[..., 1] / z / half + 1.0) * 0.5
+        u = cam[..., 0] / z * scale + np.float32(0.5)
+        v = cam[..., 1] / z * scale + np.float32(0.5)
     inside = (z > 0) & (u > 0) & (u < 1) & (v > 0) & (v < 1)
-    pixels = np.stack([np.clip(u, 0, 1) * size - 0.5, np.clip(v, 0, 1) * size - 0.5], axis=-1)
-    return pixels.astype(np.float32), inside
+    column = np.clip(u, 0, 1) * np.float32(size) - np.float32(0.5)
+    row = np.clip(v, 0, 1) * np.float32(size) - np.float32(0.5)
+    return column, row, inside
 
 
 def _rows_seen(camera, width: int, height: int) -> slice:
@@ -119,13 +122,13 @@ def warp_views(distance_maps: Sequence[np.ndarray], masks: Sequence[np.ndarray],
     for distance, valid, camera in zip(distance_maps, masks, cameras):
         size = distance.shape[0]
         rows = _rows_seen(camera, width, height)
-        pixels, inside = _project(directions[rows], camera, size)
+        column, row, inside = _project(directions[rows], camera, size)
         with np.errstate(divide="ignore", invalid="ignore"):
             log_d = np.log(np.asarray(distance, np.float32))
         log_d = np.where(np.isfinite(log_d), log_d, 0.0).astype(np.float32)
         m_view = np.asarray(valid, bool) & np.isfinite(np.log(np.maximum(distance, 0)))  # noqa: invalid <= 0 distances
-        log_p = cv2.remap(log_d, pixels[..., 0], pixels[..., 1], cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
-        m_p = inside & (cv2.remap(m_view.astype(np.uint8), pixels[..., 0], pixels[..., 1], cv2.INTER_NEAREST,
+        log_p = cv2.remap(log_d, column, row, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
+        m_p = inside & (cv2.remap(m_view.astype(np.uint8), column, row, cv2.INTER_NEAREST,
                                   borderMode=cv2.BORDER_REPLICATE) > 0)
         log_p = np.where(m_p, log_p, 0.0).astype(np.float32)
         log_views.append((rows, log_p, m_p))
