@@ -523,7 +523,7 @@ class SolveResult:
     converged: bool
 
 
-RELIABLE = 1e-2  # the recursive residual is replaced by the true one each time it falls this much
+RELIABLE = 1e-3  # the recursive residual is replaced by the true one each time it falls this much
 
 
 def _check_solve_options(rtol: float, maxiter: int) -> None:
