@@ -7,7 +7,8 @@ The view maps (--views):
          the views disagree and the least-squares fit has work to do (default);
   model  the views of a random-weight checkpoint (tiny-vits-normal, a 224x224 canvas) on a textured
          1024x512 panorama: views that disagree strongly (the input of issue #23).
-Prints the median seconds of each and the ratio; our solve's iterations, final relative residual and
+Prints the median seconds of each and the ratio (wall, and CPU seconds of the process, which move less with
+other jobs' load on a shared machine); our solve's iterations, final relative residual and
 whether it converged; the objective |A x - b|^2 on upstream's own equations (the A and b its last lsmr call
 is given) at our answer, at upstream's and at the minimiser (ours solved to a relative residual of 1e-10;
 tests/test_panorama.py checks such solves against a sparse direct solve); and how far each answer's log
@@ -25,7 +26,7 @@ import tempfile
 
 import numpy as np
 
-from ..common import finish_report, median, timed
+from ..common import finish_report, median, timed_both
 
 
 def cpu_name() -> str:
@@ -123,12 +124,15 @@ def main(argv=None) -> None:
     def run_ours():
         results["ours"] = ours.merge_distance_maps(maps, masks, cameras, width, height)
 
-    times = {"upstream": [], "ours": []}
+    times, cpu = {"upstream": [], "ours": []}, {"upstream": [], "ours": []}
     for _ in range(args.repeats):
-        times["upstream"].append(timed(run_upstream))
-        times["ours"].append(timed(run_ours))
+        for name, run in (("upstream", run_upstream), ("ours", run_ours)):
+            wall, seconds = timed_both(run)
+            times[name].append(wall)
+            cpu[name].append(seconds)
     upstream.lsmr = real_lsmr
     up_t, our_t = median(times["upstream"]), median(times["ours"])
+    up_c, our_c = median(cpu["upstream"]), median(cpu["ours"])
     mine, (theirs, their_mask) = results["ours"], results["upstream"]
     reference = ours.merge_distance_maps(maps, masks, cameras, width, height, rtol=1e-10)
     a, b = equations["a"].tocsr(), np.asarray(equations["b"], np.float64)
@@ -144,7 +148,8 @@ def main(argv=None) -> None:
     print(f"upstream merge_panorama_depth: median {up_t:.2f} s  {[round(t, 2) for t in times['upstream']]}")
     print(f"ours merge_distance_maps:      median {our_t:.2f} s  {[round(t, 2) for t in times['ours']]}  (last call: "
           + ", ".join(f"{k} {v:.2f} s" for k, v in mine.seconds.items()) + ")")
-    print(f"ratio ours / upstream: {our_t / up_t:.3f}")
+    print(f"ratio ours / upstream: {our_t / up_t:.3f} (CPU seconds of the process: ours {our_c:.2f}, upstream "
+          f"{up_c:.2f}, ratio {our_c / up_c:.3f})")
     print(f"our solve: {mine.iterations} CG iterations, relative residual {mine.residual:.1e}, converged {mine.converged} "
           f"(the minimiser: {reference.iterations} iterations to {reference.residual:.1e})")
     print(f"objective on upstream's equations: ours {f_ours:.6g}, upstream {f_up:.6g}, minimiser {f_min:.6g} "
@@ -153,7 +158,8 @@ def main(argv=None) -> None:
           f"upstream {up_err[0]:.1e} / {up_err[1]:.1e}")
     print(f"mask agreement with upstream: {100 * float((mine.mask == their_mask).mean()):.3f} %")
     finish_report({"cpu": cpu_name(), "views": args.views, "size": [width, height], "upstream_s": times["upstream"],
-                   "ours_s": times["ours"], "ratio": our_t / up_t, "iterations": mine.iterations,
+                   "ours_s": times["ours"], "ratio": our_t / up_t, "upstream_cpu_s": cpu["upstream"],
+                   "ours_cpu_s": cpu["ours"], "cpu_ratio": our_c / up_c, "iterations": mine.iterations,
                    "residual": mine.residual, "converged": mine.converged,
                    "objective": {"ours": f_ours, "upstream": f_up, "minimiser": f_min},
                    "ours_log_error_p50_p99": ours_err, "upstream_log_error_p50_p99": up_err}, args.json)

@@ -460,25 +460,32 @@ class _Multigrid:
             self.smooth.append(np.where(d > 0, self.OMEGA / np.where(d > 0, d, 1), 0).astype(np.float32))
         self._x = [np.empty(getattr(level, "shape", None) or level.size, np.float32) for level in self.levels[:-1]]
         self._work = [np.empty_like(x) for x in self._x]
-        self.coarsest = np.linalg.pinv(self._dense(self.levels[-1]), rcond=self.RCOND, hermitian=True).astype(np.float32)
+        # the coarsest level's nodes with an edge (at most COARSEST: a level whose next has no aggregate has
+        # no edge at all): its pseudo-inverse, 0 on the others (their rows of K are 0)
+        last = self.levels[-1]
+        self._alive = np.flatnonzero((degree if last is fine else last.degree) > 0)
+        self.coarsest = np.linalg.pinv(self._dense(last, self._alive), rcond=self.RCOND, hermitian=True).astype(np.float32)
 
     @staticmethod
-    def _dense(level) -> np.ndarray:
-        """The coarsest operator as a dense float64 matrix."""
+    def _dense(level, nodes: np.ndarray) -> np.ndarray:
+        """The coarsest operator among `nodes` as a dense float64 matrix."""
         if isinstance(level, _SparseLaplacian):
-            return np.diag(level.degree.astype(np.float64)) - level.adjacency.toarray().astype(np.float64)
+            block = level.adjacency[nodes][:, nodes].toarray().astype(np.float64)
+            return np.diag(level.degree[nodes].astype(np.float64)) - block
         h, w = level.shape
-        dense = np.zeros((h * w, h * w))
-        for k in range(h * w):  # a grid small enough to be the coarsest: column by column
+        dense = np.zeros((nodes.size, nodes.size))
+        for column, k in enumerate(nodes):  # a grid small enough to be the coarsest: column by column
             unit = np.zeros(h * w)
             unit[k] = 1.0
-            dense[:, k] = level(unit.reshape(h, w)).ravel()
+            dense[:, column] = level(unit.reshape(h, w)).ravel()[nodes]
         return dense
 
     def __call__(self, b: np.ndarray, k: int = 0) -> np.ndarray:
         """B b (float32), in this level's result buffer (shape of b)."""
         if k == len(self.levels) - 1:
-            return (self.coarsest @ b.ravel()).reshape(b.shape)
+            out = np.zeros(b.size, b.dtype)
+            out[self._alive] = self.coarsest @ b.ravel()[self._alive]
+            return out.reshape(b.shape)
         apply, smooth, x, work = self.levels[k], self.smooth[k], self._x[k], self._work[k]
         transfer = self.transfers[k]
         np.multiply(smooth, b, out=x)
