@@ -218,7 +218,7 @@ def test_the_solve_reaches_the_minimiser_of_the_objective(kind, width, height, s
     assert 0.2 < data.grad_x_weight.mean() <= 1 and np.isfinite(data.grad_x).all()  # data on most edges
     a, b = written_out_equations(data)
     reference, components = least_squares_reference(a, b, (height, width))
-    x0 = data.mean_log_distance()  # merge_distance_maps' start
+    x0 = data.mean_log_distance()  # a start far from the minimiser: the jumps between views are in it
     solved = solve_log_distance(data, x0)
     objective = lambda x: float(np.sum((a @ x.ravel() - b) ** 2))  # noqa: E731
     best, first = objective(reference), objective(x0)
