@@ -164,8 +164,8 @@ def warp_views(distance_maps: Sequence[np.ndarray], masks: Sequence[np.ndarray],
 
 
 # ------------------------------------------------------------------------------------------ the system
-# The operators below write into preallocated buffers: the solve is memory-bound, and these stencils on a
-# 1920x960 grid are ~5 ms each in numpy, where temporaries and wrap-around copies cost as much again.
+# The operators below write into preallocated buffers: the solve is memory-bound, and on a 1920x960 grid a
+# stencil's temporaries and wrap-around copies (and the page faults of fresh arrays) cost as much again.
 def _shift_left(x: np.ndarray) -> np.ndarray:
     """x[:, j + 1] at column j (wrapping): the right neighbour."""
     return np.concatenate([x[:, 1:], x[:, :1]], axis=1)
