@@ -356,14 +356,14 @@ class _SparseLaplacian:
         out -= self.adjacency @ x
         return out
 
-    def coarse_aggregates(self) -> tuple:
+    def coarse_aggregates(self, adjacency) -> tuple:
         """The next coarsening: the nodes of each 2 x 2 group of blocks split into the parts that the edges
         among them connect; nodes with no edge left (a whole region inside one block: M's null space) join
-        no aggregate. Returns (aggregate of each node, -1 for none; count; coords of each aggregate)."""
+        no aggregate. `adjacency`: this level's, as COO. Returns (aggregate of each node, -1 for none;
+        count; coords of each aggregate)."""
         from scipy.sparse import csr_matrix
         from scipy.sparse.csgraph import connected_components
 
-        adjacency = self.adjacency.tocoo()
         group = (self.coords[:, 0] // 2) * (1 << 31) + self.coords[:, 1] // 2
         inside = group[adjacency.row] == group[adjacency.col]
         graph = csr_matrix((np.ones(int(inside.sum()), np.int8), (adjacency.row[inside], adjacency.col[inside])),
@@ -380,17 +380,33 @@ class _SparseLaplacian:
         return aggregate, count, coords
 
 
-def _galerkin(aggregate: np.ndarray, count: int, rows: np.ndarray, cols: np.ndarray, weights: np.ndarray):
-    """The adjacency of P^T K P for P = the aggregates' indicator vectors: two aggregates are joined by the
-    sum of the weights of the fine edges (rows[k] - cols[k], each edge once) between them."""
+def _galerkin(a: np.ndarray, b: np.ndarray, weights: np.ndarray, count: int):
+    """The adjacency of P^T K P for P = the aggregates' indicator vectors, from the fine edges between two
+    aggregates (each edge once: a[k] != b[k] its ends' aggregates, weights[k] > 0 its weight): two
+    aggregates are joined by the sum of the weights of the fine edges between them."""
     from scipy.sparse import coo_matrix
 
-    a, b = aggregate[rows], aggregate[cols]
-    keep = (a != b) & (a >= 0) & (b >= 0) & (weights > 0)
-    a, b, weights = a[keep], b[keep], weights[keep].astype(np.float32)
-    upper = coo_matrix((weights, (np.minimum(a, b), np.maximum(a, b))), shape=(count, count)).tocsr()
+    upper = coo_matrix((weights.astype(np.float32), (np.minimum(a, b), np.maximum(a, b))), shape=(count, count)).tocsr()
     upper.sum_duplicates()
     return (upper + upper.T).tocsr()
+
+
+def _grid_edges(aggregate: np.ndarray, wx: np.ndarray, wy: np.ndarray) -> tuple:
+    """The grid's edges (horizontal ones wrapping) between two aggregates, as `_galerkin` takes them, read
+    off the grid without index arrays (an edge with weight has both ends in aggregates)."""
+    grid = aggregate.reshape(wx.shape)
+    right = _shift_left(grid)
+    across, down = (wx > 0) & (grid != right), (wy > 0) & (grid[:-1] != grid[1:])
+    return (np.concatenate([grid[across], grid[:-1][down]]), np.concatenate([right[across], grid[1:][down]]),
+            np.concatenate([wx[across], wy[down]]))
+
+
+def _coarse_edges(aggregate: np.ndarray, edges) -> tuple:
+    """A coarse level's edges (its adjacency as COO; each edge once) between two of the next level's
+    aggregates, as `_galerkin` takes them."""
+    a, b = aggregate[edges.row], aggregate[edges.col]
+    keep = (edges.row < edges.col) & (a != b) & (a >= 0) & (b >= 0)
+    return a[keep], b[keep], edges.data[keep]
 
 
 class _Transfer:
@@ -438,22 +454,17 @@ class _Multigrid:
         self.levels: list = [fine]
         self.transfers: list = []
         if wx.size > self.COARSEST:
-            h, w = wx.shape
             aggregate, count, coords = _block_aggregates(wx, wy, degree > 0)
-            idx = np.arange(h * w).reshape(h, w)
-            rows = np.concatenate([idx.ravel(), idx[:-1].ravel()])
-            cols = np.concatenate([_shift_left(idx).ravel(), idx[1:].ravel()])
-            weights = np.concatenate([wx.ravel(), wy.ravel()])
+            ends = _grid_edges(aggregate, wx, wy)
             while count > 0:
                 self.transfers.append(_Transfer(aggregate, count))
-                coarse = _SparseLaplacian(_galerkin(aggregate, count, rows, cols, weights), coords)
+                coarse = _SparseLaplacian(_galerkin(*ends, count), coords)
                 self.levels.append(coarse)
                 if count <= self.COARSEST:
                     break
                 edges = coarse.adjacency.tocoo()
-                once = edges.row < edges.col
-                rows, cols, weights = edges.row[once], edges.col[once], edges.data[once]
-                aggregate, count, coords = coarse.coarse_aggregates()
+                aggregate, count, coords = coarse.coarse_aggregates(edges)
+                ends = _coarse_edges(aggregate, edges)
         self.smooth = []
         for level in self.levels[:-1]:
             d = level.degree() if level is fine else level.degree
