@@ -561,9 +561,10 @@ def solve_log_distance(data: MergeData, x0: np.ndarray, rtol: float = 1e-6, maxi
     * M is singular by one constant per connected region. Round-off puts a little of those constants into
       every residual; a preconditioner that amplifies them (the old V-cycle of K + 1e-4 I did, by 1e4, and
       any V-cycle of K does by up to the inverse of its smallest coarse eigenvalues) turns them into search
-      directions that M maps to nothing, and CG diverged. Here the residuals and the preconditioned
-      residuals have their region means removed (`_RegionMeans`), and the V-cycle has no shift: the search
-      stays in M's range, and each region keeps x0's constant (`metric_offsets` sets it afterwards).
+      directions that M maps to nothing, and CG diverged. Here every residual has its region means removed
+      (`_RegionMeans`) before the V-cycle sees it, and the V-cycle has no shift. (The directions may still
+      carry constants of a normal size, which M and the residuals ignore; `metric_offsets` sets each
+      region's constant afterwards.)
     * Mixed precision with reliable updates: the products and the V-cycle run in float32 (half the memory
       traffic), x in float64, and the recursive float32 residual is replaced by the true one, rhs - M x in
       float64, each time it has fallen by RELIABLE and before stopping. Float32 alone drifts from the true
@@ -605,7 +606,7 @@ def solve_log_distance(data: MergeData, x0: np.ndarray, rtol: float = 1e-6, maxi
     r = np.empty(x.shape, np.float32)
     norm_r = replaced = true_residual()
     exact = True  # r is the true residual
-    p = project(precondition(r)).copy()
+    p = precondition(r).copy()
     iteration = 0
     while True:
         if norm_r <= stop and not exact:  # the recursive residual says so: ask the true one
@@ -626,7 +627,7 @@ def solve_log_distance(data: MergeData, x0: np.ndarray, rtol: float = 1e-6, maxi
         if stop < norm_r <= RELIABLE * replaced:
             norm_r = replaced = true_residual()
             exact = True
-        z = project(precondition(r))
+        z = precondition(r)
         beta = np.float32(-float(np.vdot(z, q)) / pq)  # the next direction M-orthogonal to this one
         p *= beta
         p += z
