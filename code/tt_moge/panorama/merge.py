@@ -78,17 +78,24 @@ class MergeData:
 def _project(directions: np.ndarray, camera, size: int) -> tuple:
     """Panorama directions -> (view pixel column, row (...) float32, contiguous as cv2.remap takes them;
     in-view mask) for a square view. In float32 throughout (the coordinates' own precision, at half the
-    memory traffic)."""
-    cam = directions @ camera.rotation.T.astype(directions.dtype)
-    z = cam[..., 2]
-    scale = np.float32(0.5 / np.tan(np.radians(camera.fov_deg) / 2.0))
+    memory traffic), each camera axis a matrix-vector product of its own (contiguous planes)."""
+    rotation = camera.rotation.astype(directions.dtype)
+    z = directions @ rotation[2]
+    inside = z > 0
     with np.errstate(divide="ignore", invalid="ignore"):
-        u = cam[..., 0] / z * scale + np.float32(0.5)
-        v = cam[..., 1] / z * scale + np.float32(0.5)
-    inside = (z > 0) & (u > 0) & (u < 1) & (v > 0) & (v < 1)
-    column = np.clip(u, 0, 1) * np.float32(size) - np.float32(0.5)
-    row = np.clip(v, 0, 1) * np.float32(size) - np.float32(0.5)
-    return column, row, inside
+        scale = np.reciprocal(z, out=z)
+        scale *= np.float32(0.5 / np.tan(np.radians(camera.fov_deg) / 2.0))
+    planes = []
+    for axis in (0, 1):  # u, v in (0, 1) across the view, then its pixel coordinate
+        t = directions @ rotation[axis]
+        t *= scale
+        t += np.float32(0.5)
+        inside &= (t > 0) & (t < 1)
+        np.clip(t, 0, 1, out=t)
+        t *= np.float32(size)
+        t -= np.float32(0.5)
+        planes.append(t)
+    return planes[0], planes[1], inside
 
 
 def _rows_seen(camera, width: int, height: int) -> slice:
