@@ -82,19 +82,19 @@ def _project(directions: np.ndarray, camera, size: int) -> tuple:
     rotation = camera.rotation.astype(directions.dtype)
     z = directions @ rotation[2]
     inside = z > 0
-    with np.errstate(divide="ignore", invalid="ignore"):
+    planes = []
+    with np.errstate(divide="ignore", invalid="ignore"):  # z = 0: inf and nan, outside the view
         scale = np.reciprocal(z, out=z)
         scale *= np.float32(0.5 / np.tan(np.radians(camera.fov_deg) / 2.0))
-    planes = []
-    for axis in (0, 1):  # u, v in (0, 1) across the view, then its pixel coordinate
-        t = directions @ rotation[axis]
-        t *= scale
-        t += np.float32(0.5)
-        inside &= (t > 0) & (t < 1)
-        np.clip(t, 0, 1, out=t)
-        t *= np.float32(size)
-        t -= np.float32(0.5)
-        planes.append(t)
+        for axis in (0, 1):  # u, v in (0, 1) across the view, then its pixel coordinate
+            t = directions @ rotation[axis]
+            t *= scale
+            t += np.float32(0.5)
+            inside &= (t > 0) & (t < 1)
+            np.clip(t, 0, 1, out=t)
+            t *= np.float32(size)
+            t -= np.float32(0.5)
+            planes.append(t)
     return planes[0], planes[1], inside
 
 
