@@ -603,15 +603,18 @@ def solve_log_distance(data: MergeData, x0: np.ndarray, rtol: float = 1e-6, maxi
     step = np.empty_like(q)
     stop = rtol * norm_rhs
 
-    def true_residual() -> float:
+    def true_residual(x_is_zero: bool = False) -> float:
         """r = rhs - M x from float64 (projected); returns its norm."""
-        np.subtract(system.rhs, system.apply(x, out=r64), out=r64)
+        if x_is_zero:  # M 0 = 0: merge_distance_maps' start saves one float64 product
+            np.copyto(r64, system.rhs)
+        else:
+            np.subtract(system.rhs, system.apply(x, out=r64), out=r64)
         project(r64)
         np.copyto(r, r64)
         return float(np.linalg.norm(r64))
 
     r = np.empty(x.shape, np.float32)
-    norm_r = replaced = true_residual()
+    norm_r = replaced = true_residual(x_is_zero=not np.any(x[project.inside]))  # the rest do not enter M x
     exact = True  # r is the true residual
     p = precondition(r).copy()
     iteration = 0
