@@ -1,5 +1,5 @@
 """Merge the views' distance maps into one panorama distance map: the least-squares fit of log-distance
-gradients that upstream MoGe's `merge_panorama_depth` solves, solved fast, then put in metres.
+gradients that upstream MoGe's `merge_panorama_depth` solves, solved to its minimiser, then put in metres.
 
 The objective (upstream's, term for term): every view's log distance is resampled onto the panorama grid; on
 each grid edge (horizontal edges wrap around the seam) the log-distance differences of the views that see both
@@ -9,14 +9,16 @@ poles, columns wrap). The panorama's log distance x minimises
     sum over edges with data (x_p - x_q - mean difference)^2 + sum over pixels with data (Lx_p - mean Laplacian)^2
 
 (upstream counts the vertical edges of column 0 twice, an artefact of its seam padding; we keep that weight so
-that the minimiser is the same). This is a sparse least-squares problem; its normal equations are a
+that the objective is the same). This is a sparse least-squares problem; its normal equations M x = rhs are a
 symmetric positive semi-definite system of 13-point stencils on the grid (the Laplacian term squared) that is
-singular only by one constant per connected region. Upstream solves the rectangular system with `lsmr`
-started from its own solution at half the size, and stops early (at 1920x960 its answer is a few per cent
-off the minimiser in the low frequencies: see docs/panorama.md). We solve the normal equations with conjugate
-gradients preconditioned by a multigrid V-cycle of the gradient term alone (2 x 2 aggregation with exact
-Galerkin coarse operators, written here for the grid: pyamg's algebraic setup alone costs more than our whole
-solve at this size), from the views' own mean log distance, until the relative residual is 1e-5.
+singular by one constant per connected region of the edges. Upstream solves the rectangular system with
+`lsmr` started from its own solution at half the size, and stops early (at 1920x960 its answer is a few per
+cent off the minimiser in the low frequencies: see docs/panorama.md). We solve the normal equations with
+conjugate gradients preconditioned by an aggregation multigrid V-cycle of the gradient term alone (written
+here for the grid: pyamg's algebraic setup alone costs more than our whole solve at this size), until the
+relative residual |rhs - M x| / |rhs|, computed in float64, is 1e-6; `solve_log_distance` says why it
+converges on every input. The merge's result carries the iterations, that residual and whether it got there;
+a RuntimeWarning says when it did not.
 
 The constant: gradients fix log distance only up to one offset per connected region (upstream's scale is
 whatever its solver's start gives). We take it from the views' own metric distances: each region's offset is
@@ -26,13 +28,14 @@ moves it only as much as a median lets it.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
-__all__ = ["MergeData", "MergeResult", "warp_views", "normal_matrix", "solve_log_distance", "metric_offsets",
-           "merge_distance_maps"]
+__all__ = ["MergeData", "MergeResult", "SolveResult", "warp_views", "normal_matrix", "solve_log_distance",
+           "metric_offsets", "merge_distance_maps"]
 
 
 @dataclass
@@ -56,18 +59,43 @@ class MergeData:
     log_views: list  # per view: (rows slice, (h, w) log distance or None, (h, w) valid mask)
     mask: np.ndarray
 
+    def mean_log_distance(self) -> np.ndarray:
+        """(H, W) float32: the valid views' mean log distance at each pixel (0 where none is valid): the
+        answer where a pixel is in no equation."""
+        total = np.zeros((self.height, self.width), np.float32)
+        count = np.zeros((self.height, self.width), np.float32)
+        for rows, log_p, valid in self.log_views:
+            total[rows] += log_p * valid
+            count[rows] += valid
+        return total / np.maximum(count, 1.0)
+
+    @functools.cached_property
+    def regions(self) -> tuple:
+        """(labels (H, W) int, count): the connected regions of the gradient equations (`_regions`)."""
+        return _regions(self)
+
 
 def _project(directions: np.ndarray, camera, size: int) -> tuple:
-    """Panorama directions -> (view pixel coordinates (..., 2) float32, in-view mask) for a square view."""
-    cam = directions @ camera.rotation.T.astype(directions.dtype)
-    z = cam[..., 2]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        half = np.tan(np.radians(camera.fov_deg) / 2.0)
-        u = (cam[..., 0] / z / half + 1.0) * 0.5
-        v = (cam[..., 1] / z / half + 1.0) * 0.5
-    inside = (z > 0) & (u > 0) & (u < 1) & (v > 0) & (v < 1)
-    pixels = np.stack([np.clip(u, 0, 1) * size - 0.5, np.clip(v, 0, 1) * size - 0.5], axis=-1)
-    return pixels.astype(np.float32), inside
+    """Panorama directions -> (view pixel column, row (...) float32, contiguous as cv2.remap takes them;
+    in-view mask) for a square view. In float32 throughout (the coordinates' own precision, at half the
+    memory traffic), each camera axis a matrix-vector product of its own (contiguous planes)."""
+    rotation = camera.rotation.astype(directions.dtype)
+    z = directions @ rotation[2]
+    inside = z > 0
+    planes = []
+    with np.errstate(divide="ignore", invalid="ignore"):  # z = 0: inf and nan, outside the view
+        scale = np.reciprocal(z, out=z)
+        scale *= np.float32(0.5 / np.tan(np.radians(camera.fov_deg) / 2.0))
+        for axis in (0, 1):  # u, v in (0, 1) across the view, then its pixel coordinate
+            t = directions @ rotation[axis]
+            t *= scale
+            t += np.float32(0.5)
+            inside &= (t > 0) & (t < 1)
+            np.clip(t, 0, 1, out=t)
+            t *= np.float32(size)
+            t -= np.float32(0.5)
+            planes.append(t)
+    return planes[0], planes[1], inside
 
 
 def _rows_seen(camera, width: int, height: int) -> slice:
@@ -101,13 +129,13 @@ def warp_views(distance_maps: Sequence[np.ndarray], masks: Sequence[np.ndarray],
     for distance, valid, camera in zip(distance_maps, masks, cameras):
         size = distance.shape[0]
         rows = _rows_seen(camera, width, height)
-        pixels, inside = _project(directions[rows], camera, size)
+        column, row, inside = _project(directions[rows], camera, size)
         with np.errstate(divide="ignore", invalid="ignore"):
             log_d = np.log(np.asarray(distance, np.float32))
         log_d = np.where(np.isfinite(log_d), log_d, 0.0).astype(np.float32)
         m_view = np.asarray(valid, bool) & np.isfinite(np.log(np.maximum(distance, 0)))  # noqa: invalid <= 0 distances
-        log_p = cv2.remap(log_d, pixels[..., 0], pixels[..., 1], cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
-        m_p = inside & (cv2.remap(m_view.astype(np.uint8), pixels[..., 0], pixels[..., 1], cv2.INTER_NEAREST,
+        log_p = cv2.remap(log_d, column, row, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
+        m_p = inside & (cv2.remap(m_view.astype(np.uint8), column, row, cv2.INTER_NEAREST,
                                   borderMode=cv2.BORDER_REPLICATE) > 0)
         log_p = np.where(m_p, log_p, 0.0).astype(np.float32)
         log_views.append((rows, log_p, m_p))
@@ -143,6 +171,8 @@ def warp_views(distance_maps: Sequence[np.ndarray], masks: Sequence[np.ndarray],
 
 
 # ------------------------------------------------------------------------------------------ the system
+# The operators below write into preallocated buffers: the solve is memory-bound, and on a 1920x960 grid a
+# stencil's temporaries and wrap-around copies (and the page faults of fresh arrays) cost as much again.
 def _shift_left(x: np.ndarray) -> np.ndarray:
     """x[:, j + 1] at column j (wrapping): the right neighbour."""
     return np.concatenate([x[:, 1:], x[:, :1]], axis=1)
@@ -153,49 +183,91 @@ def _shift_right(x: np.ndarray) -> np.ndarray:
     return np.concatenate([x[:, -1:], x[:, :-1]], axis=1)
 
 
-def _laplacian(x: np.ndarray) -> np.ndarray:
-    """The 5-point Laplacian, columns wrapping, rows clamped at the poles (symmetric, = -(graph Laplacian))."""
-    out = _shift_left(x)
-    out += _shift_right(x)
+def _laplacian(x: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """The 5-point Laplacian, columns wrapping, rows clamped at the poles (symmetric, = -(graph Laplacian)),
+    into `out` (a new array if None; not x)."""
+    out = np.multiply(x, -4.0, out=out)
+    out[:, :-1] += x[:, 1:]
+    out[:, -1] += x[:, 0]
+    out[:, 1:] += x[:, :-1]
+    out[:, 0] += x[:, -1]
     out[1:] += x[:-1]
-    out[0] += x[0]
     out[:-1] += x[1:]
+    out[0] += x[0]
     out[-1] += x[-1]
-    out -= 4.0 * x
     return out
 
 
-def _graph_laplacian(wx: np.ndarray, wy: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """D^T diag(w) D x for the grid's edges: horizontal weights wx (H, W) (edge j -> j + 1, wrapping), vertical
-    weights wy (H - 1, W)."""
-    ex = wx * (x - _shift_left(x))
-    out = ex - _shift_right(ex)
-    ey = wy * (x[:-1] - x[1:])
-    out[:-1] += ey
-    out[1:] -= ey
-    return out
+class _GraphLaplacian:
+    """K x = D^T diag(w) D x for the grid's edges: horizontal weights wx (H, W) (edge j -> j + 1, wrapping),
+    vertical weights wy (H - 1, W); applied with its own buffers, for inputs of one dtype."""
+
+    def __init__(self, wx: np.ndarray, wy: np.ndarray):
+        self.wx, self.wy = wx, wy
+        self._buffers: dict = {}
+
+    @property
+    def shape(self) -> tuple:
+        return self.wx.shape
+
+    def degree(self) -> np.ndarray:
+        """The diagonal of K: each pixel's sum of edge weights."""
+        degree = self.wx + _shift_right(self.wx)
+        degree[:-1] += self.wy
+        degree[1:] += self.wy
+        return degree
+
+    def __call__(self, x: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+        if x.dtype not in self._buffers:
+            h, w = self.shape
+            self._buffers[x.dtype] = (np.empty((h, w), x.dtype), np.empty((h - 1, w), x.dtype))
+        ex, ey = self._buffers[x.dtype]
+        if out is None:
+            out = np.empty_like(x)
+        np.subtract(x[:, :-1], x[:, 1:], out=ex[:, :-1])  # edge fluxes w (x_p - x_q)
+        np.subtract(x[:, -1], x[:, 0], out=ex[:, -1])
+        ex *= self.wx
+        np.subtract(ex[:, 1:], ex[:, :-1], out=out[:, 1:])
+        np.subtract(ex[:, 0], ex[:, -1], out=out[:, 0])
+        np.subtract(x[:-1], x[1:], out=ey)
+        ey *= self.wy
+        out[:-1] += ey
+        out[1:] -= ey
+        return out
 
 
 class _NormalEquations:
-    """M x = rhs, the normal equations of the objective, applied matrix-free: M = D^T A D + L B L."""
+    """M x = rhs, the normal equations of the objective, applied matrix-free: M = D^T A D + L B L. The
+    weights are `dtype` (float32 for CG); `system @ x` computes in x's dtype (float64 for true residuals);
+    rhs is float64."""
 
     def __init__(self, data: MergeData, dtype=np.float32):
         self.wx = data.grad_x_weight.astype(dtype)
         self.wy = data.grad_y_weight.astype(dtype)
         self.b = data.laplacian_weight.astype(dtype)
-        ex, ey = self.wx * data.grad_x, self.wy * data.grad_y
+        self.gradient_term = _GraphLaplacian(self.wx, self.wy)
+        ex = data.grad_x_weight.astype(np.float64) * data.grad_x
+        ey = data.grad_y_weight.astype(np.float64) * data.grad_y
         rhs = ex - _shift_right(ex)
         rhs[:-1] += ey
         rhs[1:] -= ey
-        self.rhs = (rhs + _laplacian(self.b * data.laplacian)).astype(dtype)
-        self.degree = self.wx + _shift_right(self.wx)  # diag of D^T A D
-        self.degree[:-1] += self.wy
-        self.degree[1:] += self.wy
+        self.rhs = rhs + _laplacian(data.laplacian_weight.astype(np.float64) * data.laplacian)
+        self.degree = self.gradient_term.degree()  # diag of D^T A D
         self.has_equation = (self.degree > 0) | (self.b > 0)
+        self._buffers: dict = {}
 
     def __matmul__(self, x: np.ndarray) -> np.ndarray:
-        out = _graph_laplacian(self.wx, self.wy, x)
-        out += _laplacian(self.b * _laplacian(x))
+        return self.apply(x, np.empty_like(x))
+
+    def apply(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """out = M x (in x's dtype)."""
+        if x.dtype not in self._buffers:
+            self._buffers[x.dtype] = (np.empty(x.shape, x.dtype), np.empty(x.shape, x.dtype))
+        lx, llx = self._buffers[x.dtype]
+        self.gradient_term(x, out=out)
+        _laplacian(x, out=lx)
+        lx *= self.b
+        out += _laplacian(lx, out=llx)
         return out
 
 
@@ -223,135 +295,382 @@ def normal_matrix(data: MergeData):
 
 
 # ------------------------------------------------------------------------------------ the preconditioner
-class _Level:
-    """One level of the multigrid hierarchy of the weighted graph Laplacian K = D^T A D (+ a small diagonal)."""
+def _block_components() -> np.ndarray:
+    """(16, 4) int8: for each pattern of the 4 edges inside a 2 x 2 block (bit 0: a-b, 1: c-d, 2: a-c,
+    3: b-d, for the pixels a b / c d), the connected component of each pixel a, b, c, d (0, 1, ...)."""
+    table = np.zeros((16, 4), np.int8)
+    for pattern in range(16):
+        parent = list(range(4))
 
-    def __init__(self, wx: np.ndarray, wy: np.ndarray, diagonal: np.ndarray):
-        self.wx, self.wy, self.diagonal = wx, wy, diagonal
-        degree = wx + _shift_right(wx) + diagonal
-        degree[:-1] += wy
-        degree[1:] += wy
-        self.inv_degree = np.where(degree > 0, 1.0 / np.where(degree > 0, degree, 1.0), 0.0).astype(wx.dtype)
-        self.solve_matrix = None  # the coarsest level: its pseudo-inverse
+        def root(i: int) -> int:
+            while parent[i] != i:
+                i = parent[i]
+            return i
 
-    @property
-    def shape(self) -> tuple:
-        return self.wx.shape
+        for bit, (u, v) in enumerate([(0, 1), (2, 3), (0, 2), (1, 3)]):
+            if pattern >> bit & 1:
+                parent[root(u)] = root(v)
+        first: dict = {}
+        for i in range(4):
+            table[pattern, i] = first.setdefault(root(i), len(first))
+    return table
 
-    def apply(self, x: np.ndarray) -> np.ndarray:
-        out = _graph_laplacian(self.wx, self.wy, x)
-        out += self.diagonal * x
+
+_BLOCK_COMPONENTS = _block_components()
+
+
+def _block_aggregates(wx: np.ndarray, wy: np.ndarray, linked: np.ndarray) -> tuple:
+    """The first coarsening: each 2 x 2 block's pixels split into the parts that its own edges connect.
+    Returns (aggregate of each pixel (H * W,) intp, -1 for pixels in no edge; count; (count, 2) block
+    coordinates of each aggregate). A block cut by holes into pieces gives one aggregate per piece: one
+    aggregate for pixels that only a long way round connects would tie them together in the coarse space,
+    and on masks full of small holes (salt and pepper) that made the old V-cycle need ~10 times the steps."""
+    h, w = wx.shape
+    hc, wc = (h + 1) // 2, (w + 1) // 2
+    ex, ey, lk = (np.zeros((2 * hc, 2 * wc), bool) for _ in range(3))
+    ex[:h, :w], ey[:h - 1, :w], lk[:h, :w] = wx > 0, wy > 0, linked
+    if w % 2:  # the seam's edge (w - 1 -> 0) is not inside the last block, whose second column is padding
+        ex[:, w - 1] = False
+    pattern = ex[0::2, 0::2] * 1 + ex[1::2, 0::2] * 2 + ey[0::2, 0::2] * 4 + ey[0::2, 1::2] * 8
+    component = _BLOCK_COMPONENTS[pattern].reshape(-1, 4)  # (blocks, pixel a b c d) -> its part
+    corners = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    pixel_linked = np.stack([lk[i::2, j::2].ravel() for i, j in corners], -1)
+    blocks = np.arange(hc * wc)
+    used = np.zeros((hc * wc, 4), bool)  # (block, part): a part with some pixel in an edge
+    for k in range(4):
+        used[blocks[pixel_linked[:, k]], component[pixel_linked[:, k], k]] = True
+    ids = np.cumsum(used.ravel()).reshape(-1, 4) - 1
+    aggregate = np.full((2 * hc, 2 * wc), -1, np.intp)
+    for k, (i, j) in enumerate(corners):
+        aggregate[i::2, j::2] = np.where(pixel_linked[:, k], ids[blocks, component[:, k]], -1).reshape(hc, wc)
+    block_of = np.nonzero(used)[0]
+    coords = np.stack([block_of // wc, block_of % wc], -1)
+    return aggregate[:h, :w].ravel(), int(used.sum()), coords
+
+
+class _SparseLaplacian:
+    """A graph Laplacian K = diag(degree) - A on any graph (the coarse levels), A a symmetric float32 CSR
+    adjacency; coords (n, 2): each node's block coordinates at this level (for the next coarsening)."""
+
+    def __init__(self, adjacency, coords: np.ndarray):
+        self.adjacency = adjacency
+        self.degree = np.asarray(adjacency.sum(axis=1), dtype=np.float32).ravel()
+        self.coords = coords
+        self.size = adjacency.shape[0]
+
+    def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        np.multiply(self.degree, x, out=out)
+        out -= self.adjacency @ x
         return out
 
-    def coarsen(self) -> "_Level":
-        """The Galerkin operator P^T K P for P = piecewise constant on 2 x 2 blocks: again a graph Laplacian,
-        whose edge weights are the sums of the fine edges between two blocks (odd sizes: padded with nothing)."""
-        h, w = self.shape
-        hc, wc = (h + 1) // 2, (w + 1) // 2
-        wx, wy, diagonal = (_pad(a, 2 * hc, 2 * wc) for a in (self.wx, self.wy, self.diagonal))
-        if w % 2:  # the wrap edge (w - 1 -> 0) now ends on a padding column: move it to the padded column
-            wx[:, 2 * wc - 1] = wx[:, w - 1]
-            wx[:, w - 1] = 0
-        cwx = wx[0::2, 1::2] + wx[1::2, 1::2]
-        cwy = (wy[1::2, 0::2] + wy[1::2, 1::2])[:hc - 1]
-        cdiag = diagonal[0::2, 0::2] + diagonal[0::2, 1::2] + diagonal[1::2, 0::2] + diagonal[1::2, 1::2]
-        return _Level(cwx, cwy, cdiag)
+    def coarse_aggregates(self, adjacency) -> tuple:
+        """The next coarsening: the nodes of each 2 x 2 group of blocks split into the parts that the edges
+        among them connect; nodes with no edge left (a whole region inside one block: M's null space) join
+        no aggregate. `adjacency`: this level's, as COO. Returns (aggregate of each node, -1 for none;
+        count; coords of each aggregate)."""
+        from scipy.sparse import csr_matrix
+        from scipy.sparse.csgraph import connected_components
+
+        group = (self.coords[:, 0] // 2) * (1 << 31) + self.coords[:, 1] // 2
+        inside = group[adjacency.row] == group[adjacency.col]
+        graph = csr_matrix((np.ones(int(inside.sum()), np.int8), (adjacency.row[inside], adjacency.col[inside])),
+                           shape=(self.size, self.size))
+        _, part = connected_components(graph, directed=False)
+        alive = self.degree > 0
+        used = np.zeros(self.size + 1, bool)
+        used[part[alive]] = True
+        ids = np.cumsum(used) - 1
+        aggregate = np.where(alive, ids[part], -1).astype(np.intp)
+        count = int(used.sum())
+        coords = np.zeros((count, 2), self.coords.dtype)
+        coords[aggregate[alive]] = self.coords[alive] // 2
+        return aggregate, count, coords
 
 
-def _pad(a: np.ndarray, h: int, w: int) -> np.ndarray:
-    out = np.zeros((h, w), a.dtype)
-    out[:a.shape[0], :a.shape[1]] = a
-    return out
+def _galerkin(a: np.ndarray, b: np.ndarray, weights: np.ndarray, count: int):
+    """The adjacency of P^T K P for P = the aggregates' indicator vectors, from the fine edges between two
+    aggregates (each edge once: a[k] != b[k] its ends' aggregates, weights[k] > 0 its weight): two
+    aggregates are joined by the sum of the weights of the fine edges between them."""
+    from scipy.sparse import coo_matrix
+
+    upper = coo_matrix((weights.astype(np.float32), (np.minimum(a, b), np.maximum(a, b))), shape=(count, count)).tocsr()
+    upper.sum_duplicates()
+    return (upper + upper.T).tocsr()
 
 
-def _restrict(r: np.ndarray, shape: tuple) -> np.ndarray:
-    hc, wc = shape
-    p = _pad(r, 2 * hc, 2 * wc) if r.shape != (2 * hc, 2 * wc) else r
-    return p[0::2, 0::2] + p[0::2, 1::2] + p[1::2, 0::2] + p[1::2, 1::2]
+def _grid_edges(aggregate: np.ndarray, wx: np.ndarray, wy: np.ndarray) -> tuple:
+    """The grid's edges (horizontal ones wrapping) between two aggregates, as `_galerkin` takes them, read
+    off the grid without index arrays (an edge with weight has both ends in aggregates)."""
+    grid = aggregate.reshape(wx.shape)
+    right = _shift_left(grid)
+    across, down = (wx > 0) & (grid != right), (wy > 0) & (grid[:-1] != grid[1:])
+    return (np.concatenate([grid[across], grid[:-1][down]]), np.concatenate([right[across], grid[1:][down]]),
+            np.concatenate([wx[across], wy[down]]))
 
 
-def _prolong(e: np.ndarray, shape: tuple) -> np.ndarray:
-    return np.repeat(np.repeat(e, 2, axis=0), 2, axis=1)[:shape[0], :shape[1]]
+def _coarse_edges(aggregate: np.ndarray, edges) -> tuple:
+    """A coarse level's edges (its adjacency as COO; each edge once) between two of the next level's
+    aggregates, as `_galerkin` takes them."""
+    a, b = aggregate[edges.row], aggregate[edges.col]
+    keep = (edges.row < edges.col) & (a != b) & (a >= 0) & (b >= 0)
+    return a[keep], b[keep], edges.data[keep]
+
+
+class _Transfer:
+    """P (fine -> coarse aggregates) as restriction r -> P^T r (a CSR product) and prolongation x += P e
+    (a gather; nodes in no aggregate read the zero appended to e)."""
+
+    def __init__(self, aggregate: np.ndarray, count: int):
+        from scipy.sparse import csr_matrix
+
+        member = np.flatnonzero(aggregate >= 0)
+        self.restriction = csr_matrix((np.ones(member.size, np.float32), (aggregate[member], member)),
+                                      shape=(count, aggregate.size))
+        self.index = np.where(aggregate >= 0, aggregate, count)
+        self._extended = np.zeros(count + 1, np.float32)
+        self._gathered = np.empty(aggregate.size, np.float32)
+
+    def restrict(self, r: np.ndarray) -> np.ndarray:
+        return self.restriction @ r.ravel()
+
+    def prolong_add(self, x: np.ndarray, e: np.ndarray, scale: float) -> None:
+        np.multiply(e, np.float32(scale), out=self._extended[:-1])
+        np.take(self._extended, self.index, out=self._gathered, mode="clip")
+        x += self._gathered.reshape(x.shape)
 
 
 class _Multigrid:
-    """A symmetric V-cycle for K: damped Jacobi smoothing, 2 x 2 aggregation with exact Galerkin coarse
-    operators, an over-corrected coarse correction (the usual remedy for piecewise-constant interpolation),
-    a pseudo-inverse on the coarsest grid. Used as the preconditioner of M (see `solve_log_distance`)."""
+    """A symmetric V-cycle for K (positive semi-definite: the same damped Jacobi step before and after the
+    coarse correction), aggregation multigrid: aggregates are the connected parts of 2 x 2 blocks (of
+    pixels, then of aggregates: `_block_aggregates`, `_SparseLaplacian.coarse_aggregates`), coarse operators
+    exact Galerkin products (graph Laplacians again), the coarse correction over-corrected (the usual remedy
+    for piecewise-constant interpolation), the pseudo-inverse on the coarsest level. The finest level runs on
+    the grid (`_GraphLaplacian`), the coarse ones as sparse matrices. K's null space, one constant per
+    region, is left to the caller (`_RegionMeans`); no diagonal shift regularises it (the old 1e-4 shift gave
+    those constants a gain of 1e4: see `solve_log_distance`). Used as the preconditioner of M; the result of a
+    call lives in a buffer that the next call overwrites."""
 
-    OMEGA = 0.8  # Jacobi damping
-    OVER = 2.0  # coarse-correction scaling
-    COARSEST = 600  # unknowns at most on the coarsest level
+    OMEGA = 0.85  # Jacobi damping: omega * lambda_max(D^-1 K) <= 1.7 < 2 keeps each step a contraction
+    OVER = 2.2  # coarse-correction scaling (with OMEGA: the fewest steps on room, model and holes views)
+    COARSEST = 300  # nodes at most on the coarsest level (its pseudo-inverse is dense)
+    RCOND = 1e-6  # the coarsest pseudo-inverse drops eigenvalues below this times the largest (the null space)
 
-    def __init__(self, wx: np.ndarray, wy: np.ndarray, diagonal: np.ndarray):
-        self.levels = [_Level(wx, wy, diagonal)]
-        while self.levels[-1].wx.size > self.COARSEST and min(self.levels[-1].shape) > 2:
-            self.levels.append(self.levels[-1].coarsen())
+    def __init__(self, wx: np.ndarray, wy: np.ndarray):
+        fine = _GraphLaplacian(wx, wy)
+        degree = fine.degree()
+        self.levels: list = [fine]
+        self.transfers: list = []
+        if wx.size > self.COARSEST:
+            aggregate, count, coords = _block_aggregates(wx, wy, degree > 0)
+            ends = _grid_edges(aggregate, wx, wy)
+            while count > 0:
+                self.transfers.append(_Transfer(aggregate, count))
+                coarse = _SparseLaplacian(_galerkin(*ends, count), coords)
+                self.levels.append(coarse)
+                if count <= self.COARSEST:
+                    break
+                edges = coarse.adjacency.tocoo()
+                aggregate, count, coords = coarse.coarse_aggregates(edges)
+                ends = _coarse_edges(aggregate, edges)
+        self.smooth = []
+        for level in self.levels[:-1]:
+            d = level.degree() if level is fine else level.degree
+            self.smooth.append(np.where(d > 0, self.OMEGA / np.where(d > 0, d, 1), 0).astype(np.float32))
+        self._x = [np.empty(getattr(level, "shape", None) or level.size, np.float32) for level in self.levels[:-1]]
+        self._work = [np.empty_like(x) for x in self._x]
+        # the coarsest level's nodes with an edge (at most COARSEST: a level whose next has no aggregate has
+        # no edge at all): its pseudo-inverse, 0 on the others (their rows of K are 0)
         last = self.levels[-1]
-        h, w = last.shape
-        n = h * w
-        dense = np.zeros((n, n))
-        for k in range(n):  # the coarsest operator column by column (a few hundred tiny applications)
-            unit = np.zeros(n, last.wx.dtype)
+        self._alive = np.flatnonzero((degree if last is fine else last.degree) > 0)
+        self.coarsest = np.linalg.pinv(self._dense(last, self._alive), rcond=self.RCOND, hermitian=True).astype(np.float32)
+
+    @staticmethod
+    def _dense(level, nodes: np.ndarray) -> np.ndarray:
+        """The coarsest operator among `nodes` as a dense float64 matrix."""
+        if isinstance(level, _SparseLaplacian):
+            block = level.adjacency[nodes][:, nodes].toarray().astype(np.float64)
+            return np.diag(level.degree[nodes].astype(np.float64)) - block
+        h, w = level.shape
+        dense = np.zeros((nodes.size, nodes.size))
+        for column, k in enumerate(nodes):  # a grid small enough to be the coarsest: column by column
+            unit = np.zeros(h * w)
             unit[k] = 1.0
-            dense[:, k] = last.apply(unit.reshape(h, w)).ravel()
-        last.solve_matrix = np.linalg.pinv(dense, hermitian=True).astype(last.wx.dtype)
+            dense[:, column] = level(unit.reshape(h, w)).ravel()[nodes]
+        return dense
 
     def __call__(self, b: np.ndarray, k: int = 0) -> np.ndarray:
-        level = self.levels[k]
-        if level.solve_matrix is not None:
-            return (level.solve_matrix @ b.ravel()).reshape(b.shape)
-        x = self.OMEGA * level.inv_degree * b
-        coarse = self.levels[k + 1].shape
-        x += self.OVER * _prolong(self(_restrict(b - level.apply(x), coarse), k + 1), level.shape)
-        x += self.OMEGA * level.inv_degree * (b - level.apply(x))
+        """B b (float32), in this level's result buffer (shape of b)."""
+        if k == len(self.levels) - 1:
+            out = np.zeros(b.size, b.dtype)
+            out[self._alive] = self.coarsest @ b.ravel()[self._alive]
+            return out.reshape(b.shape)
+        apply, smooth, x, work = self.levels[k], self.smooth[k], self._x[k], self._work[k]
+        transfer = self.transfers[k]
+        np.multiply(smooth, b, out=x)
+        np.subtract(b, apply(x, out=work), out=work)
+        transfer.prolong_add(x, self(transfer.restrict(work), k + 1), self.OVER)
+        np.subtract(b, apply(x, out=work), out=work)
+        work *= smooth
+        x += work
         return x
 
 
-def solve_log_distance(data: MergeData, x0: np.ndarray, rtol: float = 1e-5, maxiter: int = 500) -> tuple:
+class _RegionMeans:
+    """Removes each connected region's mean from a vector: the projection onto the orthogonal complement of
+    M's null space (one constant per region, see `_regions`). Pixels in no region are set to 0."""
+
+    def __init__(self, labels: np.ndarray, count: int):
+        self.labels, self.count = labels, count
+        self.inside = labels > 0
+        self.weight = self.inside.astype(np.float32)
+        self.sizes = np.bincount(labels.ravel(), minlength=count + 1).astype(np.float64)
+
+    def __call__(self, v: np.ndarray) -> np.ndarray:
+        """v (H, W), changed in place and returned."""
+        if self.count == 1:  # the usual case: one region, one mean
+            v -= v.dtype.type(float(np.dot(v.ravel(), self.weight.ravel())) / self.sizes[1])
+        elif self.count > 1:
+            means = np.bincount(self.labels.ravel(), v.ravel().astype(np.float64), self.count + 1) / np.maximum(self.sizes, 1)
+            v -= means[self.labels].astype(v.dtype)
+        v *= self.weight
+        return v
+
+
+@dataclass
+class SolveResult:
+    """x (H, W) float64 log distance; iterations: CG steps; residual: the final relative residual
+    |rhs - M x| / |rhs| of the normal equations, computed in float64 (0 when rhs = 0: then x0's constant per
+    region is the answer); converged: residual <= rtol."""
+
+    x: np.ndarray
+    iterations: int
+    residual: float
+    converged: bool
+
+
+RELIABLE = 1e-3  # the recursive residual is replaced by the true one each time it falls this much
+
+
+def _check_solve_options(rtol: float, maxiter: int) -> None:
+    if not rtol > 0:  # also refuses nan
+        raise ValueError(f"rtol: a positive relative residual, got {rtol!r}")
+    if isinstance(maxiter, bool) or not (isinstance(maxiter, (int, np.integer)) and maxiter >= 0):
+        raise ValueError(f"maxiter: a count of CG steps >= 0, got {maxiter!r}")
+
+
+def solve_log_distance(data: MergeData, x0: np.ndarray, rtol: float = 1e-6, maxiter: int = 500) -> SolveResult:
     """Minimise the objective from x0 (H, W): conjugate gradients on the normal equations M x = rhs,
     preconditioned by a multigrid V-cycle of the gradient term K = D^T A D alone. Where a view sees the
-    Laplacian of a pixel it sees that pixel's four edges, so L B L <= 8 K: the preconditioned spectrum lies in
-    [1, 9] whatever the grid size, and the V-cycle keeps that cost per iteration linear. Stops when
-    |rhs - M x| <= rtol |rhs|. Returns (x, iterations). Pixels without any equation keep their x0."""
+    Laplacian of a pixel it sees that pixel's four edges, so L B L <= 8 K: the preconditioned spectrum lies
+    within [1, 9] times the V-cycle's own, whatever the grid size, and each step costs linear time.
+
+    What makes it converge on every input (issue #23):
+    * M is singular by one constant per connected region. Round-off puts a little of those constants into
+      every residual; a preconditioner that amplifies them (the old V-cycle of K + 1e-4 I did, by 1e4, and
+      any V-cycle of K does by up to the inverse of its smallest coarse eigenvalues) turns them into search
+      directions that M maps to nothing, and CG diverged. Here every residual has its region means removed
+      (`_RegionMeans`) before the V-cycle sees it, and the V-cycle has no shift. (The directions may still
+      carry constants of a normal size, which M and the residuals ignore; `metric_offsets` sets each
+      region's constant afterwards.)
+    * Mixed precision with reliable updates: the products and the V-cycle run in float32 (half the memory
+      traffic), x in float64, and the recursive float32 residual is replaced by the true one, rhs - M x in
+      float64, each time it has fallen by RELIABLE and before stopping. Float32 alone drifts from the true
+      residual near 1e-4, and cannot hold x: a float32 x rounds to 1e-7, which M's stencil turns into a
+      residual of ~1e-3 |rhs| at 1920x960 (and M d in float32 is as inaccurate for a smooth correction d,
+      so the replacement has to be float64).
+    * Flexible CG: each step is the exact line search along its direction (alpha = r.p / p.Mp) and each new
+      direction is made M-orthogonal to the last explicitly (beta = -z.Mp / p.Mp), which absorbs the
+      float32 V-cycle's slight asymmetry and the residual replacements.
+    * The V-cycle's aggregates follow the edges (`_block_aggregates`): on masks full of small holes the old
+      2 x 2 blocks tied together pixels that only a long way round connects, and the solve took thousands
+      of steps at 1920x960 (see `_Multigrid`).
+
+    Stops when the float64 |rhs - M x| <= rtol |rhs| (converged), after maxiter steps, or when a step finds
+    no descent left (round-off: not converged). Pixels without any equation keep their x0."""
+    _check_solve_options(rtol, maxiter)
+    if np.shape(x0) != (data.height, data.width):
+        raise ValueError(f"x0: the start, a ({data.height}, {data.width}) array, got shape {np.shape(x0)}")
     system = _NormalEquations(data)
-    tiny = np.float32(1e-4)  # makes K definite (M's null space, a constant per region, is CG's business)
-    precondition = _Multigrid(system.wx, system.wy, np.where(system.has_equation, tiny, np.float32(1.0)).astype(np.float32))
-    x = np.array(x0, dtype=np.float32)
-    r = system.rhs - system @ x
-    r[~system.has_equation] = 0.0
-    stop = rtol * float(np.linalg.norm(system.rhs))
-    z = precondition(r)
-    z[~system.has_equation] = 0.0
-    p = z.copy()
-    rz = float(np.vdot(r, z))
-    for iteration in range(maxiter):
-        if float(np.linalg.norm(r)) <= stop or rz == 0.0:
-            return x, iteration
-        q = system @ p
-        alpha = rz / float(np.vdot(p, q))
-        x += np.float32(alpha) * p
-        r -= np.float32(alpha) * q
+    project = _RegionMeans(*data.regions)
+    x = np.array(x0, dtype=np.float64)
+    norm_rhs = float(np.linalg.norm(system.rhs))
+    if norm_rhs == 0.0:  # M x = 0: the constants per region are the minimisers; keep x0's
+        x -= project(x.copy())
+        return SolveResult(x, 0, 0.0, True)
+    precondition = _Multigrid(system.wx, system.wy)
+    r64 = np.empty_like(x)
+    q = np.empty(x.shape, np.float32)
+    step = np.empty_like(q)
+    stop = rtol * norm_rhs
+
+    def true_residual(x_is_zero: bool = False) -> float:
+        """r = rhs - M x from float64 (projected); returns its norm."""
+        if x_is_zero:  # M 0 = 0: merge_distance_maps' start saves one float64 product
+            np.copyto(r64, system.rhs)
+        else:
+            np.subtract(system.rhs, system.apply(x, out=r64), out=r64)
+        project(r64)
+        np.copyto(r, r64)
+        return float(np.linalg.norm(r64))
+
+    r = np.empty(x.shape, np.float32)
+    norm_r = replaced = true_residual(x_is_zero=not np.any(x[project.inside]))  # the rest do not enter M x
+    exact = True  # r is the true residual
+    p = precondition(r).copy()
+    iteration = 0
+    while True:
+        if norm_r <= stop and not exact:  # the recursive residual says so: ask the true one
+            norm_r = replaced = true_residual()
+            exact = True
+        if norm_r <= stop or iteration >= maxiter:
+            break
+        system.apply(p, out=q)
+        pq = float(np.vdot(p, q))
+        if not pq > 0.0:  # no descent left in float32
+            break
+        alpha = np.float32(float(np.vdot(r, p)) / pq)  # the exact line search along p, whatever r was
+        x += np.multiply(p, alpha, out=step)
+        r -= np.multiply(q, alpha, out=step)
+        project(r)  # the round-off of this step in M's null space, which the V-cycle would amplify
+        norm_r, exact = float(np.linalg.norm(r)), False
+        iteration += 1
+        if stop < norm_r <= RELIABLE * replaced:
+            norm_r = replaced = true_residual()
+            exact = True
         z = precondition(r)
-        z[~system.has_equation] = 0.0
-        rz, rz_old = float(np.vdot(r, z)), rz
-        p *= np.float32(rz / rz_old)
+        beta = np.float32(-float(np.vdot(z, q)) / pq)  # the next direction M-orthogonal to this one
+        p *= beta
         p += z
-    return x, maxiter
+    if not exact:
+        norm_r = true_residual()
+    residual = norm_r / norm_rhs
+    return SolveResult(x, iteration, residual, residual <= rtol)
 
 
 # ---------------------------------------------------------------------------------------- the metric offset
 def _regions(data: MergeData) -> tuple:
-    """(labels (H, W) int, count): the connected regions of pixels that take part in a gradient equation
-    (4-neighbours, joined across the seam where an edge crosses it); 0 = in no gradient equation."""
+    """(labels (H, W) int, count): the connected components of the graph whose edges are the gradient
+    equations (edges with weight > 0, the seam's included): M's null space is one constant on each. 0 = in
+    no gradient equation (such a pixel is in no equation at all: a Laplacian's pixel has its four edges).
+
+    Two neighbouring pixels that each take part in some equation are not joined unless the edge between
+    them is an equation itself, so the labelling runs on a grid of twice the resolution, where the pixels sit
+    at even (row, column) and each edge between them: (2i, 2j + 1) the edge j -> j + 1 (the last column holds
+    the seam's), (2i + 1, 2j) the edge i -> i + 1; 4-connected components there are the graph's."""
     from scipy import ndimage
 
+    h, w = data.height, data.width
     wx, wy = data.grad_x_weight > 0, data.grad_y_weight > 0
     linked = wx | _shift_right(wx)
     linked[:-1] |= wy
     linked[1:] |= wy
-    labels, count = ndimage.label(linked)
-    seam = np.nonzero(wx[:, -1])[0]
+    fine = np.zeros((2 * h - 1, 2 * w), bool)
+    fine[0::2, 0::2] = linked
+    fine[0::2, 1::2] = wx
+    fine[1::2, 0::2] = wy
+    fine_labels, count = ndimage.label(fine)
+    labels = fine_labels[0::2, 0::2]
+    seam = np.nonzero(wx[:, -1])[0]  # the seam's edges join their label (at the last column) to column 0's
     if count > 1 and seam.size:
         parent = np.arange(count + 1)
 
@@ -361,7 +680,7 @@ def _regions(data: MergeData) -> tuple:
                 a = parent[a]
             return a
 
-        for a, b in set(zip(labels[seam, -1].tolist(), labels[seam, 0].tolist())):
+        for a, b in set(zip(fine_labels[2 * seam, -1].tolist(), labels[seam, 0].tolist())):
             ra, rb = root(a), root(b)
             if ra != rb:
                 parent[max(ra, rb)] = min(ra, rb)
@@ -376,7 +695,7 @@ def metric_offsets(data: MergeData, x: np.ndarray, stride: int = 4) -> np.ndarra
     """(H, W) offsets to add to x: per connected region, the median of (view log distance - x) over the
     (pixel, view) pairs where the view is valid (every `stride`-th row and column: the same median, less work);
     0 outside the regions."""
-    labels, count = _regions(data)
+    labels, count = data.regions
     offsets = np.zeros(count + 1, np.float64)
     if count == 0:
         return np.zeros_like(x)
@@ -402,36 +721,45 @@ def metric_offsets(data: MergeData, x: np.ndarray, stride: int = 4) -> np.ndarra
 # ------------------------------------------------------------------------------------------- the merge
 @dataclass
 class MergeResult:
-    """distance (H, W) float32 metres (meaningful where mask), mask (H, W) bool, iterations of the solve,
-    seconds per step ("warp", "solve", "offset")."""
+    """distance (H, W) float32 metres (meaningful where mask), mask (H, W) bool; the solve's CG iterations,
+    final relative residual and whether it reached rtol (`SolveResult`); seconds per step ("warp", "solve",
+    "offset")."""
 
     distance: np.ndarray
     mask: np.ndarray
     iterations: int
+    residual: float
+    converged: bool
     seconds: dict
 
 
 def merge_distance_maps(distance_maps: Sequence[np.ndarray], masks: Sequence[np.ndarray], cameras: Sequence,
-                        width: int, height: int, rtol: float = 1e-5) -> MergeResult:
+                        width: int, height: int, rtol: float = 1e-6, maxiter: int = 500) -> MergeResult:
     """The views' distance maps (each (s, s), metres) and validity masks -> the panorama's distance map at
-    W x H (see the module docstring). `rtol`: the solve's relative residual."""
+    W x H (see the module docstring). `rtol`: the solve's relative residual; `maxiter`: its CG steps at most.
+    A RuntimeWarning when the solve stops short of rtol (the result then says converged=False)."""
     import time
+    import warnings
 
     if not (len(distance_maps) == len(masks) == len(cameras)) or not len(cameras):
         raise ValueError(f"distance_maps, masks and cameras: one of each per view, got {len(distance_maps)}, "
                          f"{len(masks)} and {len(cameras)}")
+    _check_solve_options(rtol, maxiter)  # before the warp's work
     t0 = time.perf_counter()
     data = warp_views(distance_maps, masks, cameras, width, height)
-    total = np.zeros((height, width), np.float32)
-    count = np.zeros((height, width), np.float32)
-    for rows, log_p, valid in data.log_views:
-        total[rows] += log_p * valid
-        count[rows] += valid
-    x0 = total / np.maximum(count, 1.0)  # the views' own (metric) log distance: a start near the answer
     t1 = time.perf_counter()
-    x, iterations = solve_log_distance(data, x0, rtol)
+    # start from 0 on the regions (their constants are metric_offsets' business): the views' mean has the
+    # jumps between views in it, a residual 20-40 times |rhs| that costs 2-5 more steps at 1920x960;
+    # pixels in no equation keep the views' mean, which is their answer
+    x0 = np.where(data.regions[0] > 0, np.float32(0), data.mean_log_distance())
+    solved = solve_log_distance(data, x0, rtol, maxiter)
+    if not solved.converged:
+        warnings.warn(f"panorama merge: the least-squares solve stopped at a relative residual of "
+                      f"{solved.residual:.2e} after {solved.iterations} CG iterations, short of rtol={rtol:g}; "
+                      f"the distances may be off the objective's minimiser", RuntimeWarning, stacklevel=2)
     t2 = time.perf_counter()
-    x += metric_offsets(data, x)
+    x = solved.x + metric_offsets(data, solved.x)
     t3 = time.perf_counter()
     distance = np.exp(x).astype(np.float32)
-    return MergeResult(distance, data.mask, iterations, {"warp": t1 - t0, "solve": t2 - t1, "offset": t3 - t2})
+    return MergeResult(distance, data.mask, solved.iterations, solved.residual, solved.converged,
+                       {"warp": t1 - t0, "solve": t2 - t1, "offset": t3 - t2})

@@ -40,8 +40,11 @@ class PanoramaOutput:
     masked); points (H, W, 3) float32: unit direction x distance, in the panorama axes of
     `tt_moge.panorama.geometry` (x right, y down, z forward = the centre column on the horizon); mask (H, W)
     bool. views: the per-view MoGeOutputs when asked for (`return_views=True`), else None. view_errors: per view,
-    None or why it failed (it then takes no part in the merge). merge_iterations and seconds ("views",
-    "merge", ...) say what the call cost.
+    None or why it failed (it then takes no part in the merge). The merge's least-squares solve:
+    merge_iterations (CG steps), merge_residual (its final relative residual |rhs - M x| / |rhs|) and
+    merge_converged (False when it stopped short of its tolerance: the distances may then be off the
+    objective's minimiser, and a RuntimeWarning said so). seconds ("views", "merge", ...) say what the call
+    cost.
     """
 
     distance: np.ndarray
@@ -50,6 +53,8 @@ class PanoramaOutput:
     view_errors: list
     views: Optional[list] = None
     merge_iterations: int = 0
+    merge_residual: float = math.nan
+    merge_converged: bool = False
     seconds: dict = field(default_factory=dict)
 
     normal = None  # no normal map for panoramas (the exports skip it)
@@ -77,14 +82,16 @@ class PanoramaOutput:
 
     def summary(self, depth_percentiles: bool = False) -> dict:
         """The numbers of this result without the maps (JSON-ready): size, valid fraction, median distance,
-        the views that failed, the merge's iterations and seconds; with `depth_percentiles`, the 1st and 99th
-        percentile distance (named depth_* as for photos, so the same readers work)."""
+        the views that failed, the merge's iterations, final relative residual and converged flag, the
+        seconds; with `depth_percentiles`, the 1st and 99th percentile distance (named depth_* as for photos,
+        so the same readers work)."""
         w, h = self.size
         record = {
             "kind": "panorama", "width": w, "height": h,
             "valid_fraction": self.valid_fraction, "median_distance_m": finite_or_none(self.median_distance),
             "views": len(self.view_errors), "views_failed": [{"view": i, "error": e} for i, e in enumerate(self.view_errors) if e],
-            "merge_iterations": self.merge_iterations, "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            "merge_iterations": self.merge_iterations, "merge_residual": finite_or_none(self.merge_residual),
+            "merge_converged": bool(self.merge_converged), "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             "has_normal": False,
         }
         if depth_percentiles:
@@ -97,7 +104,7 @@ class PanoramaOutput:
         failed = sum(e is not None for e in self.view_errors)
         return (f"PanoramaOutput({w}x{h}, valid {100 * self.valid_fraction:.1f}%, median distance "
                 f"{f'{med:.3f} m' if math.isfinite(med) else 'n/a'}, {len(self.view_errors) - failed}/"
-                f"{len(self.view_errors)} views)")
+                f"{len(self.view_errors)} views{'' if self.merge_converged else ', merge not converged'})")
 
     def npz_arrays(self) -> dict:
         return {k: np.asarray(getattr(self, k), dtype=dt) for k, (dt, _) in PANORAMA_NPZ_LAYOUT.items()}
@@ -172,4 +179,5 @@ def predict_panorama(model: Any, image: Any, *, return_views: bool = False, appl
     seconds = {"split": t1 - t0, "views": t2 - t1, "merge": t3 - t2, **{f"merge_{k}": v for k, v in merged.seconds.items()},
                "finish": time.perf_counter() - t3}
     return PanoramaOutput(distance=distance, points=points, mask=mask, view_errors=errors,
-                          views=outputs if return_views else None, merge_iterations=merged.iterations, seconds=seconds)
+                          views=outputs if return_views else None, merge_iterations=merged.iterations,
+                          merge_residual=merged.residual, merge_converged=merged.converged, seconds=seconds)
