@@ -3,6 +3,7 @@ recorded on the mock P150 (tests/data/ttnn_captures: a 2D-multicast matmul, SDPA
 on synthetic op lists: the capture is parsed into what each op moves and computes, and each cost follows the
 formula the module documents (so a change to a formula, a constant or the parser shows up here). The whole
 forward's estimate and its calibration run on the mock itself (tests/test_ttnn_mock.py)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +13,17 @@ from pathlib import Path
 import pytest
 
 from tt_moge.runners.ttnn import cost
-from tt_moge.runners.ttnn.cost import (BLACKHOLE_P150, DeviceOp, TensorInfo, call_attributes, device_ops_from_capture,
-                                       estimate, fit_calibration, l1_local_bytes_per_s, op_cost)
+from tt_moge.runners.ttnn.cost import (
+    BLACKHOLE_P150,
+    DeviceOp,
+    TensorInfo,
+    call_attributes,
+    device_ops_from_capture,
+    estimate,
+    fit_calibration,
+    l1_local_bytes_per_s,
+    op_cost,
+)
 
 CAPTURES = Path(__file__).parent / "data" / "ttnn_captures"
 CHIP = BLACKHOLE_P150
@@ -74,7 +84,9 @@ def test_sdpa_is_split_as_ttnns_factory_splits_it():
     wide = op_cost(op, CHIP)
     assert wide.cores == 128 and wide.group == "sdpa"
     score_tiles = 1 * 8 * 4 * 16  # 1 chunk x 8 query tiles x 4 key chunks x 16 key tiles (padded to 2048)
-    per_tile = 2 * 2 * 32 ** 3 * 2 / CHIP.flop_per_cycle_lofi * 2 / CHIP.fpu_efficiency + CHIP.softmax_cycles_per_tile_approx
+    per_tile = (
+        2 * 2 * 32**3 * 2 / CHIP.flop_per_cycle_lofi * 2 / CHIP.fpu_efficiency + CHIP.softmax_cycles_per_tile_approx
+    )
     assert wide.compute_ns >= _cycles_ns(score_tiles * per_tile)
     narrow = op_cost(dataclasses.replace(op, call_attrs={**attrs, "grid": [12, 10]}), CHIP)
     assert narrow.cores == 16 * 7 and narrow.compute_ns == pytest.approx(2 * wide.compute_ns, rel=0.01)
@@ -83,11 +95,17 @@ def test_sdpa_is_split_as_ttnns_factory_splits_it():
 
 
 def test_a_conv_is_costed_as_its_im2col_matmul_or_its_reader():
-    ops = {op.name: op for op in _ops("conv", "conv2d", {"kernel": [3, 3], "in_channels": 128, "out_channels": 128,
-                                                          "groups": 1})}
+    ops = {
+        op.name: op
+        for op in _ops("conv", "conv2d", {"kernel": [3, 3], "in_channels": 128, "out_channels": 128, "groups": 1})
+    }
     # the input came from L1 interleaved: sharded, halo'd (its output moved), convolved
-    assert sorted(ops) == ["Conv2dDeviceOperation", "HaloDeviceOperation", "InterleavedToShardedDeviceOperation",
-                           "MoveDeviceOperation"]
+    assert sorted(ops) == [
+        "Conv2dDeviceOperation",
+        "HaloDeviceOperation",
+        "InterleavedToShardedDeviceOperation",
+        "MoveDeviceOperation",
+    ]
     halo, conv = ops["HaloDeviceOperation"], ops["Conv2dDeviceOperation"]
     weight = conv.inputs[1]
     assert weight.padded_shape[-2:] == (9 * 128, 128)  # the prepared (kh kw C_in, C_out) matrix
@@ -105,7 +123,7 @@ def test_a_conv_is_costed_as_its_im2col_matmul_or_its_reader():
 def test_l1_rate_follows_tt_metals_table():
     for size, gbps in cost._L1_LOCAL_GBPS:
         assert l1_local_bytes_per_s(size) == pytest.approx(gbps * 1e9)
-    rates = [l1_local_bytes_per_s(2 ** k) for k in range(4, 18)]
+    rates = [l1_local_bytes_per_s(2**k) for k in range(4, 18)]
     assert rates == sorted(rates) and rates[0] == pytest.approx(1.337e9)
 
 
@@ -119,8 +137,9 @@ def test_call_attributes_keep_program_configs_and_conv_geometry_only():
 
     attrs = call_attributes("linear", {"program_config": Config()})
     assert attrs["grid"] == [11, 10] and attrs["per_core_N"] == 3
-    conv = call_attributes("conv2d", {"kernel_size": (3, 3), "in_channels": 64, "out_channels": 32,
-                                      "input_height": 8, "input_width": 9})
+    conv = call_attributes(
+        "conv2d", {"kernel_size": (3, 3), "in_channels": 64, "out_channels": 32, "input_height": 8, "input_width": 9}
+    )
     assert conv["kernel"] == [3, 3] and conv["in_channels"] == 64 and not conv["transposed"]
     assert "kernel" not in call_attributes("max_pool2d", {"kernel_size": (2, 2)})  # a pool is not a conv
 
@@ -129,17 +148,33 @@ def _tensor(shape, buffer="L1", cores=0, dtype="BFLOAT16"):
     size = 1
     for v in shape:
         size *= v
-    return TensorInfo(tuple(shape), dtype, "TILE", buffer, "HEIGHT_SHARDED" if cores else "INTERLEAVED", cores,
-                      size * 2)
+    return TensorInfo(
+        tuple(shape), dtype, "TILE", buffer, "HEIGHT_SHARDED" if cores else "INTERLEAVED", cores, size * 2
+    )
 
 
 def test_estimate_groups_sum_to_the_total_and_every_op_pays_its_dispatch():
-    ops = _ops("matmul", "linear", MATMUL_ATTRS) + _ops("sdpa", "transformer.scaled_dot_product_attention",
-                                                        {"grid": [13, 10], "q_chunk_size": 256, "k_chunk_size": 512})
-    ops.append(DeviceOp("BinaryNgDeviceOperation", [_tensor((1, 1, 1856, 1024))] * 2, [_tensor((1, 1, 1856, 1024))],
-                        "add", "encoder"))
-    ops.append(DeviceOp("InterleavedToShardedDeviceOperation", [_tensor((1, 1, 1856, 1024), "DRAM")],
-                        [_tensor((1, 1, 1856, 1024), cores=58)], "to_memory_config", "decoder"))
+    ops = _ops("matmul", "linear", MATMUL_ATTRS) + _ops(
+        "sdpa", "transformer.scaled_dot_product_attention", {"grid": [13, 10], "q_chunk_size": 256, "k_chunk_size": 512}
+    )
+    ops.append(
+        DeviceOp(
+            "BinaryNgDeviceOperation",
+            [_tensor((1, 1, 1856, 1024))] * 2,
+            [_tensor((1, 1, 1856, 1024))],
+            "add",
+            "encoder",
+        )
+    )
+    ops.append(
+        DeviceOp(
+            "InterleavedToShardedDeviceOperation",
+            [_tensor((1, 1, 1856, 1024), "DRAM")],
+            [_tensor((1, 1, 1856, 1024), cores=58)],
+            "to_memory_config",
+            "decoder",
+        )
+    )
     est = estimate(ops, CHIP)
     assert est.total_ms == pytest.approx(sum(est.groups_ms.values()))
     assert {g for g, v in est.groups_ms.items() if v} == {"encoder", "sdpa", "norms_adds", "transfers"}
@@ -150,10 +185,16 @@ def test_estimate_groups_sum_to_the_total_and_every_op_pays_its_dispatch():
 
 def test_the_calibration_fit_recovers_the_figures_that_made_the_times():
     """fit_calibration on times made by a chip with other dispatch and softmax figures finds those figures."""
-    lists = {tokens: _ops("matmul", "linear", MATMUL_ATTRS) * (tokens // 1024)
-             + _ops("sdpa", "transformer.scaled_dot_product_attention",
-                    {"grid": [12, 10], "q_chunk_size": 256, "k_chunk_size": 256, "exp_approx_mode": False})
-             * (tokens // 1024) ** 2 for tokens in (1024, 2048, 3072)}
+    lists = {
+        tokens: _ops("matmul", "linear", MATMUL_ATTRS) * (tokens // 1024)
+        + _ops(
+            "sdpa",
+            "transformer.scaled_dot_product_attention",
+            {"grid": [12, 10], "q_chunk_size": 256, "k_chunk_size": 256, "exp_approx_mode": False},
+        )
+        * (tokens // 1024) ** 2
+        for tokens in (1024, 2048, 3072)
+    }
     truth = dataclasses.replace(CHIP, op_overhead_ns=3000.0, softmax_cycles_per_tile=200.0)
     made = {t: 12 * estimate(ops, truth).total_ms for t, ops in lists.items()}
     fit = fit_calibration(lists, CHIP, published_ms=made)

@@ -3,6 +3,7 @@ the matrix engine's fidelity passes (5 bits of SrcA = weights and 7 of SrcB = ac
 SrcA's next 5, HiFi3 SrcB's next 4, HiFi4 both), the destination register's bfloat16 accumulation without
 fp32_dest_acc_en, the SFPU's approximate exp, layer norm's intermediates, FlashAttention's chunked softmax. The
 accuracy of the device graph measured in this emulator (test_ttnn_lowering.py) is only as honest as these."""
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,13 @@ def _linear(emulator, x, w, fidelity, fp32=True, program_config=None, dtype="bfl
     T = emulator
     a = T.Tensor(x.numpy(), getattr(T, dtype), T.open_device(), T.TILE_LAYOUT)
     b = T.Tensor(w.numpy(), T.bfloat16, T.open_device(), T.TILE_LAYOUT)
-    ck = None if fidelity is None else T.init_device_compute_kernel_config(
-        "blackhole", math_fidelity=getattr(T.MathFidelity, fidelity), fp32_dest_acc_en=fp32)
+    ck = (
+        None
+        if fidelity is None
+        else T.init_device_compute_kernel_config(
+            "blackhole", math_fidelity=getattr(T.MathFidelity, fidelity), fp32_dest_acc_en=fp32
+        )
+    )
     out = T.linear(a, b, compute_kernel_config=ck, program_config=program_config, dtype=T.float32)
     return out.data, a.data, b.data
 
@@ -68,8 +74,14 @@ def test_ttnn_defaults_when_a_matmul_has_no_compute_config():
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(32, 64, generator=gen), torch.randn(64, 32, generator=gen)
     T = TtnnEmulator()
-    pc = T.MatmulMultiCoreReuseMultiCastProgramConfig(compute_with_storage_grid_size=T.CoreCoord(1, 1), in0_block_w=1,
-                                                      out_subblock_h=1, out_subblock_w=1, per_core_M=1, per_core_N=1)
+    pc = T.MatmulMultiCoreReuseMultiCastProgramConfig(
+        compute_with_storage_grid_size=T.CoreCoord(1, 1),
+        in0_block_w=1,
+        out_subblock_h=1,
+        out_subblock_w=1,
+        per_core_M=1,
+        per_core_N=1,
+    )
     default, _, _ = _linear(T, x, w, None, program_config=pc)
     lofi, _, _ = _linear(T, x, w, "LoFi", fp32=True)
     assert torch.equal(default, lofi)
@@ -83,7 +95,7 @@ def test_bfloat16_destination_register_accumulation():
     added to 1 vanish 16 at a time (16 x 2^-12 is half an ulp of bfloat16 at 1: a tie, rounded to even), but
     not in float32."""
     x = torch.ones(1, 257)
-    w = torch.full((257, 1), 2.0 ** -12)
+    w = torch.full((257, 1), 2.0**-12)
     w[0, 0] = 1.0
     T = TtnnEmulator()
     fp32, _, _ = _linear(T, x, w, "HiFi4", fp32=True)
@@ -126,11 +138,16 @@ def test_layer_norm_intermediates_follow_the_accumulation_format():
 def _sdpa(emulator, q, k, v, k_chunk, approx, fidelity="HiFi4"):
     T = emulator
     t = [T.Tensor(z.numpy(), T.bfloat16, T.open_device(), T.TILE_LAYOUT) for z in (q, k, v)]
-    pc = T.SDPAProgramConfig(compute_with_storage_grid_size=T.CoreCoord(13, 10), q_chunk_size=32,
-                             k_chunk_size=k_chunk, exp_approx_mode=approx)
+    pc = T.SDPAProgramConfig(
+        compute_with_storage_grid_size=T.CoreCoord(13, 10),
+        q_chunk_size=32,
+        k_chunk_size=k_chunk,
+        exp_approx_mode=approx,
+    )
     ck = T.init_device_compute_kernel_config("blackhole", math_fidelity=getattr(T.MathFidelity, fidelity))
-    out = T.transformer.scaled_dot_product_attention(*t, is_causal=False, scale=1.0, program_config=pc,
-                                                     compute_kernel_config=ck)
+    out = T.transformer.scaled_dot_product_attention(
+        *t, is_causal=False, scale=1.0, program_config=pc, compute_kernel_config=ck
+    )
     return out.data, [z.data for z in t]
 
 
@@ -157,16 +174,31 @@ def test_conv_fidelity_matches_the_matmul_rule():
     xt = T.Tensor(x.numpy(), T.bfloat16, T.open_device(), T.TILE_LAYOUT)
 
     def run(fidelity):
-        ck = T.init_device_compute_kernel_config("blackhole", math_fidelity=getattr(T.MathFidelity, fidelity),
-                                                 fp32_dest_acc_en=True)
+        ck = T.init_device_compute_kernel_config(
+            "blackhole", math_fidelity=getattr(T.MathFidelity, fidelity), fp32_dest_acc_en=True
+        )
         cfg = T.Conv2dConfig(weights_dtype=T.bfloat16, padding_mode=T.PaddingMode.Zeros)
-        return T.conv2d(input_tensor=xt, weight_tensor=wt, device=T.open_device(), in_channels=32, out_channels=16,
-                        batch_size=1, input_height=6, input_width=7, kernel_size=(3, 3), padding=(1, 1),
-                        conv_config=cfg, compute_config=ck, dtype=T.float32).data
+        return T.conv2d(
+            input_tensor=xt,
+            weight_tensor=wt,
+            device=T.open_device(),
+            in_channels=32,
+            out_channels=16,
+            batch_size=1,
+            input_height=6,
+            input_width=7,
+            kernel_size=(3, 3),
+            padding=(1, 1),
+            conv_config=cfg,
+            compute_config=ck,
+            dtype=T.float32,
+        ).data
 
     img = x.reshape(1, 6, 7, 32).permute(0, 3, 1, 2)
     wb = round_bf16(w)
-    ref_lofi = F.conv2d(truncate_bits(img, 7), truncate_bits(wb, 5), padding=1).permute(0, 2, 3, 1).reshape(1, 1, 42, 16)
+    ref_lofi = (
+        F.conv2d(truncate_bits(img, 7), truncate_bits(wb, 5), padding=1).permute(0, 2, 3, 1).reshape(1, 1, 42, 16)
+    )
     assert torch.allclose(run("LoFi"), ref_lofi, atol=1e-4)
     ref = F.conv2d(img, wb, padding=1).permute(0, 2, 3, 1).reshape(1, 1, 42, 16)
     assert torch.allclose(run("HiFi4"), ref, atol=1e-4)

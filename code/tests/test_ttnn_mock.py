@@ -5,6 +5,7 @@ Needs the mock environment (`bash scripts/tt-mock/setup.sh`: a Python 3.12 venv 
 Where it is not set up these tests skip and say so; CI sets it up and sets MOGE_REQUIRE_MOCK=1, which turns
 a missing mock into a failure.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,12 +30,17 @@ def _mock_ready() -> bool:
 
 pytestmark = pytest.mark.skipif(
     not _mock_ready() and environment.get("MOGE_REQUIRE_MOCK") != "1",
-    reason=f"no mock P150 environment in {WORK}: run `bash scripts/tt-mock/setup.sh` (CI does)")
+    reason=f"no mock P150 environment in {WORK}: run `bash scripts/tt-mock/setup.sh` (CI does)",
+)
 
 
 def _check(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": sys.executable, "MOGE_MOCK_DIR": str(WORK),
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "code"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "MOGE_MOCK_DIR": str(WORK),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "code"), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run([str(CHECK), *args], capture_output=True, text=True, timeout=timeout, env=env)
     print(done.stdout[-600:], done.stderr[-1500:], sep="\n")  # shown with -s, and on failure
     return done
@@ -51,12 +57,23 @@ def _report(tmp_path, *args: str) -> dict:
 
 
 def _summary(done: subprocess.CompletedProcess) -> dict:
-    match = re.search(r"^OK: (\S+) at (\d+)x(\d+), (\d+) tokens, \S+: (\d+) ttnn calls \((\d+) device operations\) ran; "
-                      r"peak L1 per core (\d+) B of (\d+) B", done.stdout, re.M)
+    match = re.search(
+        r"^OK: (\S+) at (\d+)x(\d+), (\d+) tokens, \S+: (\d+) ttnn calls \((\d+) device operations\) ran; "
+        r"peak L1 per core (\d+) B of (\d+) B",
+        done.stdout,
+        re.M,
+    )
     assert match, "no OK line from the mock check"
     backbone, w, h, tokens, calls, ops, peak, bank = match.groups()
-    return {"backbone": backbone, "canvas": (int(w), int(h)), "tokens": int(tokens), "calls": int(calls),
-            "ops": int(ops), "peak": int(peak), "bank": int(bank)}
+    return {
+        "backbone": backbone,
+        "canvas": (int(w), int(h)),
+        "tokens": int(tokens),
+        "calls": int(calls),
+        "ops": int(ops),
+        "peak": int(peak),
+        "bank": int(bank),
+    }
 
 
 # The goal of the fast graph at the spec case, in the cost model (docs/tenstorrent.md): the forward's estimate.
@@ -77,8 +94,9 @@ def test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budg
     assert report["graph"]["encoder_in_l1"] and report["graph"]["decoder_chained"]
     est = report["estimate_ms"]
     assert est["total"] <= FORWARD_BUDGET_MS, est
-    assert est["total"] == pytest.approx(sum(est[g] for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers")),
-                                         abs=0.01)
+    assert est["total"] == pytest.approx(
+        sum(est[g] for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers")), abs=0.01
+    )
     assert len(est["top"]) == 10 and est["device_ops"] > 400
     calibration = report["calibration"]
     assert sorted(calibration) == ["1024", "2048", "3072"]
@@ -93,15 +111,26 @@ def test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budg
 def test_the_safe_graph_still_runs_and_costs_more(tmp_path):
     """$MOGE_TTNN_GRAPH=safe, the switch back: the first graph (DRAM activations, HiFi4) runs on the mock too, and
     the cost model sees what the fast graph buys."""
-    report = _report(tmp_path, "--random", "vitl-normal", "--resolution", "1920x1080", "--num-tokens", "1800",
-                     "--config", "safe", "--no-calibration")
+    report = _report(
+        tmp_path,
+        "--random",
+        "vitl-normal",
+        "--resolution",
+        "1920x1080",
+        "--num-tokens",
+        "1800",
+        "--config",
+        "safe",
+        "--no-calibration",
+    )
     assert not report["graph"]["encoder_in_l1"] and not report["graph"]["decoder_chained"]
     assert report["estimate_ms"]["total"] > 2 * _FAST.get("total", FORWARD_BUDGET_MS / 2)
 
 
 def test_vits_on_another_canvas_runs_on_the_mock_p150(tmp_path):
-    report = _report(tmp_path, "--random", "vits-normal", "--resolution", "640x480", "--num-tokens", "1200",
-                     "--no-calibration")
+    report = _report(
+        tmp_path, "--random", "vits-normal", "--resolution", "640x480", "--num-tokens", "1200", "--no-calibration"
+    )
     got = report["summary"]
     assert got["backbone"] == "dinov2_vits14" and got["canvas"] == (640, 480) and got["tokens"] == 1200
     assert got["calls"] > 300 and 0 < got["peak"] < got["bank"]

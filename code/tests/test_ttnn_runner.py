@@ -4,6 +4,7 @@ the persistent input and the trace, one or two command queues, the prepared-weig
 errors a user can meet. The numerics of the graph itself are `test_ttnn_lowering.py`'s; on a chip,
 `test_api_device.py` runs the same API calls for real.
 """
+
 from __future__ import annotations
 
 import sys
@@ -139,8 +140,10 @@ def test_prepared_weights_are_cached_per_checkpoint_canvas_and_tokens(network_pa
 
 def test_graph_that_does_not_fit_is_a_clear_error(network_path, ttnn, monkeypatch):
     def overflow(self, prepare_convs=True):
-        raise RuntimeError("TT_THROW @ program.cpp:1: Statically allocated circular buffers on core range [(x=0,y=0)] "
-                           "grow to 17323136 B which is beyond max L1 size of 1572864 B\n --- backtrace")
+        raise RuntimeError(
+            "TT_THROW @ program.cpp:1: Statically allocated circular buffers on core range [(x=0,y=0)] "
+            "grow to 17323136 B which is beyond max L1 size of 1572864 B\n --- backtrace"
+        )
 
     monkeypatch.setattr(runner_mod.TtnnGraph, "load", overflow)
     with pytest.raises(ValueError, match=r"canvas 224x126 with 300 tokens does not run on this chip.*beyond max L1"):

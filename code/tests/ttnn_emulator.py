@@ -14,7 +14,7 @@ each run of 16 consecutive values along the last dim (one row of a 16x16 face of
 exponent of its largest magnitude, each value keeps a sign and a 7-bit magnitude rounded to nearest even and
 clipped at 127 (checked against ttnn's own host conversion).
 
-The matrix engine (`Fidelity`), as tt-metal documents it (tech_reports/matrix_engine, the ISA's MVMUL page): the
+The matrix engine (`FIDELITY_BITS`), as tt-metal documents it (tech_reports/matrix_engine, the ISA's MVMUL page): the
 source registers hold 19-bit values (TF32: a float32 operand loses its low 13 mantissa bits, bfloat16 and
 bfloat8_b are exact); matmul's first operand (activations, in0) goes to SrcB, its second (weights, in1) to
 SrcA; one pass of the 5 x 7-bit multipliers uses the implicit bit and the next 4 mantissa bits of SrcA (5
@@ -39,6 +39,7 @@ Not modelled: intra-op blocking beyond the 16-deep accumulation, other SFPU appr
 Cheap validations raise like the real ops (shapes, ranks, program config arithmetic); memory configs and
 program configs are otherwise inert. Ops are counted in `emulator.op_counts`.
 """
+
 from __future__ import annotations
 
 import collections
@@ -227,8 +228,11 @@ def round_bfp8(t: torch.Tensor) -> torch.Tensor:
     return q[..., :width] if pad else q
 
 
-_FIDELITY_PASSES = {"LoFi": (("hi", "hi"),), "HiFi2": (("hi", "hi"), ("lo", "hi")),
-                     "HiFi3": (("hi", "hi"), ("hi", "lo")), "HiFi4": (("hi", "hi"), ("lo", "hi"), ("hi", "lo"), ("lo", "lo"))}
+# The significant bits of each operand a fidelity's passes read, (SrcA = weights, SrcB = activations): LoFi's one
+# pass reads 5 and 7; HiFi2 adds SrcA's next 5 (10 in all), HiFi3 SrcB's next 4 (11), HiFi4 both. The passes'
+# partial products summed are the product of the operands cut to those bits (the sum is bilinear), so the
+# emulator forms that product directly, in one matmul.
+FIDELITY_BITS = {"LoFi": (5, 7), "HiFi2": (10, 7), "HiFi3": (5, 11), "HiFi4": (10, 11)}
 
 
 def truncate_bits(t: torch.Tensor, bits: int) -> torch.Tensor:
@@ -246,6 +250,12 @@ def src_parts(t: torch.Tensor, register: str) -> dict:
     return {"hi": hi, "lo": x - hi}
 
 
+def fidelity_operands(x: torch.Tensor, w: torch.Tensor, fidelity: str) -> tuple:
+    """(activations, weights) as the passes of `fidelity` read them (`FIDELITY_BITS`)."""
+    bits_a, bits_b = FIDELITY_BITS[fidelity]
+    return truncate_bits(x, bits_b), truncate_bits(w, bits_a)
+
+
 def fidelity_name(config, default: str) -> str:
     f = getattr(config, "math_fidelity", None)
     return default if f is None else (f.name if isinstance(f, enum.Enum) else str(f))
@@ -253,7 +263,7 @@ def fidelity_name(config, default: str) -> str:
 
 def approx_exp(x: torch.Tensor) -> torch.Tensor:
     """Schraudolph's exp: the float whose bits are round(x * 2^23 / ln 2 + 127 * 2^23 - 486411), 0 below ~-87."""
-    a = x.double().clamp(min=-87.0) * (2 ** 23 / math.log(2)) + (127 * 2 ** 23 - 486411)
+    a = x.double().clamp(min=-87.0) * (2**23 / math.log(2)) + (127 * 2**23 - 486411)
     return a.clamp(min=0).round().to(torch.int32).view(torch.float32)
 
 
@@ -267,30 +277,37 @@ class _Numerics:
         """x (..., M, K) @ w (..., K, N) as the matrix engine computes it."""
         if self.exact:
             return x @ w
-        bx, aw = src_parts(x, "B"), src_parts(w, "A")
+        xb, wa = fidelity_operands(x, w, fidelity)
         if fp32_acc:
-            return sum(bx[pb] @ aw[pa] for pa, pb in _FIDELITY_PASSES[fidelity])
+            return xb @ wa
         acc = None
         for k in range(0, x.shape[-1], 16):  # bfloat16 destination: rounded after every 16-deep MVMUL
-            part = sum(bx[pb][..., k:k + 16] @ aw[pa][..., k:k + 16, :] for pa, pb in _FIDELITY_PASSES[fidelity])
+            part = xb[..., k : k + 16] @ wa[..., k : k + 16, :]
             acc = round_bf16(part if acc is None else acc + part)
         return acc
 
-    def conv(self, fn, x: torch.Tensor, w: torch.Tensor, fidelity: str, fp32_acc: bool, weight_in_dim: int = 1,
-             groups: int = 1) -> torch.Tensor:
+    def conv(
+        self,
+        fn,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        fidelity: str,
+        fp32_acc: bool,
+        weight_in_dim: int = 1,
+        groups: int = 1,
+    ) -> torch.Tensor:
         """fn(x, w): a conv without bias (bilinear in x and w) as the matrix engine computes it; the weight's
         input channels are along `weight_in_dim` (1 for conv2d's OIHW, 0 for conv_transpose2d's IOHW)."""
         if self.exact:
             return fn(x, w)
-        bx, aw = src_parts(x, "B"), src_parts(w, "A")
+        xb, wa = fidelity_operands(x, w, fidelity)
         if fp32_acc:
-            return sum(fn(bx[pb], aw[pa]) for pa, pb in _FIDELITY_PASSES[fidelity])
+            return fn(xb, wa)
         if groups != 1:
             raise NotImplementedError("bfloat16 accumulation of a grouped conv is not emulated")
         acc = None
         for c in range(0, x.shape[1], 16):  # bfloat16 destination: rounded after every 16 input channels
-            part = sum(fn(bx[pb][:, c:c + 16], aw[pa].narrow(weight_in_dim, c, min(16, x.shape[1] - c)))
-                       for pa, pb in _FIDELITY_PASSES[fidelity])
+            part = fn(xb[:, c : c + 16], wa.narrow(weight_in_dim, c, min(16, x.shape[1] - c)))
             acc = round_bf16(part if acc is None else acc + part)
         return acc
 
@@ -298,8 +315,8 @@ class _Numerics:
         """An elementwise multiply on the FPU (a in SrcA, b in SrcB)."""
         if self.exact:
             return a * b
-        pa_, pb_ = src_parts(a, "A"), src_parts(b, "B")
-        return sum(pa_[pa] * pb_[pb] for pa, pb in _FIDELITY_PASSES[fidelity])
+        bb, aa = fidelity_operands(b, a, fidelity)
+        return aa * bb
 
     def tf32(self, t: torch.Tensor) -> torch.Tensor:
         """An operand of an FPU add or subtract (a TF32 source register)."""
@@ -350,7 +367,8 @@ class TtnnEmulator:
         self.transformer = types.SimpleNamespace(
             split_query_key_value_and_split_heads=self._recorded(self._split_heads),
             scaled_dot_product_attention=self._recorded(self._sdpa),
-            concatenate_heads=self._recorded(self._concatenate_heads))
+            concatenate_heads=self._recorded(self._concatenate_heads),
+        )
         # Trace capture records every op (with its result objects); a replay runs them again in order and writes
         # each new result into the recorded objects, as a replayed trace overwrites its output buffers.
         for name in _TRACED_OPS:
@@ -577,8 +595,9 @@ class TtnnEmulator:
         if len(pairs) > t.data.dim() or any(a < 0 or b < 0 for a, b in pairs):
             raise RuntimeError(f"pad: bad padding {padding} for rank {t.data.dim()}")
         flat = [v for a, b in reversed(pairs) for v in (a, b)]
-        return self._new(F.pad(t.data, flat, value=float(value)), t.dtype, t.layout, t.device,
-                         kwargs.get("memory_config"))
+        return self._new(
+            F.pad(t.data, flat, value=float(value)), t.dtype, t.layout, t.device, kwargs.get("memory_config")
+        )
 
     def upsample(self, t, scale_factor, *, mode="nearest", memory_config=None, **_):
         """(N, H, W, C) -> (N, sH H, sW W, C); bilinear is half-pixel (align_corners=False), integer scales only."""
@@ -598,8 +617,13 @@ class TtnnEmulator:
         for t in tensors:
             self._check(t, "concat")
         self._count("concat")
-        return self._new(torch.cat([t.data for t in tensors], dim=dim), tensors[0].dtype, tensors[0].layout,
-                         tensors[0].device, kwargs.get("memory_config"))
+        return self._new(
+            torch.cat([t.data for t in tensors], dim=dim),
+            tensors[0].dtype,
+            tensors[0].layout,
+            tensors[0].device,
+            kwargs.get("memory_config"),
+        )
 
     # ---------------------------------------------------------------------------------------- compute
     def add(self, a, b, *, dtype=None, memory_config=None, **_):
@@ -609,7 +633,9 @@ class TtnnEmulator:
         try:
             torch.broadcast_shapes(a.data.shape, b.data.shape)
         except RuntimeError:
-            raise RuntimeError(f"add: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not broadcast") from None
+            raise RuntimeError(
+                f"add: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not broadcast"
+            ) from None
         if a.dtype == DataType.FLOAT32 and b.dtype == DataType.FLOAT32:  # ttnn adds float32 pairs on the SFPU
             y = a.data + b.data
         else:
@@ -633,8 +659,10 @@ class TtnnEmulator:
         grid = pc.compute_with_storage_grid_size
         gx, gy = (grid.x, grid.y) if isinstance(grid, CoreCoord) else grid
         if pc.per_core_M * gy < mt or pc.per_core_N * gx < nt:
-            raise RuntimeError(f"matmul program config: per_core_M {pc.per_core_M} x {gy} rows / per_core_N "
-                               f"{pc.per_core_N} x {gx} columns do not cover {mt} x {nt} output tiles")
+            raise RuntimeError(
+                f"matmul program config: per_core_M {pc.per_core_M} x {gy} rows / per_core_N "
+                f"{pc.per_core_N} x {gx} columns do not cover {mt} x {nt} output tiles"
+            )
         if kt % pc.in0_block_w:
             raise RuntimeError(f"matmul program config: in0_block_w {pc.in0_block_w} does not divide K = {kt} tiles")
         if pc.per_core_M % pc.out_subblock_h or pc.per_core_N % pc.out_subblock_w:
@@ -653,8 +681,21 @@ class TtnnEmulator:
             return "HiFi4", True
         return "HiFi2", out_dtype == DataType.FLOAT32
 
-    def linear(self, a, b, *, bias=None, dtype=None, program_config=None, activation=None, memory_config=None,
-               transpose_a=False, transpose_b=False, compute_kernel_config=None, **_):
+    def linear(
+        self,
+        a,
+        b,
+        *,
+        bias=None,
+        dtype=None,
+        program_config=None,
+        activation=None,
+        memory_config=None,
+        transpose_a=False,
+        transpose_b=False,
+        compute_kernel_config=None,
+        **_,
+    ):
         self._check(a, "linear")
         self._check(b, "linear")
         self._count("linear")
@@ -691,12 +732,23 @@ class TtnnEmulator:
             return terms.sum(-1, keepdim=True)
         acc = None
         for k in range(0, n, 16):
-            part = terms[..., k:k + 16].sum(-1, keepdim=True)
+            part = terms[..., k : k + 16].sum(-1, keepdim=True)
             acc = round_bf16(part if acc is None else acc + part)
         return acc
 
-    def layer_norm(self, t, *, weight=None, bias=None, epsilon=1e-12, residual_input_tensor=None,
-                   memory_config=None, compute_kernel_config=None, program_config=None, **_):
+    def layer_norm(
+        self,
+        t,
+        *,
+        weight=None,
+        bias=None,
+        epsilon=1e-12,
+        residual_input_tensor=None,
+        memory_config=None,
+        compute_kernel_config=None,
+        program_config=None,
+        **_,
+    ):
         """As tt-metal's layer-norm kernel computes it (see the module docstring): two passes of the row
         reduce, intermediates in float32 with fp32_dest_acc_en (ttnn's default) else in bfloat16."""
         self._check(t, "layer_norm")
@@ -715,8 +767,13 @@ class TtnnEmulator:
             if p is not None and p.data.shape[-1] != width:
                 raise RuntimeError(f"layer_norm: {name} width {p.data.shape[-1]} != input width {width}")
         if self.exact:
-            y = F.layer_norm(x, (width,), None if weight is None else weight.data.reshape(-1),
-                             None if bias is None else bias.data.reshape(-1), epsilon)
+            y = F.layer_norm(
+                x,
+                (width,),
+                None if weight is None else weight.data.reshape(-1),
+                None if bias is None else bias.data.reshape(-1),
+                epsilon,
+            )
             return self._new(y, t.dtype, Layout.TILE, t.device, memory_config)
         mean = N.store(self._reduce_mean(x, fidelity, fp32), fp32)
         centred = N.store(N.tf32(x) - N.tf32(mean), fp32)
@@ -734,8 +791,9 @@ class TtnnEmulator:
         self._count("softmax")
         return self._new(torch.softmax(t.data, dim=dim), t.dtype, t.layout, t.device, kwargs.get("memory_config"))
 
-    def _split_heads(self, t, kv_input_tensor=None, *, num_heads, num_kv_heads=None, transpose_key=True,
-                     memory_config=None, **_):
+    def _split_heads(
+        self, t, kv_input_tensor=None, *, num_heads, num_kv_heads=None, transpose_key=True, memory_config=None, **_
+    ):
         self._check(t, "split_query_key_value_and_split_heads")
         self._count("transformer.split_query_key_value_and_split_heads")
         if kv_input_tensor is not None or num_kv_heads not in (None, num_heads):
@@ -748,7 +806,7 @@ class TtnnEmulator:
             raise RuntimeError(f"split heads: width {width} is not 3 x {num_heads} heads")
         d = width // (3 * num_heads)
         heads = x.reshape(b, s, 3 * num_heads, d)
-        q, k, v = (heads[:, :, i * num_heads:(i + 1) * num_heads].permute(0, 2, 1, 3).contiguous() for i in range(3))
+        q, k, v = (heads[:, :, i * num_heads : (i + 1) * num_heads].permute(0, 2, 1, 3).contiguous() for i in range(3))
         if transpose_key:
             k = k.transpose(-1, -2).contiguous()
         return tuple(self._new(z, t.dtype, Layout.TILE, t.device, memory_config) for z in (q, k, v))
@@ -763,17 +821,30 @@ class TtnnEmulator:
         out = torch.zeros(q.shape[:-1] + (v.shape[-1],))
         kt = k.transpose(-1, -2)
         for j in range(0, k.shape[-2], k_chunk):
-            scores = inter(N.matmul(q, kt[..., j:j + k_chunk], fidelity, fp32_acc) * scale)
+            scores = inter(N.matmul(q, kt[..., j : j + k_chunk], fidelity, fp32_acc) * scale)
             m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
             p = inter(N.exp(scores - m_new, approx))
             correction = inter(N.exp(m - m_new, approx))
             total = inter(total * correction + p.sum(dim=-1, keepdim=True))
-            out = inter(out * correction + N.matmul(p, v[..., j:j + k_chunk, :], fidelity, fp32_acc))
+            out = inter(out * correction + N.matmul(p, v[..., j : j + k_chunk, :], fidelity, fp32_acc))
             m = m_new
         return out / total
 
-    def _sdpa(self, q, k, v, *, attn_mask=None, is_causal=True, scale=None, program_config=None,
-              output_concat_heads=False, memory_config=None, compute_kernel_config=None, **_):
+    def _sdpa(
+        self,
+        q,
+        k,
+        v,
+        *,
+        attn_mask=None,
+        is_causal=True,
+        scale=None,
+        program_config=None,
+        output_concat_heads=False,
+        memory_config=None,
+        compute_kernel_config=None,
+        **_,
+    ):
         for t in (q, k, v):
             self._check(t, "scaled_dot_product_attention")
         self._count("transformer.scaled_dot_product_attention")
@@ -803,12 +874,24 @@ class TtnnEmulator:
         return self._new(t.data.permute(0, 2, 1, 3).reshape(b, s, h * d), t.dtype, Layout.TILE, t.device, memory_config)
 
     # ------------------------------------------------------------------------------------------- convs
-    def _conv_params(self, name, input_tensor, weight_tensor, bias_tensor, in_channels, batch_size, input_height,
-                     input_width, conv_config):
+    def _conv_params(
+        self,
+        name,
+        input_tensor,
+        weight_tensor,
+        bias_tensor,
+        in_channels,
+        batch_size,
+        input_height,
+        input_width,
+        conv_config,
+    ):
         self._check(input_tensor, name)
         x = input_tensor.data
         if x.numel() != batch_size * input_height * input_width * in_channels:
-            raise RuntimeError(f"{name}: input {tuple(x.shape)} is not {batch_size}x{input_height}x{input_width}x{in_channels}")
+            raise RuntimeError(
+                f"{name}: input {tuple(x.shape)} is not {batch_size}x{input_height}x{input_width}x{in_channels}"
+            )
         x = x.reshape(batch_size, input_height, input_width, in_channels).permute(0, 3, 1, 2)
         wdtype = getattr(conv_config, "weights_dtype", None) or DataType.BFLOAT16
         weight = weight_tensor.data if weight_tensor._prepared else self.round(weight_tensor.data, wdtype)
@@ -824,8 +907,21 @@ class TtnnEmulator:
         t._prepared = True
         return t
 
-    def _conv_out(self, y, act, dtype, device, memory_config, weight, bias, wdtype, weight_tensor, bias_tensor,
-                  return_output_dim, return_weights_and_bias):
+    def _conv_out(
+        self,
+        y,
+        act,
+        dtype,
+        device,
+        memory_config,
+        weight,
+        bias,
+        wdtype,
+        weight_tensor,
+        bias_tensor,
+        return_output_dim,
+        return_weights_and_bias,
+    ):
         y = self._activation(y, act)
         n, c, h, w = y.shape
         out = self._new(y.permute(0, 2, 3, 1).reshape(1, 1, n * h * w, c), dtype, Layout.TILE, device, memory_config)
@@ -834,7 +930,11 @@ class TtnnEmulator:
             result.append([h, w])
         if return_weights_and_bias:
             pw = weight_tensor if weight_tensor._prepared else self._prepared_weight(weight, wdtype)
-            pb = None if bias is None else (bias_tensor if bias_tensor._prepared else self._prepared_weight(bias, wdtype))
+            pb = (
+                None
+                if bias is None
+                else (bias_tensor if bias_tensor._prepared else self._prepared_weight(bias, wdtype))
+            )
             result.append((pw, pb))
         return out if len(result) == 1 else tuple(result)
 
@@ -845,16 +945,48 @@ class TtnnEmulator:
             return "HiFi4", True
         return fidelity_name(ck, "HiFi4"), bool(getattr(ck, "fp32_dest_acc_en", True))
 
-    def conv2d(self, *, input_tensor, weight_tensor, device, in_channels, out_channels, batch_size, input_height,
-               input_width, kernel_size, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, bias_tensor=None,
-               conv_config=None, dtype=None, memory_config=None, return_output_dim=False,
-               return_weights_and_bias=False, compute_config=None, **_):
+    def conv2d(
+        self,
+        *,
+        input_tensor,
+        weight_tensor,
+        device,
+        in_channels,
+        out_channels,
+        batch_size,
+        input_height,
+        input_width,
+        kernel_size,
+        stride=(1, 1),
+        padding=(0, 0),
+        dilation=(1, 1),
+        groups=1,
+        bias_tensor=None,
+        conv_config=None,
+        dtype=None,
+        memory_config=None,
+        return_output_dim=False,
+        return_weights_and_bias=False,
+        compute_config=None,
+        **_,
+    ):
         self._count("conv2d")
-        x, weight, bias, wdtype = self._conv_params("conv2d", input_tensor, weight_tensor, bias_tensor, in_channels,
-                                                    batch_size, input_height, input_width, conv_config)
+        x, weight, bias, wdtype = self._conv_params(
+            "conv2d",
+            input_tensor,
+            weight_tensor,
+            bias_tensor,
+            in_channels,
+            batch_size,
+            input_height,
+            input_width,
+            conv_config,
+        )
         kh, kw = kernel_size
         if tuple(weight.shape) != (out_channels, in_channels // groups, kh, kw):
-            raise RuntimeError(f"conv2d: weight {tuple(weight.shape)}, expected {(out_channels, in_channels // groups, kh, kw)}")
+            raise RuntimeError(
+                f"conv2d: weight {tuple(weight.shape)}, expected {(out_channels, in_channels // groups, kh, kw)}"
+            )
         if bias is not None and bias.numel() != out_channels:
             raise RuntimeError(f"conv2d: bias of {bias.numel()} values for {out_channels} outputs")
         pad = tuple(padding)
@@ -862,42 +994,135 @@ class TtnnEmulator:
         mode = getattr(conv_config, "padding_mode", PaddingMode.Zeros)
         x = F.pad(x, (left, right, top, bottom), mode="replicate" if mode == PaddingMode.Replicate else "constant")
         fidelity, fp32_acc = self._conv_compute(compute_config)
-        y = self.num.conv(lambda a, w: F.conv2d(a, w, stride=tuple(stride), dilation=tuple(dilation), groups=groups),
-                          x, weight, fidelity, fp32_acc, weight_in_dim=1, groups=groups)
+        y = self.num.conv(
+            lambda a, w: F.conv2d(a, w, stride=tuple(stride), dilation=tuple(dilation), groups=groups),
+            x,
+            weight,
+            fidelity,
+            fp32_acc,
+            weight_in_dim=1,
+            groups=groups,
+        )
         if bias is not None:
             y = y + bias.reshape(1, -1, 1, 1)
-        return self._conv_out(y, getattr(conv_config, "activation", None), dtype or input_tensor.dtype,
-                              input_tensor.device, memory_config, weight, bias, wdtype, weight_tensor, bias_tensor,
-                              return_output_dim, return_weights_and_bias)
+        return self._conv_out(
+            y,
+            getattr(conv_config, "activation", None),
+            dtype or input_tensor.dtype,
+            input_tensor.device,
+            memory_config,
+            weight,
+            bias,
+            wdtype,
+            weight_tensor,
+            bias_tensor,
+            return_output_dim,
+            return_weights_and_bias,
+        )
 
-    def conv_transpose2d(self, *, input_tensor, weight_tensor, device, in_channels, out_channels, batch_size,
-                         input_height, input_width, kernel_size, stride=(1, 1), padding=(0, 0), output_padding=(0, 0),
-                         dilation=(1, 1), groups=1, bias_tensor=None, conv_config=None, dtype=None,
-                         memory_config=None, return_output_dim=False, return_weights_and_bias=False,
-                         compute_config=None, **_):
+    def conv_transpose2d(
+        self,
+        *,
+        input_tensor,
+        weight_tensor,
+        device,
+        in_channels,
+        out_channels,
+        batch_size,
+        input_height,
+        input_width,
+        kernel_size,
+        stride=(1, 1),
+        padding=(0, 0),
+        output_padding=(0, 0),
+        dilation=(1, 1),
+        groups=1,
+        bias_tensor=None,
+        conv_config=None,
+        dtype=None,
+        memory_config=None,
+        return_output_dim=False,
+        return_weights_and_bias=False,
+        compute_config=None,
+        **_,
+    ):
         self._count("conv_transpose2d")
-        x, weight, bias, wdtype = self._conv_params("conv_transpose2d", input_tensor, weight_tensor, bias_tensor,
-                                                    in_channels, batch_size, input_height, input_width, conv_config)
+        x, weight, bias, wdtype = self._conv_params(
+            "conv_transpose2d",
+            input_tensor,
+            weight_tensor,
+            bias_tensor,
+            in_channels,
+            batch_size,
+            input_height,
+            input_width,
+            conv_config,
+        )
         kh, kw = kernel_size
         if tuple(weight.shape) != (in_channels, out_channels // groups, kh, kw):
-            raise RuntimeError(f"conv_transpose2d: weight {tuple(weight.shape)}, expected "
-                               f"{(in_channels, out_channels // groups, kh, kw)} (C_in, C_out, kH, kW)")
+            raise RuntimeError(
+                f"conv_transpose2d: weight {tuple(weight.shape)}, expected "
+                f"{(in_channels, out_channels // groups, kh, kw)} (C_in, C_out, kH, kW)"
+            )
         fidelity, fp32_acc = self._conv_compute(compute_config)
-        y = self.num.conv(lambda a, w: F.conv_transpose2d(a, w, stride=tuple(stride), padding=tuple(padding),
-                                                          output_padding=tuple(output_padding), groups=groups,
-                                                          dilation=tuple(dilation)),
-                          x, weight, fidelity, fp32_acc, weight_in_dim=0, groups=groups)
+        y = self.num.conv(
+            lambda a, w: F.conv_transpose2d(
+                a,
+                w,
+                stride=tuple(stride),
+                padding=tuple(padding),
+                output_padding=tuple(output_padding),
+                groups=groups,
+                dilation=tuple(dilation),
+            ),
+            x,
+            weight,
+            fidelity,
+            fp32_acc,
+            weight_in_dim=0,
+            groups=groups,
+        )
         if bias is not None:
             y = y + bias.reshape(1, -1, 1, 1)
-        return self._conv_out(y, getattr(conv_config, "activation", None), dtype or input_tensor.dtype,
-                              input_tensor.device, memory_config, weight, bias, wdtype, weight_tensor, bias_tensor,
-                              return_output_dim, return_weights_and_bias)
+        return self._conv_out(
+            y,
+            getattr(conv_config, "activation", None),
+            dtype or input_tensor.dtype,
+            input_tensor.device,
+            memory_config,
+            weight,
+            bias,
+            wdtype,
+            weight_tensor,
+            bias_tensor,
+            return_output_dim,
+            return_weights_and_bias,
+        )
 
 
 # Ops whose results a trace replay recomputes (every op graph.py runs on the device between upload and read).
-_TRACED_OPS = ("reshape", "slice", "permute", "pad", "upsample", "concat", "add", "relu", "gelu", "linear",
-               "layer_norm", "softmax", "conv2d", "conv_transpose2d", "typecast", "to_memory_config", "to_layout",
-               "untilize", "reallocate", "deallocate")
+_TRACED_OPS = (
+    "reshape",
+    "slice",
+    "permute",
+    "pad",
+    "upsample",
+    "concat",
+    "add",
+    "relu",
+    "gelu",
+    "linear",
+    "layer_norm",
+    "softmax",
+    "conv2d",
+    "conv_transpose2d",
+    "typecast",
+    "to_memory_config",
+    "to_layout",
+    "untilize",
+    "reallocate",
+    "deallocate",
+)
 
 
 def _overwrite(recorded, fresh) -> None:

@@ -16,6 +16,7 @@ the spec's canvas and token budget gives their shapes. Prints a table, the total
 
     python -m perf.runners.estimate_ttnn --report /tmp/vitl.json --runs 20
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,14 +63,29 @@ def _mock_report(path: str) -> dict:
         return json.loads(Path(path).read_text())
     mock = Path(os.environ.get("MOGE_MOCK_DIR", Path.home() / ".cache" / "tt_moge" / "tt-mock"))
     if not (mock / "env.sh").is_file():
-        sys.exit("no --report and no mock P150 set up (bash scripts/tt-mock/setup.sh): nothing to take the "
-                 "forward's estimate from")
+        sys.exit(
+            "no --report and no mock P150 set up (bash scripts/tt-mock/setup.sh): nothing to take the "
+            "forward's estimate from"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
-        subprocess.run([str(ROOT / "scripts" / "tt-mock-check"), "--random", "vitl-normal", "--resolution",
-                        f"{SIZE[0]}x{SIZE[1]}", "--num-tokens", str(TOKENS), "--no-calibration",
-                        "--no-l1-headroom", "--json", str(out)], check=True,
-                       env={**os.environ, "PYTHON": sys.executable})
+        subprocess.run(
+            [
+                str(ROOT / "scripts" / "tt-mock-check"),
+                "--random",
+                "vitl-normal",
+                "--resolution",
+                f"{SIZE[0]}x{SIZE[1]}",
+                "--num-tokens",
+                str(TOKENS),
+                "--no-calibration",
+                "--no-l1-headroom",
+                "--json",
+                str(out),
+            ],
+            check=True,
+            env={**os.environ, "PYTHON": sys.executable},
+        )
         return json.loads(out.read_text())
 
 
@@ -79,10 +95,19 @@ def _ttnn_host(plan: dict, runs: int) -> dict:
     if not python.is_file():
         return {}
     fin = plan["finest"]
-    args = [str(plan["seq_len"]), str(plan["patch_k_padded"]), str(fin["in_height"] * fin["in_width"]),
-            str(fin["phase_channels"]), str(runs)]
-    env = {**os.environ, "TT_METAL_MOCK_CLUSTER_DESC_PATH": str(mock / "blackhole_P150.yaml"),
-           "TT_LOGGER_LEVEL": "error", "LOGURU_LEVEL": "WARNING"}
+    args = [
+        str(plan["seq_len"]),
+        str(plan["patch_k_padded"]),
+        str(fin["in_height"] * fin["in_width"]),
+        str(fin["phase_channels"]),
+        str(runs),
+    ]
+    env = {
+        **os.environ,
+        "TT_METAL_MOCK_CLUSTER_DESC_PATH": str(mock / "blackhole_P150.yaml"),
+        "TT_LOGGER_LEVEL": "error",
+        "LOGURU_LEVEL": "WARNING",
+    }
     done = subprocess.run([str(python), "-c", _TTNN_HOST, *args], capture_output=True, text=True, env=env, cwd=mock)
     return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
 
@@ -114,8 +139,10 @@ def main() -> None:
     fin = plan["finest"]
     image = common.photo(SIZE)
     canvas = torch.from_numpy(image).permute(2, 0, 1)[None].float().div(255)
-    readback = {"finest": np.random.rand(fin["in_height"] * fin["in_width"], fin["phase_channels"]).astype(np.float32),
-                "cls_token": np.random.rand(plan["dim"]).astype(np.float32)}
+    readback = {
+        "finest": np.random.rand(fin["in_height"] * fin["in_width"], fin["phase_channels"]).astype(np.float32),
+        "cls_token": np.random.rand(plan["dim"]).astype(np.float32),
+    }
     patches_ms = _median_ms(lambda: patch_matrix(prepared, canvas), args.runs)
     raw_ms = _median_ms(lambda: raw_maps(prepared, readback), args.runs)
     ttnn_host = _ttnn_host(plan, args.runs)
@@ -127,8 +154,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:  # the shared host stages, on raw maps of a real forward
         make_checkpoint(tmp, "tiny-vits-normal")
-        with MoGeModel.from_pretrained(tmp, device="cpu", resolution=SIZE, num_tokens=TOKENS,
-                                       warmup=0, warmup_variants=()) as model:
+        with MoGeModel.from_pretrained(
+            tmp, device="cpu", resolution=SIZE, num_tokens=TOKENS, warmup=0, warmup_variants=()
+        ) as model:
             service = model.service
             raw = service.forward_raw(canvas)
             replay = service.replaying(raw)
@@ -140,18 +168,24 @@ def main() -> None:
                     stages.setdefault(k, []).append(v)
     shared = {k: float(np.median(v[1:])) for k, v in stages.items() if k not in ("device", "device_wait")}
 
-    rows = [("device forward (cost model, mock P150 op list)", forward_ms, "estimated"),
-            ("PCIe: patch matrix up, finest maps down", pcie_ms, "estimated"),
-            ("runner host: patch_matrix (resize + unfold)", patches_ms, "measured"),
-            ("runner host: raw_maps (interleave, resize, activations)", raw_ms, "measured")]
+    rows = [
+        ("device forward (cost model, mock P150 op list)", forward_ms, "estimated"),
+        ("PCIe: patch matrix up, finest maps down", pcie_ms, "estimated"),
+        ("runner host: patch_matrix (resize + unfold)", patches_ms, "measured"),
+        ("runner host: raw_maps (interleave, resize, activations)", raw_ms, "measured"),
+    ]
     if ttnn_host:
-        rows += [("ttnn host: tilize the input", ttnn_host["tilize_input_ms"], "measured (mock's Python)"),
-                 ("ttnn host: read the rows into numpy", ttnn_host["rows_to_numpy_ms"], "measured (mock's Python)")]
+        rows += [
+            ("ttnn host: tilize the input", ttnn_host["tilize_input_ms"], "measured (mock's Python)"),
+            ("ttnn host: read the rows into numpy", ttnn_host["rows_to_numpy_ms"], "measured (mock's Python)"),
+        ]
     rows += [(f"shared host: {k}", v, "measured") for k, v in shared.items()]
     total = sum(v for _, v, _ in rows)
     cpu = common.cpu_line()
-    print(f"model(uint8 array {SIZE[0]}x{SIZE[1]}) on a Blackhole P150, ViT-L, {TOKENS} tokens; host {cpu}; "
-          f"{torch.get_num_threads()} threads; medians of {args.runs}")
+    print(
+        f"model(uint8 array {SIZE[0]}x{SIZE[1]}) on a Blackhole P150, ViT-L, {TOKENS} tokens; host {cpu}; "
+        f"{torch.get_num_threads()} threads; medians of {args.runs}"
+    )
     for name, value, how in rows:
         print(f"  {name:58s} {value:8.2f} ms   {how}")
     print(f"  {'total':58s} {total:8.2f} ms   (the spec's p150: {SPEC_MS} ms; ratio {total / SPEC_MS:.2f})")

@@ -9,6 +9,7 @@ The mock computes nothing (every value read back is zero), so the outputs say on
 device graph at the model's canvas and token budget, the host's resize, solve and finish. No trace: the mock
 cannot capture one (MOGE_TTNN_TRACE=0 is set here).
 """
+
 import argparse
 import os
 import sys
@@ -34,8 +35,14 @@ def main() -> int:
     device = ttnn.open_device(device_id=0, l1_small_size=L1_SMALL_SIZE)
     try:
         t = time.perf_counter()
-        with MoGeModel.from_pretrained(args.weights, device=device, resolution=(width, height),
-                                       num_tokens=args.num_tokens, warmup=1, warmup_variants="minimal") as model:
+        with MoGeModel.from_pretrained(
+            args.weights,
+            device=device,
+            resolution=(width, height),
+            num_tokens=args.num_tokens,
+            warmup=1,
+            warmup_variants="minimal",
+        ) as model:
             print(f"loaded on the mock in {time.perf_counter() - t:.1f} s: {model.info()['runner']}")
             image = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)
             t = time.perf_counter()

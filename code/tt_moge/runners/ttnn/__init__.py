@@ -3,6 +3,7 @@
 (`device`), the runner the API uses (`runner.TtnnRunner`, torch on the host side) and the mock-device check
 (`mock_check`). Importing this package imports neither torch nor ttnn (the mock check runs where there is no
 torch); `runner` is imported by `runners.make_runner` only for a Tenstorrent device."""
+
 from .graph import FORMATS, Formats, TtnnGraph
 from .prepare import Prepared, host_input, host_output, prepare_weights
 

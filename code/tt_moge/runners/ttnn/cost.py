@@ -33,6 +33,7 @@ tuned to our graph. Both the constants and the comparison are in docs/tenstorren
 
 numpy-free and torch-free: this module runs in the mock's Python (ttnn only) and in the tests.
 """
+
 from __future__ import annotations
 
 import collections
@@ -42,8 +43,20 @@ import types
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional
 
-__all__ = ["Chip", "BLACKHOLE_P150", "TensorInfo", "DeviceOp", "OpRecorder", "OpCost", "Estimate", "op_cost",
-           "estimate", "device_ops_from_capture", "GROUPS", "PUBLISHED_HIRES_VIT_MS"]
+__all__ = [
+    "Chip",
+    "BLACKHOLE_P150",
+    "TensorInfo",
+    "DeviceOp",
+    "OpRecorder",
+    "OpCost",
+    "Estimate",
+    "op_cost",
+    "estimate",
+    "device_ops_from_capture",
+    "GROUPS",
+    "PUBLISHED_HIRES_VIT_MS",
+]
 
 TILE = 32
 GROUPS = ("encoder", "sdpa", "norms_adds", "decoder", "transfers")
@@ -84,8 +97,16 @@ class Chip:
 BLACKHOLE_P150 = Chip()
 
 _FIDELITY_PASSES = {"LoFi": 1, "HiFi2": 2, "HiFi3": 3, "HiFi4": 4}
-_DTYPE_TILE_BYTES = {"BFLOAT16": 2048, "FLOAT32": 4096, "BFLOAT8_B": 1088, "BFLOAT4_B": 576, "UINT32": 4096,
-                     "INT32": 4096, "UINT16": 2048, "UINT8": 1024}
+_DTYPE_TILE_BYTES = {
+    "BFLOAT16": 2048,
+    "FLOAT32": 4096,
+    "BFLOAT8_B": 1088,
+    "BFLOAT4_B": 576,
+    "UINT32": 4096,
+    "INT32": 4096,
+    "UINT16": 2048,
+    "UINT8": 1024,
+}
 
 
 # ------------------------------------------------------------------------------------------ the op list
@@ -138,7 +159,10 @@ class DeviceOp:
 
 _SHAPE = re.compile(r"Shape\(\[([0-9, ]*)\]\)")
 _GRID_RANGE = re.compile(r'\{"start":\{"x":(\d+),"y":(\d+)\},"end":\{"x":(\d+),"y":(\d+)\}')
-_MEMORY = re.compile(r"memory_layout=TensorMemoryLayout::(\w+),buffer_type=BufferType::(\w+),shard_spec=(std::nullopt|ShardSpec\{grid=\[(.*?)\], shape)")
+_MEMORY = re.compile(
+    r"memory_layout=TensorMemoryLayout::(\w+),buffer_type=BufferType::(\w+),"
+    r"shard_spec=(std::nullopt|ShardSpec\{grid=\[(.*?)\], shape)"
+)
 _COMPUTE = re.compile(r"ComputeKernelConfig\(math_fidelity=(\w+),math_approx_mode=(\d),fp32_dest_acc_en=(\d)")
 
 
@@ -148,8 +172,10 @@ def _shape(text: str) -> tuple:
 
 
 def _grid_cores(ranges: str) -> int:
-    return sum((x1 - x0 + 1) * (y1 - y0 + 1) for x0, y0, x1, y1 in
-               (tuple(int(v) for v in m.groups()) for m in _GRID_RANGE.finditer(ranges)))
+    return sum(
+        (x1 - x0 + 1) * (y1 - y0 + 1)
+        for x0, y0, x1, y1 in (tuple(int(v) for v in m.groups()) for m in _GRID_RANGE.finditer(ranges))
+    )
 
 
 def _tensor_info(params: dict) -> TensorInfo:
@@ -157,9 +183,15 @@ def _tensor_info(params: dict) -> TensorInfo:
     m = _MEMORY.search(memory)
     layout, buffer = (m.group(1), m.group(2)) if m else ("INTERLEAVED", "DRAM")
     cores = _grid_cores(m.group(4) or "") if m and m.group(4) else 0
-    info = TensorInfo(shape=_shape(params.get("shape", "")), dtype=params.get("dtype", "").split("::")[-1],
-                      layout=params.get("layout", "").split("::")[-1], buffer=buffer, memory_layout=layout,
-                      cores=cores, nbytes=0)
+    info = TensorInfo(
+        shape=_shape(params.get("shape", "")),
+        dtype=params.get("dtype", "").split("::")[-1],
+        layout=params.get("layout", "").split("::")[-1],
+        buffer=buffer,
+        memory_layout=layout,
+        cores=cores,
+        nbytes=0,
+    )
     info.nbytes = _nbytes(info) or int(params.get("size", 0) or 0)
     return info
 
@@ -183,8 +215,7 @@ def _is_device_op(name: str) -> bool:
     return bool(name) and "::" not in name
 
 
-def device_ops_from_capture(captured: list, call: str, call_attrs: Optional[dict] = None,
-                            stage: str = "") -> list:
+def device_ops_from_capture(captured: list, call: str, call_attrs: Optional[dict] = None, stage: str = "") -> list:
     """The device operations in a ttnn graph capture (`ttnn.graph.end_graph_capture()`) of one ttnn call."""
     ops = []
     open_ops: list = []
@@ -193,18 +224,32 @@ def device_ops_from_capture(captured: list, call: str, call_attrs: Optional[dict
         params = node.get("params") or {}
         name = params.get("name", "")
         if kind == "function_start" and _is_device_op(name):
-            inputs = [_tensor_info(captured[i]["params"]) for i in node.get("input_tensors", [])
-                      if captured[i].get("node_type") == "tensor"]
+            inputs = [
+                _tensor_info(captured[i]["params"])
+                for i in node.get("input_tensors", [])
+                if captured[i].get("node_type") == "tensor"
+            ]
             text = " ".join(node.get("arguments", []))
             c = _COMPUTE.search(text)
-            op = DeviceOp(name=name, inputs=inputs, outputs=[], call=call, stage=stage,
-                          fidelity=c.group(1) if c else None, approx=bool(int(c.group(2))) if c else None,
-                          fp32_acc=bool(int(c.group(3))) if c else None, call_attrs=dict(call_attrs or {}))
+            op = DeviceOp(
+                name=name,
+                inputs=inputs,
+                outputs=[],
+                call=call,
+                stage=stage,
+                fidelity=c.group(1) if c else None,
+                approx=bool(int(c.group(2))) if c else None,
+                fp32_acc=bool(int(c.group(3))) if c else None,
+                call_attrs=dict(call_attrs or {}),
+            )
             open_ops.append(op)
         elif kind == "function_end" and open_ops and name == open_ops[-1].name:
             op = open_ops.pop()
-            op.outputs = [_tensor_info(captured[i]["params"]) for i in node.get("connections", [])
-                          if captured[i].get("node_type") == "tensor"]
+            op.outputs = [
+                _tensor_info(captured[i]["params"])
+                for i in node.get("connections", [])
+                if captured[i].get("node_type") == "tensor"
+            ]
             if not open_ops:  # an op nested in another is costed as part of it
                 ops.append(op)
     return ops
@@ -223,17 +268,31 @@ def call_attributes(name: str, kwargs: dict) -> dict:
         grid = _attr(pc, "compute_with_storage_grid_size")
         if grid is not None:
             attrs["grid"] = [int(grid.x), int(grid.y)]
-        for key in ("per_core_M", "per_core_N", "in0_block_w", "q_chunk_size", "k_chunk_size", "exp_approx_mode",
-                    "out_subblock_h", "out_subblock_w"):
+        for key in (
+            "per_core_M",
+            "per_core_N",
+            "in0_block_w",
+            "q_chunk_size",
+            "k_chunk_size",
+            "exp_approx_mode",
+            "out_subblock_h",
+            "out_subblock_w",
+        ):
             value = _attr(pc, key)
             if value is not None:
                 attrs[key] = value if isinstance(value, bool) else int(value)
         attrs["program_config"] = type(pc).__name__
     if "kernel_size" in kwargs and "in_channels" in kwargs:
-        attrs.update(kernel=list(kwargs["kernel_size"]), in_channels=int(kwargs["in_channels"]),
-                     out_channels=int(kwargs["out_channels"]), groups=int(kwargs.get("groups", 1) or 1),
-                     stride=list(kwargs.get("stride", (1, 1))), height=int(kwargs["input_height"]),
-                     width=int(kwargs["input_width"]), transposed=name == "conv_transpose2d")
+        attrs.update(
+            kernel=list(kwargs["kernel_size"]),
+            in_channels=int(kwargs["in_channels"]),
+            out_channels=int(kwargs["out_channels"]),
+            groups=int(kwargs.get("groups", 1) or 1),
+            stride=list(kwargs.get("stride", (1, 1))),
+            height=int(kwargs["input_height"]),
+            width=int(kwargs["input_width"]),
+            transposed=name == "conv_transpose2d",
+        )
     return attrs
 
 
@@ -318,10 +377,32 @@ class OpCost:
         return "compute" if self.compute_ns >= self.data_ns else "data"
 
 
-_TRANSFERS = ("InterleavedToSharded", "ShardedToInterleaved", "Reshard", "Move", "Slice", "PaddedSlice",
-              "SliceWrite", "ReshapeView", "Concat", "Untilize", "Tilize", "Typecast", "Permute", "Pad",
-              "NlpCreateHeads", "NLPCreateHeads", "Transpose", "Copy", "Halo", "Fold", "Clone", "Split",
-              "NlpConcatHeads", "CreateQKVHeads")
+_TRANSFERS = (
+    "InterleavedToSharded",
+    "ShardedToInterleaved",
+    "Reshard",
+    "Move",
+    "Slice",
+    "PaddedSlice",
+    "SliceWrite",
+    "ReshapeView",
+    "Concat",
+    "Untilize",
+    "Tilize",
+    "Typecast",
+    "Permute",
+    "Pad",
+    "NlpCreateHeads",
+    "NLPCreateHeads",
+    "Transpose",
+    "Copy",
+    "Halo",
+    "Fold",
+    "Clone",
+    "Split",
+    "NlpConcatHeads",
+    "CreateQKVHeads",
+)
 _COMPUTE_OPS = ("Matmul", "Conv2d", "SDPA", "LayerNorm", "BinaryNg", "Binary", "Unary", "Softmax")
 
 
@@ -370,7 +451,7 @@ def _matmul(op: DeviceOp, chip: Chip) -> tuple:
         cores = _op_cores(op, chip, blocks=mt * nt)
         per_m, per_n = 1, -(-mt * nt // cores)
     products = per_m * per_n * kt * max(1, batch_b)
-    tile_cycles = TILE ** 3 * 2 / chip.flop_per_cycle_lofi * _passes(op)
+    tile_cycles = TILE**3 * 2 / chip.flop_per_cycle_lofi * _passes(op)
     compute = chip.cycles_ns(products * tile_cycles / chip.fpu_efficiency)
     # 2D multicast: a row's first core reads the row's in0 blocks and multicasts them, a column's first core the
     # column's in1 blocks, on the two NoCs at once: the longer of the two streams bounds the op
@@ -401,17 +482,29 @@ def _conv(op: DeviceOp, chip: Chip) -> tuple:
     kw = (attrs.get("kernel") or (1, 1))[1]
     stick = kw * c_in * 2  # the reader copies one window row (kw pixels of C_in bfloat16 values) at a time
     reader = pixels / cores * k * 2 / l1_local_bytes_per_s(stick) * 1e9
-    weights = (weight.nbytes if weight is not None else k * n * 2)
+    weights = weight.nbytes if weight is not None else k * n * 2
     data = max(_data_ns(op, chip), reader, chip.cycles_ns(weights / chip.noc_bytes_per_cycle))
     kernel = "x".join(str(v) for v in attrs.get("kernel", ())) or "?"
-    return compute, data, cores, f"{pixels}px {attrs.get('in_channels', '?')}->{attrs.get('out_channels', '?')} " \
-                                 f"{kernel} g{attrs.get('groups', 1)} {op.fidelity} {cores} cores"
+    return (
+        compute,
+        data,
+        cores,
+        f"{pixels}px {attrs.get('in_channels', '?')}->{attrs.get('out_channels', '?')} "
+        f"{kernel} g{attrs.get('groups', 1)} {op.fidelity} {cores} cores",
+    )
 
 
 # What one Blackhole core reads from its own L1 per transaction size (bytes -> GB/s): the measured table of
 # tt-metal's data-movement cost model (ttnn/.../data_movement/common/common.cpp, common_tm_bw_model, "L1 local").
-_L1_LOCAL_GBPS = ((32, 1.337), (256, 10.708), (512, 21.413), (1024, 42.792), (2048, 46.455), (4096, 48.5),
-                  (65536, 50.21))
+_L1_LOCAL_GBPS = (
+    (32, 1.337),
+    (256, 10.708),
+    (512, 21.413),
+    (1024, 42.792),
+    (2048, 46.455),
+    (4096, 48.5),
+    (65536, 50.21),
+)
 
 
 def l1_local_bytes_per_s(transaction: float) -> float:
@@ -456,13 +549,17 @@ def _sdpa(op: DeviceOp, chip: Chip) -> tuple:
     score_tiles = chunks * (q_chunk // TILE) * k_chunks * (k_chunk // TILE)
     approx = attrs.get("exp_approx_mode", op.approx)
     softmax = chip.softmax_cycles_per_tile_approx if approx else chip.softmax_cycles_per_tile
-    mm = 2 * (d // TILE) * TILE ** 3 * 2 / chip.flop_per_cycle_lofi * _passes(op) / chip.fpu_efficiency
+    mm = 2 * (d // TILE) * TILE**3 * 2 / chip.flop_per_cycle_lofi * _passes(op) / chip.fpu_efficiency
     rescale = chunks * k_chunks * (q_chunk // TILE) * (d // TILE + 2) * chip.eltwise_cycles_per_tile
     compute = chip.cycles_ns(score_tiles * (mm + softmax) + rescale)
     kv_stream = chunks * 2 * sk * d * _DTYPE_TILE_BYTES.get(k.dtype, 2048) / (TILE * TILE)
     data = max(_data_ns(op, chip), chip.cycles_ns(kv_stream / chip.noc_bytes_per_cycle))
-    return compute, data, cores, f"{h}h {sq}x{sk}x{d} q{q_chunk}/k{k_chunk} {op.fidelity}" \
-                                 f"{' approx' if approx else ''} {cores} cores"
+    return (
+        compute,
+        data,
+        cores,
+        f"{h}h {sq}x{sk}x{d} q{q_chunk}/k{k_chunk} {op.fidelity}{' approx' if approx else ''} {cores} cores",
+    )
 
 
 def _eltwise(op: DeviceOp, chip: Chip, passes: float) -> tuple:
@@ -525,16 +622,30 @@ class Estimate:
         rows: dict = {}
         for c in self.ops:
             key = (c.name, c.call, c.detail)
-            row = rows.setdefault(key, {"op": c.name, "call": c.call, "detail": c.detail, "group": c.group,
-                                        "bound": c.bound, "count": 0, "ms": 0.0})
+            row = rows.setdefault(
+                key,
+                {
+                    "op": c.name,
+                    "call": c.call,
+                    "detail": c.detail,
+                    "group": c.group,
+                    "bound": c.bound,
+                    "count": 0,
+                    "ms": 0.0,
+                },
+            )
             row["count"] += 1
             row["ms"] += c.total_ns / 1e6
         return sorted(rows.values(), key=lambda r: -r["ms"])[:n]
 
     def summary(self, top: int = 10) -> dict:
-        return {"total": round(self.total_ms, 3), **{g: round(v, 3) for g, v in self.groups_ms.items()},
-                "device_ops": len(self.ops), "chip": self.chip,
-                "top": [{**r, "ms": round(r["ms"], 3)} for r in self.top(top)]}
+        return {
+            "total": round(self.total_ms, 3),
+            **{g: round(v, 3) for g, v in self.groups_ms.items()},
+            "device_ops": len(self.ops),
+            "chip": self.chip,
+            "top": [{**r, "ms": round(r["ms"], 3)} for r in self.top(top)],
+        }
 
 
 def estimate(ops: Iterable[DeviceOp], chip: Chip = BLACKHOLE_P150) -> Estimate:
@@ -545,8 +656,9 @@ def estimate(ops: Iterable[DeviceOp], chip: Chip = BLACKHOLE_P150) -> Estimate:
     return Estimate(sum(groups.values()), groups, costs, chip.name)
 
 
-def calibration_table(op_lists: dict, chip: Chip = BLACKHOLE_P150, layers: int = 12,
-                      published_ms: Optional[dict] = None) -> dict:
+def calibration_table(
+    op_lists: dict, chip: Chip = BLACKHOLE_P150, layers: int = 12, published_ms: Optional[dict] = None
+) -> dict:
     """tokens -> {estimate_ms, published_ms, ratio} for tt-metal's hiRes ViT: `op_lists` maps a token count of
     `published_ms` (default `PUBLISHED_HIRES_VIT_MS`) to the device ops of one of its layers (all alike)."""
     published_ms = PUBLISHED_HIRES_VIT_MS if published_ms is None else published_ms
@@ -554,12 +666,17 @@ def calibration_table(op_lists: dict, chip: Chip = BLACKHOLE_P150, layers: int =
     for tokens, ops in sorted(op_lists.items()):
         est = layers * estimate(ops, chip).total_ms
         published = published_ms[tokens]
-        table[str(tokens)] = {"estimate_ms": round(est, 3), "published_ms": published, "ratio": round(est / published, 3)}
+        table[str(tokens)] = {
+            "estimate_ms": round(est, 3),
+            "published_ms": published,
+            "ratio": round(est / published, 3),
+        }
     return table
 
 
-def fit_calibration(op_lists: dict, chip: Chip = BLACKHOLE_P150, layers: int = 12,
-                    published_ms: Optional[dict] = None) -> dict:
+def fit_calibration(
+    op_lists: dict, chip: Chip = BLACKHOLE_P150, layers: int = 12, published_ms: Optional[dict] = None
+) -> dict:
     """The `op_overhead_ns` and `softmax_cycles_per_tile` that minimise the squared relative errors of the hiRes
     ViT estimates against the published times, every other figure of `chip` held. Both enter the estimate
     linearly (the ops they touch are bound by their compute), so one linear least-squares step is exact."""
@@ -586,8 +703,10 @@ def fit_calibration(op_lists: dict, chip: Chip = BLACKHOLE_P150, layers: int = 1
     det = a11 * a22 - a12 * a12
     d = ((a22 * b1 - a12 * b2) / det, (a11 * b2 - a12 * b1) / det)
     fitted = {n: base[n] + d[j] for j, n in enumerate(names)}
-    return {**{n: round(v, 1) for n, v in fitted.items()},
-            "table": calibration_table(op_lists, Chip(**{**base, **fitted}), layers, published_ms)}
+    return {
+        **{n: round(v, 1) for n, v in fitted.items()},
+        "table": calibration_table(op_lists, Chip(**{**base, **fitted}), layers, published_ms),
+    }
 
 
 def chip_figures(chip: Chip = BLACKHOLE_P150) -> dict:

@@ -7,6 +7,7 @@
 * `open_chip(...)`: ETH dispatch (the p150 configuration, one command queue) or worker dispatch (opt-in, the only
   one that allows two command queues); when the ETH open fails, a RuntimeWarning and worker dispatch.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,19 @@ import sys
 import warnings
 from typing import Any, Optional
 
-__all__ = ["TtnnUnavailableError", "import_ttnn", "device_count", "chips_here", "chips_hidden", "is_ttnn_device",
-           "open_chip", "close_chip", "VISIBLE_ENV", "L1_SMALL_SIZE", "TRACE_REGION_SIZE"]
+__all__ = [
+    "TtnnUnavailableError",
+    "import_ttnn",
+    "device_count",
+    "chips_here",
+    "chips_hidden",
+    "is_ttnn_device",
+    "open_chip",
+    "close_chip",
+    "VISIBLE_ENV",
+    "L1_SMALL_SIZE",
+    "TRACE_REGION_SIZE",
+]
 
 # Device-wide reservations made when the chip opens: conv2d's small L1 buffers, and the DRAM region that holds
 # the captured trace of the whole forward.
@@ -34,16 +46,19 @@ def import_ttnn(verbose: bool = False) -> Any:
 
     if "ttnn" not in sys.modules and importlib.util.find_spec("ttnn") is None:
         # the common case off Tenstorrent machines: nothing to import, and no logging variables to set
-        raise TtnnUnavailableError("ttnn (tt-metal's Python package) is not installed here; run in a tt-metal Python "
-                                   "environment")
+        raise TtnnUnavailableError(
+            "ttnn (tt-metal's Python package) is not installed here; run in a tt-metal Python environment"
+        )
     if not verbose:
         os.environ.setdefault("TT_LOGGER_LEVEL", "error")
         os.environ.setdefault("LOGURU_LEVEL", "WARNING")
     try:
         import ttnn
     except Exception as exc:  # ImportError, or a broken install raising anything while it loads
-        raise TtnnUnavailableError(f"ttnn (tt-metal's Python package) does not import here ({type(exc).__name__}: {exc}); "
-                                   "run in a tt-metal Python environment") from None
+        raise TtnnUnavailableError(
+            f"ttnn (tt-metal's Python package) does not import here ({type(exc).__name__}: {exc}); "
+            "run in a tt-metal Python environment"
+        ) from None
     return ttnn
 
 
@@ -76,25 +91,40 @@ def is_ttnn_device(obj: Any) -> bool:
     return type(obj).__module__.split(".")[0] == "ttnn"
 
 
-def open_chip(ttnn: Any, device_id: int, dispatch: str = "eth", num_command_queues: int = 1, *,
-              l1_small_size: int = L1_SMALL_SIZE, trace_region_size: int = TRACE_REGION_SIZE) -> tuple:
+def open_chip(
+    ttnn: Any,
+    device_id: int,
+    dispatch: str = "eth",
+    num_command_queues: int = 1,
+    *,
+    l1_small_size: int = L1_SMALL_SIZE,
+    trace_region_size: int = TRACE_REGION_SIZE,
+) -> tuple:
     """Open chip `device_id` -> (device, the dispatch actually used). `dispatch` "eth" falls back to "worker"
     with a RuntimeWarning when the ETH open fails; two command queues need worker dispatch."""
     if num_command_queues == 2 and dispatch != "worker":
         raise ValueError("num_command_queues=2 needs dispatch='worker' (ETH dispatch supports 1 command queue)")
 
     def open_with(kind: Any) -> Any:
-        return ttnn.open_device(device_id=device_id, l1_small_size=l1_small_size, trace_region_size=trace_region_size,
-                                num_command_queues=num_command_queues,
-                                dispatch_core_config=ttnn.DispatchCoreConfig(kind))
+        return ttnn.open_device(
+            device_id=device_id,
+            l1_small_size=l1_small_size,
+            trace_region_size=trace_region_size,
+            num_command_queues=num_command_queues,
+            dispatch_core_config=ttnn.DispatchCoreConfig(kind),
+        )
 
     if dispatch == "eth":
         try:
             return open_with(ttnn.DispatchCoreType.ETH), "eth"
         except Exception as exc:
-            warnings.warn(f"Tenstorrent device {device_id}: ETH dispatch failed to open ({type(exc).__name__}: "
-                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); using worker dispatch, "
-                          "which leaves fewer cores for compute on a p150", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"Tenstorrent device {device_id}: ETH dispatch failed to open ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); using worker dispatch, "
+                "which leaves fewer cores for compute on a p150",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     return open_with(ttnn.DispatchCoreType.WORKER), "worker"
 
 

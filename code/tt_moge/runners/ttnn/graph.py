@@ -37,10 +37,12 @@ chunks and exp, how the decoder runs. Two are named:
 
 * "fast" (the default). The encoder keeps every activation in L1 (interleaved over all cores' L1: the residual
   stream, layer norms and adds never touch DRAM), its 1024-wide matmuls use the whole grid (uneven per-core
-  blocks), qkv and the attention projection run at HiFi2, the MLP at LoFi, SDPA in 256 / 512 chunks with the
+  blocks), qkv, the attention projection and the MLP run at HiFi2, SDPA in 256 / 512 chunks with the
   approximate exp; the decoder's convs are chained in L1, height-sharded, each conv's output feeding the next
-  conv, ReLU and residual add where it lies (no round trip through DRAM, no resharding between ops), at HiFi2;
-  the finest maps are untilized on the device. Why each choice, and the accuracy it keeps (measured in the
+  conv, ReLU and residual add where it lies (no round trip through DRAM, no resharding between ops), at HiFi2
+  (HiFi4 at the finest level); the level-0 upsamples are matmuls and a pixel shuffle; the finest maps are
+  untilized on the device. Where a token budget's maps would not fit L1, the encoder or the decoder falls back
+  to DRAM (`TtnnGraph._placement`). Why each choice, and the accuracy it keeps (measured in the
   fidelity-aware emulator) and the time it buys (the cost model, `cost.py`), are in docs/tenstorrent.md.
 * "safe": the first graph that ran on the mock: every activation in DRAM, HiFi4 everywhere, exact exp, each
   conv placed on its own (in L1 when small, else DRAM-sliced by rows). Slower, simpler, and the switch back
@@ -71,6 +73,7 @@ circular buffers stay under `L1_BUDGET`; SDPA chunked; in the safe graph each 3x
 and the whole of K (circular buffers several times the L1 size): the mock device must refuse it (the
 negative check).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -98,12 +101,12 @@ _FIDELITIES = {"hifi4": "HiFi4", "hifi3": "HiFi3", "hifi2": "HiFi2", "lofi": "Lo
 class Formats:
     """Data formats (ttnn dtype names) of the graph's tensors."""
 
-    vit_weights: str = "bfloat16"      # qkv, attention output, FFN weights of the ViT blocks
+    vit_weights: str = "bfloat16"  # qkv, attention output, FFN weights of the ViT blocks
     decoder_weights: str = "bfloat16"  # patch embedding, tap projections, decoder convs and 1x1 convs
-    activations: str = "bfloat16"      # tensors between ops (matmul / conv outputs, q, k, v, decoder maps)
-    residual: str = "float32"          # the ViT residual stream, its layer norms, the level-0 accumulator
-    finest: str = "float32"            # the finest (phase-folded) conv outputs, read back by the host
-    decoder_activations: str = ""      # the decoder's maps from level 1 on ("": as `activations`)
+    activations: str = "bfloat16"  # tensors between ops (matmul / conv outputs, q, k, v, decoder maps)
+    residual: str = "float32"  # the ViT residual stream, its layer norms, the level-0 accumulator
+    finest: str = "float32"  # the finest (phase-folded) conv outputs, read back by the host
+    decoder_activations: str = ""  # the decoder's maps from level 1 on ("": as `activations`)
 
     @property
     def decoder_maps(self) -> str:
@@ -111,8 +114,10 @@ class Formats:
 
     def __post_init__(self):
         if self.decoder_activations and self.decoder_activations not in _TILE_BYTES:
-            raise ValueError(f"Formats.decoder_activations: expected one of {sorted(_TILE_BYTES)} or '', "
-                             f"got {self.decoder_activations!r}")
+            raise ValueError(
+                f"Formats.decoder_activations: expected one of {sorted(_TILE_BYTES)} or '', "
+                f"got {self.decoder_activations!r}"
+            )
         for name in ("vit_weights", "decoder_weights", "activations", "residual", "finest"):
             value = getattr(self, name)
             if value not in _TILE_BYTES:
@@ -140,12 +145,12 @@ class GraphConfig:
     """Everything about the device graph but its data formats (see the module docstring).
 
     placement: "dram" (every activation in DRAM, interleaved) or "l1" (the encoder's activations in L1,
-    interleaved; the decoder's as its decoder mode says). decoder: "sliced" (each 3x3 conv placed on its own,
-    DRAM in and out) or "chained" (L1 height-sharded from conv to conv). Fidelities: "hifi4", "hifi2", "lofi"
-    for the attention projections (qkv, attention output, patch and tap matmuls), the MLP, SDPA, the decoder's
-    convs and 1x1 convs of the coarse levels, those of the finest level with the phase-folded finest conv, and
-    the layer norms. whole_grid: matmul blocks that need not divide
-    the tile counts, so that a 1024-wide matmul uses 11-13 columns instead of 8. output: "tiles" (the finest
+    interleaved, where they fit; the decoder's as its decoder mode says). decoder: "sliced" (each 3x3 conv placed
+    on its own, DRAM in and out) or "chained" (L1 height-sharded from conv to conv, where the maps fit).
+    Fidelities: "hifi4", "hifi2", "lofi" for the attention projections (qkv, attention output, patch and tap
+    matmuls), the MLP, SDPA, the decoder's convs and 1x1 convs of the coarse levels, those of the finest level
+    with the phase-folded finest conv, and the layer norms. whole_grid: matmul blocks that need not divide the
+    tile counts, so that a 1024-wide matmul uses 11-13 columns instead of 8. output: "tiles" (the finest
     maps read back in tile layout, untilized by the host) or "rows" (untilized on the device).
     """
 
@@ -180,10 +185,21 @@ class GraphConfig:
 
 CONFIGS = {
     "safe": GraphConfig(),
-    "fast": GraphConfig(placement="l1", decoder="chained", attention_fidelity="hifi2", mlp_fidelity="hifi2",
-                        sdpa_fidelity="hifi2", decoder_fidelity="hifi2", finest_fidelity="hifi4",
-                        norm_fidelity="hifi4", sdpa_q_chunk=256, sdpa_k_chunk=512, sdpa_exp_approx=True,
-                        whole_grid=True, output="rows"),
+    "fast": GraphConfig(
+        placement="l1",
+        decoder="chained",
+        attention_fidelity="hifi2",
+        mlp_fidelity="hifi2",
+        sdpa_fidelity="hifi2",
+        decoder_fidelity="hifi2",
+        finest_fidelity="hifi4",
+        norm_fidelity="hifi4",
+        sdpa_q_chunk=256,
+        sdpa_k_chunk=512,
+        sdpa_exp_approx=True,
+        whole_grid=True,
+        output="rows",
+    ),
 }
 
 
@@ -215,8 +231,9 @@ class _MatmulPlanner:
             b += per_m * per_n * _TILE_BYTES["float32"]
         return b
 
-    def config(self, m: int, k: int, n: int, *, in0: str, in1: str, out: str, gelu: bool = False,
-               whole_k: bool = False):
+    def config(
+        self, m: int, k: int, n: int, *, in0: str, in1: str, out: str, gelu: bool = False, whole_k: bool = False
+    ):
         mt, kt, nt = _cdiv(m, TILE), k // TILE, n // TILE
         if self.whole_grid:
             per_n = _cdiv(nt, self.grid_x)
@@ -238,9 +255,15 @@ class _MatmulPlanner:
                     break
         act = self.ttnn.UnaryWithParam(self.ttnn.UnaryOpType.GELU, 0.0) if gelu else None
         return self.ttnn.MatmulMultiCoreReuseMultiCastProgramConfig(
-            compute_with_storage_grid_size=self.ttnn.CoreCoord(gx, gy), in0_block_w=block,
-            out_subblock_h=sub_h, out_subblock_w=sub_w, per_core_M=per_m, per_core_N=per_n,
-            transpose_mcast=False, fused_activation=act)
+            compute_with_storage_grid_size=self.ttnn.CoreCoord(gx, gy),
+            in0_block_w=block,
+            out_subblock_h=sub_h,
+            out_subblock_w=sub_w,
+            per_core_M=per_m,
+            per_core_N=per_n,
+            transpose_mcast=False,
+            fused_activation=act,
+        )
 
 
 class TtnnGraph:
@@ -251,8 +274,16 @@ class TtnnGraph:
     oversize: the negative check's deliberately oversized matmul config.
     """
 
-    def __init__(self, ttnn, device, prepared, *, formats: Union[str, Formats] = "bf16",
-                 config: Union[str, GraphConfig] = "fast", oversize: bool = False):
+    def __init__(
+        self,
+        ttnn,
+        device,
+        prepared,
+        *,
+        formats: Union[str, Formats] = "bf16",
+        config: Union[str, GraphConfig] = "fast",
+        oversize: bool = False,
+    ):
         if isinstance(formats, str):
             if formats not in FORMATS:
                 raise ValueError(f"formats: expected one of {sorted(FORMATS)} or a Formats, got {formats!r}")
@@ -279,9 +310,13 @@ class TtnnGraph:
         arch = device.arch()
 
         def compute(fidelity: str, fp32: bool = True, l1_acc: bool = True):
-            return T.init_device_compute_kernel_config(arch, math_fidelity=getattr(T.MathFidelity, _FIDELITIES[fidelity]),
-                                                       math_approx_mode=False, fp32_dest_acc_en=fp32,
-                                                       packer_l1_acc=l1_acc)
+            return T.init_device_compute_kernel_config(
+                arch,
+                math_fidelity=getattr(T.MathFidelity, _FIDELITIES[fidelity]),
+                math_approx_mode=False,
+                fp32_dest_acc_en=fp32,
+                packer_l1_acc=l1_acc,
+            )
 
         c = config
         self.ck_attention = compute(c.attention_fidelity)
@@ -292,7 +327,7 @@ class TtnnGraph:
         self.ck_sdpa = compute(c.sdpa_fidelity, fp32=False, l1_acc=False)
         self._planner = _MatmulPlanner(T, grid.x, grid.y, fp32_acc=True, whole_grid=c.whole_grid)
         self._program_configs()
-        self.w: dict = {}      # device tensors (matmul weights, biases, norms, tables, constant maps)
+        self.w: dict = {}  # device tensors (matmul weights, biases, norms, tables, constant maps)
         self.convs: dict = {}  # conv name -> (weight, bias): host tensors until the first forward prepares them
         self.conv_shapes: dict = {}  # conv name -> its weight's shape as prepared (OIHW; IOHW for conv transposes)
         self._shardings: dict = {}  # chained decoder: (height, width) -> (core grid, shard rows), `_level_sharding`
@@ -306,12 +341,14 @@ class TtnnGraph:
         circular buffers; the chained decoder holds several maps of the finest level it convolves."""
         p, f = self.plan, self.formats
         seq = _cdiv(p["seq_len"], TILE) * TILE
-        res, act = _TILE_BYTES[f.residual] / TILE ** 2, _TILE_BYTES[f.activations] / TILE ** 2
+        res, act = _TILE_BYTES[f.residual] / TILE**2, _TILE_BYTES[f.activations] / TILE**2
         live = seq * (3 * p["dim"] * res + p["ffn_dim"] * act) / self.num_cores
         fin = p["finest"]
         finest_map = fin["in_height"] * fin["in_width"] * p["levels"][-2]["dim"] * 2 / self.num_cores
-        return (self.config.placement == "l1" and live <= ENCODER_L1_LIVE,
-                self.config.decoder == "chained" and finest_map <= DECODER_L1_MAP)
+        return (
+            self.config.placement == "l1" and live <= ENCODER_L1_LIVE,
+            self.config.decoder == "chained" and finest_map <= DECODER_L1_MAP,
+        )
 
     def _program_configs(self) -> None:
         p, f = self.plan, self.formats
@@ -328,8 +365,11 @@ class TtnnGraph:
         cfg = self.config
         seq = _cdiv(n, TILE) * TILE
         self.sdpa_config = self.ttnn.SDPAProgramConfig(
-            compute_with_storage_grid_size=self.ttnn.CoreCoord(*self.grid), q_chunk_size=min(cfg.sdpa_q_chunk, seq),
-            k_chunk_size=min(cfg.sdpa_k_chunk, seq), exp_approx_mode=cfg.sdpa_exp_approx)
+            compute_with_storage_grid_size=self.ttnn.CoreCoord(*self.grid),
+            q_chunk_size=min(cfg.sdpa_q_chunk, seq),
+            k_chunk_size=min(cfg.sdpa_k_chunk, seq),
+            exp_approx_mode=cfg.sdpa_exp_approx,
+        )
 
     def _conv_placement(self, height: int, width: int, c_in: int, c_out: int, out_dtype: str) -> tuple:
         """Safe graph: (shard layout, slice config) of a 3x3 conv: wholly in L1 when its input and output take at
@@ -339,8 +379,10 @@ class TtnnGraph:
         if self.chained:  # height-sharded: every core holds all the weights; block-sharded when they are large
             weights = 9 * _cdiv(c_in, TILE) * _cdiv(c_out, TILE) * _TILE_BYTES[self.formats.decoder_weights]
             wide = weights > CONV_WEIGHTS_PER_CORE
-            return (T.TensorMemoryLayout.BLOCK_SHARDED if wide else T.TensorMemoryLayout.HEIGHT_SHARDED,
-                    T.Conv2dL1FullSliceConfig)
+            return (
+                T.TensorMemoryLayout.BLOCK_SHARDED if wide else T.TensorMemoryLayout.HEIGHT_SHARDED,
+                T.Conv2dL1FullSliceConfig,
+            )
         pixels = height * width
         act = _TILE_BYTES[self.formats.activations] / (TILE * TILE)
         out = _TILE_BYTES[out_dtype] / (TILE * TILE)
@@ -349,12 +391,12 @@ class TtnnGraph:
         if per_core <= CONV_L1_PER_CORE:
             return shard, T.Conv2dL1FullSliceConfig
         slices = min(height, _cdiv(int(per_core), CONV_L1_PER_CORE))
-        return T.TensorMemoryLayout.HEIGHT_SHARDED, T.Conv2dSliceConfig(slice_type=T.Conv2dDRAMSliceHeight,
-                                                                        num_slices=slices)
+        return T.TensorMemoryLayout.HEIGHT_SHARDED, T.Conv2dSliceConfig(
+            slice_type=T.Conv2dDRAMSliceHeight, num_slices=slices
+        )
 
     # --------------------------------------------------------------------------------------------- load
-    def _tensor(self, array: np.ndarray, dtype: str, shape: Optional[tuple] = None, device: bool = True,
-                layout=None):
+    def _tensor(self, array: np.ndarray, dtype: str, shape: Optional[tuple] = None, device: bool = True, layout=None):
         T = self.ttnn
         a = np.ascontiguousarray(array, dtype=np.float32)
         if shape is not None:
@@ -368,9 +410,12 @@ class TtnnGraph:
         """A conv's weights as host float32 row-major tensors (ttnn.conv2d prepares them on the first forward)."""
         T = self.ttnn
         self.conv_shapes[key] = tuple(np.shape(weight))
-        self.convs[key] = (self._tensor(weight, "float32", device=False, layout=T.ROW_MAJOR_LAYOUT),
-                           None if bias is None else self._tensor(bias, "float32", (1, 1, 1, -1), device=False,
-                                                                  layout=T.ROW_MAJOR_LAYOUT))
+        self.convs[key] = (
+            self._tensor(weight, "float32", device=False, layout=T.ROW_MAJOR_LAYOUT),
+            None
+            if bias is None
+            else self._tensor(bias, "float32", (1, 1, 1, -1), device=False, layout=T.ROW_MAJOR_LAYOUT),
+        )
 
     def load(self, prepare_convs: bool = True) -> None:
         """Upload every weight once. With `prepare_convs`, run one forward on a zero input so that ttnn prepares
@@ -432,8 +477,9 @@ class TtnnGraph:
             self.w[f"{key}.up0.w"] = self._tensor(w, f.decoder_weights)
             self.w[f"{key}.up0.b"] = self._tensor(b, f.activations, (1, -1))
             c_in, c_out = w.shape[0], w.shape[1] // 4
-            self.pc[f"{key}.up0"] = self._planner.config(self.plan["grid_tokens"], c_in, 4 * c_out, in0=f.activations,
-                                                         in1=f.decoder_weights, out=f.activations)
+            self.pc[f"{key}.up0"] = self._planner.config(
+                self.plan["grid_tokens"], c_in, 4 * c_out, in0=f.activations, in1=f.decoder_weights, out=f.activations
+            )
 
     def _input_shape(self) -> tuple:
         p = self.plan
@@ -449,8 +495,13 @@ class TtnnGraph:
     def allocate_input(self):
         """A device input tensor to fill with `upload(patches, into=...)` (a persistent buffer, e.g. for a trace)."""
         T = self.ttnn
-        return T.allocate_tensor_on_device(T.Shape(list(self._input_shape())), self._dt(self.formats.activations),
-                                           T.TILE_LAYOUT, self.device, self.dram)
+        return T.allocate_tensor_on_device(
+            T.Shape(list(self._input_shape())),
+            self._dt(self.formats.activations),
+            T.TILE_LAYOUT,
+            self.device,
+            self.dram,
+        )
 
     def upload(self, patches: np.ndarray, into=None, cq_id: int = 0):
         """The host patch matrix -> the device input (1, 1, seq_len, patch_k_padded): a new tensor, or written
@@ -479,8 +530,14 @@ class TtnnGraph:
         """Patch matrix -> (level-0 map (1, 1, rows * cols, d0), class token (1, 1, 1, dim))."""
         T, p, f, w = self.ttnn, self.plan, self.formats, self.w
         res, mem = self._dt(f.residual), self.act_mem
-        tokens = T.linear(x, w["patch.w"], program_config=self.pc["patch"], compute_kernel_config=self.ck_attention,
-                          dtype=res, memory_config=mem)
+        tokens = T.linear(
+            x,
+            w["patch.w"],
+            program_config=self.pc["patch"],
+            compute_kernel_config=self.ck_attention,
+            dtype=res,
+            memory_config=mem,
+        )
         embedded = T.add(tokens, w["token_table"], dtype=res, memory_config=mem)
         T.deallocate(tokens)
         tokens = embedded
@@ -490,10 +547,22 @@ class TtnnGraph:
             tokens = self.block(tokens, i)
             if i in taps:
                 k = taps.index(i)
-                h = T.layer_norm(tokens, weight=w["final_norm.w"], bias=w["final_norm.b"], epsilon=p["final_ln_eps"],
-                                 compute_kernel_config=self.ck_norm, memory_config=mem)
-                y = T.linear(h, w[f"neck_in0.{k}.w"], program_config=self.pc["tap"],
-                             compute_kernel_config=self.ck_attention, dtype=res, memory_config=mem)
+                h = T.layer_norm(
+                    tokens,
+                    weight=w["final_norm.w"],
+                    bias=w["final_norm.b"],
+                    epsilon=p["final_ln_eps"],
+                    compute_kernel_config=self.ck_norm,
+                    memory_config=mem,
+                )
+                y = T.linear(
+                    h,
+                    w[f"neck_in0.{k}.w"],
+                    program_config=self.pc["tap"],
+                    compute_kernel_config=self.ck_attention,
+                    dtype=res,
+                    memory_config=mem,
+                )
                 if i == taps[-1]:
                     r = p["grid_tokens"]
                     cls_token = T.slice(h, (0, 0, r, 0), (1, 1, r + 1, p["dim"]), memory_config=self.dram)
@@ -508,8 +577,9 @@ class TtnnGraph:
         T.deallocate(tokens)
         rows = T.slice(acc, (0, 0, 0, 0), (1, 1, p["grid_tokens"], p["neck_in0_dim"]), memory_config=mem)
         T.deallocate(acc)
-        level0 = T.add(rows, w["neck_in0.const"], dtype=self._dt(f.activations),
-                       memory_config=mem if self.chained else self.dram)
+        level0 = T.add(
+            rows, w["neck_in0.const"], dtype=self._dt(f.activations), memory_config=mem if self.chained else self.dram
+        )
         T.deallocate(rows)
         return level0, cls_token
 
@@ -519,32 +589,81 @@ class TtnnGraph:
         res, act, mem = self._dt(f.residual), self._dt(f.activations), self.act_mem
         n, c = p["seq_len"], p["dim"]
         key = f"blocks.{i}"
-        h = T.layer_norm(x, weight=w[key + ".norm1.w"], bias=w[key + ".norm1.b"], epsilon=p["ln_eps"],
-                         compute_kernel_config=self.ck_norm, memory_config=mem)
-        qkv = T.linear(h, w[key + ".qkv.w"], bias=w[key + ".qkv.b"], program_config=self.pc["qkv"],
-                       compute_kernel_config=self.ck_attention, dtype=act, memory_config=mem)
+        h = T.layer_norm(
+            x,
+            weight=w[key + ".norm1.w"],
+            bias=w[key + ".norm1.b"],
+            epsilon=p["ln_eps"],
+            compute_kernel_config=self.ck_norm,
+            memory_config=mem,
+        )
+        qkv = T.linear(
+            h,
+            w[key + ".qkv.w"],
+            bias=w[key + ".qkv.b"],
+            program_config=self.pc["qkv"],
+            compute_kernel_config=self.ck_attention,
+            dtype=act,
+            memory_config=mem,
+        )
         T.deallocate(h)
         q, k, v = T.transformer.split_query_key_value_and_split_heads(
-            T.reshape(qkv, (1, n, 3 * c)), num_heads=p["num_heads"], transpose_key=False, memory_config=mem)
+            T.reshape(qkv, (1, n, 3 * c)), num_heads=p["num_heads"], transpose_key=False, memory_config=mem
+        )
         T.deallocate(qkv)
         a = T.transformer.scaled_dot_product_attention(
-            q, k, v, is_causal=False, scale=1.0, program_config=self.sdpa_config, compute_kernel_config=self.ck_sdpa,
-            output_concat_heads=True, memory_config=mem)  # (1, 1, n, c); the scale is folded into q
+            q,
+            k,
+            v,
+            is_causal=False,
+            scale=1.0,
+            program_config=self.sdpa_config,
+            compute_kernel_config=self.ck_sdpa,
+            output_concat_heads=True,
+            memory_config=mem,
+        )  # (1, 1, n, c); the scale is folded into q
         for t in (q, k, v):
             T.deallocate(t)
-        o = T.linear(a, w[key + ".attn_out.w"], bias=w[key + ".attn_out.b"], program_config=self.pc["attn_out"],
-                     compute_kernel_config=self.ck_attention, dtype=res, memory_config=mem)
+        o = T.linear(
+            a,
+            w[key + ".attn_out.w"],
+            bias=w[key + ".attn_out.b"],
+            program_config=self.pc["attn_out"],
+            compute_kernel_config=self.ck_attention,
+            dtype=res,
+            memory_config=mem,
+        )
         T.deallocate(a)
         x1 = T.add(x, o, dtype=res, memory_config=mem)
         T.deallocate(o)
         T.deallocate(x)
-        h = T.layer_norm(x1, weight=w[key + ".norm2.w"], bias=w[key + ".norm2.b"], epsilon=p["ln_eps"],
-                         compute_kernel_config=self.ck_norm, memory_config=mem)
-        g = T.linear(h, w[key + ".ffn_in.w"], bias=w[key + ".ffn_in.b"], program_config=self.pc["ffn_in"],
-                     compute_kernel_config=self.ck_mlp, dtype=act, memory_config=mem)
+        h = T.layer_norm(
+            x1,
+            weight=w[key + ".norm2.w"],
+            bias=w[key + ".norm2.b"],
+            epsilon=p["ln_eps"],
+            compute_kernel_config=self.ck_norm,
+            memory_config=mem,
+        )
+        g = T.linear(
+            h,
+            w[key + ".ffn_in.w"],
+            bias=w[key + ".ffn_in.b"],
+            program_config=self.pc["ffn_in"],
+            compute_kernel_config=self.ck_mlp,
+            dtype=act,
+            memory_config=mem,
+        )
         T.deallocate(h)
-        o = T.linear(g, w[key + ".ffn_out.w"], bias=w[key + ".ffn_out.b"], program_config=self.pc["ffn_out"],
-                     compute_kernel_config=self.ck_mlp, dtype=res, memory_config=mem)
+        o = T.linear(
+            g,
+            w[key + ".ffn_out.w"],
+            bias=w[key + ".ffn_out.b"],
+            program_config=self.pc["ffn_out"],
+            compute_kernel_config=self.ck_mlp,
+            dtype=res,
+            memory_config=mem,
+        )
         T.deallocate(g)
         x2 = T.add(x1, o, dtype=res, memory_config=mem)
         T.deallocate(o)
@@ -558,20 +677,37 @@ class TtnnGraph:
         pc = None
         if self.chained:
             f, weight = self.formats, self.prepared.arrays[key + ".w"]
-            pc = self._planner.config(self.plan["grid_tokens"], weight.shape[0], weight.shape[1], in0=f.activations,
-                                      in1=f.decoder_weights, out=f.activations)
-        return T.linear(x, self.w[key + ".w"], bias=self.w[key + ".b"], program_config=pc,
-                        compute_kernel_config=self.ck_decoder, dtype=self._dt(self.formats.activations),
-                        memory_config=self.act_mem if self.chained else self.dram)
+            pc = self._planner.config(
+                self.plan["grid_tokens"],
+                weight.shape[0],
+                weight.shape[1],
+                in0=f.activations,
+                in1=f.decoder_weights,
+                out=f.activations,
+            )
+        return T.linear(
+            x,
+            self.w[key + ".w"],
+            bias=self.w[key + ".b"],
+            program_config=pc,
+            compute_kernel_config=self.ck_decoder,
+            dtype=self._dt(self.formats.activations),
+            memory_config=self.act_mem if self.chained else self.dram,
+        )
 
     def _conv_config(self, shard, relu: bool, act_block_h: int = 0, core_grid=None):
         T = self.ttnn
         extra = {} if core_grid is None else {"core_grid": core_grid, "override_sharding_config": True}
-        return T.Conv2dConfig(weights_dtype=self._dt(self.formats.decoder_weights), shard_layout=shard,
-                              padding_mode=T.PaddingMode.Replicate,
-                              activation=T.UnaryWithParam(T.UnaryOpType.RELU) if relu else None,
-                              deallocate_activation=False, output_layout=T.TILE_LAYOUT,
-                              act_block_h_override=act_block_h, **extra)
+        return T.Conv2dConfig(
+            weights_dtype=self._dt(self.formats.decoder_weights),
+            shard_layout=shard,
+            padding_mode=T.PaddingMode.Replicate,
+            activation=T.UnaryWithParam(T.UnaryOpType.RELU) if relu else None,
+            deallocate_activation=False,
+            output_layout=T.TILE_LAYOUT,
+            act_block_h_override=act_block_h,
+            **extra,
+        )
 
     def _level_sharding(self, height: int, width: int) -> tuple:
         """Chained decoder: (core grid, shard rows) that every map of this size shares (so that adds, ReLUs and
@@ -600,8 +736,9 @@ class TtnnGraph:
                 best = h
         return best
 
-    def _conv(self, x, key: str, height: int, width: int, relu: bool = False, out_dtype: Optional[str] = None,
-              compute=None):
+    def _conv(
+        self, x, key: str, height: int, width: int, relu: bool = False, out_dtype: Optional[str] = None, compute=None
+    ):
         """A replicate-padded 3x3 conv (or a 1x1 conv, by the weight's shape) over (1, 1, height * width, C_in)
         -> (1, 1, height * width, C_out): DRAM in and out in the safe graph, L1 height-sharded when chained."""
         T = self.ttnn
@@ -614,12 +751,28 @@ class TtnnGraph:
             grid, rows = self._level_sharding(height, width)
             config = self._conv_config(shard, relu, self._act_block_h(rows, k * k * c_in), grid)
         y, (h, w_), (weight, bias) = T.conv2d(
-            input_tensor=x, weight_tensor=weight, bias_tensor=bias, device=self.device, in_channels=c_in,
-            out_channels=c_out, batch_size=1, input_height=height, input_width=width, kernel_size=(k, k),
-            stride=(1, 1), padding=(k // 2, k // 2), dilation=(1, 1), groups=1, dtype=self._dt(out_dtype),
-            conv_config=config, compute_config=compute or self._level_compute(height),
-            slice_config=slicing, memory_config=None if self.chained else self.dram, return_output_dim=True,
-            return_weights_and_bias=True)
+            input_tensor=x,
+            weight_tensor=weight,
+            bias_tensor=bias,
+            device=self.device,
+            in_channels=c_in,
+            out_channels=c_out,
+            batch_size=1,
+            input_height=height,
+            input_width=width,
+            kernel_size=(k, k),
+            stride=(1, 1),
+            padding=(k // 2, k // 2),
+            dilation=(1, 1),
+            groups=1,
+            dtype=self._dt(out_dtype),
+            conv_config=config,
+            compute_config=compute or self._level_compute(height),
+            slice_config=slicing,
+            memory_config=None if self.chained else self.dram,
+            return_output_dim=True,
+            return_weights_and_bias=True,
+        )
         self.convs[key] = (weight, bias)
         return y
 
@@ -636,15 +789,32 @@ class TtnnGraph:
         config = self._conv_config(None, False)
         if self.chained:  # on the next level's cores, as its maps are (conv_transpose2d shards its output)
             grid, rows = self._level_sharding(2 * height, 2 * width)
-            config = self._conv_config(T.TensorMemoryLayout.HEIGHT_SHARDED, False,
-                                       self._act_block_h(rows, 4 * c_in), grid)
+            config = self._conv_config(
+                T.TensorMemoryLayout.HEIGHT_SHARDED, False, self._act_block_h(rows, 4 * c_in), grid
+            )
         y, (h, w_), (weight, bias) = T.conv_transpose2d(
-            input_tensor=x, weight_tensor=weight, bias_tensor=bias, device=self.device, in_channels=c_in,
-            out_channels=c_out, batch_size=1, input_height=height, input_width=width, kernel_size=(2, 2),
-            stride=(2, 2), padding=(0, 0), output_padding=(0, 0), dilation=(1, 1), groups=1,
-            dtype=self._dt(self.formats.decoder_maps), conv_config=config,
-            compute_config=self._level_compute(2 * height), memory_config=None if self.chained else self.dram,
-            return_output_dim=True, return_weights_and_bias=True)
+            input_tensor=x,
+            weight_tensor=weight,
+            bias_tensor=bias,
+            device=self.device,
+            in_channels=c_in,
+            out_channels=c_out,
+            batch_size=1,
+            input_height=height,
+            input_width=width,
+            kernel_size=(2, 2),
+            stride=(2, 2),
+            padding=(0, 0),
+            output_padding=(0, 0),
+            dilation=(1, 1),
+            groups=1,
+            dtype=self._dt(self.formats.decoder_maps),
+            conv_config=config,
+            compute_config=self._level_compute(2 * height),
+            memory_config=None if self.chained else self.dram,
+            return_output_dim=True,
+            return_weights_and_bias=True,
+        )
         self.convs[key + ".convt"] = (weight, bias)
         z = self._conv(y, key + ".conv", 2 * height, 2 * width)
         T.deallocate(y)
@@ -657,9 +827,15 @@ class TtnnGraph:
         map) and no sharded 1024-channel map, whose conv circular buffers would not fit beside the encoder's."""
         T, lv = self.ttnn, self.plan["levels"]
         rows, cols = lv[0]["height"], lv[0]["width"]
-        y = T.linear(x, self.w[key + ".up0.w"], bias=self.w[key + ".up0.b"], program_config=self.pc[key + ".up0"],
-                     compute_kernel_config=self.ck_decoder, dtype=self._dt(self.formats.activations),
-                     memory_config=self.act_mem)
+        y = T.linear(
+            x,
+            self.w[key + ".up0.w"],
+            bias=self.w[key + ".up0.b"],
+            program_config=self.pc[key + ".up0"],
+            compute_kernel_config=self.ck_decoder,
+            dtype=self._dt(self.formats.activations),
+            memory_config=self.act_mem,
+        )
         c = y.shape[-1] // 4
         z = T.untilize(y, memory_config=self.act_mem)
         T.deallocate(y)
@@ -743,8 +919,9 @@ class TtnnGraph:
                     T.deallocate(x)
                 x = y
         fin = p["finest"]
-        finest = self._conv(x, "finest.neck", fin["in_height"], fin["in_width"], out_dtype=self.formats.finest,
-                            compute=self.ck_finest)
+        finest = self._conv(
+            x, "finest.neck", fin["in_height"], fin["in_width"], out_dtype=self.formats.finest, compute=self.ck_finest
+        )
         if x is not neck_out[-1]:
             T.deallocate(x)
         if self.chained:
@@ -772,8 +949,14 @@ class TtnnGraph:
                     if h is not neck_out[i]:
                         T.deallocate(h)
                     h = up
-            part = self._conv(h, f"finest.{head['name']}", fin["in_height"], fin["in_width"],
-                              out_dtype=self.formats.finest, compute=self.ck_finest)
+            part = self._conv(
+                h,
+                f"finest.{head['name']}",
+                fin["in_height"],
+                fin["in_width"],
+                out_dtype=self.formats.finest,
+                compute=self.ck_finest,
+            )
             if h is not neck_out[-1]:
                 T.deallocate(h)
             summed = self._add(finest, part, dtype=self._dt(self.formats.finest))
@@ -809,9 +992,17 @@ class TtnnGraph:
         float32 numpy (what `prepare.host_output` takes), read on command queue `cq_id`."""
         fin = self.plan["finest"]
         shape = (fin["in_height"] * fin["in_width"], fin["phase_channels"])
-        return {"finest": self.to_host(outputs["finest"], shape, cq_id),
-                "cls_token": self.to_host(outputs["cls_token"], (self.plan["dim"],), cq_id)}
+        return {
+            "finest": self.to_host(outputs["finest"], shape, cq_id),
+            "cls_token": self.to_host(outputs["cls_token"], (self.plan["dim"],), cq_id),
+        }
 
     def describe(self) -> dict:
-        return {"formats": self.formats.__dict__, "config": self.config.__dict__, "grid": self.grid,
-                "encoder_in_l1": self.encoder_in_l1, "decoder_chained": self.chained, "oversize": self.oversize}
+        return {
+            "formats": self.formats.__dict__,
+            "config": self.config.__dict__,
+            "grid": self.grid,
+            "encoder_in_l1": self.encoder_in_l1,
+            "decoder_chained": self.chained,
+            "oversize": self.oversize,
+        }

@@ -17,6 +17,7 @@ matmul), the second residual add, and the demo's three `reallocate` calls.
 
 numpy and an injected ttnn only, like graph.py.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -47,52 +48,90 @@ class HiresVitLayer:
         def row(n, dtype=bfp8):
             return T.Tensor(np.zeros((1, n), np.float32), dtype, device, T.TILE_LAYOUT, T.DRAM_MEMORY_CONFIG)
 
-        self.w = {"qkv": (weight(HIDDEN, 3 * HIDDEN), row(3 * HIDDEN)), "out": (weight(HIDDEN, HIDDEN), row(HIDDEN)),
-                  "ff1": (weight(HIDDEN, 4 * HIDDEN), row(4 * HIDDEN)), "ff2": (weight(4 * HIDDEN, HIDDEN), row(HIDDEN))}
+        self.w = {
+            "qkv": (weight(HIDDEN, 3 * HIDDEN), row(3 * HIDDEN)),
+            "out": (weight(HIDDEN, HIDDEN), row(HIDDEN)),
+            "ff1": (weight(HIDDEN, 4 * HIDDEN), row(4 * HIDDEN)),
+            "ff2": (weight(4 * HIDDEN, HIDDEN), row(HIDDEN)),
+        }
         self.ln = [(row(HIDDEN, T.bfloat16), row(HIDDEN, T.bfloat16)) for _ in range(2)]
         grid = T.CoreRangeSet({T.CoreRange(T.CoreCoord(0, 0), T.CoreCoord(gx - 1, gy - 1))})
-        self.sharded = T.MemoryConfig(T.TensorMemoryLayout.BLOCK_SHARDED, T.BufferType.L1,
-                                      T.ShardSpec(grid, [seq_len // gy, HIDDEN // gx], T.ShardOrientation.ROW_MAJOR))
+        self.sharded = T.MemoryConfig(
+            T.TensorMemoryLayout.BLOCK_SHARDED,
+            T.BufferType.L1,
+            T.ShardSpec(grid, [seq_len // gy, HIDDEN // gx], T.ShardOrientation.ROW_MAJOR),
+        )
         d = self.dim_x
 
         def mm(ibw, n_per_core, gelu=False):
             return T.MatmulMultiCoreReuseMultiCastProgramConfig(
-                compute_with_storage_grid_size=T.CoreCoord(gx, gy), in0_block_w=ibw, out_subblock_h=1,
-                out_subblock_w=min(4, n_per_core), per_core_M=self.per_core_m, per_core_N=n_per_core,
+                compute_with_storage_grid_size=T.CoreCoord(gx, gy),
+                in0_block_w=ibw,
+                out_subblock_h=1,
+                out_subblock_w=min(4, n_per_core),
+                per_core_M=self.per_core_m,
+                per_core_N=n_per_core,
                 transpose_mcast=False,
-                fused_activation=T.UnaryWithParam(T.UnaryOpType.GELU, 1.0) if gelu else None)
+                fused_activation=T.UnaryWithParam(T.UnaryOpType.GELU, 1.0) if gelu else None,
+            )
 
         self.pc = {"qkv": mm(d, 3 * d), "out": mm(d, d), "ff1": mm(d // 2, 4 * d, gelu=True), "ff2": mm(2 * d, d)}
         self.ln_pc = T.LayerNormShardedMultiCoreProgramConfig(
-            compute_with_storage_grid_size=T.CoreCoord(gx, gy), subblock_w=d, block_h=self.per_core_m, block_w=d,
-            inplace=False)
+            compute_with_storage_grid_size=T.CoreCoord(gx, gy),
+            subblock_w=d,
+            block_h=self.per_core_m,
+            block_w=d,
+            inplace=False,
+        )
         arch = device.arch()
-        self.ln_ck = T.init_device_compute_kernel_config(arch, math_fidelity=T.MathFidelity.HiFi2, math_approx_mode=True,
-                                                         fp32_dest_acc_en=False, packer_l1_acc=True)
-        self.sdpa_pc = T.SDPAProgramConfig(compute_with_storage_grid_size=T.CoreCoord(*SDPA_GRID), q_chunk_size=256,
-                                           k_chunk_size=256, exp_approx_mode=False)
-        self.sdpa_ck = T.init_device_compute_kernel_config(arch, math_fidelity=T.MathFidelity.HiFi4,
-                                                           math_approx_mode=False, fp32_dest_acc_en=True,
-                                                           packer_l1_acc=True)
+        self.ln_ck = T.init_device_compute_kernel_config(
+            arch, math_fidelity=T.MathFidelity.HiFi2, math_approx_mode=True, fp32_dest_acc_en=False, packer_l1_acc=True
+        )
+        self.sdpa_pc = T.SDPAProgramConfig(
+            compute_with_storage_grid_size=T.CoreCoord(*SDPA_GRID),
+            q_chunk_size=256,
+            k_chunk_size=256,
+            exp_approx_mode=False,
+        )
+        self.sdpa_ck = T.init_device_compute_kernel_config(
+            arch, math_fidelity=T.MathFidelity.HiFi4, math_approx_mode=False, fp32_dest_acc_en=True, packer_l1_acc=True
+        )
 
     def input(self):
         """The layer's input: (1, 1, seq_len, hidden) bfloat8_b, block-sharded in L1 (what the perf test feeds)."""
         T = self.ttnn
-        x = T.Tensor(np.zeros((1, 1, self.seq_len, HIDDEN), np.float32), T.bfloat8_b, self.device, T.TILE_LAYOUT,
-                     T.DRAM_MEMORY_CONFIG)
+        x = T.Tensor(
+            np.zeros((1, 1, self.seq_len, HIDDEN), np.float32),
+            T.bfloat8_b,
+            self.device,
+            T.TILE_LAYOUT,
+            T.DRAM_MEMORY_CONFIG,
+        )
         return T.to_memory_config(x, self.sharded)
 
     def _linear(self, x, name):
         T = self.ttnn
         w, b = self.w[name]
-        return T.linear(x, w, bias=b, program_config=self.pc[name], memory_config=T.L1_BLOCK_SHARDED_MEMORY_CONFIG,
-                        dtype=T.bfloat8_b)
+        return T.linear(
+            x,
+            w,
+            bias=b,
+            program_config=self.pc[name],
+            memory_config=T.L1_BLOCK_SHARDED_MEMORY_CONFIG,
+            dtype=T.bfloat8_b,
+        )
 
     def _norm(self, x, i):
         T = self.ttnn
         weight, bias = self.ln[i]
-        return T.layer_norm(x, weight=weight, bias=bias, memory_config=T.L1_BLOCK_SHARDED_MEMORY_CONFIG,
-                            program_config=self.ln_pc, compute_kernel_config=self.ln_ck)
+        return T.layer_norm(
+            x,
+            weight=weight,
+            bias=bias,
+            memory_config=T.L1_BLOCK_SHARDED_MEMORY_CONFIG,
+            program_config=self.ln_pc,
+            compute_kernel_config=self.ln_ck,
+        )
 
     def __call__(self, x):
         T = self.ttnn
@@ -100,13 +139,20 @@ class HiresVitLayer:
         qkv = self._linear(h, "qkv")
         T.deallocate(h)
         qkv = T.to_memory_config(qkv, T.L1_MEMORY_CONFIG)
-        q, k, v = T.experimental.nlp_create_qkv_heads(qkv, memory_config=T.DRAM_MEMORY_CONFIG, num_heads=HEADS,
-                                                      num_kv_heads=HEADS, transpose_k_heads=False)
+        q, k, v = T.experimental.nlp_create_qkv_heads(
+            qkv, memory_config=T.DRAM_MEMORY_CONFIG, num_heads=HEADS, num_kv_heads=HEADS, transpose_k_heads=False
+        )
         T.deallocate(qkv)
         v = T.reallocate(v)
-        ctx = T.transformer.scaled_dot_product_attention(q, k, v, is_causal=False, program_config=self.sdpa_pc,
-                                                         compute_kernel_config=self.sdpa_ck,
-                                                         memory_config=T.L1_MEMORY_CONFIG)
+        ctx = T.transformer.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=False,
+            program_config=self.sdpa_pc,
+            compute_kernel_config=self.sdpa_ck,
+            memory_config=T.L1_MEMORY_CONFIG,
+        )
         for t in (q, k, v):
             T.deallocate(t)
         ctx = T.transformer.concatenate_heads(ctx, memory_config=T.L1_MEMORY_CONFIG)

@@ -29,16 +29,15 @@ outputs are checked for shape and finiteness only.
 Exit status: 0 when everything ran; 1 with the ttnn error otherwise. With --expect-refusal the sense is
 inverted for the negative check: 0 only when ttnn refused the run (the error is printed), 1 if it ran.
 """
+
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
 import time
 import types
 from pathlib import Path
-
 
 # What ttnn says when an op's circular buffers or L1 buffers do not fit (the negative check must see one of these).
 REFUSAL_SIGNS = ("beyond max L1 size", "clash with L1 buffers", "Out of Memory", "out of memory")
@@ -61,18 +60,24 @@ def _package_shim() -> None:
 
 if __package__ in (None, ""):
     _package_shim()
-    from tt_moge.runners.ttnn.cost import (PUBLISHED_HIRES_VIT_MS, OpRecorder, calibration_table, estimate,
-                                           fit_calibration)
+    from tt_moge.runners.ttnn.cost import (
+        PUBLISHED_HIRES_VIT_MS,
+        OpRecorder,
+        calibration_table,
+        estimate,
+        fit_calibration,
+    )
     from tt_moge.runners.ttnn.graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
     from tt_moge.runners.ttnn.hires_vit import HiresVitLayer
-    from tt_moge.runners.ttnn.unet_shallow import PUBLISHED_E2E_MS, UnetShallow
     from tt_moge.runners.ttnn.prepare import Prepared, host_input, host_output
+    from tt_moge.runners.ttnn.unet_shallow import PUBLISHED_E2E_MS, UnetShallow
 else:
     from .cost import PUBLISHED_HIRES_VIT_MS, OpRecorder, calibration_table, estimate, fit_calibration
     from .graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
     from .hires_vit import HiresVitLayer
-    from .unet_shallow import PUBLISHED_E2E_MS, UnetShallow
     from .prepare import Prepared, host_input, host_output
+    from .unet_shallow import PUBLISHED_E2E_MS, UnetShallow
+
 
 def synthetic_canvas(width: int, height: int):
     """A smooth photo-like (H, W, 3) float32 canvas in [0, 1] (numpy only)."""
@@ -80,7 +85,9 @@ def synthetic_canvas(width: int, height: int):
 
     y = np.linspace(0.0, 1.0, height, dtype=np.float32)[:, None]
     x = np.linspace(0.0, 1.0, width, dtype=np.float32)[None, :]
-    channels = [0.5 + 0.3 * np.sin(2 * np.pi * (f * x + g * y) + p) for f, g, p in ((3, 2, 0.0), (5, 1, 1.0), (2, 4, 2.0))]
+    channels = [
+        0.5 + 0.3 * np.sin(2 * np.pi * (f * x + g * y) + p) for f, g, p in ((3, 2, 0.0), (5, 1, 1.0), (2, 4, 2.0))
+    ]
     return np.clip(np.stack(channels, axis=-1), 0.0, 1.0).astype(np.float32)
 
 
@@ -150,8 +157,9 @@ def _forward_fits(ttnn, device, graph, x, recorder, pages: int, banks: int):
     """Run one forward with a blocking L1 reservation of `pages` 2 KiB pages per bank. -> (ran, failing op, error)."""
     blocker = None
     if pages:
-        blocker = ttnn.empty((1, 1, 32, 32 * banks * pages), ttnn.bfloat16, ttnn.TILE_LAYOUT, device,
-                             ttnn.L1_MEMORY_CONFIG)
+        blocker = ttnn.empty(
+            (1, 1, 32, 32 * banks * pages), ttnn.bfloat16, ttnn.TILE_LAYOUT, device, ttnn.L1_MEMORY_CONFIG
+        )
     try:
         out = graph.forward(x)
         ttnn.synchronize_device(device)
@@ -182,9 +190,17 @@ def l1_peak(ttnn, device, graph, x, recorder) -> dict:
             lo = mid
         else:
             hi, failure = mid, (op, error)
-    return {"peak_bytes": bank_bytes - lo * page, "headroom_bytes": lo * page, "l1_bank_bytes": bank_bytes,
-            "l1_bytes": L1_BYTES, "resolution_bytes": page, "banks": banks,
-            "peak_op": failure[0], "peak_op_error": failure[1], "tries_pages_ran": tries}
+    return {
+        "peak_bytes": bank_bytes - lo * page,
+        "headroom_bytes": lo * page,
+        "l1_bank_bytes": bank_bytes,
+        "l1_bytes": L1_BYTES,
+        "resolution_bytes": page,
+        "banks": banks,
+        "peak_op": failure[0],
+        "peak_op_error": failure[1],
+        "tries_pages_ran": tries,
+    }
 
 
 def run(args) -> dict:
@@ -192,22 +208,37 @@ def run(args) -> dict:
     import ttnn
     from ttnn._ttnn import graph as ttnn_graph
 
-    report: dict = {"prepared": str(args.prepared), "formats": args.formats, "config": args.config,
-                    "config_changes": args.set or [],
-                    "oversize": args.oversize}
+    report: dict = {
+        "prepared": str(args.prepared),
+        "formats": args.formats,
+        "config": args.config,
+        "config_changes": args.set or [],
+        "oversize": args.oversize,
+    }
     t0 = time.perf_counter()
     prepared = Prepared.load(args.prepared)
     plan = prepared.plan
-    report.update(backbone=plan["backbone"], canvas=plan["canvas"], num_tokens=plan["num_tokens"],
-                  token_grid=[plan["rows"], plan["cols"]], seq_len=plan["seq_len"])
+    report.update(
+        backbone=plan["backbone"],
+        canvas=plan["canvas"],
+        num_tokens=plan["num_tokens"],
+        token_grid=[plan["rows"], plan["cols"]],
+        seq_len=plan["seq_len"],
+    )
     report["read_prepared_s"] = round(time.perf_counter() - t0, 2)
     device = ttnn.open_device(device_id=0, l1_small_size=args.l1_small_size)
     try:
         grid = device.compute_with_storage_grid_size()
         report["grid"] = [grid.x, grid.y]
         recorder = OpRecorder(ttnn, capture_api=ttnn_graph)
-        graph = TtnnGraph(recorder, device, prepared, formats=args.formats, config=graph_config(args.config, args.set),
-                          oversize=args.oversize)
+        graph = TtnnGraph(
+            recorder,
+            device,
+            prepared,
+            formats=args.formats,
+            config=graph_config(args.config, args.set),
+            oversize=args.oversize,
+        )
         report["graph"] = {k: v for k, v in graph.describe().items() if k != "formats"}
         t = time.perf_counter()
         try:
@@ -241,8 +272,13 @@ def run(args) -> dict:
             if args.fit:
                 report["calibration_fit"] = fit_calibration(lists)
             unet = estimate(unet_op_list(ttnn, ttnn_graph, device)).total_ms
-            report["validation"] = {"unet_shallow": {"estimate_ms": round(unet, 3), "published_ms": PUBLISHED_E2E_MS,
-                                                     "ratio": round(unet / PUBLISHED_E2E_MS, 3)}}
+            report["validation"] = {
+                "unet_shallow": {
+                    "estimate_ms": round(unet, 3),
+                    "published_ms": PUBLISHED_E2E_MS,
+                    "ratio": round(unet / PUBLISHED_E2E_MS, 3),
+                }
+            }
             report["calibration_s"] = round(time.perf_counter() - t, 2)
         t = time.perf_counter()
         readback = graph.read(out)
@@ -250,8 +286,7 @@ def run(args) -> dict:
         report["read_and_host_s"] = round(time.perf_counter() - t, 2)
         shapes = {k: list(np.shape(v)) for k, v in raw.items() if v is not None and k != "metric_scale"}
         finite = all(bool(np.isfinite(v).all()) for k, v in raw.items() if v is not None and k != "metric_scale")
-        report["outputs"] = {"shapes": shapes, "finite": finite,
-                             "finest_readback": list(readback["finest"].shape)}
+        report["outputs"] = {"shapes": shapes, "finite": finite, "finest_readback": list(readback["finest"].shape)}
         if not finite:
             raise RuntimeError("non-finite host outputs")
     finally:
@@ -264,24 +299,45 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prepared", required=True, help=".npz written by Prepared.save (prepare_weights)")
     ap.add_argument("--formats", default="bf16", choices=sorted(FORMATS))
-    ap.add_argument("--config", default="fast", choices=sorted(CONFIGS),
-                    help="the graph configuration (graph.CONFIGS): fast (the default) or safe")
-    ap.add_argument("--oversize", action="store_true",
-                    help="the negative check: an FFN matmul config whose circular buffers cannot fit in L1")
-    ap.add_argument("--expect-refusal", action="store_true",
-                    help="exit 0 only if ttnn refuses the run (use with --oversize)")
-    ap.add_argument("--no-capture", dest="capture", action="store_false",
-                    help="skip the graph capture (no device-operation counts)")
-    ap.add_argument("--no-l1-headroom", dest="l1_headroom", action="store_false",
-                    help="skip the L1 bisection (no peak L1 per core)")
+    ap.add_argument(
+        "--config",
+        default="fast",
+        choices=sorted(CONFIGS),
+        help="the graph configuration (graph.CONFIGS): fast (the default) or safe",
+    )
+    ap.add_argument(
+        "--oversize",
+        action="store_true",
+        help="the negative check: an FFN matmul config whose circular buffers cannot fit in L1",
+    )
+    ap.add_argument(
+        "--expect-refusal", action="store_true", help="exit 0 only if ttnn refuses the run (use with --oversize)"
+    )
+    ap.add_argument(
+        "--no-capture", dest="capture", action="store_false", help="skip the graph capture (no device-operation counts)"
+    )
+    ap.add_argument(
+        "--no-l1-headroom", dest="l1_headroom", action="store_false", help="skip the L1 bisection (no peak L1 per core)"
+    )
     ap.add_argument("--l1-small-size", type=int, default=32768)
-    ap.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                    help="change one field of the configuration (repeatable), e.g. --set mlp_fidelity=hifi2")
+    ap.add_argument(
+        "--set",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="change one field of the configuration (repeatable), e.g. --set mlp_fidelity=hifi2",
+    )
     ap.add_argument("--top", type=int, default=10, help="how many of the costliest ops the estimate lists")
-    ap.add_argument("--no-calibration", dest="calibration", action="store_false",
-                    help="skip the cost model's calibration case (tt-metal's hiRes ViT at 1024 / 2048 / 3072 tokens)")
-    ap.add_argument("--fit", action="store_true",
-                    help="also fit the cost model's two calibrated figures to the published hiRes ViT times")
+    ap.add_argument(
+        "--no-calibration",
+        dest="calibration",
+        action="store_false",
+        help="skip the cost model's calibration case (tt-metal's hiRes ViT at 1024 / 2048 / 3072 tokens)",
+    )
+    ap.add_argument(
+        "--fit",
+        action="store_true",
+        help="also fit the cost model's two calibrated figures to the published hiRes ViT times",
+    )
     ap.add_argument("--json", help="also write the report to this file")
     args = ap.parse_args(argv)
     try:
@@ -293,27 +349,37 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps({"failed": message}, indent=1))
         if args.expect_refusal:
             if not any(sign in message for sign in REFUSAL_SIGNS):
-                print("FAILED: the run failed, but not with the L1 / circular-buffer refusal the negative check expects")
+                print(
+                    "FAILED: the run failed, but not with the L1 / circular-buffer refusal the negative check expects"
+                )
                 return 1
             print("the run was refused for its L1 use, as expected")
             return 0
         return 1
     print(json.dumps(report, indent=1), flush=True)
     peak = report.get("peak_l1_per_core") or {}
-    print(f"OK: {report['backbone']} at {report['canvas'][0]}x{report['canvas'][1]}, {report['num_tokens']} tokens, "
-          f"{args.formats}: {report['ttnn_calls_total']} ttnn calls ({report.get('device_operations_total', '?')} device "
-          f"operations) ran; peak L1 per core {peak.get('peak_bytes', '?')} B of {peak.get('l1_bank_bytes', '?')} B "
-          f"({peak.get('peak_op', '?')})", flush=True)
+    print(
+        f"OK: {report['backbone']} at {report['canvas'][0]}x{report['canvas'][1]}, {report['num_tokens']} tokens, "
+        f"{args.formats}: {report['ttnn_calls_total']} ttnn calls ({report.get('device_operations_total', '?')} device "
+        f"operations) ran; peak L1 per core {peak.get('peak_bytes', '?')} B of {peak.get('l1_bank_bytes', '?')} B "
+        f"({peak.get('peak_op', '?')})",
+        flush=True,
+    )
     est = report.get("estimate_ms")
     if est:
-        calib = ", ".join(f"{t} tokens {c['estimate_ms']:.2f} vs {c['published_ms']} ms"
-                          for t, c in (report.get("calibration") or {}).items())
+        calib = ", ".join(
+            f"{t} tokens {c['estimate_ms']:.2f} vs {c['published_ms']} ms"
+            for t, c in (report.get("calibration") or {}).items()
+        )
         unet = (report.get("validation") or {}).get("unet_shallow")
         if unet:
             calib += f"; its UNet shallow (convs) {unet['estimate_ms']:.2f} vs {unet['published_ms']:.2f} ms"
-        print(f"estimate: forward {est['total']:.2f} ms on a {est['chip']} (" +
-              ", ".join(f"{g} {est[g]:.2f}" for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers")) +
-              f"); calibration, tt-metal's hiRes ViT: {calib or 'not run'}", flush=True)
+        print(
+            f"estimate: forward {est['total']:.2f} ms on a {est['chip']} ("
+            + ", ".join(f"{g} {est[g]:.2f}" for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers"))
+            + f"); calibration, tt-metal's hiRes ViT: {calib or 'not run'}",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.expect_refusal:

@@ -27,6 +27,7 @@ Two layout decisions are made here, not in the graph:
 
 The host helpers (`host_input`, `host_output`, `resize_bilinear`, `resize_antialiased`) use numpy only.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,18 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
-__all__ = ["Prepared", "prepare_weights", "host_input", "host_output", "depth_to_space", "phase_fold", "convt_as_matmul",
-           "resize_bilinear", "resize_antialiased", "PLAN_VERSION"]
+__all__ = [
+    "Prepared",
+    "prepare_weights",
+    "host_input",
+    "host_output",
+    "depth_to_space",
+    "phase_fold",
+    "convt_as_matmul",
+    "resize_bilinear",
+    "resize_antialiased",
+    "PLAN_VERSION",
+]
 
 PLAN_VERSION = 1
 TILE = 32
@@ -101,7 +112,7 @@ def phase_fold(weight: np.ndarray, mode: str = "bilinear") -> np.ndarray:
         raise ValueError(f"phase_fold: mode must be one of {sorted(_PHASE_TAPS)}, got {mode!r}")
     taps = np.asarray(_PHASE_TAPS[mode], dtype=np.float64)  # (4 positions p = -1..2, 3 low-res taps)
     w = np.asarray(weight, dtype=np.float64)
-    phases = [np.einsum("ocyx,yt,xs->octs", w, taps[a:a + 3], taps[b:b + 3]) for a in (0, 1) for b in (0, 1)]
+    phases = [np.einsum("ocyx,yt,xs->octs", w, taps[a : a + 3], taps[b : b + 3]) for a in (0, 1) for b in (0, 1)]
     return np.concatenate(phases, axis=0).astype(np.float32)
 
 
@@ -131,18 +142,25 @@ def _supported(network) -> None:
     checkpoints do not use)."""
     cfg = network.config
     if cfg.backbone.ffn != "mlp":
-        raise ValueError(f"the ttnn graph runs DINOv2 backbones with a GELU MLP; {cfg.backbone_name} uses {cfg.backbone.ffn}")
-    stacks = [("neck", cfg.neck)] + [(h, getattr(cfg, h)) for h in ("points_head", "normal_head", "mask_head")
-                                     if getattr(cfg, h) is not None]
+        raise ValueError(
+            f"the ttnn graph runs DINOv2 backbones with a GELU MLP; {cfg.backbone_name} uses {cfg.backbone.ffn}"
+        )
+    stacks = [("neck", cfg.neck)] + [
+        (h, getattr(cfg, h)) for h in ("points_head", "normal_head", "mask_head") if getattr(cfg, h) is not None
+    ]
     for name, stack in stacks:
         if stack.res_block_in_norm != "none" or stack.res_block_hidden_norm != "none":
-            raise ValueError(f"the ttnn graph runs residual blocks without norms; {name} has "
-                             f"{stack.res_block_in_norm}/{stack.res_block_hidden_norm}")
+            raise ValueError(
+                f"the ttnn graph runs residual blocks without norms; {name} has "
+                f"{stack.res_block_in_norm}/{stack.res_block_hidden_norm}"
+            )
         if stack.activation != "relu":
             raise ValueError(f"the ttnn graph runs ReLU residual blocks; {name} uses {stack.activation}")
         *inner, last = stack.resamplers
         if any(kind != "conv_transpose" for kind in inner):
-            raise ValueError(f"the ttnn graph runs conv_transpose resamplers between the coarse levels; {name} has {inner}")
+            raise ValueError(
+                f"the ttnn graph runs conv_transpose resamplers between the coarse levels; {name} has {inner}"
+            )
         if last not in _PHASE_TAPS:
             raise ValueError(f"the ttnn graph folds a bilinear or nearest last resampler; {name} has {last!r}")
     if network.config.neck.num_levels < 3:
@@ -174,8 +192,12 @@ def _conv1x1_into(arrays: dict, key: str, module) -> bool:
 
 def _conv3x3_into(arrays: dict, key: str, conv) -> None:
     """A 3x3 replicate-padded conv: `key.w` (out, in, 3, 3) (OIHW, what ttnn.conv2d prepares), `key.b` (out,)."""
-    if not (conv.kernel_size == (3, 3) and conv.padding == (1, 1) and conv.padding_mode == "replicate"
-            and conv.stride == (1, 1)):
+    if not (
+        conv.kernel_size == (3, 3)
+        and conv.padding == (1, 1)
+        and conv.padding_mode == "replicate"
+        and conv.stride == (1, 1)
+    ):
         raise ValueError(f"{key}: expected a 3x3 replicate-padded conv, got {conv}")
     arrays[key + ".w"] = _t(conv.weight)
     arrays[key + ".b"] = _t(conv.bias)
@@ -193,7 +215,9 @@ def _stack_into(arrays: dict, key: str, stack, levels: int, with_inputs: bool) -
         plan["hidden"].append(blocks[0].layers[2].out_channels if blocks else None)
         for j, block in enumerate(blocks):
             norm1, act1, conv1, norm2, act2, conv2 = block.layers
-            if not all(isinstance(m, nn.Identity) for m in (norm1, norm2)) or not all(isinstance(m, nn.ReLU) for m in (act1, act2)):
+            if not all(isinstance(m, nn.Identity) for m in (norm1, norm2)) or not all(
+                isinstance(m, nn.ReLU) for m in (act1, act2)
+            ):
                 raise ValueError(f"{key}.res.{i}.{j}: expected identity norms and ReLU, got {block.layers}")
             _conv3x3_into(arrays, f"{key}.res.{i}.{j}.conv1", conv1)
             _conv3x3_into(arrays, f"{key}.res.{i}.{j}.conv2", conv2)
@@ -201,8 +225,12 @@ def _stack_into(arrays: dict, key: str, stack, levels: int, with_inputs: bool) -
         plan["outputs"].append(_conv1x1_into(arrays, f"{key}.out.{i}", stack.output_blocks[i]))
         if i < levels - 2:
             convt, conv = stack.resamplers[i]
-            if not (isinstance(convt, nn.ConvTranspose2d) and convt.kernel_size == (2, 2) and convt.stride == (2, 2)
-                    and convt.padding == (0, 0)):
+            if not (
+                isinstance(convt, nn.ConvTranspose2d)
+                and convt.kernel_size == (2, 2)
+                and convt.stride == (2, 2)
+                and convt.padding == (0, 0)
+            ):
                 raise ValueError(f"{key}.up.{i}: expected a 2x2 stride-2 conv transpose, got {convt}")
             arrays[f"{key}.up.{i}.convt.w"] = _t(convt.weight)  # (in, out, 2, 2): ttnn's (and torch's) layout
             arrays[f"{key}.up.{i}.convt.b"] = _t(convt.bias)
@@ -268,13 +296,13 @@ def prepare_weights(network, canvas_size: tuple, num_tokens: int) -> Prepared:
     neck_in0 = _t(fixed.neck_in0.weight)  # (d0, taps * C) over the concatenated normed taps
     d0 = neck_in0.shape[0]
     for k in range(len(fixed.layers)):
-        arrays[f"neck_in0.{k}.w"] = np.ascontiguousarray(neck_in0[:, k * dim:(k + 1) * dim].T)  # (C, d0)
+        arrays[f"neck_in0.{k}.w"] = np.ascontiguousarray(neck_in0[:, k * dim : (k + 1) * dim].T)  # (C, d0)
     arrays["neck_in0.const"] = _t(fixed.neck_in0_const)  # (rows * cols, d0)
 
     # Decoder: coarse levels of the neck and heads, constant uv maps, the phase-folded finest conv.
     levels = fixed.num_levels
     dims = list(cfg.neck.dim_res_blocks)
-    level_shapes = [(rows * 2 ** i, cols * 2 ** i) for i in range(levels)]
+    level_shapes = [(rows * 2**i, cols * 2**i) for i in range(levels)]
     for i in range(1, levels - 1):
         const = _t(getattr(fixed, f"neck_const{i}"))[0]  # (d_i, H_i, W_i)
         arrays[f"neck.const.{i}"] = np.ascontiguousarray(const.reshape(const.shape[0], -1).T)  # (H_i W_i, d_i)
@@ -293,7 +321,7 @@ def prepare_weights(network, canvas_size: tuple, num_tokens: int) -> Prepared:
         if _upsample_mode(up, name) != mode:
             raise ValueError("the finest-level fold needs the same upsample mode in the neck and every head")
         kernel = np.zeros((total,) + tuple(conv.weight.shape[1:]), np.float32)
-        kernel[start:start + c] = _t(conv.weight)
+        kernel[start : start + c] = _t(conv.weight)
         arrays[f"finest.{name}.w"] = phase_fold(kernel, mode)
         start += c
     arrays["finest.const"] = _t(fixed.finest_const)[0]  # (sum channels, H_L, W_L)
@@ -310,21 +338,38 @@ def prepare_weights(network, canvas_size: tuple, num_tokens: int) -> Prepared:
         "backbone": cfg.backbone_name,
         "canvas": [width, height],
         "num_tokens": int(num_tokens),
-        "rows": rows, "cols": cols, "patch": patch,
-        "patch_k": patch_k, "patch_k_padded": patch_k_padded,
-        "grid_tokens": grid_tokens, "num_prefix": num_prefix, "seq_len": seq_len,
-        "dim": dim, "num_heads": num_heads, "head_dim": dim // num_heads,
+        "rows": rows,
+        "cols": cols,
+        "patch": patch,
+        "patch_k": patch_k,
+        "patch_k_padded": patch_k_padded,
+        "grid_tokens": grid_tokens,
+        "num_prefix": num_prefix,
+        "seq_len": seq_len,
+        "dim": dim,
+        "num_heads": num_heads,
+        "head_dim": dim // num_heads,
         "ffn_dim": arrays["blocks.0.ffn_in.w"].shape[1],
-        "blocks": len(fixed.blocks), "taps": list(fixed.layers),
-        "ln_eps": float(fixed.blocks[0].norm1.eps), "final_ln_eps": float(fixed.final_norm.eps),
+        "blocks": len(fixed.blocks),
+        "taps": list(fixed.layers),
+        "ln_eps": float(fixed.blocks[0].norm1.eps),
+        "final_ln_eps": float(fixed.final_norm.eps),
         "neck_in0_dim": d0,
         "levels": [{"height": h, "width": w_, "dim": d} for (h, w_), d in zip(level_shapes, dims)],
         "neck": neck_plan,
-        "heads": [{"name": name, "channels": c, "dims": head_dims[name], **head_plans[name]}
-                  for name, c in zip(heads, channels)],
-        "finest": {"mode": mode, "channels": total, "phase_channels": 4 * total,
-                   "in_height": level_shapes[-2][0], "in_width": level_shapes[-2][1],
-                   "height": level_shapes[-1][0], "width": level_shapes[-1][1]},
+        "heads": [
+            {"name": name, "channels": c, "dims": head_dims[name], **head_plans[name]}
+            for name, c in zip(heads, channels)
+        ],
+        "finest": {
+            "mode": mode,
+            "channels": total,
+            "phase_channels": 4 * total,
+            "in_height": level_shapes[-2][0],
+            "in_width": level_shapes[-2][1],
+            "height": level_shapes[-1][0],
+            "width": level_shapes[-1][1],
+        },
         "remap": fixed.remap,
         "scale_head": scale_dims,
     }
@@ -353,9 +398,9 @@ def _aa_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
         w = np.maximum(f32(0.0), f32(1.0) - np.abs((j - center + f32(0.5)) * invscale)).astype(np.float32)
         total = w.sum(dtype=np.float32)
         w = w / total if total > 0 else w
-        index[i, :len(j)] = np.arange(lo, hi)
-        index[i, len(j):] = lo
-        weight[i, :len(j)] = w
+        index[i, : len(j)] = np.arange(lo, hi)
+        index[i, len(j) :] = lo
+        weight[i, : len(j)] = w
     return index, weight
 
 
@@ -424,11 +469,13 @@ def host_input(plan: dict, image: np.ndarray) -> np.ndarray:
     if x.shape[-2:] == (height, width):
         x = resize_antialiased(x, *size)
     elif x.shape[-2:] != size:
-        raise ValueError(f"image: expected the canvas ({height}x{width}) or the token-grid size {size[0]}x{size[1]}, "
-                         f"got {x.shape[-2]}x{x.shape[-1]}")
+        raise ValueError(
+            f"image: expected the canvas ({height}x{width}) or the token-grid size {size[0]}x{size[1]}, "
+            f"got {x.shape[-2]}x{x.shape[-1]}"
+        )
     patches = x.reshape(3, rows, patch, cols, patch).transpose(1, 3, 0, 2, 4).reshape(rows * cols, -1)
     out = np.zeros((plan["seq_len"], plan["patch_k_padded"]), np.float32)
-    out[:rows * cols, :patches.shape[1]] = patches
+    out[: rows * cols, : patches.shape[1]] = patches
     return out
 
 
@@ -458,8 +505,9 @@ def metric_scale(prepared: Prepared, cls_token: np.ndarray) -> Optional[float]:
     return float(np.exp(x[0]))
 
 
-def host_output(prepared: Prepared, readback: dict,
-                resize: Optional[Callable[[np.ndarray, int, int], np.ndarray]] = None) -> dict:
+def host_output(
+    prepared: Prepared, readback: dict, resize: Optional[Callable[[np.ndarray, int, int], np.ndarray]] = None
+) -> dict:
     """The device's read-back arrays -> the raw maps, as `MoGe2Network.forward` returns them (batch dim dropped).
 
     readback: {"finest": (in_height * in_width, phase_channels) float32, "cls_token": (C,) float32} (what
@@ -470,15 +518,16 @@ def host_output(prepared: Prepared, readback: dict,
     """
     plan = prepared.plan
     fin = plan["finest"]
-    maps = depth_to_space(np.asarray(readback["finest"], np.float32).reshape(-1, fin["phase_channels"]),
-                          fin["in_height"], fin["in_width"])
+    maps = depth_to_space(
+        np.asarray(readback["finest"], np.float32).reshape(-1, fin["phase_channels"]), fin["in_height"], fin["in_width"]
+    )
     maps += prepared.arrays["finest.const"]
     width, height = plan["canvas"]
     maps = (resize or resize_bilinear)(maps, height, width)
     out: dict = {}
     start = 0
     for head in plan["heads"]:
-        out[head["name"]] = maps[start:start + head["channels"]]
+        out[head["name"]] = maps[start : start + head["channels"]]
         start += head["channels"]
     out["points"] = _remap_points(out["points"].transpose(1, 2, 0), plan["remap"]).astype(np.float32)
     if "normal" in out:

@@ -16,6 +16,7 @@ scale MLP on the class token.
 
 Nothing outside this package knows ttnn: `MoGeModel` sees a `Runner`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,8 +36,18 @@ from .device import close_chip, device_count, import_ttnn, open_chip
 from .graph import CONFIGS, TtnnGraph
 from .prepare import PLAN_VERSION, Prepared, depth_to_space, host_input, metric_scale, prepare_weights
 
-__all__ = ["TtnnRunner", "prepared_weights", "default_cache_dir", "graph_config_name", "PRECISION_FORMATS",
-           "TRACE_ENV", "CACHE_ENV", "GRAPH_ENV", "patch_matrix", "raw_maps"]
+__all__ = [
+    "TtnnRunner",
+    "prepared_weights",
+    "default_cache_dir",
+    "graph_config_name",
+    "PRECISION_FORMATS",
+    "TRACE_ENV",
+    "CACHE_ENV",
+    "GRAPH_ENV",
+    "patch_matrix",
+    "raw_maps",
+]
 
 TRACE_ENV = "MOGE_TTNN_TRACE"  # "0": no trace capture (the mock device cannot capture one)
 CACHE_ENV = "MOGE_TTNN_CACHE"  # folder of the prepared weights (default: ~/.cache/tt_moge/ttnn)
@@ -72,8 +83,9 @@ def _fingerprint(network: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def prepared_weights(network: torch.nn.Module, canvas_size: tuple, num_tokens: int,
-                     cache_dir: Optional[Path] = None) -> tuple:
+def prepared_weights(
+    network: torch.nn.Module, canvas_size: tuple, num_tokens: int, cache_dir: Optional[Path] = None
+) -> tuple:
     """(Prepared, its cache file): loaded from the cache when this network, canvas and token budget were
     prepared before, else prepared now and saved (written to a temporary name and renamed: never half a file)."""
     width, height = canvas_size
@@ -113,8 +125,12 @@ def raw_maps(prepared: Prepared, readback: dict) -> RawMaps:
     maps = F.interpolate(torch.from_numpy(maps)[None], (height, width), mode="bilinear", align_corners=False)
     heads = [h["name"] for h in plan["heads"]]
     out = raw_outputs(maps, heads, [h["channels"] for h in plan["heads"]], plan["remap"])
-    return RawMaps(out["points"][0], out["normal"][0] if "normal" in out else None,
-                   out["mask"][0] if "mask" in out else None, metric_scale(prepared, readback["cls_token"]))
+    return RawMaps(
+        out["points"][0],
+        out["normal"][0] if "normal" in out else None,
+        out["mask"][0] if "mask" in out else None,
+        metric_scale(prepared, readback["cls_token"]),
+    )
 
 
 class TtnnRunner(Runner):
@@ -124,10 +140,21 @@ class TtnnRunner(Runner):
 
     name = "ttnn"
 
-    def __init__(self, network: torch.nn.Module, canvas_size: tuple, num_tokens: int, chip: Any, *,
-                 dispatch: str = "eth", num_command_queues: Optional[int] = None, precision: str = "bf16",
-                 verbose: bool = False, trace: Optional[bool] = None, cache_dir: Optional[Path] = None,
-                 ttnn: Any = None):
+    def __init__(
+        self,
+        network: torch.nn.Module,
+        canvas_size: tuple,
+        num_tokens: int,
+        chip: Any,
+        *,
+        dispatch: str = "eth",
+        num_command_queues: Optional[int] = None,
+        precision: str = "bf16",
+        verbose: bool = False,
+        trace: Optional[bool] = None,
+        cache_dir: Optional[Path] = None,
+        ttnn: Any = None,
+    ):
         self.graph_config = graph_config_name()
         formats = PRECISION_FORMATS[self.graph_config]
         if precision not in formats:
@@ -156,8 +183,9 @@ class TtnnRunner(Runner):
         else:
             self._device, self.dispatch = chip.handle, "the caller's"
         try:
-            self.graph = TtnnGraph(self.ttnn, self._device, self.prepared, formats=self.formats,
-                                   config=self.graph_config)
+            self.graph = TtnnGraph(
+                self.ttnn, self._device, self.prepared, formats=self.formats, config=self.graph_config
+            )
             self._load_graph()
             self._input = self.graph.allocate_input()
         except BaseException:
@@ -172,8 +200,10 @@ class TtnnRunner(Runner):
         except RuntimeError as exc:
             lines = [line.strip() for line in str(exc).splitlines() if line.strip() and not line.startswith(" ---")]
             width, height = self.canvas_size
-            raise ValueError(f"the MoGe-2 graph at canvas {width}x{height} with {self.num_tokens} tokens does not run on "
-                             f"this chip: {' | '.join(lines[:2])[:400]}; try a smaller canvas or token budget") from None
+            raise ValueError(
+                f"the MoGe-2 graph at canvas {width}x{height} with {self.num_tokens} tokens does not run on "
+                f"this chip: {' | '.join(lines[:2])[:400]}; try a smaller canvas or token budget"
+            ) from None
 
     # ----------------------------------------------------------------------------------------- calls
     def _run(self) -> dict:
@@ -192,7 +222,9 @@ class TtnnRunner(Runner):
     def forward(self, canvas: torch.Tensor) -> RawMaps:
         height, width = canvas.shape[-2:]
         if (width, height) != self.canvas_size:
-            raise ValueError(f"canvas: this runner runs {self.canvas_size[0]}x{self.canvas_size[1]}, got {width}x{height}")
+            raise ValueError(
+                f"canvas: this runner runs {self.canvas_size[0]}x{self.canvas_size[1]}, got {width}x{height}"
+            )
         if self.graph is None:
             raise RuntimeError("this Tenstorrent runner is closed")
         self.graph.upload(patch_matrix(self.prepared, canvas), into=self._input, cq_id=0)
@@ -205,9 +237,15 @@ class TtnnRunner(Runner):
 
     # -------------------------------------------------------------------------------------- lifetime
     def describe(self) -> dict:
-        info = {**super().describe(), "dispatch": self.dispatch, "command_queues": self.queues, "trace": self.trace,
-                "graph": self.graph_config, "formats": self.formats,
-                "prepared_cache": str(self.cache_file) if self.cache_file else None}
+        info = {
+            **super().describe(),
+            "dispatch": self.dispatch,
+            "command_queues": self.queues,
+            "trace": self.trace,
+            "graph": self.graph_config,
+            "formats": self.formats,
+            "prepared_cache": str(self.cache_file) if self.cache_file else None,
+        }
         if self.graph is not None:
             info["grid"] = "x".join(map(str, self.graph.grid))
         return info
@@ -226,4 +264,3 @@ class TtnnRunner(Runner):
             self.graph = None
         if device is not None and self.owns_device:
             close_chip(T, device)
-

@@ -57,12 +57,21 @@ Simplified or changed:
   (the same host-to-device write, no device op).
 * The weights are zeros and nothing is checked against torch; the `.cpu()` read of the output is the caller's.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["UnetShallow", "CONVS", "GROUPS", "HEIGHT", "WIDTH", "PUBLISHED_DEVICE_MS", "PUBLISHED_E2E_MS",
-           "PUBLISHED_DEVICE_SAMPLES_PER_S"]
+__all__ = [
+    "UnetShallow",
+    "CONVS",
+    "GROUPS",
+    "HEIGHT",
+    "WIDTH",
+    "PUBLISHED_DEVICE_MS",
+    "PUBLISHED_E2E_MS",
+    "PUBLISHED_DEVICE_SAMPLES_PER_S",
+]
 
 GROUPS = 4  # images per inference, folded into the channels
 HEIGHT, WIDTH = 1056, 160
@@ -74,8 +83,9 @@ INPUT_CORES, INPUT_SHARD = 63, 2688  # the test's width sharding of the input, a
 
 
 def _conv(c_in, c_out, h, w, *, k=3, block_h=0, reshard=False, reuse=False, dbuf=True, halo=False):
-    return dict(c_in=c_in, c_out=c_out, h=h, w=w, k=k, block_h=block_h, reshard=reshard, reuse=reuse, dbuf=dbuf,
-                halo=halo)
+    return dict(
+        c_in=c_in, c_out=c_out, h=h, w=w, k=k, block_h=block_h, reshard=reshard, reuse=reuse, dbuf=dbuf, halo=halo
+    )
 
 
 # name -> geometry (channels are for all 4 groups) and the demo's per-layer Conv2dConfig choices on Blackhole.
@@ -122,38 +132,51 @@ class UnetShallow:
         for name, c in CONVS.items():
             w = np.zeros((c["c_out"], c["c_in"] // GROUPS, c["k"], c["k"]), np.float32)
             b = np.zeros((1, 1, 1, c["c_out"]), np.float32)
-            self.weights[name] = (T.Tensor(w, T.float32, None, T.ROW_MAJOR_LAYOUT),
-                                  T.Tensor(b, T.float32, None, T.ROW_MAJOR_LAYOUT))
+            self.weights[name] = (
+                T.Tensor(w, T.float32, None, T.ROW_MAJOR_LAYOUT),
+                T.Tensor(b, T.float32, None, T.ROW_MAJOR_LAYOUT),
+            )
             cfg = T.Conv2dConfig(
-                weights_dtype=T.bfloat8_b, shard_layout=T.TensorMemoryLayout.HEIGHT_SHARDED,
-                deallocate_activation=True, enable_act_double_buffer=c["dbuf"],
+                weights_dtype=T.bfloat8_b,
+                shard_layout=T.TensorMemoryLayout.HEIGHT_SHARDED,
+                deallocate_activation=True,
+                enable_act_double_buffer=c["dbuf"],
                 activation=None if name == "output" else T.UnaryWithParam(T.UnaryOpType.RELU),
-                output_layout=T.TILE_LAYOUT, reshard_if_not_optimal=c["reshard"],
-                reallocate_halo_output=c["halo"], enable_weights_double_buffer=True,
-                enable_activation_reuse=c["reuse"])
+                output_layout=T.TILE_LAYOUT,
+                reshard_if_not_optimal=c["reshard"],
+                reallocate_halo_output=c["halo"],
+                enable_weights_double_buffer=True,
+                enable_activation_reuse=c["reuse"],
+            )
             if c["block_h"]:
                 cfg.act_block_h_override = c["block_h"]
             self.configs[name] = cfg
-        self.compute = T.init_device_compute_kernel_config(device.arch(), math_fidelity=T.MathFidelity.LoFi,
-                                                           fp32_dest_acc_en=False, packer_l1_acc=False)
-        self.input_grid = T.CoreRangeSet({T.CoreRange(T.CoreCoord(0, 0), T.CoreCoord(7, 6)),
-                                          T.CoreRange(T.CoreCoord(0, 7), T.CoreCoord(6, 7))})  # 56 + 7 = 63 cores
+        self.compute = T.init_device_compute_kernel_config(
+            device.arch(), math_fidelity=T.MathFidelity.LoFi, fp32_dest_acc_en=False, packer_l1_acc=False
+        )
+        self.input_grid = T.CoreRangeSet(
+            {T.CoreRange(T.CoreCoord(0, 0), T.CoreCoord(7, 6)), T.CoreRange(T.CoreCoord(0, 7), T.CoreCoord(6, 7))}
+        )  # 56 + 7 = 63 cores
 
     # ------------------------------------------------------------------------------------------- input
     def input(self):
         """(1, 1, 16, 1056*160) bfloat16 row-major, width-sharded in L1 on 63 cores: what the perf test writes to
         the device (channels first, the 4 images' channels folded together, height and width flattened)."""
         T = self.ttnn
-        mem = T.MemoryConfig(T.TensorMemoryLayout.WIDTH_SHARDED, T.BufferType.L1,
-                             T.ShardSpec(self.input_grid, [IN_CHANNELS, INPUT_SHARD], T.ShardOrientation.ROW_MAJOR))
+        mem = T.MemoryConfig(
+            T.TensorMemoryLayout.WIDTH_SHARDED,
+            T.BufferType.L1,
+            T.ShardSpec(self.input_grid, [IN_CHANNELS, INPUT_SHARD], T.ShardOrientation.ROW_MAJOR),
+        )
         x = T.Tensor(np.zeros((1, 1, IN_CHANNELS, HEIGHT * WIDTH), np.float32), T.bfloat16, None, T.ROW_MAJOR_LAYOUT)
         return T.to_device(x, self.device, memory_config=mem)  # as from_torch(device=, memory_config=) does
 
     # ---------------------------------------------------------------------------------------- the ops
     def _sharded(self, layout, grid, shape, orientation=None):
         T = self.ttnn
-        return T.MemoryConfig(layout, T.BufferType.L1,
-                              T.ShardSpec(grid, list(shape), orientation or T.ShardOrientation.ROW_MAJOR))
+        return T.MemoryConfig(
+            layout, T.BufferType.L1, T.ShardSpec(grid, list(shape), orientation or T.ShardOrientation.ROW_MAJOR)
+        )
 
     def conv(self, x, name):
         T = self.ttnn
@@ -161,17 +184,41 @@ class UnetShallow:
         weight, bias = self.weights[name]
         pad = c["k"] // 2
         y, [weight, bias] = T.conv2d(
-            input_tensor=x, weight_tensor=weight, bias_tensor=bias, device=self.device, in_channels=c["c_in"],
-            out_channels=c["c_out"], batch_size=1, input_height=c["h"], input_width=c["w"],
-            kernel_size=(c["k"], c["k"]), stride=(1, 1), padding=(pad, pad), dilation=(1, 1), groups=GROUPS,
-            conv_config=self.configs[name], compute_config=self.compute, return_output_dim=False,
-            return_weights_and_bias=True, dtype=T.bfloat16 if name == "output" else T.bfloat8_b)
+            input_tensor=x,
+            weight_tensor=weight,
+            bias_tensor=bias,
+            device=self.device,
+            in_channels=c["c_in"],
+            out_channels=c["c_out"],
+            batch_size=1,
+            input_height=c["h"],
+            input_width=c["w"],
+            kernel_size=(c["k"], c["k"]),
+            stride=(1, 1),
+            padding=(pad, pad),
+            dilation=(1, 1),
+            groups=GROUPS,
+            conv_config=self.configs[name],
+            compute_config=self.compute,
+            return_output_dim=False,
+            return_weights_and_bias=True,
+            dtype=T.bfloat16 if name == "output" else T.bfloat8_b,
+        )
         self.weights[name] = (weight, bias)  # prepared on the first call, reused after
         return y
 
     def pool(self, x, h, w, channels):
-        return self.ttnn.max_pool2d(input_tensor=x, batch_size=1, input_h=h, input_w=w, channels=channels,
-                                    kernel_size=[2, 2], stride=[2, 2], padding=[0, 0], dilation=[1, 1])
+        return self.ttnn.max_pool2d(
+            input_tensor=x,
+            batch_size=1,
+            input_h=h,
+            input_w=w,
+            channels=channels,
+            kernel_size=[2, 2],
+            stride=[2, 2],
+            padding=[0, 0],
+            dilation=[1, 1],
+        )
 
     def concat(self, up, skip, final: bool):
         """The demo's `concatenate`: reshard the upsampled tensor onto the skip tensor's cores (same shard
@@ -246,4 +293,3 @@ class UnetShallow:
             c_in = c["c_in"] // GROUPS if grouped else c["c_in"]
             total += 2.0 * c["h"] * c["w"] * c["c_out"] * c_in * c["k"] ** 2
         return total
-
