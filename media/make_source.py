@@ -6,6 +6,7 @@
 
 The scene is analytic and ray cast by our own code, so the image is ours to ship and its geometry is exact.
 """
+
 import argparse
 import sys
 from pathlib import Path
@@ -30,8 +31,14 @@ def main() -> int:
     Image.fromarray(scene.image).save(args.out, optimize=True)
     print(f"wrote {args.out}")
     if args.truth:
-        np.savez_compressed(args.truth, depth=scene.depth.astype(np.float32), points=scene.points.astype(np.float32),
-                            normal=scene.normal.astype(np.float32), mask=scene.mask, intrinsics=scene.intrinsics)
+        np.savez_compressed(
+            args.truth,
+            depth=scene.depth.astype(np.float32),
+            points=scene.points.astype(np.float32),
+            normal=scene.normal.astype(np.float32),
+            mask=scene.mask,
+            intrinsics=scene.intrinsics,
+        )
         print(f"wrote {args.truth}")
     return 0
 

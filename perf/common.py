@@ -1,6 +1,7 @@
 """Shared helpers of the benchmarks: the full-size random checkpoint, the test photo, medians, upstream, the
 rerun line. The benchmarks are modules of the `perf` package: run them from the repository root as
 `python -m perf.<group>.<name>` (tt_moge itself comes from `pip install -e code/`)."""
+
 from __future__ import annotations
 
 import os

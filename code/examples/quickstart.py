@@ -9,6 +9,7 @@ view, intrinsics, metric scale, valid share, median depth) — plus mask.png and
 Weights: Ruicheng/moge-2-vitl-normal from the Hugging Face hub, or the model.pt in $MOGE_WEIGHTS_DIR.
 Works from any directory: the demo image is found relative to this file.
 """
+
 import argparse
 import sys
 from pathlib import Path

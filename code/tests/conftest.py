@@ -1,4 +1,5 @@
 """Shared fixtures: random-weight checkpoints in the upstream format, written once per test session."""
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,15 @@ def tiny_model(checkpoint):
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # loading with an explicit device must not warn
-        model = MoGeModel.from_pretrained(checkpoint("tiny-vits-normal"), device="cpu", resolution=TEST_CANVAS,
-                                          num_tokens=TEST_TOKENS, warmup=1, warmup_variants="none", precision="fp32")
+        model = MoGeModel.from_pretrained(
+            checkpoint("tiny-vits-normal"),
+            device="cpu",
+            resolution=TEST_CANVAS,
+            num_tokens=TEST_TOKENS,
+            warmup=1,
+            warmup_variants="none",
+            precision="fp32",
+        )
     yield model
     model.close()
 

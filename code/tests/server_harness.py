@@ -6,6 +6,7 @@ tiny-vits-normal structure with one ViT block and a narrow decoder (about 4x fas
 tiny-vits-normal; the server does not depend on the network's width). Torch runs 1 thread in the server and
 in the reference model of the tests: on the CPU the float results depend on the thread count.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -27,8 +28,18 @@ CANVAS = (448, 252)
 TOKENS = 1200
 API_KEY = "test-key-7c1d"  # given to the server through $MOGE_API_KEY
 # Limits small enough to test cheaply: 2 requests admitted at once, 2 MiB bodies, 2 MP images, 3 s per body.
-SERVER_FLAGS = ["--queue-size", "2", "--host-threads", "2", "--max-body-mb", "2", "--max-pixels", "2000000",
-                "--read-timeout", "3"]
+SERVER_FLAGS = [
+    "--queue-size",
+    "2",
+    "--host-threads",
+    "2",
+    "--max-body-mb",
+    "2",
+    "--max-pixels",
+    "2000000",
+    "--read-timeout",
+    "3",
+]
 TORCH_THREADS = 1
 
 
@@ -68,14 +79,48 @@ class ServerProcess:
     def __init__(self, weights: Path, extra_args: list, env: Optional[dict] = None):
         self.stderr_lines: list = []
         self.ready_statuses: list = []  # /ready answers seen while waiting: (status, json body, Retry-After)
-        cmd = [sys.executable, "-m", "tt_moge.server", "--weights", str(weights), "--device", "cpu",
-               "--resolution", f"{CANVAS[0]}x{CANVAS[1]}", "--num-tokens", str(TOKENS), "--warmup", "2",
-               "--warmup-variants", "none", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
-               "--no-access-log", *extra_args]
-        full_env = {**os.environ, "PYTHONPATH": str(CODE_DIR), "OMP_NUM_THREADS": str(TORCH_THREADS),
-                    "MKL_NUM_THREADS": str(TORCH_THREADS), "HF_HUB_OFFLINE": "1", **(env or {})}
-        self.proc = subprocess.Popen(cmd, cwd=CODE_DIR, env=full_env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "tt_moge.server",
+            "--weights",
+            str(weights),
+            "--device",
+            "cpu",
+            "--resolution",
+            f"{CANVAS[0]}x{CANVAS[1]}",
+            "--num-tokens",
+            str(TOKENS),
+            "--warmup",
+            "2",
+            "--warmup-variants",
+            "none",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+            "--no-access-log",
+            *extra_args,
+        ]
+        full_env = {
+            **os.environ,
+            "PYTHONPATH": str(CODE_DIR),
+            "OMP_NUM_THREADS": str(TORCH_THREADS),
+            "MKL_NUM_THREADS": str(TORCH_THREADS),
+            "HF_HUB_OFFLINE": "1",
+            **(env or {}),
+        }
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=CODE_DIR,
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self._port = threading.Event()
         self.port: Optional[int] = None
         threading.Thread(target=self._read_stderr, daemon=True).start()

@@ -1,4 +1,5 @@
 """The Python API of the spec, row by row, on a tiny random-weight checkpoint (CPU, seconds)."""
+
 from __future__ import annotations
 
 import io
@@ -166,9 +167,15 @@ def test_warmup_variants_presets_dicts_lists(checkpoint):
         assert len(m.warmed_variants) == len(PRESETS["all"])
         calls = {dict(k)["call"] for k in m.warmed_variants}
         assert calls == {"call", "predict_many", "infer", "forward"}
-    for bad, match in [("fast", "unknown preset"), ({"input": "gif"}, "input"), ({"colour": 1}, "unknown key"),
-                       ({"size": (4, 4)}, "size"), ({"call": "forward", "size": (64, 48)}, "canvas size"), (3, "warmup_variants"),
-                       (["minimal", {"input": "gif"}], r"variant 2 of 2\): input")]:
+    for bad, match in [
+        ("fast", "unknown preset"),
+        ({"input": "gif"}, "input"),
+        ({"colour": 1}, "unknown key"),
+        ({"size": (4, 4)}, "size"),
+        ({"call": "forward", "size": (64, 48)}, "canvas size"),
+        (3, "warmup_variants"),
+        (["minimal", {"input": "gif"}], r"variant 2 of 2\): input"),
+    ]:
         with pytest.raises((ValueError, TypeError), match=match) as info:
             load(path, warmup_variants=bad)
         assert str(info.value).startswith("warmup_variants"), info.value  # the argument is named
@@ -202,9 +209,16 @@ def test_every_input_kind_gives_the_same_output(tiny_model, photo, photo_out, tm
     Image.fromarray(photo).save(png)
     chw_float = torch.from_numpy(photo).permute(2, 0, 1).float() / 255
     inputs = {
-        "path str": str(png), "path object": png, "bytes": png.read_bytes(), "PIL": Image.open(png),
-        "uint8 HWC": photo, "uint8 CHW": photo.transpose(2, 0, 1).copy(), "float HWC": photo / 255.0,
-        "float32 CHW": chw_float.numpy(), "tensor CHW": chw_float, "tensor 1CHW": chw_float[None],
+        "path str": str(png),
+        "path object": png,
+        "bytes": png.read_bytes(),
+        "PIL": Image.open(png),
+        "uint8 HWC": photo,
+        "uint8 CHW": photo.transpose(2, 0, 1).copy(),
+        "float HWC": photo / 255.0,
+        "float32 CHW": chw_float.numpy(),
+        "tensor CHW": chw_float,
+        "tensor 1CHW": chw_float[None],
         "tensor HWC uint8": torch.from_numpy(photo),
     }
     # Every kind reaches the device as the same canvas (the forward is deterministic) ...
@@ -269,8 +283,11 @@ def test_metric_scale_is_applied(tiny_model, photo):
 
 def test_repr(photo_out):
     text = repr(photo_out)
-    assert re.fullmatch(r"MoGeOutput\(320x240, valid \d+\.\d%, median depth \d+\.\d{3} m, fov_x \d+\.\d deg, "
-                        r"metric_scale \d+\.\d{4}\)", text), text
+    assert re.fullmatch(
+        r"MoGeOutput\(320x240, valid \d+\.\d%, median depth \d+\.\d{3} m, fov_x \d+\.\d deg, "
+        r"metric_scale \d+\.\d{4}\)",
+        text,
+    ), text
     assert f"{100 * photo_out.mask.mean():.1f}%" in text
 
 
@@ -412,11 +429,15 @@ def test_infer_is_a_drop_in(tiny_model, photo):
     chw = torch.from_numpy(photo).permute(2, 0, 1).float() / 255
     out = tiny_model.infer(chw)
     assert sorted(out) == sorted(INFER_KEYS)
-    assert out["points"].shape == (240, 320, 3) and out["intrinsics"].shape == (3, 3) and out["mask"].dtype == torch.bool
+    assert (
+        out["points"].shape == (240, 320, 3) and out["intrinsics"].shape == (3, 3) and out["mask"].dtype == torch.bool
+    )
     single = tiny_model(chw).to_torch()
     assert all(torch.equal(out[k], single[k]) for k in out)
     other = torch.from_numpy(synthetic_photo((320, 240), seed=9)).permute(2, 0, 1).float() / 255
-    batch = tiny_model.infer(torch.stack([chw, other]), fov_x=torch.tensor([60.0, 75.0]), use_fp16=True, resolution_level=3)
+    batch = tiny_model.infer(
+        torch.stack([chw, other]), fov_x=torch.tensor([60.0, 75.0]), use_fp16=True, resolution_level=3
+    )
     assert batch["depth"].shape == (2, 240, 320) and batch["intrinsics"].shape == (2, 3, 3)
     for i, (img, fov) in enumerate([(chw, 60.0), (other, 75.0)]):
         ref = tiny_model(img, fov_x=fov).to_torch()
@@ -459,8 +480,13 @@ def test_calls_are_thread_safe(tiny_model):
 def test_close_and_with_block(checkpoint, photo):
     with load(checkpoint("tiny-vits-normal")) as m:
         m(photo)
-    for call in (lambda: m(photo), lambda: m.forward(photo), lambda: m.infer(torch.zeros(3, 64, 64)),
-                 lambda: m.predict_many([photo]), lambda: m.warmup()):
+    for call in (
+        lambda: m(photo),
+        lambda: m.forward(photo),
+        lambda: m.infer(torch.zeros(3, 64, 64)),
+        lambda: m.predict_many([photo]),
+        lambda: m.warmup(),
+    ):
         with pytest.raises(RuntimeError, match="closed"):
             call()
     m.close()  # idempotent

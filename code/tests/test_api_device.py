@@ -12,6 +12,7 @@ Tenstorrent only: PCC >= 0.99 per head against the float32 reference network, an
     python -m pytest tests/test_api_device.py -q -s
     MOGE_DEVICE=1 python -m pytest tests/test_api_device.py -q -s    # chip (or GPU) 1 instead of 0
 """
+
 from __future__ import annotations
 
 import io
@@ -30,8 +31,10 @@ TOKENS = 1800
 CALLS = 20
 DEVICE_ID = int(os.environ.get("MOGE_DEVICE", "0"))  # the chip or GPU to test (the spec's variable)
 HAVE = {"cuda": torch.cuda.is_available() and torch.cuda.device_count() > DEVICE_ID, "tt": chips_here() > DEVICE_ID}
-REASON = {"cuda": f"needs CUDA GPU {DEVICE_ID} (torch {torch.__version__} sees {torch.cuda.device_count()} GPUs)",
-          "tt": f"needs Tenstorrent chip {DEVICE_ID} (ttnn imports and sees it)"}
+REASON = {
+    "cuda": f"needs CUDA GPU {DEVICE_ID} (torch {torch.__version__} sees {torch.cuda.device_count()} GPUs)",
+    "tt": f"needs Tenstorrent chip {DEVICE_ID} (ttnn imports and sees it)",
+}
 needs_tt = pytest.mark.skipif(not HAVE["tt"], reason=REASON["tt"])
 
 
@@ -49,8 +52,9 @@ def gpu_model(request, checkpoint):
         pytest.skip(REASON[kind])
     from tt_moge import MoGeModel
 
-    model = MoGeModel.from_pretrained(_source(checkpoint), device=kind, device_id=DEVICE_ID, resolution=CANVAS,
-                                      num_tokens=TOKENS)
+    model = MoGeModel.from_pretrained(
+        _source(checkpoint), device=kind, device_id=DEVICE_ID, resolution=CANVAS, num_tokens=TOKENS
+    )
     runner = model.info()["runner"]
     if kind == "cuda":
         assert runner["runner"] == "cuda-graph" and runner["cuda_graph"]
@@ -134,8 +138,16 @@ def test_tenstorrent_heads_against_the_float32_reference(checkpoint):
     photo = synthetic_photo(CANVAS, seed=22)
     raw = {}
     for device, precision in (("tt", "auto"), ("cpu", "fp32")):
-        with MoGeModel.from_pretrained(_source(checkpoint), device=device, device_id=DEVICE_ID, precision=precision,
-                                       resolution=CANVAS, num_tokens=TOKENS, warmup=1, warmup_variants="none") as model:
+        with MoGeModel.from_pretrained(
+            _source(checkpoint),
+            device=device,
+            device_id=DEVICE_ID,
+            precision=precision,
+            resolution=CANVAS,
+            num_tokens=TOKENS,
+            warmup=1,
+            warmup_variants="none",
+        ) as model:
             raw[device] = model.forward(photo)
     valid = float((raw["cpu"]["mask"] > 0.5).float().mean())
     assert 0.05 < valid < 0.99, f"valid share {valid:.3f}: the comparison would be trivial"
@@ -155,9 +167,17 @@ def test_tenstorrent_one_and_two_command_queues_are_bit_identical(checkpoint):
     photo = synthetic_photo(CANVAS, seed=23)
     outs = []
     for queues in (1, 2):
-        with MoGeModel.from_pretrained(_source(checkpoint), device="tt", device_id=DEVICE_ID, dispatch="worker",
-                                       num_command_queues=queues, resolution=CANVAS, num_tokens=TOKENS, warmup=1,
-                                       warmup_variants="none") as model:
+        with MoGeModel.from_pretrained(
+            _source(checkpoint),
+            device="tt",
+            device_id=DEVICE_ID,
+            dispatch="worker",
+            num_command_queues=queues,
+            resolution=CANVAS,
+            num_tokens=TOKENS,
+            warmup=1,
+            warmup_variants="none",
+        ) as model:
             assert model.info()["runner"]["command_queues"] == queues
             outs.append(model(photo).to_npz_bytes())
     _assert_npz_equal(_npz(outs[0]), _npz(outs[1]))

@@ -22,6 +22,7 @@ so the check stays meaningful on a loaded 2-core machine; "wall" is the spec's c
 The outputs of the first calls are also compared with a model loaded with warmup_variants="none": warm-up
 must not change any result.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -75,14 +76,22 @@ def _inputs(variant: dict, seed: int, folder: Path) -> list:
 
 
 def _call(model, variant: dict, inputs: list):
-    opts = dict(fit=variant["fit"], fov_x=60.0 if variant["fov_x"] else None, apply_mask=variant["apply_mask"],
-                force_projection=variant["force_projection"])
+    opts = dict(
+        fit=variant["fit"],
+        fov_x=60.0 if variant["fov_x"] else None,
+        apply_mask=variant["apply_mask"],
+        force_projection=variant["force_projection"],
+    )
     if variant["call"] == "forward":
         return model.forward(inputs[0])
     if variant["call"] == "infer":
         img = inputs[0]
-        return model.infer(img[0] if hasattr(img, "ndim") and img.ndim == 4 else img, fov_x=opts["fov_x"],
-                           apply_mask=opts["apply_mask"], force_projection=opts["force_projection"])
+        return model.infer(
+            img[0] if hasattr(img, "ndim") and img.ndim == 4 else img,
+            fov_x=opts["fov_x"],
+            apply_mask=opts["apply_mask"],
+            force_projection=opts["force_projection"],
+        )
     if variant["call"] == "predict_many":
         return model.predict_many(inputs, **opts)
     return model.predict(inputs[0], **opts)
@@ -108,8 +117,9 @@ def worker(checkpoint: str, warmup_variants: str, device: str = "cpu") -> None:
     from tt_moge import MoGeModel
     from tt_moge.warmup import PRESETS, canonical_variant
 
-    model = MoGeModel.from_pretrained(checkpoint, device=device, resolution=CANVAS, num_tokens=TOKENS,
-                                      warmup_variants=warmup_variants)
+    model = MoGeModel.from_pretrained(
+        checkpoint, device=device, resolution=CANVAS, num_tokens=TOKENS, warmup_variants=warmup_variants
+    )
     device = {"wall": 0.0, "cpu": 0.0}
     forward = model._runner.forward
 
@@ -132,8 +142,14 @@ def worker(checkpoint: str, warmup_variants: str, device: str = "cpu") -> None:
                 t, c = time.perf_counter(), time.process_time()
                 result = _call(model, variant, inputs)
                 wall, cpu = (time.perf_counter() - t) * 1e3, (time.process_time() - c) * 1e3
-                times.append({"wall": wall, "cpu": cpu, "host_wall": wall - device["wall"] * 1e3,
-                              "host_cpu": cpu - device["cpu"] * 1e3})
+                times.append(
+                    {
+                        "wall": wall,
+                        "cpu": cpu,
+                        "host_wall": wall - device["wall"] * 1e3,
+                        "host_cpu": cpu - device["cpu"] * 1e3,
+                    }
+                )
                 if n == 0:
                     digest = _digest(result)
             print(json.dumps({"variant": spec, "times": times, "digest": digest}), flush=True)
@@ -149,8 +165,13 @@ def _run_workers(checkpoint, warmup_presets: list, device: str = "cpu", parallel
     env = dict(os.environ, PYTHONPATH=str(code_dir) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
     def run(preset: str) -> list:
-        p = subprocess.run([sys.executable, __file__, "--worker", str(checkpoint), preset, device], env=env,
-                           capture_output=True, text=True, timeout=900)
+        p = subprocess.run(
+            [sys.executable, __file__, "--worker", str(checkpoint), preset, device],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert p.returncode == 0, f"worker failed:\n{p.stderr[-3000:]}"
         return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
 
@@ -197,8 +218,11 @@ def _tt_chip_present() -> bool:
     return chips_here() > DEVICE_ID
 
 
-@pytest.mark.skipif(not _tt_chip_present(), reason="needs a Tenstorrent chip (ttnn imports and sees one; MOGE_DEVICE "
-                    "names which): the CPU runs the same check above")
+@pytest.mark.skipif(
+    not _tt_chip_present(),
+    reason="needs a Tenstorrent chip (ttnn imports and sees one; MOGE_DEVICE "
+    "names which): the CPU runs the same check above",
+)
 def test_first_call_on_a_tenstorrent_chip(tmp_path):
     """The same check with the ttnn runner (one process at a time: one chip), on the wall clock: the device's
     time is not process CPU time."""
@@ -222,11 +246,16 @@ def _check_first_calls(worker_runs: list, clock: str) -> None:
             assert min(steadies) > 0, f"{spec}: a steady {part} time of {min(steadies):.3f} ms cannot be right"
             excess = min(f - (s * (1 + TOL) + SLACK_MS) for f, s in zip(firsts, steadies))
             first, steady = statistics.median(firsts), statistics.median(steadies)
-            lines.append(f"{json.dumps(spec):70s} {part:4s} first {first:8.2f} ms  steady {steady:8.2f} ms  "
-                         f"ratio {first / steady:5.2f}  over the limit by {excess:+8.2f} ms")
+            lines.append(
+                f"{json.dumps(spec):70s} {part:4s} first {first:8.2f} ms  steady {steady:8.2f} ms  "
+                f"ratio {first / steady:5.2f}  over the limit by {excess:+8.2f} ms"
+            )
             if excess > 0:
                 failures.append(lines[-1])
-    print(f"\nclock: {clock}; first and steady: medians of {len(worker_runs)} fresh processes; excess: the best process\n" + "\n".join(lines))
+    print(
+        f"\nclock: {clock}; first and steady: medians of {len(worker_runs)} fresh processes; excess: the best process\n"
+        + "\n".join(lines)
+    )
     assert not failures, "first call slower than steady:\n" + "\n".join(failures)
 
 

@@ -5,6 +5,7 @@ done exactly once (Parquet: one row per image), and without Ray a clear error an
 
 One local Ray for the module (started with the library's own init_local_ray, shut down at the end); the jobs
 reuse it. About a minute on 2 busy cores, most of it replica start-up (torch import, model load)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -59,7 +60,7 @@ def photos(tmp_path_factory) -> dict:
     for i in range(20):
         w, h = 64 + 5 * i, 160 - 4 * i
         rgb = (calibration_image(w, h, seed=i)[0].permute(1, 2, 0).numpy() * 255).astype(np.uint8)
-        rgb[h // 4:h // 2, w // 3:2 * w // 3] = (250, 240, 30)  # a sharp-edged block: depth discontinuities
+        rgb[h // 4 : h // 2, w // 3 : 2 * w // 3] = (250, 240, 30)  # a sharp-edged block: depth discontinuities
         rel = f"sub/p{i:02d}.jpg" if i % 5 == 0 else f"p{i:02d}.png"
         (root / rel).parent.mkdir(exist_ok=True)
         Image.fromarray(rgb).save(root / rel, quality=90)
@@ -96,8 +97,9 @@ def expected(ckpt, photos) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with MoGeModel.from_pretrained(ckpt, device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0,
-                                      warmup_variants="none") as model:
+        with MoGeModel.from_pretrained(
+            ckpt, device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0, warmup_variants="none"
+        ) as model:
             return {name: model(path, **CALL).npz_arrays() for name, path in photos["valid"].items()}
     finally:
         torch.set_num_threads(threads)
@@ -106,9 +108,13 @@ def expected(ckpt, photos) -> dict:
 def assert_same_arrays(got: dict, want: dict, name: str) -> None:
     assert sorted(got) == sorted(want), name
     for key in want:
-        assert got[key].dtype == want[key].dtype and np.array_equal(got[key], want[key], equal_nan=True), f"{name}: {key}"
+        assert got[key].dtype == want[key].dtype and np.array_equal(got[key], want[key], equal_nan=True), (
+            f"{name}: {key}"
+        )
     valid = want["mask"].mean()
-    assert 0.05 < valid < 0.995, f"{name}: valid fraction {valid} (a comparison of all-valid/all-invalid maps proves little)"
+    assert 0.05 < valid < 0.995, (
+        f"{name}: valid fraction {valid} (a comparison of all-valid/all-invalid maps proves little)"
+    )
     assert np.isfinite(want["points"][want["mask"].astype(bool)]).all()
 
 
@@ -120,9 +126,26 @@ def file_times(out: Path) -> dict:
 @pytest.fixture(scope="module")
 def files_run(local_ray, ckpt, photos, tmp_path_factory):
     out = tmp_path_factory.mktemp("batch_files")
-    code, stdout, stderr = run_cli(["batch", photos["root"], "-o", out, "--weights", ckpt, *MODEL_ARGS,
-                                    "--replicas", REPLICAS, "--batch-size", 3, "--npz",
-                                    "--fit", CALL["fit"], "--fov-x", CALL["fov_x"]])
+    code, stdout, stderr = run_cli(
+        [
+            "batch",
+            photos["root"],
+            "-o",
+            out,
+            "--weights",
+            ckpt,
+            *MODEL_ARGS,
+            "--replicas",
+            REPLICAS,
+            "--batch-size",
+            3,
+            "--npz",
+            "--fit",
+            CALL["fit"],
+            "--fov-x",
+            CALL["fov_x"],
+        ]
+    )
     return code, stdout, stderr, out
 
 
@@ -157,8 +180,17 @@ def test_corrupt_image_is_in_the_failures_file(files_run, photos):
 def test_rerun_recomputes_nothing(files_run, local_ray, ckpt, photos):
     code, stdout, stderr, out = files_run
     before = file_times(out)
-    again = run_batch(BatchJob([photos["root"]], out, model=model_args(ckpt), formats=["npz"], replicas=REPLICAS,
-                               batch_size=3, progress=False))
+    again = run_batch(
+        BatchJob(
+            [photos["root"]],
+            out,
+            model=model_args(ckpt),
+            formats=["npz"],
+            replicas=REPLICAS,
+            batch_size=3,
+            progress=False,
+        )
+    )
     assert (again.done, again.failed, again.skipped, again.total) == (0, 1, 20, 21)
     assert again.replicas == 1, "one image left: one replica, not two"
     after = file_times(out)
@@ -171,8 +203,23 @@ def test_rerun_recomputes_nothing(files_run, local_ray, ckpt, photos):
 def test_quiet_still_names_each_failed_image(files_run, local_ray, ckpt, photos):
     """-q drops the progress and the summary, never an error: the corrupt image is named on stderr."""
     out = files_run[-1]
-    code, stdout, stderr = run_cli(["batch", photos["root"], "-o", out, "--weights", ckpt, *MODEL_ARGS, "--npz",
-                                    "--fit", CALL["fit"], "--fov-x", CALL["fov_x"], "-q"])
+    code, stdout, stderr = run_cli(
+        [
+            "batch",
+            photos["root"],
+            "-o",
+            out,
+            "--weights",
+            ckpt,
+            *MODEL_ARGS,
+            "--npz",
+            "--fit",
+            CALL["fit"],
+            "--fov-x",
+            CALL["fov_x"],
+            "-q",
+        ]
+    )
     assert code == 1 and stdout == ""
     assert f"failed: image file '{photos['corrupt'].resolve()}'" in stderr, stderr
 
@@ -198,8 +245,7 @@ def crashing_once(trap: Path) -> type:
     return CrashingReplica
 
 
-def test_replica_killed_mid_job_every_image_done_exactly_once(local_ray, ckpt, photos, expected, tmp_path,
-                                                            monkeypatch):
+def test_replica_killed_mid_job_every_image_done_exactly_once(local_ray, ckpt, photos, expected, tmp_path, monkeypatch):
     import shutil
 
     import pyarrow.parquet as pq
@@ -211,8 +257,18 @@ def test_replica_killed_mid_job_every_image_done_exactly_once(local_ray, ckpt, p
     (trap / "armed").write_text("")  # the first replica to finish a batch kills itself before reporting it
     monkeypatch.setattr(batch_job, "Replica", crashing_once(trap))
     out = tmp_path / "out"
-    summary = run_batch(BatchJob([inputs], out, model=model_args(ckpt), output_format="parquet", replicas=REPLICAS,
-                                 batch_size=3, progress=False, **CALL))
+    summary = run_batch(
+        BatchJob(
+            [inputs],
+            out,
+            model=model_args(ckpt),
+            output_format="parquet",
+            replicas=REPLICAS,
+            batch_size=3,
+            progress=False,
+            **CALL,
+        )
+    )
     assert (trap / "fired").exists() and not (trap / "armed").exists(), "a replica died mid-job"
     assert (summary.done, summary.failed, summary.skipped) == (20, 1, 0)
     assert sorted(summary.done_names) == sorted(expected), "each image reported once"
@@ -224,12 +280,24 @@ def test_replica_killed_mid_job_every_image_done_exactly_once(local_ray, ckpt, p
     assert not list((out / SHARDS_DIR).glob(".*")), "no temporary shard left behind"
     for row in rows:
         assert_same_arrays(MoGeOutput.from_npz(row["npz"]).npz_arrays(), expected[row["name"]], row["name"])
-        assert json.loads(row["result"])["source"] == row["source"] == str((inputs / photos["valid"][row["name"]].relative_to(photos["root"])).resolve())
+        assert (
+            json.loads(row["result"])["source"]
+            == row["source"]
+            == str((inputs / photos["valid"][row["name"]].relative_to(photos["root"])).resolve())
+        )
 
     # resume from the shards: with the corrupt file gone, the same command has nothing left to do (no job at all)
     (inputs / CORRUPT).unlink()
-    resumed = run_batch(BatchJob([inputs], out, model={"pretrained_model_name_or_path": ckpt}, output_format="parquet",
-                                 replicas=REPLICAS, progress=False))
+    resumed = run_batch(
+        BatchJob(
+            [inputs],
+            out,
+            model={"pretrained_model_name_or_path": ckpt},
+            output_format="parquet",
+            replicas=REPLICAS,
+            progress=False,
+        )
+    )
     assert (resumed.done, resumed.failed, resumed.skipped, resumed.seconds) == (0, 0, 20, 0.0)
 
 
@@ -246,22 +314,27 @@ def test_without_ray_a_clear_error_and_exit_code_3(photos, tmp_path, monkeypatch
 
 
 def test_the_package_imports_without_ray():
-    script = ("import sys; sys.modules['ray'] = None\n"
-              "import tt_moge, tt_moge.cli, tt_moge.batch, tt_moge.cli.batch\n"
-              "assert tt_moge.cli.main(['batch', '--help']) == 0\n")
+    script = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import tt_moge, tt_moge.cli, tt_moge.batch, tt_moge.cli.batch\n"
+        "assert tt_moge.cli.main(['batch', '--help']) == 0\n"
+    )
     done = subprocess.run([sys.executable, "-c", script], cwd=CODE_DIR, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "--replicas" in done.stdout and "RAY_ADDRESS" in done.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--format", "parquet", "--npz"], "choose the files of --format files"),
-    (["--replicas", "0"], "expected a positive integer"),
-    (["--gpus-per-replica", "-1"], "expected a number >= 0"),
-    (["--cpus-per-replica", "0"], "argument --cpus-per-replica: expected a finite number > 0"),
-    (["--object-store-mb", "1"], "argument --object-store-mb: expected an integer >= 80"),
-    (["--format", "csv"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--format", "parquet", "--npz"], "choose the files of --format files"),
+        (["--replicas", "0"], "expected a positive integer"),
+        (["--gpus-per-replica", "-1"], "expected a number >= 0"),
+        (["--cpus-per-replica", "0"], "argument --cpus-per-replica: expected a finite number > 0"),
+        (["--object-store-mb", "1"], "argument --object-store-mb: expected an integer >= 80"),
+        (["--format", "csv"], "invalid choice"),
+    ],
+)
 def test_bad_command_lines_exit_2(photos, tmp_path, args, message):
     code, stdout, stderr = run_cli(["batch", photos["root"], "-o", tmp_path / "out", *args])
     assert code == 2 and message in stderr
@@ -276,15 +349,30 @@ def test_missing_input_exits_2_before_anything_starts(tmp_path):
 def test_a_job_that_cannot_fit_stops_before_it_starts(local_ray, ckpt, photos, tmp_path):
     # The module's Ray has 3 logical CPUs and no GPU: a GPU replica, or 3 replicas x 1 CPU + a read task, would
     # wait forever.
-    code, stdout, stderr = run_cli(["batch", photos["root"], "-o", tmp_path / "gpu", "--weights", ckpt,
-                                    "--device", "cuda", "-q"])
+    code, stdout, stderr = run_cli(
+        ["batch", photos["root"], "-o", tmp_path / "gpu", "--weights", ckpt, "--device", "cuda", "-q"]
+    )
     assert code == 3 and "the job needs 1 GPU (1 replica(s) x 1), it has 0" in stderr
     with pytest.raises(ValueError, match=r"the job needs 4 CPU \(3 replica\(s\) x 1 \+ 1 read task\), it has 3"):
-        run_batch(BatchJob([photos["root"]], tmp_path / "cpu", model=model_args(ckpt), replicas=3, cpus_per_replica=1,
-                           progress=False))
+        run_batch(
+            BatchJob(
+                [photos["root"]],
+                tmp_path / "cpu",
+                model=model_args(ckpt),
+                replicas=3,
+                cpus_per_replica=1,
+                progress=False,
+            )
+        )
     with pytest.raises(ValueError, match="needs GPUs for the replicas"):
-        run_batch(BatchJob([photos["root"]], tmp_path / "cpu", model={"pretrained_model_name_or_path": ckpt, "device": "cuda"},
-                           gpus_per_replica=0))
+        run_batch(
+            BatchJob(
+                [photos["root"]],
+                tmp_path / "cpu",
+                model={"pretrained_model_name_or_path": ckpt, "device": "cuda"},
+                gpus_per_replica=0,
+            )
+        )
     assert not list((tmp_path / "cpu").rglob("result.json"))
 
 
@@ -329,7 +417,9 @@ def test_an_address_where_nothing_answers_is_a_clear_error_at_once():
 @pytest.mark.parametrize("options, message", [(dict(fit="crop"), "fit must be one of"), (dict(fov_x=500.0), "fov_x")])
 def test_bad_call_options_are_refused_before_anything_starts(photos, tmp_path, options, message):
     with pytest.raises(ValueError, match=message):
-        run_batch(BatchJob([photos["root"]], tmp_path / "out", model={"pretrained_model_name_or_path": "unused"}, **options))
+        run_batch(
+            BatchJob([photos["root"]], tmp_path / "out", model={"pretrained_model_name_or_path": "unused"}, **options)
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -355,7 +445,7 @@ def descendants(root: int) -> dict:
             stat = stat_path.read_text()
         except OSError:
             continue
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat.rsplit(")", 1)[1].split()
         if fields[0] not in ("Z", "X"):
             table[int(stat_path.parent.name)] = (int(fields[1]), fields[19], name)
     found, stack = {}, [root]
@@ -387,13 +477,33 @@ def test_driver_killed_mid_run_leaves_no_ray_process_and_the_rerun_finishes(loca
     process that ran below it (its Ray) is alive, and a rerun does every other image, each once."""
     out = tmp_path / "out"
     with open(tmp_path / "driver.err", "w") as err:
-        driver = subprocess.Popen([sys.executable, "-m", "tt_moge", "batch", str(photos["root"]), "-o", str(out),
-                                   "--weights", str(ckpt), *MODEL_ARGS, "--batch-size", "1", "--npz", "-q"],
-                                  cwd=CODE_DIR, env={**os.environ, "PYTHONPATH": str(CODE_DIR)},
-                                  stdout=subprocess.DEVNULL, stderr=err)
+        driver = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tt_moge",
+                "batch",
+                str(photos["root"]),
+                "-o",
+                str(out),
+                "--weights",
+                str(ckpt),
+                *MODEL_ARGS,
+                "--batch-size",
+                "1",
+                "--npz",
+                "-q",
+            ],
+            cwd=CODE_DIR,
+            env={**os.environ, "PYTHONPATH": str(CODE_DIR)},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     try:
         wait_for(lambda: list(out.rglob("result.json")) or driver.poll() is not None, 300, "a first image")
-        assert driver.poll() is None, f"the job ended before it could be killed:\n{(tmp_path / 'driver.err').read_text()}"
+        assert driver.poll() is None, (
+            f"the job ended before it could be killed:\n{(tmp_path / 'driver.err').read_text()}"
+        )
         below = descendants(driver.pid)
         names = sorted(name for _, name in below.values())
         assert "raylet" in names and "gcs_server" in names and any(n.startswith("ray::") for n in names), names
@@ -402,16 +512,33 @@ def test_driver_killed_mid_run_leaves_no_ray_process_and_the_rerun_finishes(loca
         driver.kill()
         driver.wait(30)
     t = time.monotonic()
-    wait_for(lambda: not still_running(below), 30, lambda: f"Ray processes of the killed run still alive: {still_running(below)}")
-    print(f"\n[kill -9] none of the {len(below)} processes below the killed driver left {time.monotonic() - t:.1f} s "
-          f"after the kill: {names}")
+    wait_for(
+        lambda: not still_running(below),
+        30,
+        lambda: f"Ray processes of the killed run still alive: {still_running(below)}",
+    )
+    print(
+        f"\n[kill -9] none of the {len(below)} processes below the killed driver left {time.monotonic() - t:.1f} s "
+        f"after the kill: {names}"
+    )
 
     done_before = {p.parent.relative_to(out).as_posix() for p in out.rglob("result.json")}
     assert 0 < len(done_before) < len(photos["valid"])
-    rerun = run_batch(BatchJob([photos["root"]], out, model=model_args(ckpt), formats=["npz"], replicas=REPLICAS,
-                               batch_size=3, progress=False))
+    rerun = run_batch(
+        BatchJob(
+            [photos["root"]],
+            out,
+            model=model_args(ckpt),
+            formats=["npz"],
+            replicas=REPLICAS,
+            batch_size=3,
+            progress=False,
+        )
+    )
     assert (rerun.skipped, rerun.failed, rerun.total) == (len(done_before), 1, 21)
-    assert sorted(rerun.done_names) == sorted(set(photos["valid"]) - done_before), "each image done once over the two runs"
+    assert sorted(rerun.done_names) == sorted(set(photos["valid"]) - done_before), (
+        "each image done once over the two runs"
+    )
     folders = {p.parent.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.parent != out}
     assert folders == set(photos["valid"]), "a folder per image, each complete (no partial folder of the killed run)"
     assert all((out / name / "result.json").is_file() for name in folders)
@@ -425,16 +552,29 @@ def test_a_later_run_ends_what_a_dead_driver_left(tmp_path):
 
     session = f"/no/ray/session_{uuid.uuid4().hex}"
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
-    recorded, named, kept = (subprocess.Popen(sleeper), subprocess.Popen([*sleeper, session]),
-                             subprocess.Popen([*sleeper, session + "_live"]))
+    recorded, named, kept = (
+        subprocess.Popen(sleeper),
+        subprocess.Popen([*sleeper, session]),
+        subprocess.Popen([*sleeper, session + "_live"]),
+    )
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     try:
         time.sleep(0.5)  # the stand-ins have exec'd
-        records = {gone.pid: {"driver_pid": gone.pid, "driver_start": "1", "session_dir": session,
-                              "processes": [[recorded.pid, _start_time(recorded.pid)], [gone.pid, "1"]]},
-                   os.getpid(): {"driver_pid": os.getpid(), "driver_start": _start_time(os.getpid()),
-                                 "session_dir": session + "_live", "processes": [[kept.pid, _start_time(kept.pid)]]}}
+        records = {
+            gone.pid: {
+                "driver_pid": gone.pid,
+                "driver_start": "1",
+                "session_dir": session,
+                "processes": [[recorded.pid, _start_time(recorded.pid)], [gone.pid, "1"]],
+            },
+            os.getpid(): {
+                "driver_pid": os.getpid(),
+                "driver_start": _start_time(os.getpid()),
+                "session_dir": session + "_live",
+                "processes": [[kept.pid, _start_time(kept.pid)]],
+            },
+        }
         for pid, record in records.items():
             (tmp_path / f"{pid}.json").write_text(json.dumps(record))
         assert sweep_dead(tmp_path) == [(gone.pid, sorted([recorded.pid, named.pid]))]

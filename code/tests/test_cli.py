@@ -1,6 +1,7 @@
 """`tt-moge` end to end on a tiny random-weight checkpoint: a folder of PNG/JPEG photos of several sizes (nested,
 with clashing names) plus a corrupt file, every output file read back and checked against the Python API and
 against an independent implementation of the documented export rules; bad command lines; info/serve/bench."""
+
 from __future__ import annotations
 
 import contextlib
@@ -50,7 +51,7 @@ def photo(size: tuple, seed: int, mode: str = "RGB") -> Image.Image:
 
     w, h = size
     rgb = (calibration_image(w, h, seed=seed)[0].permute(1, 2, 0).numpy() * 255).astype(np.uint8)
-    rgb[h // 4:h // 2, w // 3:2 * w // 3] = (250, 240, 30)
+    rgb[h // 4 : h // 2, w // 3 : 2 * w // 3] = (250, 240, 30)
     img = Image.fromarray(rgb)
     if mode == "RGBA":
         img.putalpha(Image.fromarray(np.full((h, w), 128, np.uint8)))
@@ -84,8 +85,23 @@ def folder_run(ckpt, photos, tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     # --chunk-size 2: five decodable-looking images in three predict_many chunks, the truncated one inside the
     # second; the corrupt one never reaches the model. Every format.
-    code, stdout, stderr = run_cli(["predict", photos, "-o", out, "--weights", ckpt, *MODEL_ARGS, "--chunk-size", "2",
-                                    "--maps", "--npz", "--ply", "--glb"])
+    code, stdout, stderr = run_cli(
+        [
+            "predict",
+            photos,
+            "-o",
+            out,
+            "--weights",
+            ckpt,
+            *MODEL_ARGS,
+            "--chunk-size",
+            "2",
+            "--maps",
+            "--npz",
+            "--ply",
+            "--glb",
+        ]
+    )
     return code, stdout, stderr, out
 
 
@@ -93,8 +109,9 @@ def folder_run(ckpt, photos, tmp_path_factory):
 def api(ckpt):
     from tt_moge import MoGeModel
 
-    with MoGeModel.from_pretrained(ckpt, device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0,
-                                  warmup_variants="none") as model:
+    with MoGeModel.from_pretrained(
+        ckpt, device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0, warmup_variants="none"
+    ) as model:
         yield model
 
 
@@ -125,8 +142,12 @@ def test_corrupt_file_is_reported_and_the_rest_is_done(folder_run, photos):
     assert "5/5" in stderr, "a progress bar for a run of several images"
     run = json.loads((out / "run.json").read_text())
     assert (run["done"], run["failed"]) == (4, 2)
-    status = {Path(r["input"]).relative_to(photos).as_posix(): (r["status"], r["output"], r["error"]) for r in run["images"]}
-    assert set(status) == {rel for rel, _, _ in PHOTOS.values()} | {CORRUPT, TRUNCATED}, "notes.txt is not an image input"
+    status = {
+        Path(r["input"]).relative_to(photos).as_posix(): (r["status"], r["output"], r["error"]) for r in run["images"]
+    }
+    assert set(status) == {rel for rel, _, _ in PHOTOS.values()} | {CORRUPT, TRUNCATED}, (
+        "notes.txt is not an image input"
+    )
     assert status[CORRUPT][0] == "failed" and "not a decodable image" in status[CORRUPT][2]
     assert status[TRUNCATED][0] == "failed" and "truncated" in status[TRUNCATED][2]
     for name, (rel, _, _) in PHOTOS.items():
@@ -272,8 +293,9 @@ def test_glb_mesh(folder_run, photos):
 
 def test_glb_mesh_of_every_pixel(ckpt, photos, tmp_path):
     rel, size, _ = PHOTOS["nested/deeper/wide"]
-    code, _, stderr = run_cli(["predict", photos / rel, "-o", tmp_path, "--npz", "--glb", "--mesh-step", "1",
-                               "--weights", ckpt, *MODEL_ARGS])
+    code, _, stderr = run_cli(
+        ["predict", photos / rel, "-o", tmp_path, "--npz", "--glb", "--mesh-step", "1", "--weights", ckpt, *MODEL_ARGS]
+    )
     assert code == 0, stderr
     check_glb_mesh(tmp_path / "wide", photos / rel, size, 1)
 
@@ -281,8 +303,22 @@ def test_glb_mesh_of_every_pixel(ckpt, photos, tmp_path):
 # ---------------------------------------------------------------------------- options, one image
 def test_one_image_with_format_flag_and_call_options(ckpt, photos, api, tmp_path):
     rel = PHOTOS["a_jpg"][0]
-    code, stdout, stderr = run_cli(["predict", photos / rel, "-o", tmp_path, "--ply", "--fit", "stretch",
-                                    "--fov-x", "60", "--weights", ckpt, *MODEL_ARGS])
+    code, stdout, stderr = run_cli(
+        [
+            "predict",
+            photos / rel,
+            "-o",
+            tmp_path,
+            "--ply",
+            "--fit",
+            "stretch",
+            "--fov-x",
+            "60",
+            "--weights",
+            ckpt,
+            *MODEL_ARGS,
+        ]
+    )
     assert code == 0, stderr
     assert "1 of 1 images done, 0 failed" in stdout and "img/s" not in stderr, "no progress bar for one image"
     assert {p.name for p in (tmp_path / "a").iterdir()} == {"points.ply", "result.json"}
@@ -301,19 +337,34 @@ def test_one_image_with_format_flag_and_call_options(ckpt, photos, api, tmp_path
 
 
 # -------------------------------------------------------------------------------- bad command lines
-@pytest.mark.parametrize("args, message", [
-    (["predict", "{photo}", "--obj"], "unrecognized arguments: --obj (formats are chosen with --maps, --npz, --ply, --glb)"),
-    (["predict", "{photo}", "--resolution", "448by252"], "argument --resolution: expected WIDTHxHEIGHT, e.g. 1920x1080, got '448by252'"),
-    (["predict", "{photo}", "--resolution", "10x10"], "argument --resolution: resolution must be a canvas of 64..4096 pixels"),
-    (["predict", "{photo}", "--num-tokens", "99"], "argument --num-tokens: num_tokens must be in [1200, 3600]"),
-    (["predict", "{photo}", "--fov-x", "200"], "argument --fov-x: the horizontal field of view must be in (0, 180) degrees"),
-    (["predict", "{photo}", "--fit", "crop"], "argument --fit: invalid choice: 'crop'"),
-    (["predict", "/no/such/photo.jpg"], "input '/no/such/photo.jpg': no such file or folder"),
-    (["predict", "{folder}/*.webp"], "the pattern matches no files"),
-    (["predict", "{empty}"], "no PNG or JPEG images found in"),
-    (["predict"], "the following arguments are required: INPUT"),
-    ([], "usage: tt-moge"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["predict", "{photo}", "--obj"],
+            "unrecognized arguments: --obj (formats are chosen with --maps, --npz, --ply, --glb)",
+        ),
+        (
+            ["predict", "{photo}", "--resolution", "448by252"],
+            "argument --resolution: expected WIDTHxHEIGHT, e.g. 1920x1080, got '448by252'",
+        ),
+        (
+            ["predict", "{photo}", "--resolution", "10x10"],
+            "argument --resolution: resolution must be a canvas of 64..4096 pixels",
+        ),
+        (["predict", "{photo}", "--num-tokens", "99"], "argument --num-tokens: num_tokens must be in [1200, 3600]"),
+        (
+            ["predict", "{photo}", "--fov-x", "200"],
+            "argument --fov-x: the horizontal field of view must be in (0, 180) degrees",
+        ),
+        (["predict", "{photo}", "--fit", "crop"], "argument --fit: invalid choice: 'crop'"),
+        (["predict", "/no/such/photo.jpg"], "input '/no/such/photo.jpg': no such file or folder"),
+        (["predict", "{folder}/*.webp"], "the pattern matches no files"),
+        (["predict", "{empty}"], "no PNG or JPEG images found in"),
+        (["predict"], "the following arguments are required: INPUT"),
+        ([], "usage: tt-moge"),
+    ],
+)
 def test_bad_arguments_are_usage_errors(args, message, photos, tmp_path):
     (tmp_path / "empty").mkdir()
     fill = {"photo": photos / PHOTOS["a_png"][0], "folder": photos, "empty": tmp_path / "empty"}
@@ -324,30 +375,48 @@ def test_bad_arguments_are_usage_errors(args, message, photos, tmp_path):
 
 
 def test_missing_weights_cannot_start(photos, tmp_path):
-    code, _, stderr = run_cli(["predict", photos / PHOTOS["a_png"][0], "-o", tmp_path, "--weights", tmp_path / "nope", "--device", "cpu"])
+    code, _, stderr = run_cli(
+        ["predict", photos / PHOTOS["a_png"][0], "-o", tmp_path, "--weights", tmp_path / "nope", "--device", "cpu"]
+    )
     assert code == 3 and "could not load the model" in stderr and str(tmp_path / "nope") in stderr
 
 
 def test_a_file_that_is_no_image_is_found_before_the_model_loads(photos, tmp_path):
     fake = tmp_path / "fake.png"
     fake.write_text("not a PNG")
-    code, stdout, stderr = run_cli(["predict", fake, photos / CORRUPT, "-o", tmp_path / "out", "--weights", tmp_path / "nope"])
+    code, stdout, stderr = run_cli(
+        ["predict", fake, photos / CORRUPT, "-o", tmp_path / "out", "--weights", tmp_path / "nope"]
+    )
     assert code == 1 and "could not load the model" not in stderr, stderr  # no image left: no model is loaded
     assert f"failed: image file '{fake}': not a decodable image" in stderr and "0 of 2 images done, 2 failed" in stdout
 
 
 def test_module_entry_points_run(photos):
     env = {**os.environ, "PYTHONPATH": str(CODE_DIR)}
-    helped = subprocess.run([sys.executable, "-m", "tt_moge", "predict", "--help"], cwd=CODE_DIR, env=env, capture_output=True, text=True)
+    helped = subprocess.run(
+        [sys.executable, "-m", "tt_moge", "predict", "--help"], cwd=CODE_DIR, env=env, capture_output=True, text=True
+    )
     assert helped.returncode == 0
-    for section in ("output layout:", "exit codes:", "examples:", "formats (--maps --glb when no format", "--num-tokens N"):
+    for section in (
+        "output layout:",
+        "exit codes:",
+        "examples:",
+        "formats (--maps --glb when no format",
+        "--num-tokens N",
+    ):
         assert section in helped.stdout
-    bad = subprocess.run([sys.executable, "-m", "tt_moge", "predict", "/no/such.png"], cwd=CODE_DIR, env=env,
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "tt_moge", "predict", "/no/such.png"],
+        cwd=CODE_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "no such file or folder" in bad.stderr
     for module in ("tt_moge.server", "tt_moge.bench_breakdown"):  # the spec's module names of serve and bench
-        helped = subprocess.run([sys.executable, "-m", module, "--help"], cwd=CODE_DIR, env=env, capture_output=True,
-                                text=True)
+        helped = subprocess.run(
+            [sys.executable, "-m", module, "--help"], cwd=CODE_DIR, env=env, capture_output=True, text=True
+        )
         assert helped.returncode == 0 and "--num-tokens" in helped.stdout and "--precision" in helped.stdout, module
 
 
@@ -407,18 +476,37 @@ def test_input_names_are_unique_and_stable(tmp_path):
     for rel in ("x/a.png", "x/a.JPG", "x/A.jpeg", "x/sub.png", "x/sub/b.png", "x/sub/c.txt", "y/a.png"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(b"")
-    images = collect_images([tmp_path / "x", tmp_path / "y" / "a.png", tmp_path / "x" / "a.png", str(tmp_path / "y" / "*.png")])
+    images = collect_images(
+        [tmp_path / "x", tmp_path / "y" / "a.png", tmp_path / "x" / "a.png", str(tmp_path / "y" / "*.png")]
+    )
     names = {img.path.relative_to(tmp_path).as_posix(): img.name for img in images}
-    assert names == {"x/A.jpeg": "A_jpeg", "x/a.JPG": "a_JPG", "x/a.png": "a_png", "x/sub.png": "sub_png",
-                     "x/sub/b.png": "sub/b", "y/a.png": "a_png-2"}, "each file once, no name a folder of another"
-    assert [img.name for img in collect_images([tmp_path / "x"])] == [img.name for img in collect_images([tmp_path / "x"])]
+    assert names == {
+        "x/A.jpeg": "A_jpeg",
+        "x/a.JPG": "a_JPG",
+        "x/a.png": "a_png",
+        "x/sub.png": "sub_png",
+        "x/sub/b.png": "sub/b",
+        "y/a.png": "a_png-2",
+    }, "each file once, no name a folder of another"
+    assert [img.name for img in collect_images([tmp_path / "x"])] == [
+        img.name for img in collect_images([tmp_path / "x"])
+    ]
     with pytest.raises(InputPathError, match="no such file or folder"):
         collect_images([tmp_path / "missing.png"])
     # the output folder inside an input folder: its files are not photos (unless named directly)
     assert {img.name for img in collect_images([tmp_path], exclude=tmp_path / "x" / "sub")} == {
-        "x/a_png", "x/a_JPG", "x/A_jpeg", "x/sub", "y/a"}
-    assert {img.name for img in collect_images([str(tmp_path / "x" / "**" / "*.png"), tmp_path / "x" / "sub" / "b.png"],
-                                               exclude=tmp_path / "x" / "sub")} == {"a", "sub", "b"}
+        "x/a_png",
+        "x/a_JPG",
+        "x/A_jpeg",
+        "x/sub",
+        "y/a",
+    }
+    assert {
+        img.name
+        for img in collect_images(
+            [str(tmp_path / "x" / "**" / "*.png"), tmp_path / "x" / "sub" / "b.png"], exclude=tmp_path / "x" / "sub"
+        )
+    } == {"a", "sub", "b"}
 
 
 def test_depth_edge_rule():
@@ -444,9 +532,17 @@ def test_one_failing_image_in_a_chunk_costs_only_itself(tmp_path):
     for i in range(3):
         Image.new("RGB", (40, 30), (10 * i, 0, 0)).save(tmp_path / f"p{i}.png")
     images = collect_images([tmp_path / f"p{i}.png" for i in range(3)])
-    reference = MoGeOutput(points=np.ones((30, 40, 3), np.float32), depth=np.ones((30, 40), np.float32), normal=None,
-                           mask=np.ones((30, 40), bool), intrinsics=np.eye(3, dtype=np.float32),
-                           intrinsics_pixels=np.eye(3, dtype=np.float32), metric_scale=1.0, fov_x=60.0, fov_y=50.0)
+    reference = MoGeOutput(
+        points=np.ones((30, 40, 3), np.float32),
+        depth=np.ones((30, 40), np.float32),
+        normal=None,
+        mask=np.ones((30, 40), bool),
+        intrinsics=np.eye(3, dtype=np.float32),
+        intrinsics_pixels=np.eye(3, dtype=np.float32),
+        metric_scale=1.0,
+        fov_x=60.0,
+        fov_y=50.0,
+    )
 
     class Service:  # a PredictionService whose chunk call fails
         def predict_many(self, arrays, options):
@@ -458,7 +554,14 @@ def test_one_failing_image_in_a_chunk_costs_only_itself(tmp_path):
             return reference
 
     seen = []
-    status = predict_images(Service(), images, tmp_path / "out", ["npz"], chunk_size=3, on_done=lambda img, err: seen.append((img.name, err)))
+    status = predict_images(
+        Service(),
+        images,
+        tmp_path / "out",
+        ["npz"],
+        chunk_size=3,
+        on_done=lambda img, err: seen.append((img.name, err)),
+    )
     assert status[0] is None and status[2] is None and "device error on this one" in status[1]
     assert sorted(n for n, _ in seen) == ["p0", "p1", "p2"]
     assert (tmp_path / "out" / "p0" / "result.npz").exists() and not (tmp_path / "out" / "p1").exists()
@@ -468,14 +571,24 @@ def test_an_image_without_valid_pixels_still_gets_its_maps(tmp_path):
     from tt_moge.export import write_outputs
 
     h, w = 20, 30
-    nothing = MoGeOutput(points=np.full((h, w, 3), np.inf, np.float32), depth=np.full((h, w), np.inf, np.float32),
-                         normal=np.zeros((h, w, 3), np.float32), mask=np.zeros((h, w), bool),
-                         intrinsics=np.eye(3, dtype=np.float32), intrinsics_pixels=np.eye(3, dtype=np.float32),
-                         metric_scale=1.0, fov_x=60.0, fov_y=40.0)
+    nothing = MoGeOutput(
+        points=np.full((h, w, 3), np.inf, np.float32),
+        depth=np.full((h, w), np.inf, np.float32),
+        normal=np.zeros((h, w, 3), np.float32),
+        mask=np.zeros((h, w), bool),
+        intrinsics=np.eye(3, dtype=np.float32),
+        intrinsics_pixels=np.eye(3, dtype=np.float32),
+        metric_scale=1.0,
+        fov_x=60.0,
+        fov_y=40.0,
+    )
     record = write_outputs(nothing, np.zeros((h, w, 3), np.uint8), tmp_path, ("maps", "npz", "ply", "glb"))
     assert record["vertices"] == 0 and record["median_depth_m"] is None and "not written" in record["note"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(record["files"]) == sorted(
-        ["depth.png", "normal.png", "mask.png", "depth.exr", "result.npz", "result.json"])
+    assert (
+        sorted(p.name for p in tmp_path.iterdir())
+        == sorted(record["files"])
+        == sorted(["depth.png", "normal.png", "mask.png", "depth.exr", "result.npz", "result.json"])
+    )
     assert json.loads((tmp_path / "result.json").read_text())["valid_fraction"] == 0.0
 
 
@@ -503,8 +616,14 @@ def _run_on_a_full_disk(args: list, out: Path, snapshot: Path) -> tuple:
     env = {**os.environ, "PYTHONPATH": str(CODE_DIR), "OUT": str(out), "SNAPSHOT": str(snapshot), "FS_SIZE": "8m"}
     command = [sys.executable, "-m", "tt_moge", "predict", *map(str, args), "-o", str(out)]
     if shutil.which("unshare"):
-        done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", _FULL_DISK_SCRIPT,
-                               "full-disk", *command], env=env, cwd=CODE_DIR, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", _FULL_DISK_SCRIPT, "full-disk", *command],
+            env=env,
+            cwd=CODE_DIR,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if done.returncode != 97 and "unshare:" not in done.stderr:
             return "tmpfs of 8 MiB", done.returncode, done.stdout, done.stderr
 
@@ -512,8 +631,9 @@ def _run_on_a_full_disk(args: list, out: Path, snapshot: Path) -> tuple:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (1_500_000, 1_500_000))
 
-    done = subprocess.run(command, env=env, cwd=CODE_DIR, capture_output=True, text=True, timeout=600,
-                          preexec_fn=limit_file_size)
+    done = subprocess.run(
+        command, env=env, cwd=CODE_DIR, capture_output=True, text=True, timeout=600, preexec_fn=limit_file_size
+    )
     shutil.copytree(out, snapshot, dirs_exist_ok=True)
     return "RLIMIT_FSIZE of 1.5 MB", done.returncode, done.stdout, done.stderr
 
@@ -523,7 +643,9 @@ def test_a_full_disk_fails_images_cleanly(ckpt, photos, tmp_path):
     out.mkdir()
     snapshot.mkdir()
     every_format = ["--maps", "--npz", "--ply", "--glb", "--mesh-step", "1"]  # enough bytes to fill the disk
-    how, code, stdout, stderr = _run_on_a_full_disk([photos, "--weights", ckpt, *MODEL_ARGS, *every_format], out, snapshot)
+    how, code, stdout, stderr = _run_on_a_full_disk(
+        [photos, "--weights", ckpt, *MODEL_ARGS, *every_format], out, snapshot
+    )
     assert code == 1 and "Traceback" not in stderr, f"{how}:\n{stdout}\n{stderr}"
     run = json.loads((snapshot / "run.json").read_text())
     by_input = {Path(r["input"]).relative_to(photos).as_posix(): r for r in run["images"]}
@@ -540,7 +662,9 @@ def test_a_full_disk_fails_images_cleanly(ckpt, photos, tmp_path):
             assert sorted(p.name for p in folder.iterdir()) == sorted(result["files"]), folder
         else:
             assert f"tt-moge: failed: {record['error']}" in stderr
-            assert not folder.exists() or not any(folder.iterdir()), f"partial files of a failed image: {list(folder.iterdir())}"
+            assert not folder.exists() or not any(folder.iterdir()), (
+                f"partial files of a failed image: {list(folder.iterdir())}"
+            )
     leftovers = [p for p in snapshot.rglob("*") if p.is_file() and p.name.endswith(".tmp")]
     assert not leftovers, leftovers
 
@@ -550,9 +674,17 @@ def test_run_json_that_cannot_be_written_is_one_line_and_exit_1(photos, tmp_path
     import tt_moge.export as export
 
     def flat_result(h: int, w: int) -> MoGeOutput:
-        return MoGeOutput(points=np.ones((h, w, 3), np.float32), depth=np.full((h, w), 2.0, np.float32), normal=None,
-                          mask=np.ones((h, w), bool), intrinsics=np.eye(3, dtype=np.float32),
-                          intrinsics_pixels=np.eye(3, dtype=np.float32), metric_scale=1.0, fov_x=60.0, fov_y=50.0)
+        return MoGeOutput(
+            points=np.ones((h, w, 3), np.float32),
+            depth=np.full((h, w), 2.0, np.float32),
+            normal=None,
+            mask=np.ones((h, w), bool),
+            intrinsics=np.eye(3, dtype=np.float32),
+            intrinsics_pixels=np.eye(3, dtype=np.float32),
+            metric_scale=1.0,
+            fov_x=60.0,
+            fov_y=50.0,
+        )
 
     class Model:
         def __enter__(self):

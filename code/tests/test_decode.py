@@ -1,4 +1,5 @@
 """The fast PNG/JPEG decoders give Pillow's pixels, ignore EXIF orientation and report bad data clearly."""
+
 from __future__ import annotations
 
 import io
@@ -103,7 +104,9 @@ def test_jpeg_matches_pillow(photo, jpeg_backend):
         got, ref = decode_bytes(data), decode_with_pillow(data)
         assert got.shape == (217, 331, 3) and np.array_equal(got, ref), name
         assert (dec._decode_jpeg_fast(data) is None) == (name == "cmyk"), name
-    assert np.abs(decode_bytes(cases["444"]).astype(int) - photo).mean() < 6  # and it is the photo (noisy: JPEG error ~3)
+    assert (
+        np.abs(decode_bytes(cases["444"]).astype(int) - photo).mean() < 6
+    )  # and it is the photo (noisy: JPEG error ~3)
 
 
 def _exif_rotated() -> bytes:
@@ -134,8 +137,12 @@ def _png_with_header(rgb: np.ndarray, interlace: int = 0, filter_type: int = 0) 
     h, w, channels = rgb.shape
     color_type = {1: 0, 2: 4, 3: 2, 4: 6}[channels]
     rows = b"".join(bytes([filter_type]) + rgb[y].tobytes() for y in range(h))
-    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, color_type, 0, 0, interlace))
-            + _chunk(b"IDAT", zlib.compress(rows)) + _chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, color_type, 0, 0, interlace))
+        + _chunk(b"IDAT", zlib.compress(rows))
+        + _chunk(b"IEND", b"")
+    )
 
 
 @pytest.mark.parametrize("channels", [1, 2, 3, 4])
@@ -153,7 +160,7 @@ def test_bad_data_raises_input_error(photo, tmp_path):
     jpeg = _encode(Image.fromarray(photo), "JPEG")
     idat = png.index(b"IDAT")
     flipped = bytearray(png)
-    flipped[idat + 200:idat + 260] = bytes(60)  # zeroed deflate data: the stream or its checksum breaks
+    flipped[idat + 200 : idat + 260] = bytes(60)  # zeroed deflate data: the stream or its checksum breaks
     bad = {
         "empty": b"",
         "garbage": b"not an image at all",
@@ -178,7 +185,11 @@ def test_a_decompression_bomb_is_refused_before_decoding():
     """A header that claims 30000 x 30000 pixels (above Pillow's MAX_IMAGE_PIXELS limit) is an InputError on the
     fast native PNG path too, before anything is inflated or allocated."""
     header = struct.pack(">IIBBBBB", 30000, 30000, 8, 2, 0, 0, 0)
-    data = (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(b"\0" * 64))
-            + _chunk(b"IEND", b""))
+    data = (
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", header)
+        + _chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + _chunk(b"IEND", b"")
+    )
     with pytest.raises(InputError, match=r"^image: .*exceeds limit"):
         decode_bytes(data)

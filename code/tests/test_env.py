@@ -1,5 +1,6 @@
 """One environment prefix: tt_moge reads MOGE_* names (tt_moge/env.py); the old TT_MOGE_* names of the renamed
 variables still work, with a DeprecationWarning naming the new one, and the new name wins when both are set."""
+
 from __future__ import annotations
 
 import subprocess
@@ -59,12 +60,17 @@ def test_the_library_reads_the_renamed_variables_under_both_names(monkeypatch):
 
 def test_tt_mock_check_reads_the_old_name_with_a_note(tmp_path):
     env_vars = {"PATH": "/usr/bin:/bin", "TT_MOGE_MOCK_DIR": str(tmp_path)}
-    done = subprocess.run([str(ROOT / "scripts" / "tt-mock-check"), "--help"], capture_output=True, text=True,
-                          env=env_vars)
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "tt-mock-check"), "--help"], capture_output=True, text=True, env=env_vars
+    )
     assert done.returncode == 0 and "mock Blackhole P150" in done.stdout, done
     assert "$TT_MOGE_MOCK_DIR is deprecated: set $MOGE_MOCK_DIR instead" in done.stderr
-    done = subprocess.run([str(ROOT / "scripts" / "tt-mock-check"), "--help"], capture_output=True, text=True,
-                          env={**env_vars, "MOGE_MOCK_DIR": str(tmp_path)})
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "tt-mock-check"), "--help"],
+        capture_output=True,
+        text=True,
+        env={**env_vars, "MOGE_MOCK_DIR": str(tmp_path)},
+    )
     assert done.returncode == 0 and done.stderr == ""
 
 
@@ -73,7 +79,7 @@ def test_the_mock_setup_reads_the_old_names_with_a_note(tmp_path):
     lines = (ROOT / "scripts" / "tt-mock" / "setup.sh").read_text().splitlines(keepends=True)
     start = next(i for i, line in enumerate(lines) if "TT_MOGE_MOCK_DIR:-" in line)
     end = next(i for i, line in enumerate(lines) if line.startswith("TTNN_VERSION="))
-    snippet = "set -u\n" + "".join(lines[start:end + 1]) + 'echo "$WORK $TTNN_VERSION"\n'
+    snippet = "set -u\n" + "".join(lines[start : end + 1]) + 'echo "$WORK $TTNN_VERSION"\n'
     old = {"PATH": "/usr/bin:/bin", "TT_MOGE_MOCK_DIR": str(tmp_path), "TT_MOGE_TTNN_VERSION": "9.9"}
     done = subprocess.run(["bash", "-c", snippet], capture_output=True, text=True, env=old)
     assert done.returncode == 0 and done.stdout.split() == [str(tmp_path), "9.9"], done

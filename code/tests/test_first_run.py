@@ -5,6 +5,7 @@ as a CheckpointError.
 "Unreachable" is a closed port on this machine given as HF_ENDPOINT (refused at once, like a machine without
 network), with an empty Hugging Face cache and HF_HUB_OFFLINE unset, so the hub client's real code path runs.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,9 @@ def _offline_env(tmp_path: Path, how: str) -> dict:
 
 def _run(command: list, tmp_path: Path, how: str) -> tuple:
     t = time.perf_counter()
-    run = subprocess.run(command, cwd=tmp_path, env=_offline_env(tmp_path, how), capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        command, cwd=tmp_path, env=_offline_env(tmp_path, how), capture_output=True, text=True, timeout=120
+    )
     return run, time.perf_counter() - t
 
 
@@ -58,8 +60,11 @@ def _check_the_ways_out(text: str) -> None:
 @pytest.mark.parametrize("how", ["unreachable", "HF_HUB_OFFLINE"])
 @pytest.mark.parametrize("surface", ["quickstart", "predict"])
 def test_no_weights_and_no_hub_is_a_short_fast_answer(surface, how, tmp_path):
-    command = ([sys.executable, str(QUICKSTART)] if surface == "quickstart"
-               else [sys.executable, "-m", "tt_moge", "predict", str(DEMO), "-o", str(tmp_path / "out")])
+    command = (
+        [sys.executable, str(QUICKSTART)]
+        if surface == "quickstart"
+        else [sys.executable, "-m", "tt_moge", "predict", str(DEMO), "-o", str(tmp_path / "out")]
+    )
     run, seconds = _run(command, tmp_path, how)
     assert run.returncode != 0
     assert seconds < DEADLINE_S, f"{surface} took {seconds:.1f} s to fail"
@@ -71,19 +76,23 @@ def test_no_weights_and_no_hub_is_a_short_fast_answer(surface, how, tmp_path):
 
 
 def test_serve_without_weights_exits_fast_with_the_ways_out(tmp_path):
-    run, seconds = _run([sys.executable, "-m", "tt_moge", "serve", "--port", "0", "--no-access-log"], tmp_path, "unreachable")
+    run, seconds = _run(
+        [sys.executable, "-m", "tt_moge", "serve", "--port", "0", "--no-access-log"], tmp_path, "unreachable"
+    )
     assert run.returncode == 1 and seconds < DEADLINE_S, (seconds, run.stderr)
     assert "Traceback" not in run.stderr, run.stderr
     _check_the_ways_out(run.stderr)
 
 
 def test_python_callers_get_a_checkpoint_error_with_the_same_text(tmp_path):
-    script = ("from tt_moge import MoGeModel\n"
-              "from tt_moge.weights import CheckpointError\n"
-              "try:\n"
-              "    MoGeModel.from_pretrained(device='cpu')\n"
-              "except CheckpointError as exc:\n"
-              "    print(exc)\n")
+    script = (
+        "from tt_moge import MoGeModel\n"
+        "from tt_moge.weights import CheckpointError\n"
+        "try:\n"
+        "    MoGeModel.from_pretrained(device='cpu')\n"
+        "except CheckpointError as exc:\n"
+        "    print(exc)\n"
+    )
     run, seconds = _run([sys.executable, "-c", script], tmp_path, "unreachable")
     assert run.returncode == 0 and seconds < DEADLINE_S, (seconds, run.stderr)
     _check_the_ways_out(run.stdout)
@@ -100,9 +109,11 @@ def test_a_cached_revision_loads_with_the_hub_unreachable(checkpoint, tmp_path):
     (repo / "snapshots" / rev / "model.pt").write_bytes(checkpoint("tiny-vits").read_bytes())
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(rev)
-    script = ("from tt_moge.weights import resolve_checkpoint\n"
-              f"print(resolve_checkpoint('someone/moge-2-test', revision={rev!r})[1])\n"
-              "print(resolve_checkpoint('someone/moge-2-test', revision=None)[1])\n")
+    script = (
+        "from tt_moge.weights import resolve_checkpoint\n"
+        f"print(resolve_checkpoint('someone/moge-2-test', revision={rev!r})[1])\n"
+        "print(resolve_checkpoint('someone/moge-2-test', revision=None)[1])\n"
+    )
     run, seconds = _run([sys.executable, "-c", script], tmp_path, "unreachable")
     assert run.returncode == 0 and seconds < DEADLINE_S, (seconds, run.stderr)
     assert run.stdout.split() == [f"someone/moge-2-test@{rev}", "someone/moge-2-test@main"]
@@ -160,16 +171,23 @@ def test_the_sizes_in_help_are_measured_ones(checkpoint, photo_1080p, tmp_path):
     from tt_moge.cli.common import FORMAT_MB, FULL_MESH_MB
     from tt_moge.export import FORMATS, write_outputs
 
-    with MoGeModel.from_pretrained(checkpoint("tiny-vits-normal"), device="cpu", resolution=(448, 252),
-                                   num_tokens=1200, warmup=0, warmup_variants="none") as model:
+    with MoGeModel.from_pretrained(
+        checkpoint("tiny-vits-normal"),
+        device="cpu",
+        resolution=(448, 252),
+        num_tokens=1200,
+        warmup=0,
+        warmup_variants="none",
+    ) as model:
         output = model(str(photo_1080p))
     rgb = load_image(str(photo_1080p))
     measured = {}
     for name, step in [*((f, 2) for f in FORMATS), ("glb", 1)]:
         folder = tmp_path / f"{name}-{step}"
         write_outputs(output, rgb, folder, (name,), mesh_step=step)
-        measured[name if step == 2 else "glb-full"] = sum(p.stat().st_size for p in folder.iterdir()
-                                                          if p.name != "result.json") / MB
+        measured[name if step == 2 else "glb-full"] = (
+            sum(p.stat().st_size for p in folder.iterdir() if p.name != "result.json") / MB
+        )
     stated = {**FORMAT_MB, "glb-full": FULL_MESH_MB}
     for name, mb in stated.items():
         assert mb * 0.75 <= measured[name] <= mb * 1.33, (name, measured)
@@ -216,11 +234,18 @@ def test_the_documented_python_client_runs_with_the_server_extra(server, tmp_pat
     example = example.split("```")[0]
     content_type = 'headers={"Content-Type": "image/jpeg"}'
     assert content_type in example and "http://127.0.0.1:8000" in example and '"photo.jpg"' in example
-    example = (example.replace("http://127.0.0.1:8000", server.url)
-               .replace(content_type, f'headers={{"Content-Type": "image/jpeg", "Authorization": "Bearer {API_KEY}"}}'))
+    example = example.replace("http://127.0.0.1:8000", server.url).replace(
+        content_type, f'headers={{"Content-Type": "image/jpeg", "Authorization": "Bearer {API_KEY}"}}'
+    )
     (tmp_path / "photo.jpg").write_bytes(encode_image(photo(320, 240), "JPEG", quality=90))
-    run = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(CODE)},
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", example],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(CODE)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("MoGeOutput(320x240") and "device;dur=" in run.stdout, run.stdout
 
@@ -228,8 +253,14 @@ def test_the_documented_python_client_runs_with_the_server_extra(server, tmp_pat
 # --------------------------------------------------------------------------------------- the small items
 def test_serve_names_the_weights_it_loads(tmp_path):
     env = {**_offline_env(tmp_path, "HF_HUB_OFFLINE"), "MOGE_WEIGHTS_DIR": str(tmp_path / "absent")}
-    run = subprocess.run([sys.executable, "-m", "tt_moge", "serve", "--port", "0"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "tt_moge", "serve", "--port", "0"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
     assert f"(loading $MOGE_WEIGHTS_DIR={tmp_path / 'absent'};" in run.stderr, run.stderr  # not the repo id it replaces
     assert f"MOGE_WEIGHTS_DIR={tmp_path / 'absent'} does not exist" in run.stderr

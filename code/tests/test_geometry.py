@@ -5,6 +5,7 @@ point map made affine (an unknown scale s and z-shift t: s * (X, Y, Z + t)), the
 1 on the scene and 0 on sky and letterbox bars, and metric_scale = 1 / s. Solve + finish must then recover the
 true depth, points, normals, mask and intrinsics of the input image.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,15 +29,21 @@ def perfect_raw(plan, k_in: np.ndarray) -> RawMaps:
     """The canvas maps a perfect MoGe-2 would return for an input of camera k_in fitted by `plan`."""
     (w, h), (x0, y0, x1, y1) = plan.image_size, plan.content_box
     sx, sy = (x1 - x0) / w, (y1 - y0) / h
-    k_canvas = np.array([[k_in[0, 0] * sx, 0, x0 + k_in[0, 2] * sx], [0, k_in[1, 1] * sy, y0 + k_in[1, 2] * sy], [0, 0, 1]])
+    k_canvas = np.array(
+        [[k_in[0, 0] * sx, 0, x0 + k_in[0, 2] * sx], [0, k_in[1, 1] * sy, y0 + k_in[1, 2] * sy], [0, 0, 1]]
+    )
     truth = render(*plan.canvas_size, intrinsics=k_canvas)
     inside = np.zeros(truth.mask.shape, bool)
     inside[y0:y1, x0:x1] = True
     valid = truth.mask & inside
     points = SCALE * (truth.points + np.array([0.0, 0.0, SHIFT]))
     points[~valid] = (0.0, 0.0, 1.0)  # whatever the network says there is masked out
-    return RawMaps(torch.from_numpy(points.astype(np.float32)), torch.from_numpy(truth.normal.astype(np.float32)),
-                   torch.from_numpy(valid.astype(np.float32)), 1.0 / SCALE)
+    return RawMaps(
+        torch.from_numpy(points.astype(np.float32)),
+        torch.from_numpy(truth.normal.astype(np.float32)),
+        torch.from_numpy(valid.astype(np.float32)),
+        1.0 / SCALE,
+    )
 
 
 def smooth_interior(truth) -> np.ndarray:

@@ -1,6 +1,7 @@
 """The house rules of the package layout, checked on the source: no import cycle, no module importing another
 module's private names, no library module importing the apps (`cli`, `server`), tests outside the package,
 and one definition of the model flags that every command parses the same way."""
+
 from __future__ import annotations
 
 import ast
@@ -36,7 +37,7 @@ def _imports(modules: dict) -> list:
                 base = node.module or ""
                 if node.level:
                     anchor = name.split(".") if is_package else name.split(".")[:-1]
-                    anchor = anchor[:len(anchor) - node.level + 1]
+                    anchor = anchor[: len(anchor) - node.level + 1]
                     base = ".".join(anchor + ([node.module] if node.module else []))
                 for alias in node.names:
                     sub = f"{base}.{alias.name}"
@@ -91,11 +92,17 @@ def test_no_import_cycle_no_private_import_no_library_importing_an_app():
         if importer not in packages and target not in packages:  # a package's re-exports are not a cycle
             graph[importer].add(target)
     assert _cycles(graph) == []
-    private = [f"{importer} imports {target}.{symbol}" for importer, target, symbol in edges
-               if symbol and symbol.startswith("_") and not symbol.startswith("__")]
+    private = [
+        f"{importer} imports {target}.{symbol}"
+        for importer, target, symbol in edges
+        if symbol and symbol.startswith("_") and not symbol.startswith("__")
+    ]
     assert private == []
-    library_to_app = [f"{importer} -> {target}" for importer, target, _ in edges
-                      if not importer.startswith(APPS) and target.startswith(APPS)]
+    library_to_app = [
+        f"{importer} -> {target}"
+        for importer, target, _ in edges
+        if not importer.startswith(APPS) and target.startswith(APPS)
+    ]
     assert library_to_app == []
 
 
@@ -126,9 +133,31 @@ def test_tests_are_not_shipped():
     assert not [p for p in shipped if "test" in p.split(".")[-1] and p != "tt_moge.testing"]
 
 
-FLAGS = ["--weights", "w.pt", "--revision", "main", "--device", "cpu", "--device-id", "1", "--resolution", "640x480",
-         "--num-tokens", "1200", "--precision", "fp32", "--dispatch", "worker", "--num-command-queues", "2",
-         "--warmup", "1", "--warmup-variants", "minimal,none", "--verbose"]
+FLAGS = [
+    "--weights",
+    "w.pt",
+    "--revision",
+    "main",
+    "--device",
+    "cpu",
+    "--device-id",
+    "1",
+    "--resolution",
+    "640x480",
+    "--num-tokens",
+    "1200",
+    "--precision",
+    "fp32",
+    "--dispatch",
+    "worker",
+    "--num-command-queues",
+    "2",
+    "--warmup",
+    "1",
+    "--warmup-variants",
+    "minimal,none",
+    "--verbose",
+]
 
 
 @pytest.mark.parametrize("revision", ["main", "", "abc123"])
@@ -153,8 +182,9 @@ def test_revision_main_is_the_default_branch_everywhere(checkpoint):
     from tt_moge.options import LoadOptions
 
     for revision in ("main", "", None):
-        options = LoadOptions.resolve(checkpoint("tiny-vits-normal"), revision=revision, device="cpu",
-                                      warmup_variants="none")
+        options = LoadOptions.resolve(
+            checkpoint("tiny-vits-normal"), revision=revision, device="cpu", warmup_variants="none"
+        )
         assert options.revision is None
     assert LoadOptions.resolve("x", revision="v2", device="cpu", warmup_variants="none").revision == "v2"
 
@@ -163,9 +193,13 @@ def _environment_reads(path: Path) -> list:
     """[(line, variable name)] of the os.environ / os.getenv reads of a module whose name is a string literal or
     a module-level string constant."""
     tree = ast.parse(path.read_text())
-    constants = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
-                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
-                 for t in node.targets if isinstance(t, ast.Name)}
+    constants = {
+        t.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
 
     def name_of(arg: ast.AST):
         if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
@@ -197,8 +231,12 @@ def test_our_environment_variables_are_read_in_one_place():
     modules = _modules()
     reads = {name: _environment_reads(path) for name, path in modules.items() if name != "tt_moge.env"}
     assert len([r for found in reads.values() for r in found]) >= 3, "the walk found no reads of other variables"
-    ours = [f"{name}:{line} reads ${var}" for name, found in reads.items() for line, var in found
-            if var.startswith(("MOGE_", "TT_MOGE_"))]
+    ours = [
+        f"{name}:{line} reads ${var}"
+        for name, found in reads.items()
+        for line, var in found
+        if var.startswith(("MOGE_", "TT_MOGE_"))
+    ]
     assert ours == [], "read them with tt_moge.env.get"
     old_names = [name for name, path in modules.items() if name != "tt_moge.env" and "TT_MOGE_" in path.read_text()]
     assert old_names == []
@@ -206,10 +244,17 @@ def test_our_environment_variables_are_read_in_one_place():
 
 def test_the_environment_check_sees_what_it_guards(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text('import os\nWEIGHTS = "MOGE_WEIGHTS_DIR"\na = os.environ.get(WEIGHTS)\nb = os.getenv("MOGE_HOST")\n'
-                      'c = os.environ["TT_MOGE_X"]\nd = "MOGE_CXX" in os.environ\ne = os.environ.get("HOME")\n')
-    assert _environment_reads(module) == [(3, "MOGE_WEIGHTS_DIR"), (4, "MOGE_HOST"), (5, "TT_MOGE_X"), (6, "MOGE_CXX"),
-                                          (7, "HOME")]
+    module.write_text(
+        'import os\nWEIGHTS = "MOGE_WEIGHTS_DIR"\na = os.environ.get(WEIGHTS)\nb = os.getenv("MOGE_HOST")\n'
+        'c = os.environ["TT_MOGE_X"]\nd = "MOGE_CXX" in os.environ\ne = os.environ.get("HOME")\n'
+    )
+    assert _environment_reads(module) == [
+        (3, "MOGE_WEIGHTS_DIR"),
+        (4, "MOGE_HOST"),
+        (5, "TT_MOGE_X"),
+        (6, "MOGE_CXX"),
+        (7, "HOME"),
+    ]
 
 
 def test_every_module_imports():

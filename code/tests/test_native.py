@@ -6,6 +6,7 @@ number of stacked channels, and the perspective-correct resize (reciprocals befo
 into a few ulp. The promise we test is: masks identical, floats within a few ulp (ULP_LIMIT), on raw maps of a
 real forward of a well-posed random-weight model.
 """
+
 from __future__ import annotations
 
 import os
@@ -181,7 +182,9 @@ def test_native_solver_matches_numpy_and_beats_upstream(raw):
         py_focal, py_shift = solve_focal_shift(uv, xyz)
         assert abs(focal - py_focal) <= 1e-9 * abs(py_focal) and abs(shift - py_shift) <= 1e-8 * (1 + abs(py_shift))
         their_shift, their_focal = upstream_np.solve_optimal_focal_shift(uv.astype(np.float32), xyz.astype(np.float32))
-        assert objective(uv, xyz, shift, focal) <= objective(uv, xyz, float(their_shift), float(their_focal)) * (1 + 1e-9)
+        assert objective(uv, xyz, shift, focal) <= objective(uv, xyz, float(their_shift), float(their_focal)) * (
+            1 + 1e-9
+        )
         _, shift_only = native_solve(uv, xyz, 0.9)
         assert abs(shift_only - solve_shift(uv, xyz, 0.9)) <= 1e-8 * (1 + abs(shift_only))
         their_shift_only = upstream_np.solve_optimal_shift(uv.astype(np.float32), xyz.astype(np.float32), 0.9)
@@ -276,14 +279,25 @@ def test_concurrent_builds_share_one_cached_library(tmp_path):
     """Three fresh processes build into an empty cache at once: one compiles, all load the same file."""
     compiles = tmp_path / "compiles.log"
     wrapper = tmp_path / "cxx"  # g++ that counts the compilations (not the version queries)
-    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *-dumpversion*) ;; *) echo compile >> "{compiles}" ;; esac\nexec g++ "$@"\n')
+    wrapper.write_text(
+        f'#!/bin/sh\ncase "$*" in *-dumpversion*) ;; *) echo compile >> "{compiles}" ;; esac\nexec g++ "$@"\n'
+    )
     wrapper.chmod(0o755)
     cache = tmp_path / "cache"
-    env = dict(os.environ, MOGE_NATIVE_CACHE=str(cache), MOGE_HOST="native", MOGE_CXX=str(wrapper),
-               PYTHONPATH=str(CODE_DIR) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        MOGE_NATIVE_CACHE=str(cache),
+        MOGE_HOST="native",
+        MOGE_CXX=str(wrapper),
+        PYTHONPATH=str(CODE_DIR) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     code = "from tt_moge import native; lib = native.library(); print(lib._name)"
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
     names = []
     for p in procs:
         out, err = p.communicate(timeout=600)
@@ -297,8 +311,10 @@ def test_concurrent_builds_share_one_cached_library(tmp_path):
     assert not [f for f in files if "partial" in f]
 
 
-@pytest.mark.parametrize("size,fit", [((448, 252), "pad"), ((300, 120), "pad"), ((120, 300), "pad"),
-                                      ((640, 480), "stretch"), ((448, 200), "pad")])
+@pytest.mark.parametrize(
+    "size,fit",
+    [((448, 252), "pad"), ((300, 120), "pad"), ((120, 300), "pad"), ((640, 480), "stretch"), ((448, 200), "pad")],
+)
 def test_canvas_native_is_bit_identical(size, fit):
     from tt_moge.host.canvas import fit_to_canvas
     from tt_moge.warmup import synthetic_photo

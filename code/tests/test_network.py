@@ -1,4 +1,5 @@
 """Our MoGe-2 network against upstream's (PyPI dlr-moge = microsoft/MoGe): same state dict, same raw outputs."""
+
 from __future__ import annotations
 
 import moge.model.v2 as upstream_v2  # the oracle: pip install --no-deps dlr-moge==2.0.0 dlr-utils3d==1.3
@@ -76,7 +77,9 @@ def test_token_grid_and_blocks_run(checkpoint, upstream):
     config, state = read_checkpoint(path)
     ours = build_network(config, state)
     calls = []
-    hooks = [blk.register_forward_hook(lambda *a, i=i: calls.append(i)) for i, blk in enumerate(ours.encoder.backbone.blocks)]
+    hooks = [
+        blk.register_forward_hook(lambda *a, i=i: calls.append(i)) for i, blk in enumerate(ours.encoder.backbone.blocks)
+    ]
     theirs = upstream(path)
     image = calibration_image(224, 126, seed=2)
     with torch.inference_mode():

@@ -1,4 +1,5 @@
 """The npz writer: a valid zip that np.load reads back exactly, deflated where it pays, no pickles."""
+
 from __future__ import annotations
 
 import io
@@ -74,8 +75,11 @@ def test_from_npz_refuses_what_is_not_our_npz(tmp_path):
 
     buf = io.BytesIO()
     np.save(buf, np.zeros(3))
-    for bad, reason in [(b"not a zip at all", "not a tt_moge npz"), (buf.getvalue(), "single .npy"),
-                        (npz_bytes({"points": np.zeros(3)}), "not a tt_moge npz")]:
+    for bad, reason in [
+        (b"not a zip at all", "not a tt_moge npz"),
+        (buf.getvalue(), "single .npy"),
+        (npz_bytes({"points": np.zeros(3)}), "not a tt_moge npz"),
+    ]:
         with pytest.raises(ValueError, match=reason):
             MoGeOutput.from_npz(bad)
     with pytest.raises(FileNotFoundError):

@@ -5,6 +5,7 @@ The test copies the package, adds the three fields to the copy's sources (`LoadO
 `CallOptions` in host/pipeline.py, `MoGeOutput` in output.py), and checks in a fresh process that the copy's
 command line, Python signatures, BatchJob, warm-up keys, HTTP query parameters and OpenAPI schema, npz,
 summary and web page all carry them. A surface that keeps its own list of names misses them and fails here."""
+
 from __future__ import annotations
 
 import ast
@@ -23,12 +24,18 @@ pytest.importorskip("fastapi", reason="the server surfaces need the server extra
 
 # (file, class, source of the new field): each goes after the class's last field
 NEW_FIELDS = [
-    ("options.py", "LoadOptions",
-     'cache_tag: Optional[str] = option(None, "a tag for this load (test)", required=True, metavar="TAG")'),
+    (
+        "options.py",
+        "LoadOptions",
+        'cache_tag: Optional[str] = option(None, "a tag for this load (test)", required=True, metavar="TAG")',
+    ),
     ("host/pipeline.py", "CallOptions", 'sharpen: bool = option(False, "sharpen the image first (test)")'),
-    ("output.py", "MoGeOutput",
-     'sharpness: float = output_field("how sharp the image is (test)", ("float32", "()"), summary="sharpness", '
-     'default=0.25)'),
+    (
+        "output.py",
+        "MoGeOutput",
+        'sharpness: float = output_field("how sharp the image is (test)", ("float32", "()"), summary="sharpness", '
+        "default=0.25)",
+    ),
 ]
 
 
@@ -44,7 +51,7 @@ def add_field(path: Path, class_name: str, source: str) -> None:
     path.write_text("".join(lines))
 
 
-CHECKS = textwrap.dedent('''
+CHECKS = textwrap.dedent("""
     import dataclasses, inspect, io, json, sys, warnings
     import numpy as np
 
@@ -139,7 +146,7 @@ CHECKS = textwrap.dedent('''
             client.get(page["downloads"]["result.npz"]).content)).files)
     model.close()
     print(json.dumps(failures))
-''')
+""")
 
 
 def test_a_field_added_in_one_place_reaches_every_surface(tmp_path, checkpoint):
@@ -148,9 +155,14 @@ def test_a_field_added_in_one_place_reaches_every_surface(tmp_path, checkpoint):
     for relative, class_name, source in NEW_FIELDS:
         add_field(copy / relative, class_name, source)
     env = {**os.environ, "PYTHONPATH": str(copy.parent), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", CHECKS, str(checkpoint("tiny-vits-normal")), str(copy)],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", CHECKS, str(checkpoint("tiny-vits-normal")), str(copy)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     failures = json.loads(done.stdout.strip().splitlines()[-1])
     assert failures == [], f"surfaces that did not get the new fields: {failures}"
-

@@ -1,5 +1,6 @@
 """Panoramas (tt_moge.panorama): the split against upstream's, the merge against upstream's objective and
 against exact ground truth (a room of planes), the metric offset, bad input and failing views, the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,15 @@ import json
 import numpy as np
 import pytest
 
-from tt_moge.panorama import (check_panorama_size, directions_to_pixels, merge_distance_maps, panorama_directions,
-                              predict_panorama, split_panorama, view_cameras)
+from tt_moge.panorama import (
+    check_panorama_size,
+    directions_to_pixels,
+    merge_distance_maps,
+    panorama_directions,
+    predict_panorama,
+    split_panorama,
+    view_cameras,
+)
 from tt_moge.panorama.merge import _NormalEquations, normal_matrix, warp_views
 from tt_moge.testing.room import ROOM_PLANES, RoomOracle, render_panorama, render_view
 
@@ -44,7 +52,7 @@ def test_axes_and_pixel_round_trip():
 def test_split_equals_upstream_to_one_grey_level():
     from moge.utils.panorama import get_panorama_cameras, split_panorama_image
 
-    from tt_moge.panorama.geometry import _view_rays  # noqa: the test reads where each view pixel samples
+    from tt_moge.panorama.geometry import _view_rays  # the test reads where each view pixel samples
 
     width, height = 1024, 512
     image = smooth_image(width, height)
@@ -156,8 +164,10 @@ def written_out_equations(data) -> tuple:
     down = np.vstack([idx[1:], idx[-1:]])
     rows, cols, vals, targets, weights = [], [], [], [], []
     n = 0
-    for a, b, target, weight in [(idx, right, data.grad_x, data.grad_x_weight),
-                                 (idx[:-1], idx[1:], data.grad_y, data.grad_y_weight)]:
+    for a, b, target, weight in [
+        (idx, right, data.grad_x, data.grad_x_weight),
+        (idx[:-1], idx[1:], data.grad_y, data.grad_y_weight),
+    ]:
         k = a.size
         rows += [np.arange(n, n + k)] * 2
         cols += [a.ravel(), b.ravel()]
@@ -201,10 +211,16 @@ def least_squares_reference(a, b, shape) -> tuple:
 
 
 @pytest.mark.filterwarnings("error")  # nor the warp's rays at right angles to a view's axis (128x64 has some)
-@pytest.mark.parametrize("kind, width, height, size", [
-    ("agree", 128, 64, 64), ("disagree", 256, 128, 128), ("holes", 256, 128, 128),
-    ("holes", 16, 8, 32), ("disagree", 33, 17, 32),  # the smallest panorama; odd sizes (the seam in a block)
-])
+@pytest.mark.parametrize(
+    "kind, width, height, size",
+    [
+        ("agree", 128, 64, 64),
+        ("disagree", 256, 128, 128),
+        ("holes", 256, 128, 128),
+        ("holes", 16, 8, 32),
+        ("disagree", 33, 17, 32),  # the smallest panorama; odd sizes (the seam in a block)
+    ],
+)
 def test_the_solve_reaches_the_minimiser_of_the_objective(kind, width, height, size):
     """On views that agree, that contradict each other, and that fall apart into hundreds of regions, at
     sizes from 16x8: at the default rtol the objective of our answer equals that of an independent sparse
@@ -295,18 +311,23 @@ def test_a_merge_that_stops_short_says_so():
         warnings.simplefilter("error")
         done = merge_distance_maps(maps, masks, view_cameras(), 128, 64)
     assert done.converged and 0 < done.iterations and 0 < done.residual <= 1e-6
-    with pytest.warns(RuntimeWarning, match=r"stopped at a relative residual of .* after 3 CG iterations, short of rtol=1e-06"):
+    with pytest.warns(
+        RuntimeWarning, match=r"stopped at a relative residual of .* after 3 CG iterations, short of rtol=1e-06"
+    ):
         short = merge_distance_maps(maps, masks, view_cameras(), 128, 64, maxiter=3)
     assert not short.converged and short.iterations == 3 and short.residual > 1e-6
     assert np.isfinite(short.distance[short.mask]).all()
 
 
-@pytest.mark.parametrize("option, value, message", [
-    ("rtol", 0.0, "rtol: a positive relative residual, got 0.0"),
-    ("rtol", float("nan"), "rtol: a positive relative residual, got nan"),
-    ("maxiter", -1, "maxiter: a count of CG steps >= 0, got -1"),
-    ("maxiter", 2.5, "maxiter: a count of CG steps >= 0, got 2.5"),
-])
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("rtol", 0.0, "rtol: a positive relative residual, got 0.0"),
+        ("rtol", float("nan"), "rtol: a positive relative residual, got nan"),
+        ("maxiter", -1, "maxiter: a count of CG steps >= 0, got -1"),
+        ("maxiter", 2.5, "maxiter: a count of CG steps >= 0, got 2.5"),
+    ],
+)
 def test_bad_solve_options_are_refused_by_name(option, value, message):
     maps, masks = synthetic_views("agree", 16)
     with pytest.raises(ValueError, match=message):
@@ -438,9 +459,15 @@ def test_merge_parity_with_upstream_on_model_views(checkpoint, monkeypatch):
     from tt_moge import MoGeModel
 
     room = render_panorama(256, 128)  # upstream's merge runs one level (no coarse start) at this size
-    with MoGeModel.from_pretrained(checkpoint("tiny-vits-normal", invalid_share=0.6), device="cpu",
-                                   resolution=(224, 224), num_tokens=1200, warmup=0, warmup_variants="none",
-                                   precision="fp32") as model:
+    with MoGeModel.from_pretrained(
+        checkpoint("tiny-vits-normal", invalid_share=0.6),
+        device="cpu",
+        resolution=(224, 224),
+        num_tokens=1200,
+        warmup=0,
+        warmup_variants="none",
+        precision="fp32",
+    ) as model:
         out = model.predict_panorama(room.image, return_views=True)
     distances = [np.linalg.norm(v.points, axis=-1).astype(np.float32) for v in out.views]
     masks = [v.mask for v in out.views]
@@ -532,8 +559,23 @@ def test_cli_panorama_writes_every_format(tmp_path, monkeypatch):
         return Loaded()
 
     monkeypatch.setattr(predict_command, "load_model", load_model)
-    code = main(["predict", "--panorama", str(pano), str(tmp_path / "wide.png"), "-o", str(tmp_path / "out"), "-q",
-                 "--maps", "--npz", "--ply", "--glb", "--mesh-step", "1"])
+    code = main(
+        [
+            "predict",
+            "--panorama",
+            str(pano),
+            str(tmp_path / "wide.png"),
+            "-o",
+            str(tmp_path / "out"),
+            "-q",
+            "--maps",
+            "--npz",
+            "--ply",
+            "--glb",
+            "--mesh-step",
+            "1",
+        ]
+    )
     assert code == 1 and seen["resolution"] == PANORAMA_CANVAS  # wide.png fails, pano is done
     run = json.loads((tmp_path / "out" / "run.json").read_text())
     assert run["options"]["panorama"] and [i["status"] for i in run["images"]] == ["done", "failed"]
@@ -542,7 +584,15 @@ def test_cli_panorama_writes_every_format(tmp_path, monkeypatch):
     record = json.loads((folder / "result.json").read_text())
     assert record["kind"] == "panorama" and record["views_failed"] == []
     assert record["merge_converged"] is True and record["merge_iterations"] > 0 and 0 < record["merge_residual"] <= 1e-6
-    assert set(record["files"]) == {"depth.png", "mask.png", "depth.exr", "result.npz", "points.ply", "mesh.glb", "result.json"}
+    assert set(record["files"]) == {
+        "depth.png",
+        "mask.png",
+        "depth.exr",
+        "result.npz",
+        "points.ply",
+        "mesh.glb",
+        "result.json",
+    }
     with np.load(folder / "result.npz") as npz:
         assert np.allclose(npz["distance"], room.distance, rtol=5e-3)
         assert npz["points"].shape == (128, 256, 3) and npz["mask"].all()

@@ -9,6 +9,7 @@ Two levels, so that a difference is attributed to the right part:
 Every comparison first checks that what it compares is not trivial (a share of valid pixels well inside
 (0, 1), finite depths where valid, a positive focal).
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -57,7 +58,7 @@ def _upstream_camera(raw: dict, fov_x):
     else:
         h, w = raw["points"].shape[1:3]
         aspect = w / h
-        focal = torch.tensor([aspect / (1 + aspect ** 2) ** 0.5 / np.tan(np.deg2rad(fov_x) / 2)], dtype=torch.float32)
+        focal = torch.tensor([aspect / (1 + aspect**2) ** 0.5 / np.tan(np.deg2rad(fov_x) / 2)], dtype=torch.float32)
         _, shift = upstream_geo.recover_focal_shift(raw["points"], mask, focal=focal)
     return float(focal), float(shift)
 
@@ -91,17 +92,28 @@ def test_infer_matches_upstream(checkpoint, upstream, preset):
     theirs = upstream(path)
     image = calibration_image(*CANVAS, seed=5)[0]
     plan = plan_canvas(CANVAS, CANVAS, "pad")
-    with memoised_forward(theirs, image, TOKENS) as raw, MoGeModel.from_pretrained(
-            path, device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0, warmup_variants="none",
-            precision="fp32") as ours:  # parity is the exact path (the CPU default is bf16)
+    with (
+        memoised_forward(theirs, image, TOKENS) as raw,
+        MoGeModel.from_pretrained(
+            path, device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0, warmup_variants="none", precision="fp32"
+        ) as ours,
+    ):  # parity is the exact path (the CPU default is bf16)
         for options in OPTIONS:
             ref = theirs.infer(image, num_tokens=TOKENS, use_fp16=False, **options)
             _check_nontrivial(ref)
             # 1. our finish with upstream's camera: float32 round-off only
             focal, shift = _upstream_camera(raw, options.get("fov_x"))
-            maps = RawMaps(raw["points"][0], raw.get("normal", [None])[0], raw["mask"][0], float(raw["metric_scale"][0]))
-            mine = finish(maps, plan, focal, shift, apply_mask=options.get("apply_mask", True),
-                          force_projection=options.get("force_projection", True)).to_torch()
+            maps = RawMaps(
+                raw["points"][0], raw.get("normal", [None])[0], raw["mask"][0], float(raw["metric_scale"][0])
+            )
+            mine = finish(
+                maps,
+                plan,
+                focal,
+                shift,
+                apply_mask=options.get("apply_mask", True),
+                force_projection=options.get("force_projection", True),
+            ).to_torch()
             _compare(mine, ref, rtol=2e-5)
             # 2. our whole pipeline, our solver
             _compare(ours.infer(image, **options), ref, rtol=1e-3)
@@ -117,14 +129,20 @@ def test_solver_matches_upstream_sampling_and_is_at_least_as_good(checkpoint, up
     for trial in range(6):
         points = raw["points"][0].clone()
         if trial:
-            points *= torch.from_numpy(1 + 0.05 * trial * rng.standard_normal(points.shape[:2]).astype(np.float32))[..., None]
+            points *= torch.from_numpy(1 + 0.05 * trial * rng.standard_normal(points.shape[:2]).astype(np.float32))[
+                ..., None
+            ]
         mask = raw["mask"][0] > 0.5
         uv, xyz = solve_samples(points, mask, (0, 0) + CANVAS)
         # upstream's own sampling: 64x64 nearest of points, uv and mask
-        pts_lr = torch.nn.functional.interpolate(points.permute(2, 0, 1)[None], (64, 64), mode="nearest")[0].permute(1, 2, 0)
+        pts_lr = torch.nn.functional.interpolate(points.permute(2, 0, 1)[None], (64, 64), mode="nearest")[0].permute(
+            1, 2, 0
+        )
         m_lr = torch.nn.functional.interpolate(mask[None, None].float(), (64, 64), mode="nearest")[0, 0] > 0
         uv_full = upstream_geo.normalized_view_plane_uv(CANVAS[0], CANVAS[1])
-        uv_lr = torch.nn.functional.interpolate(uv_full.permute(2, 0, 1)[None], (64, 64), mode="nearest")[0].permute(1, 2, 0)
+        uv_lr = torch.nn.functional.interpolate(uv_full.permute(2, 0, 1)[None], (64, 64), mode="nearest")[0].permute(
+            1, 2, 0
+        )
         np.testing.assert_array_equal(xyz, pts_lr[m_lr].numpy().astype(np.float64))
         np.testing.assert_allclose(uv, uv_lr[m_lr].numpy(), rtol=0, atol=1e-7)
         assert 500 < len(uv) < 64 * 64
@@ -171,9 +189,12 @@ def test_full_size_vitl_normal_matches_upstream(checkpoint, upstream):
     theirs = upstream(path)
     canvas = (1920, 1080)
     image = calibration_image(*canvas, seed=11)[0]
-    with memoised_forward(theirs, image, 1800) as raw_ref, MoGeModel.from_pretrained(
-            path, device="cpu", resolution=canvas, num_tokens=1800, warmup=0, warmup_variants="none",
-            precision="fp32") as ours:  # parity is the exact path (the CPU default is bf16)
+    with (
+        memoised_forward(theirs, image, 1800) as raw_ref,
+        MoGeModel.from_pretrained(
+            path, device="cpu", resolution=canvas, num_tokens=1800, warmup=0, warmup_variants="none", precision="fp32"
+        ) as ours,
+    ):  # parity is the exact path (the CPU default is bf16)
         raw = ours.forward(image)
         for key in raw_ref:
             err = (raw[key] - raw_ref[key]).abs().max().item()

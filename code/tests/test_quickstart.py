@@ -1,4 +1,5 @@
 """code/examples/quickstart.py runs from any directory and writes its files (tiny random checkpoint)."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,14 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
 
 def test_quickstart_from_another_directory(checkpoint, tmp_path):
     env = dict(os.environ, MOGE_WEIGHTS_DIR=str(checkpoint("tiny-vits-normal").parent), PYTHONPATH="")
-    run = subprocess.run([sys.executable, str(QUICKSTART), "--device", "cpu"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(QUICKSTART), "--device", "cpu"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("MoGeOutput(1920x1080, valid ")
     out = tmp_path / "moge_output"

@@ -8,6 +8,7 @@
   here on CPU through the same code) stay within the tolerances documented in docs/devices-and-precision.md,
   and the check fails when one weight is broken.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,7 +73,11 @@ def _angle_deg(a, b):
     """Angle between unit vectors, 2 asin(|a - b| / 2): unlike acos(a . b), exact near zero in float32."""
     diff = (a - b).norm(dim=-1) if isinstance(a, torch.Tensor) else np.linalg.norm(a - b, axis=-1)
     half = diff / 2
-    return torch.rad2deg(2 * torch.asin(half.clamp(max=1))) if isinstance(a, torch.Tensor) else np.degrees(2 * np.arcsin(np.minimum(half, 1)))
+    return (
+        torch.rad2deg(2 * torch.asin(half.clamp(max=1)))
+        if isinstance(a, torch.Tensor)
+        else np.degrees(2 * np.arcsin(np.minimum(half, 1)))
+    )
 
 
 def _raw_errors(ours: dict, ref: dict) -> dict:
@@ -124,7 +129,9 @@ def test_graph_in_fp32_equals_the_reference_to_roundoff(preset, channels_last, a
     image = calibration_image(*SMALL, seed=2)
     with torch.inference_mode():
         ref = net(image, SMALL_TOKENS)
-        graph = FixedShapeMoGe2(net, SMALL, SMALL_TOKENS, torch.float32, channels_last=channels_last, attention=attention)
+        graph = FixedShapeMoGe2(
+            net, SMALL, SMALL_TOKENS, torch.float32, channels_last=channels_last, attention=attention
+        )
         out = graph(image)
     err = _raw_errors(out, ref)
     assert err["points"] < 1e-5 and err["mask_prob"] < 1e-5 and err["scale"] < 1e-5, err
@@ -136,8 +143,15 @@ def test_graph_in_fp32_equals_the_reference_to_roundoff(preset, channels_last, a
 # Documented tolerances (docs/devices-and-precision.md) for the tiny random test networks. Observed over
 # 3 presets x 2 images in bfloat16 (float16 is about 10x closer): points 3.5e-3, normal 0.64 deg, mask
 # probability 0.011, mask agreement 0.9986, scale 1.8e-3, encoder output 0.008 (relative rms), class token 0.006.
-REDUCED_LIMITS = {"points": 0.008, "normal_deg": 1.5, "mask_prob": 0.025, "mask_agree": 0.997, "scale": 0.005,
-                  "encoder_rms": 0.02, "cls_token": 0.02}
+REDUCED_LIMITS = {
+    "points": 0.008,
+    "normal_deg": 1.5,
+    "mask_prob": 0.025,
+    "mask_agree": 0.997,
+    "scale": 0.005,
+    "encoder_rms": 0.02,
+    "cls_token": 0.02,
+}
 
 
 def _encoder_errors(graph: FixedShapeMoGe2, net: MoGe2Network, image: torch.Tensor) -> dict:
@@ -151,8 +165,10 @@ def _encoder_errors(graph: FixedShapeMoGe2, net: MoGe2Network, image: torch.Tens
         level0_ref = net.neck.input_blocks[0](torch.cat([features, uv0], dim=1))
         level0, cls_token = graph.encode(image)
     diff = level0.float() - level0_ref
-    return {"encoder_rms": float(diff.pow(2).mean().sqrt() / level0_ref.pow(2).mean().sqrt()),
-            "cls_token": float((cls_token - cls_ref).abs().max() / cls_ref.abs().max())}
+    return {
+        "encoder_rms": float(diff.pow(2).mean().sqrt() / level0_ref.pow(2).mean().sqrt()),
+        "cls_token": float((cls_token - cls_ref).abs().max() / cls_ref.abs().max()),
+    }
 
 
 def _check_limits(err: dict, limits: dict) -> None:
@@ -177,8 +193,10 @@ INT8_LIMITS = {**REDUCED_LIMITS, "scale": 0.012, "cls_token": 0.04}
 
 
 @pytest.mark.parametrize("preset", ["tiny-vits-normal", "tiny-norms"])
-@pytest.mark.parametrize("precision,attention", [("bf16", "heads"), ("bf16", "sdpa"), ("bf16", "native"),
-                                                 ("fp16", "sdpa"), ("int8", "heads"), ("int8", "native")])
+@pytest.mark.parametrize(
+    "precision,attention",
+    [("bf16", "heads"), ("bf16", "sdpa"), ("bf16", "native"), ("fp16", "sdpa"), ("int8", "heads"), ("int8", "native")],
+)
 def test_reduced_precision_graph_is_within_documented_tolerance(preset, precision, attention):
     """Every attention kernel the CPU runner may choose (and the CUDA path's SDPA in float16) stays within the
     documented limits, so the chooser may pick any of them by speed alone."""
@@ -187,8 +205,9 @@ def test_reduced_precision_graph_is_within_documented_tolerance(preset, precisio
         pytest.skip("the native attention needs an AVX512-BF16 build (this CPU has none)")
     net = _network(preset)
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
-    graph = FixedShapeMoGe2(net, SMALL, SMALL_TOKENS, dtype, attention=attention, vit_int8=precision == "int8",
-                            native=native)
+    graph = FixedShapeMoGe2(
+        net, SMALL, SMALL_TOKENS, dtype, attention=attention, vit_int8=precision == "int8", native=native
+    )
     err = _graph_errors(graph, net, calibration_image(*SMALL, seed=6))
     _check_limits(err, INT8_LIMITS if precision == "int8" else REDUCED_LIMITS)
     assert err["encoder_rms"] > 1e-4, "no rounding at all: the graph did not run in reduced precision"
@@ -208,10 +227,16 @@ def test_native_int8_glue_is_bit_identical_to_the_torch_ops(dtype, smooth):
     ours, ref = quantize_rows(x, lib, inv), quantize_rows_reference(x, inv)
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
     assert ref[0].abs().max() == 127 and (ref[0] != 0).float().mean() > 0.5  # the whole int8 range in use
-    acc = torch.randint(-2 ** 22, 2 ** 22, (37, 70), generator=gen, dtype=torch.int32)
-    row_scale, col_scale, bias = torch.rand(37, 1, generator=gen), torch.rand(70, generator=gen), torch.randn(70, generator=gen)
-    assert torch.equal(dequantize(acc, row_scale, col_scale, bias, dtype, lib),
-                       dequantize_reference(acc, row_scale, col_scale, bias, dtype))
+    acc = torch.randint(-(2**22), 2**22, (37, 70), generator=gen, dtype=torch.int32)
+    row_scale, col_scale, bias = (
+        torch.rand(37, 1, generator=gen),
+        torch.rand(70, generator=gen),
+        torch.randn(70, generator=gen),
+    )
+    assert torch.equal(
+        dequantize(acc, row_scale, col_scale, bias, dtype, lib),
+        dequantize_reference(acc, row_scale, col_scale, bias, dtype),
+    )
 
 
 def test_int8_graph_with_native_glue_equals_the_torch_glue():
@@ -264,8 +289,10 @@ def test_int8_smoothing_keeps_outlier_channels_from_costing_accuracy(preset):
         return _graph_errors(graph, net, image)
 
     bf16, plain, smooth = errors(), errors(vit_int8=True, int8_smoothing=None), errors(vit_int8=True)
-    print(f"\n[{preset}] ViT output error, relative rms: int8 {plain['encoder_rms']:.4f} without smoothing, "
-          f"{smooth['encoder_rms']:.4f} with it, bf16 {bf16['encoder_rms']:.4f}")
+    print(
+        f"\n[{preset}] ViT output error, relative rms: int8 {plain['encoder_rms']:.4f} without smoothing, "
+        f"{smooth['encoder_rms']:.4f} with it, bf16 {bf16['encoder_rms']:.4f}"
+    )
     assert plain["encoder_rms"] > 2 * smooth["encoder_rms"], (plain, smooth)  # the outliers do hurt plain int8
     assert smooth["encoder_rms"] < 2.5 * bf16["encoder_rms"], (smooth, bf16)
     _check_limits(smooth, INT8_LIMITS)
@@ -287,7 +314,9 @@ def _break(graph: FixedShapeMoGe2, bug: str) -> None:
             graph.neck_fold_conv.weight[0, 0, 1, 1] += 0.5
 
 
-@pytest.mark.parametrize("bug", ["layerscale not folded", "attention scale not folded", "finest constant lost", "one weight off"])
+@pytest.mark.parametrize(
+    "bug", ["layerscale not folded", "attention scale not folded", "finest constant lost", "one weight off"]
+)
 def test_the_tolerance_check_catches_a_folding_bug(bug):
     net = _network("tiny-vits-normal")
     graph = FixedShapeMoGe2(net, SMALL, SMALL_TOKENS, torch.bfloat16, attention="heads")
@@ -303,8 +332,15 @@ def test_bf16_pipeline_outputs_match_fp32(checkpoint):
     photo = synthetic_photo((640, 400), seed=3)
     outs = {}
     for precision in ("fp32", "bf16"):
-        with MoGeModel.from_pretrained(path, device="cpu", resolution=MODEL_CANVAS, num_tokens=MODEL_TOKENS, warmup=0,
-                                       warmup_variants="none", precision=precision) as model:
+        with MoGeModel.from_pretrained(
+            path,
+            device="cpu",
+            resolution=MODEL_CANVAS,
+            num_tokens=MODEL_TOKENS,
+            warmup=0,
+            warmup_variants="none",
+            precision=precision,
+        ) as model:
             assert model.info()["precision"] == precision
             outs[precision] = model(photo)
     a, b = outs["fp32"], outs["bf16"]
@@ -416,11 +452,15 @@ def test_kernel_chooser_picks_the_faster_candidate_and_caches_it(tmp_path):
     assert (first.kernel, first.how, sorted(timed)) == ("fast", "measured", ["fast", "slow"])
     assert first.times_ms == speeds and "fast 2.0 ms" in first.describe()
     timed.clear()
-    again = choose("attention", candidates, "cpu A", cache=KernelCache(tmp_path / "kernels.json"), forced={}, timer=timer)
+    again = choose(
+        "attention", candidates, "cpu A", cache=KernelCache(tmp_path / "kernels.json"), forced={}, timer=timer
+    )
     assert (again.kernel, again.how, timed) == ("fast", "cached", [])
     speeds.update(slow=1.0)  # another machine (key) where the other one is faster
     assert choose("attention", candidates, "cpu B", cache=cache, forced={}, timer=timer).kernel == "slow"
-    assert choose("attention", candidates, "cpu A", cache=cache, forced={"attention": "slow"}, timer=timer).how == "forced"
+    assert (
+        choose("attention", candidates, "cpu A", cache=cache, forced={"attention": "slow"}, timer=timer).how == "forced"
+    )
     with pytest.raises(ValueError, match="cannot run here"):
         choose("attention", candidates, "cpu A", cache=cache, forced={"attention": "amx"}, timer=timer)
     assert fastest({"a": 1.0, "b": 1.0}) == "a" and fastest({"a": 2.0, "b": 1.0}) == "b"
@@ -433,8 +473,14 @@ def _choose_in_a_process(path, favourite, barrier, results):
     """One process of the race below: its own timer makes `favourite` the fastest."""
     candidates = {f"k{i}": (lambda i=i: f"k{i}") for i in range(4)}
     barrier.wait()
-    choice = choose("attention", candidates, "one machine", cache=KernelCache(path), forced={},
-                    timer=lambda fn, repeats: 1.0 if fn() == favourite else 2.0)
+    choice = choose(
+        "attention",
+        candidates,
+        "one machine",
+        cache=KernelCache(path),
+        forced={},
+        timer=lambda fn, repeats: 1.0 if fn() == favourite else 2.0,
+    )
     results.put(choice.kernel)
 
 
@@ -446,8 +492,10 @@ def test_processes_timing_one_key_at_once_all_take_the_first_choice(tmp_path):
 
     context = multiprocessing.get_context("fork")
     barrier, results = context.Barrier(4), context.Queue()
-    processes = [context.Process(target=_choose_in_a_process, args=(tmp_path / "k.json", f"k{i}", barrier, results))
-                 for i in range(4)]
+    processes = [
+        context.Process(target=_choose_in_a_process, args=(tmp_path / "k.json", f"k{i}", barrier, results))
+        for i in range(4)
+    ]
     for process in processes:
         process.start()
     for process in processes:
@@ -463,7 +511,9 @@ def test_forced_attention_kernel_runs_in_the_graph(attention, tmp_path):
     if attention == "native" and not native_attention_supported(native_library(), 64):
         pytest.skip("the native attention needs an AVX512-BF16 build (this CPU has none)")
     with _forced(f"attention={attention}"):
-        runner = CpuGraphRunner(_network("tiny-vits"), SMALL, SMALL_TOKENS, "bf16", cache=KernelCache(tmp_path / "k.json"))
+        runner = CpuGraphRunner(
+            _network("tiny-vits"), SMALL, SMALL_TOKENS, "bf16", cache=KernelCache(tmp_path / "k.json")
+        )
     assert {block.attention for block in runner.graph.blocks} == {attention}
     assert runner.describe()["attention_why"] == f"{attention} (forced)"
     assert np.isfinite(runner.forward(calibration_image(*SMALL, seed=3)).points.numpy()).all()
@@ -503,8 +553,15 @@ def test_predict_many_starts_the_next_forward_before_collecting_the_last(checkpo
 
     network, _ = load_network(checkpoint("tiny-vits-normal"), None)
     runner = _DeferredRunner(network, MODEL_CANVAS, MODEL_TOKENS, torch.device("cpu"))
-    options = LoadOptions.resolve(checkpoint("tiny-vits-normal"), device="cpu", resolution=MODEL_CANVAS,
-                                  num_tokens=MODEL_TOKENS, warmup=0, warmup_variants="none", precision="fp32")
+    options = LoadOptions.resolve(
+        checkpoint("tiny-vits-normal"),
+        device="cpu",
+        resolution=MODEL_CANVAS,
+        num_tokens=MODEL_TOKENS,
+        warmup=0,
+        warmup_variants="none",
+        precision="fp32",
+    )
     model = MoGeModel(runner, options, network_config=network.config, source="test", revision=None)
     photos = [synthetic_photo((320, 200), seed=s) for s in range(3)]
     many = model.predict_many(photos)

@@ -2,6 +2,7 @@
 
 Run: cd code && python -m pytest tests/test_server.py -q
 """
+
 from __future__ import annotations
 
 import io
@@ -56,8 +57,9 @@ def reference(server):
 
     threads = torch.get_num_threads()
     torch.set_num_threads(TORCH_THREADS)
-    model = MoGeModel.from_pretrained(shared_weights(), device="cpu", resolution=CANVAS, num_tokens=TOKENS,
-                                      warmup=0, warmup_variants="none")
+    model = MoGeModel.from_pretrained(
+        shared_weights(), device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0, warmup_variants="none"
+    )
     yield model
     model.close()
     torch.set_num_threads(threads)
@@ -84,7 +86,9 @@ def assert_same_arrays(served: dict, local) -> None:
 # Inputs of several sizes and kinds: the canvas size itself (no resize), odd sizes, tall, RGBA, grayscale.
 IMAGES = {
     "png-canvas-448x252": lambda: encode_image(photo(448, 252, 1), "PNG"),
-    "png-rgba-333x211": lambda: encode_image(np.dstack([photo(333, 211, 2), np.full((211, 333), 200, np.uint8)]), "PNG"),
+    "png-rgba-333x211": lambda: encode_image(
+        np.dstack([photo(333, 211, 2), np.full((211, 333), 200, np.uint8)]), "PNG"
+    ),
     "png-gray-64x480": lambda: encode_image(photo(64, 480, 3)[..., 1], "PNG"),
     "jpeg-640x360": lambda: encode_image(photo(640, 360, 4), "JPEG", quality=90),
     "jpeg-97x150": lambda: encode_image(photo(97, 150, 5), "JPEG", quality=75),
@@ -102,7 +106,19 @@ def test_predict_npz_is_bit_identical_to_the_api(client, reference, name, fit):
     assert_same_arrays(load_npz(r.content), reference(data, fit=fit))
     # timing_ms: every stage, device is the forward only (not the wait), and the parts fit in the total
     timing = timing_record(r)
-    assert {"read", "queue", "decode", "canvas", "device_wait", "device", "solve", "finish", "post", "encode", "total"} <= set(timing)
+    assert {
+        "read",
+        "queue",
+        "decode",
+        "canvas",
+        "device_wait",
+        "device",
+        "solve",
+        "finish",
+        "post",
+        "encode",
+        "total",
+    } <= set(timing)
     assert timing["device"] > 0 and timing["post"] == pytest.approx(timing["solve"] + timing["finish"], abs=0.01)
     parts = sum(timing[k] for k in ("decode", "canvas", "device_wait", "device", "solve", "finish", "encode"))
     assert parts <= timing["total"] + 0.01
@@ -116,7 +132,9 @@ def test_options_multipart_and_stored_npz_match_the_api(client, reference):
     local = reference(data, **options)
     query = {"fov_x": "55", "apply_mask": "false", "force_projection": "false", "fit": "stretch"}
     stored = client.post("/predict", content=data, headers={"Content-Type": JPEG}, params=query)  # auto: loopback
-    deflated = client.post("/predict", content=data, headers={"Content-Type": JPEG}, params={**query, "compress": "true"})
+    deflated = client.post(
+        "/predict", content=data, headers={"Content-Type": JPEG}, params={**query, "compress": "true"}
+    )
     multipart = client.post("/predict", files={"image": ("photo.jpg", data, JPEG)}, params=query)
     for r in (deflated, stored, multipart):
         assert r.status_code == 200, r.text
@@ -175,8 +193,12 @@ def png_declaring(width: int, height: int) -> bytes:
     import zlib
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", zlib.compress(b"\0" * 4096))
-            + _png_chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", ihdr)
+        + _png_chunk(b"IDAT", zlib.compress(b"\0" * 4096))
+        + _png_chunk(b"IEND", b"")
+    )
 
 
 _GOOD_PNG = encode_image(photo(64, 48, 8), "PNG")
@@ -189,27 +211,79 @@ BAD_REQUESTS = {
     "not-an-image": (dict(content=b"GIF89a" + bytes(200), headers={"Content-Type": PNG}), 415, "unsupported_image"),
     "png-labelled-jpeg": (dict(content=_GOOD_PNG, headers={"Content-Type": JPEG}), 415, "unsupported_image"),
     "truncated-png": (dict(content=_GOOD_PNG[: len(_GOOD_PNG) // 2], headers={"Content-Type": PNG}), 400, "bad_image"),
-    "truncated-jpeg": (dict(content=_GOOD_JPEG[: len(_GOOD_JPEG) // 3], headers={"Content-Type": JPEG}), 400, "bad_image"),
+    "truncated-jpeg": (
+        dict(content=_GOOD_JPEG[: len(_GOOD_JPEG) // 3], headers={"Content-Type": JPEG}),
+        400,
+        "bad_image",
+    ),
     "png-magic-only": (dict(content=b"\x89PNG\r\n\x1a\n" + bytes(40), headers={"Content-Type": PNG}), 400, "bad_image"),
-    "png-bad-ihdr-crc": (dict(content=_GOOD_PNG[:29] + bytes(4) + _GOOD_PNG[33:], headers={"Content-Type": PNG}), 400, "bad_image"),
-    "jpeg-garbage": (dict(content=b"\xff\xd8\xff" + bytes(range(256)) * 4, headers={"Content-Type": JPEG}), 400, "bad_image"),
-    "below-8x8": (dict(content=encode_image(photo(7, 30), "PNG"), headers={"Content-Type": PNG}), 422, "image_too_small"),
-    "bomb-60000x60000": (dict(content=png_declaring(60000, 60000), headers={"Content-Type": PNG}), 413, "too_many_pixels"),
+    "png-bad-ihdr-crc": (
+        dict(content=_GOOD_PNG[:29] + bytes(4) + _GOOD_PNG[33:], headers={"Content-Type": PNG}),
+        400,
+        "bad_image",
+    ),
+    "jpeg-garbage": (
+        dict(content=b"\xff\xd8\xff" + bytes(range(256)) * 4, headers={"Content-Type": JPEG}),
+        400,
+        "bad_image",
+    ),
+    "below-8x8": (
+        dict(content=encode_image(photo(7, 30), "PNG"), headers={"Content-Type": PNG}),
+        422,
+        "image_too_small",
+    ),
+    "bomb-60000x60000": (
+        dict(content=png_declaring(60000, 60000), headers={"Content-Type": PNG}),
+        413,
+        "too_many_pixels",
+    ),
     "over-max-pixels": (dict(content=png_declaring(2000, 1001), headers={"Content-Type": PNG}), 413, "too_many_pixels"),
     "body-too-large": (dict(content=bytes(3 * 1024 * 1024), headers={"Content-Type": PNG}), 413, "body_too_large"),
     "bad-fit": (dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"fit": "zoom"}), 422, "invalid_option"),
-    "fov-too-large": (dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"fov_x": "180"}), 422, "invalid_option"),
+    "fov-too-large": (
+        dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"fov_x": "180"}),
+        422,
+        "invalid_option",
+    ),
     "fov-zero": (dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"fov_x": "0"}), 422, "invalid_option"),
     "fov-nan": (dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"fov_x": "nan"}), 422, "invalid_option"),
-    "fov-text": (dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"fov_x": "wide"}), 422, "invalid_option"),
-    "bad-compress": (dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"compress": "yes"}), 422, "invalid_option"),
-    "bad-bool": (dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"apply_mask": "maybe"}), 422, "invalid_option"),
-    "path-option": (dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"path": "/etc/passwd"}), 422, "invalid_option"),
+    "fov-text": (
+        dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"fov_x": "wide"}),
+        422,
+        "invalid_option",
+    ),
+    "bad-compress": (
+        dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"compress": "yes"}),
+        422,
+        "invalid_option",
+    ),
+    "bad-bool": (
+        dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"apply_mask": "maybe"}),
+        422,
+        "invalid_option",
+    ),
+    "path-option": (
+        dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"path": "/etc/passwd"}),
+        422,
+        "invalid_option",
+    ),
     "image-as-path": (dict(content=b"/etc/passwd", headers={"Content-Type": PNG}), 415, "unsupported_image"),
-    "repeated-option": (dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params=[("fit", "pad"), ("fit", "stretch")]), 422, "invalid_option"),
+    "repeated-option": (
+        dict(content=_GOOD_PNG, headers={"Content-Type": PNG}, params=[("fit", "pad"), ("fit", "stretch")]),
+        422,
+        "invalid_option",
+    ),
     "multipart-wrong-field": (dict(files={"file": ("a.png", _GOOD_PNG, PNG)}), 400, "missing_field"),
-    "multipart-text-field": (dict(data={"image": "/etc/passwd"}, files={"other": ("a.png", _GOOD_PNG, PNG)}), 400, "missing_field"),
-    "multipart-two-files": (dict(files=[("image", ("a.png", _GOOD_PNG, PNG)), ("image", ("b.png", _GOOD_PNG, PNG))]), 400, "bad_request"),
+    "multipart-text-field": (
+        dict(data={"image": "/etc/passwd"}, files={"other": ("a.png", _GOOD_PNG, PNG)}),
+        400,
+        "missing_field",
+    ),
+    "multipart-two-files": (
+        dict(files=[("image", ("a.png", _GOOD_PNG, PNG)), ("image", ("b.png", _GOOD_PNG, PNG))]),
+        400,
+        "bad_request",
+    ),
     "multipart-bad-image": (dict(files={"image": ("a.png", b"not an image", PNG)}), 415, "unsupported_image"),
 }
 
@@ -245,8 +319,11 @@ def test_streamed_body_over_the_limit_is_refused(client):
 
 def test_stalled_upload_times_out_with_408(server, client):
     with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
-        sock.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: 5000\r\n"
-                     + f"Authorization: Bearer {API_KEY}\r\n\r\n".encode() + _GOOD_PNG[:100])
+        sock.sendall(
+            b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: 5000\r\n"
+            + f"Authorization: Bearer {API_KEY}\r\n\r\n".encode()
+            + _GOOD_PNG[:100]
+        )
         t = time.monotonic()
         reply = sock.recv(65536).decode("latin-1")
         waited = time.monotonic() - t
@@ -301,13 +378,21 @@ def test_bad_flags_exit_with_code_2(capsys):
         except SystemExit as exc:  # argparse usage errors
             return exc.code
 
-    for flags, word in [(("--resolution", "10x10"), "resolution"), (("--resolution", "wide"), "resolution"),
-                        (("--num-tokens", "99"), "num_tokens"), (("--queue-size", "0"), "--queue-size"),
-                        (("--num-command-queues", "2"), "num_command_queues"), (("--precision", "fp64"), "precision"),
-                        (("--warmup-variants", "fast"), "preset"), (("--device", "tpu"), "device"),
-                        (("--max-pixels", "100000000"), "--memory-budget-mb"), (("--send-timeout", "0"), "--send-timeout"),
-                        (("--port", "99999"), "--port"), (("--max-body-mb", "inf"), "--max-body-mb"),
-                        (("--memory-budget-mb", "inf"), "--memory-budget-mb")]:
+    for flags, word in [
+        (("--resolution", "10x10"), "resolution"),
+        (("--resolution", "wide"), "resolution"),
+        (("--num-tokens", "99"), "num_tokens"),
+        (("--queue-size", "0"), "--queue-size"),
+        (("--num-command-queues", "2"), "num_command_queues"),
+        (("--precision", "fp64"), "precision"),
+        (("--warmup-variants", "fast"), "preset"),
+        (("--device", "tpu"), "device"),
+        (("--max-pixels", "100000000"), "--memory-budget-mb"),
+        (("--send-timeout", "0"), "--send-timeout"),
+        (("--port", "99999"), "--port"),
+        (("--max-body-mb", "inf"), "--max-body-mb"),
+        (("--memory-budget-mb", "inf"), "--memory-budget-mb"),
+    ]:
         assert exit_code(*flags) == 2, flags
         assert word in capsys.readouterr().err, flags
 

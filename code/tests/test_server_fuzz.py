@@ -8,6 +8,7 @@ some requests reach the model. The number of examples is bounded (MOGE_FUZZ_EXAM
 
 Run: cd code && python -m pytest tests/test_server_fuzz.py -q
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,12 @@ EXAMPLES = int(os.environ.get("MOGE_FUZZ_EXAMPLES", "25"))
 
 def image_bodies(fmt: str) -> st.SearchStrategy:
     """Bytes for an image/png or image/jpeg body: noise, a valid image (8..64 px a side), or a cut-off one."""
-    valid = st.builds(lambda w, h, seed: encode_image(photo(w, h, seed), fmt),
-                      st.integers(8, 64), st.integers(8, 64), st.integers(0, 99))
+    valid = st.builds(
+        lambda w, h, seed: encode_image(photo(w, h, seed), fmt),
+        st.integers(8, 64),
+        st.integers(8, 64),
+        st.integers(0, 99),
+    )
     truncated = st.builds(lambda data, keep: data[: max(1, int(len(data) * keep))], valid, st.floats(0.05, 0.95))
     return st.one_of(st.binary(max_size=512), valid, truncated)
 
@@ -38,7 +43,13 @@ schemathesis.openapi.media_type("image/png", image_bodies("PNG"))
 schemathesis.openapi.media_type("image/jpeg", image_bodies("JPEG"))
 
 
-OPERATIONS = [("POST", "/predict"), ("POST", "/predict/summary"), ("GET", "/health"), ("GET", "/ready"), ("GET", "/info")]
+OPERATIONS = [
+    ("POST", "/predict"),
+    ("POST", "/predict/summary"),
+    ("GET", "/health"),
+    ("GET", "/ready"),
+    ("GET", "/info"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -64,15 +75,21 @@ def test_server_conforms_to_its_openapi_schema(api_schema, method, path, mode):
     mode = schemathesis.GenerationMode(mode)
 
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+    )
     def fuzz(case):
         # A schema-valid body (any bytes are a valid "binary" string) is still refused when it is not a PNG/JPEG
         # image, so "valid data must be accepted" does not apply; every other built-in check does, including
         # "schema-violating data is refused". (Our own auth header replaces a generated one, so a case whose only
         # violation is a malformed Authorization header can get 200; schemathesis knows that, a status count not.)
-        response = case.call_and_validate(headers=auth_headers(), timeout=120,
-                                          excluded_checks=[schemathesis.checks.positive_data_acceptance])
+        response = case.call_and_validate(
+            headers=auth_headers(), timeout=120, excluded_checks=[schemathesis.checks.positive_data_acceptance]
+        )
         statuses[response.status_code] += 1
 
     statuses: Counter = Counter()

@@ -12,6 +12,7 @@
 Three server processes of their own (the micro checkpoint, seconds to start each); about a minute in all.
 Run: cd code && python -m pytest tests/test_server_limits.py -q
 """
+
 from __future__ import annotations
 
 import io
@@ -42,7 +43,7 @@ from .server_harness import (  # noqa: E402
 BOMB_SIZE = (4990, 5000)  # under the default --max-pixels (25 MP): an all-zero PNG of 72 KB, a 574 MB npz
 SEND_TIMEOUT_S = 6.0  # longer than the two admitted answers take to start one after the other
 GRACE_S = 3.0
-GB = 1024 ** 3
+GB = 1024**3
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +103,10 @@ class RssPeak:
 
 
 def request_bytes(body: bytes, content_type: str = "image/png", path: str = "/predict", auth: bool = False) -> bytes:
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\n" + (f"Authorization: Bearer {API_KEY}\r\n" if auth else "") + "\r\n")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\n" + (f"Authorization: Bearer {API_KEY}\r\n" if auth else "") + "\r\n"
+    )
     return head.encode() + body
 
 
@@ -167,12 +170,18 @@ def wait_health(client, predicate, timeout_s: float) -> dict:
 
 # --------------------------------------------------------------------------------------------- slow readers
 def test_slow_readers_hold_their_slot_until_cut_and_memory_stays_bounded(weights, bomb):
-    server = start(weights, "--queue-size", "2", "--host-threads", "2", "--max-body-mb", "2",
-                   "--send-timeout", str(SEND_TIMEOUT_S))
+    server = start(
+        weights, "--queue-size", "2", "--host-threads", "2", "--max-body-mb", "2", "--send-timeout", str(SEND_TIMEOUT_S)
+    )
     pixels = BOMB_SIZE[0] * BOMB_SIZE[1]
     try:
         with httpx.Client(base_url=server.url, timeout=60) as client:
-            assert client.post("/predict", content=encode_image(photo(96, 64), "PNG"), headers={"Content-Type": "image/png"}).status_code == 200
+            assert (
+                client.post(
+                    "/predict", content=encode_image(photo(96, 64), "PNG"), headers={"Content-Type": "image/png"}
+                ).status_code
+                == 200
+            )
             rounds = []
             for round_ in range(2):
                 base = rss_bytes(server.proc.pid)
@@ -198,16 +207,21 @@ def test_slow_readers_hold_their_slot_until_cut_and_memory_stays_bounded(weights
                     assert all(n < length for n in received), f"a slow client was not cut: {received} of {length} bytes"
                     for sock in clients:
                         sock.close()
-                    normal = client.post("/predict/summary", content=encode_image(photo(96, 64, round_), "PNG"),
-                                         headers={"Content-Type": "image/png"})
+                    normal = client.post(
+                        "/predict/summary",
+                        content=encode_image(photo(96, 64, round_), "PNG"),
+                        headers={"Content-Type": "image/png"},
+                    )
                     assert normal.status_code == 200, normal.text
                 rounds.append((base, peak.peak, cut_after))
     finally:
         server.stop()
     (base1, peak1, _), (base2, peak2, _) = rounds
     formula = 2 * ServerSettings.request_cost(pixels, len(bomb))  # two admitted requests, as documented
-    print(f"\n[slow readers] rounds (base, peak, cut after): {[(b / GB, p / GB, round(c, 1)) for b, p, c in rounds]} GB; "
-          f"formula for 2 admitted: {formula / GB:.2f} GB; npz of one answer {length / 1e6:.0f} MB")
+    print(
+        f"\n[slow readers] rounds (base, peak, cut after): {[(b / GB, p / GB, round(c, 1)) for b, p, c in rounds]} GB; "
+        f"formula for 2 admitted: {formula / GB:.2f} GB; npz of one answer {length / 1e6:.0f} MB"
+    )
     assert peak2 - peak1 < 0.5 * GB, f"the second round peaked {(peak2 - peak1) / GB:.2f} GB above the first"
     assert peak1 - base1 <= formula, f"round 1 took {(peak1 - base1) / GB:.2f} GB over {formula / GB:.2f} GB"
 
@@ -231,7 +245,9 @@ def test_sigterm_with_a_client_that_does_not_read_exits_0_within_the_grace_perio
                 with httpx.Client(base_url=server.url, timeout=60) as third:
                     refused = third.get("/health")
             assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
-            assert refused.json()["code"] == "too_many_connections" and "--max-connections 3" in refused.json()["detail"]
+            assert (
+                refused.json()["code"] == "too_many_connections" and "--max-connections 3" in refused.json()["detail"]
+            )
         t = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         code = server.proc.wait(GRACE_S + 30)
@@ -281,10 +297,16 @@ def raw_exchange(port: int, data: bytes) -> tuple:
 
 PROTOCOL_ERRORS = {
     "garbage-request-line": (b"HELLO THERE\r\n\r\n", 400, "bad_request"),
-    "negative-content-length": (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: -1\r\n\r\n",
-                                400, "bad_request"),
-    "20000-headers": (b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(20000)) + b"\r\n",
-                      431, "headers_too_large"),
+    "negative-content-length": (
+        b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: -1\r\n\r\n",
+        400,
+        "bad_request",
+    ),
+    "20000-headers": (
+        b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(20000)) + b"\r\n",
+        431,
+        "headers_too_large",
+    ),
     "1MB-url": (b"GET /health?q=" + b"a" * (1 << 20) + b" HTTP/1.1\r\nHost: x\r\n\r\n", 431, "headers_too_large"),
 }
 
@@ -325,9 +347,13 @@ def test_streamed_answer_sends_bounded_chunks_and_cuts_a_stalled_client():
 
     async def main() -> None:
         scope = {"type": "http", "client": ("127.0.0.1", 1), ABORT_KEY: lambda: aborted.append(True)}
-        answer = StreamedAnswer(npz_parts(arrays, compress=False), "application/x-npz", {}, 5.0, lambda: freed.append(1))
+        answer = StreamedAnswer(
+            npz_parts(arrays, compress=False), "application/x-npz", {}, 5.0, lambda: freed.append(1)
+        )
         await answer(scope, disconnect_never, recording_send)
-        stalled = StreamedAnswer(npz_parts(arrays, compress=False), "application/x-npz", {}, 0.3, lambda: freed.append(2))
+        stalled = StreamedAnswer(
+            npz_parts(arrays, compress=False), "application/x-npz", {}, 0.3, lambda: freed.append(2)
+        )
         t = time.monotonic()
         await stalled(scope, disconnect_never, stalled_send)
         assert 0.25 < time.monotonic() - t < 3

@@ -10,6 +10,7 @@ with the clients', and /health answers with no request left in flight.
 
 Run: cd code && python -m pytest tests/test_server_load.py -q -s   (-s shows the counts)
 """
+
 from __future__ import annotations
 
 import io
@@ -44,7 +45,13 @@ def make_request(client: int, index: int) -> dict:
         data = encode_image(rgb, "PNG")
         return {"data": data[: len(data) // 2], "type": "image/png", "path": "/predict", "bad": 400, "size": (w, h)}
     if index % 10 == 9:  # not PNG data at all: refused before admission, so never a 503
-        return {"data": b"P6\n8 8\n255\n" + bytes(192), "type": "image/png", "path": "/predict", "bad": 415, "size": (w, h)}
+        return {
+            "data": b"P6\n8 8\n255\n" + bytes(192),
+            "type": "image/png",
+            "path": "/predict",
+            "bad": 415,
+            "size": (w, h),
+        }
     fmt, kind = ("PNG", "image/png") if (client + index) % 2 else ("JPEG", "image/jpeg")
     path = "/predict" if index % 2 == 0 else "/predict/summary"
     return {"data": encode_image(rgb, fmt), "type": kind, "path": path, "bad": 0, "size": (w, h)}
@@ -118,7 +125,9 @@ def test_bounded_concurrent_load_loses_nothing(tmp_path_factory, capsys):
                     if kind == "2xx":
                         latencies.append(seconds)
                     if problem:
-                        problems.append(f"client {client} request {index} ({request['path']}, {request['size']}): {problem}")
+                        problems.append(
+                            f"client {client} request {index} ({request['path']}, {request['size']}): {problem}"
+                        )
                 if kind == "503":
                     time.sleep(int(r.headers.get("retry-after", "1")) * BACKOFF_SCALE)
 
@@ -139,9 +148,12 @@ def test_bounded_concurrent_load_loses_nothing(tmp_path_factory, capsys):
     p50 = statistics.median(latencies) if latencies else float("nan")
     p95 = sorted(latencies)[int(0.95 * (len(latencies) - 1))] if latencies else float("nan")
     with capsys.disabled():  # the counts show in every run, CI included (pytest captures prints otherwise)
-        print(f"\n[load] {CLIENTS} clients x {REQUESTS} requests in {seconds:.1f} s: sent {sent}, 2xx {outcomes['2xx']}, "
-              f"4xx {outcomes['4xx']} (bad uploads sent: {kinds[400]} truncated, " f"{kinds[415]} not images), 503 {outcomes['503']}, other {outcomes['other']}, "
-              f"lost {sent - answered}; 2xx latency p50 {p50:.2f} s, p95 {p95:.2f} s; server health: {health}")
+        print(
+            f"\n[load] {CLIENTS} clients x {REQUESTS} requests in {seconds:.1f} s: sent {sent}, 2xx {outcomes['2xx']}, "
+            f"4xx {outcomes['4xx']} (bad uploads sent: {kinds[400]} truncated, "
+            f"{kinds[415]} not images), 503 {outcomes['503']}, other {outcomes['other']}, "
+            f"lost {sent - answered}; 2xx latency p50 {p50:.2f} s, p95 {p95:.2f} s; server health: {health}"
+        )
 
     assert not problems, "\n".join(problems[:20])
     assert answered == sent and outcomes["lost"] == 0 and outcomes["other"] == 0

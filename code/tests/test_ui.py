@@ -4,6 +4,7 @@ API's, the API's errors, auth and admission queue, a bounded result folder, a bo
 The page in a real browser against a real server: test_ui_browser.py.
 Run: cd code && python -m pytest tests/test_ui.py -q
 """
+
 from __future__ import annotations
 
 import io
@@ -34,8 +35,15 @@ STATIC = Path(__file__).resolve().parents[1] / "tt_moge" / "server" / "static"
 def model(checkpoint):
     from tt_moge import MoGeModel
 
-    m = MoGeModel.from_pretrained(checkpoint("tiny-vits-normal", well_posed=True), device="cpu", resolution=(448, 252),
-                                  num_tokens=1200, warmup=0, warmup_variants="none", precision="fp32")
+    m = MoGeModel.from_pretrained(
+        checkpoint("tiny-vits-normal", well_posed=True),
+        device="cpu",
+        resolution=(448, 252),
+        num_tokens=1200,
+        warmup=0,
+        warmup_variants="none",
+        precision="fp32",
+    )
     yield m
     m.close()
 
@@ -84,8 +92,10 @@ def test_page_and_its_files_are_served_from_this_server_only(model, tmp_path):
         assert demo.status_code == 200
         from PIL import Image
 
-        assert np.array_equal(np.asarray(Image.open(io.BytesIO(demo.content))),
-                              np.asarray(Image.open(Path(__file__).resolve().parents[2] / "media" / "source.png")))
+        assert np.array_equal(
+            np.asarray(Image.open(io.BytesIO(demo.content))),
+            np.asarray(Image.open(Path(__file__).resolve().parents[2] / "media" / "source.png")),
+        )
     for path in STATIC.iterdir():  # no CDN, no external URL in the page's own code
         assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", path.read_text()), path.name
 
@@ -119,11 +129,16 @@ def test_page_results_are_the_api_results(model, tmp_path, image):
 
         npz = client.get(page["downloads"]["result.npz"])
         assert npz.status_code == 200 and npz.headers["content-type"] == "application/x-npz"
-        assert npz.content == client.post("/predict", content=image, headers={"Content-Type": PNG}, params=query).content
+        assert (
+            npz.content == client.post("/predict", content=image, headers={"Content-Type": PNG}, params=query).content
+        )
 
-        expected = write_outputs(model(image, fit="stretch", fov_x=55.0, apply_mask=False, force_projection=False),
-                                 decode_bytes(image),
-                                 tmp_path / "cli", formats=("maps", "ply", "glb"))
+        expected = write_outputs(
+            model(image, fit="stretch", fov_x=55.0, apply_mask=False, force_projection=False),
+            decode_bytes(image),
+            tmp_path / "cli",
+            formats=("maps", "ply", "glb"),
+        )
         assert {"mesh.glb", "points.ply", "depth.exr"} <= set(expected["files"])
         for name in ("mesh.glb", "points.ply", "depth.exr"):
             first = client.get(page["downloads"][name])
@@ -131,7 +146,11 @@ def test_page_results_are_the_api_results(model, tmp_path, image):
             assert first.content == (tmp_path / "cli" / name).read_bytes(), f"{name} differs from `tt-moge predict`'s"
             assert client.get(page["downloads"][name]).content == first.content  # made once, served again
 
-        for key, kind, width in (("depth", "image/jpeg", None), ("normal", "image/jpeg", 640), ("mask", "image/png", 640)):
+        for key, kind, width in (
+            ("depth", "image/jpeg", None),
+            ("normal", "image/jpeg", 640),
+            ("mask", "image/png", 640),
+        ):
             pic = client.get(page["images"][key])
             assert pic.status_code == 200 and pic.headers["content-type"] == kind
             from PIL import Image
@@ -147,7 +166,7 @@ def test_page_requests_get_the_api_errors_and_need_its_key(model, tmp_path):
     settings = ServerSettings(queue_size=2, host_threads=2, max_body_bytes=300_000, max_pixels=1_000_000, api_key=KEY)
     client, _ = make_client(model, tmp_path, settings)
     good = encode_image(photo(160, 90, 1), "PNG")
-    truncated = good[:len(good) // 2]
+    truncated = good[: len(good) // 2]
     big = encode_image(np.zeros((900, 1200, 3), np.uint8), "PNG")  # small file, 1.08 MP
     auth = {"Authorization": f"Bearer {KEY}"}
     cases = [
@@ -173,8 +192,12 @@ def test_page_requests_get_the_api_errors_and_need_its_key(model, tmp_path):
                 assert page.json() == api.json()
             else:
                 assert params and list(params)[0] in page.json()["detail"]
-        assert client.post("/ui/api/predict", content=good, headers={"Content-Type": PNG, **auth},
-                           params={"compress": "true"}).status_code == 422  # not an option of the page
+        assert (
+            client.post(
+                "/ui/api/predict", content=good, headers={"Content-Type": PNG, **auth}, params={"compress": "true"}
+            ).status_code
+            == 422
+        )  # not an option of the page
         r = client.get("/ui/results/no-such-result/result.npz")
         assert r.status_code == 404 and r.json()["code"] == "result_expired"
         assert client.get("/health").json()["status"] == "ok"
@@ -197,14 +220,17 @@ def test_page_requests_share_the_admission_queue_of_predict(model, tmp_path, mon
 
         monkeypatch.setattr(model.service, "predict", blocking)
         holder = {}
-        thread = threading.Thread(target=lambda: holder.update(r=client.post("/ui/api/predict", content=image,
-                                                                             headers={"Content-Type": PNG})))
+        thread = threading.Thread(
+            target=lambda: holder.update(r=client.post("/ui/api/predict", content=image, headers={"Content-Type": PNG}))
+        )
         thread.start()
         try:
             assert entered.wait(30)
-            for r in (client.post("/predict", content=image, headers={"Content-Type": PNG}),
-                      client.post("/ui/api/predict", content=image, headers={"Content-Type": PNG}),
-                      client.get(done["downloads"]["mesh.glb"])):
+            for r in (
+                client.post("/predict", content=image, headers={"Content-Type": PNG}),
+                client.post("/ui/api/predict", content=image, headers={"Content-Type": PNG}),
+                client.get(done["downloads"]["mesh.glb"]),
+            ):
                 assert r.status_code == 503 and r.json()["code"] == "queue_full" and r.headers["retry-after"] == "1"
             assert client.get("/health").json()["in_flight"] == 1
         finally:
@@ -225,6 +251,7 @@ def test_result_folder_stays_bounded_under_load_and_goes_at_shutdown(model, tmp_
     images = [encode_image(photo(96 + 8 * i, 64, i), "PNG") for i in range(4)]
     ids, sizes = [], []
     with client:
+
         def one(i: int) -> None:
             r = client.post("/ui/api/predict", content=images[i % 4], headers={"Content-Type": PNG})
             if r.status_code == 200:
@@ -299,8 +326,17 @@ def test_view_mesh_stays_under_15_mb_for_any_image():
     depth = np.full((side, side), 5.0, np.float32)
     points = np.stack([(u - side / 2) / side * depth, (v - side / 2) / side * depth, depth], -1)
     k = np.array([[1, 0, 0.5], [0, 1, 0.5], [0, 0, 1]], np.float32)
-    out = MoGeOutput(points=points, depth=depth, normal=None, mask=np.ones((side, side), bool), intrinsics=k,
-                     intrinsics_pixels=k * side, metric_scale=1.0, fov_x=53.1, fov_y=53.1)
+    out = MoGeOutput(
+        points=points,
+        depth=depth,
+        normal=None,
+        mask=np.ones((side, side), bool),
+        intrinsics=k,
+        intrinsics_pixels=k * side,
+        metric_scale=1.0,
+        fov_x=53.1,
+        fov_y=53.1,
+    )
     texture = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
     glb, record = view_mesh(out, texture)
     grid = -(-side // record["step"])
@@ -310,6 +346,6 @@ def test_view_mesh_stays_under_15_mb_for_any_image():
     tighter = len(glb) - 1_000_000  # a budget the full texture misses: the texture shrinks until the GLB fits
     smaller, record = view_mesh(out, texture, max_bytes=tighter)
     assert len(smaller) <= tighter and max(record["texture"]) < TEXTURE_MAX_SIDE
-    header = json.loads(glb[20:20 + int.from_bytes(glb[12:16], "little")])
+    header = json.loads(glb[20 : 20 + int.from_bytes(glb[12:16], "little")])
     assert header["images"][0]["mimeType"] == "image/jpeg"
     assert set(header["meshes"][0]["primitives"][0]["attributes"]) == {"POSITION", "TEXCOORD_0"}

@@ -12,6 +12,7 @@ MOGE_UI_SCREENSHOT=PATH saves a screenshot of the page with the result (media/we
 The test is skipped without selenium or Chromium, unless MOGE_BROWSER_TESTS=required (.ci/run sets it).
 Run: cd code && python -m pytest tests/test_ui_browser.py -q
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,9 @@ from .server_harness import ServerProcess  # noqa: E402
 
 if find_chromium() is None:
     if REQUIRED:
-        raise RuntimeError("MOGE_BROWSER_TESTS=required but no Chromium + chromedriver: apt-get install chromium chromium-driver")
+        raise RuntimeError(
+            "MOGE_BROWSER_TESTS=required but no Chromium + chromedriver: apt-get install chromium chromium-driver"
+        )
     pytest.skip("no Chromium + chromedriver (apt-get install chromium chromium-driver)", allow_module_level=True)
 
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
@@ -118,8 +121,10 @@ def result_page(server, browser):
         canvas = browser.find_element(By.ID, "view")
         ActionChains(browser).move_to_element(canvas).click_and_hold().move_by_offset(-140, -50).release().perform()
         height = browser.execute_script("return document.documentElement.scrollHeight")
-        browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                                {"width": 1400, "height": height, "deviceScaleFactor": 1, "mobile": False})
+        browser.execute_cdp_cmd(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": 1400, "height": height, "deviceScaleFactor": 1, "mobile": False},
+        )
         time.sleep(0.5)
         browser.save_screenshot(os.environ["MOGE_UI_SCREENSHOT"])
         browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
@@ -131,11 +136,16 @@ def result_page(server, browser):
 def test_maps_and_an_interactive_3d_view_are_shown(result_page):
     browser = result_page
     for name in ("depth", "normal", "mask"):
-        WebDriverWait(browser, 30).until(lambda b: b.execute_script(
-            f"const i = document.getElementById('{name}'); return i.complete && i.naturalWidth > 0"))
+        WebDriverWait(browser, 30).until(
+            lambda b: b.execute_script(
+                f"const i = document.getElementById('{name}'); return i.complete && i.naturalWidth > 0"
+            )
+        )
         assert browser.find_element(By.ID, name).is_displayed(), name
-    sizes = browser.execute_script("return ['depth', 'normal', 'mask'].map(id => "
-                                   "[document.getElementById(id).naturalWidth, document.getElementById(id).naturalHeight])")
+    sizes = browser.execute_script(
+        "return ['depth', 'normal', 'mask'].map(id => "
+        "[document.getElementById(id).naturalWidth, document.getElementById(id).naturalHeight])"
+    )
     assert sizes[1] == sizes[2] == [1920, 1080] and sizes[0][1] == 1080 and sizes[0][0] > 1920  # depth: + colour bar
 
     canvas = browser.find_element(By.ID, "view")
@@ -153,9 +163,14 @@ def test_maps_and_an_interactive_3d_view_are_shown(result_page):
         time.sleep(0.3)
         return float(np.abs(canvas_pixels(canvas).astype(np.int16) - before).mean())
 
-    orbit = changed_after(lambda: ActionChains(browser).move_to_element(canvas).click_and_hold()
-                          .move_by_offset(150, 60).release().perform())
-    zoom = changed_after(lambda: ActionChains(browser).scroll_from_origin(ScrollOrigin.from_element(canvas), 0, 400).perform())
+    orbit = changed_after(
+        lambda: (
+            ActionChains(browser).move_to_element(canvas).click_and_hold().move_by_offset(150, 60).release().perform()
+        )
+    )
+    zoom = changed_after(
+        lambda: ActionChains(browser).scroll_from_origin(ScrollOrigin.from_element(canvas), 0, 400).perform()
+    )
     assert orbit > 5 and zoom > 5, (orbit, zoom)
     ActionChains(browser).double_click(canvas).perform()  # back to the photo's own camera
     assert console_errors(browser) == []
@@ -165,9 +180,13 @@ def test_numbers_on_the_page_equal_predict_summary(result_page, api):
     browser = result_page
     expected = api.post("/predict/summary", content=SOURCE.read_bytes(), headers={"Content-Type": "image/png"}).json()
     shown = json.loads(browser.execute_script("return document.getElementById('summary-json').textContent"))
-    assert {k: v for k, v in shown.items() if k != "timing_ms"} == {k: v for k, v in expected.items() if k != "timing_ms"}
-    rows = {row.get_attribute("data-key"): (json.loads(row.get_attribute("data-value")), row.text)
-            for row in browser.find_elements(By.CSS_SELECTOR, "#numbers-table tr")}
+    assert {k: v for k, v in shown.items() if k != "timing_ms"} == {
+        k: v for k, v in expected.items() if k != "timing_ms"
+    }
+    rows = {
+        row.get_attribute("data-key"): (json.loads(row.get_attribute("data-value")), row.text)
+        for row in browser.find_elements(By.CSS_SELECTOR, "#numbers-table tr")
+    }
     for key in ("fov_x_deg", "fov_y_deg", "metric_scale", "median_depth_m", "valid_fraction"):
         assert rows[key][0] == expected[key], key
     assert rows["size"][0] == [1920, 1080]

@@ -1,4 +1,5 @@
 """Finding and reading checkpoints: every failure is one paragraph a user can act on."""
+
 from __future__ import annotations
 
 import pickle

@@ -8,6 +8,7 @@
 (H, W, 3) RGB array, as the model decodes it) are imported on first use, so that subpackages that do not need
 torch (the Tenstorrent device graph, which runs in a ttnn environment) can be imported without it.
 """
+
 __version__ = "0.1.0"
 
 __all__ = ["MoGeModel", "MoGeOutput", "load_image", "__version__"]

@@ -1,4 +1,5 @@
 """`python -m tt_moge ...` is the `tt-moge` command."""
+
 import sys
 
 from .cli import main

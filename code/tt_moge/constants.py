@@ -9,5 +9,12 @@ FOV_X_RANGE = (0.0, 180.0)  # a given horizontal field of view lies strictly ins
 MASK_THRESHOLD = 0.5  # a pixel is valid where the mask probability exceeds this
 SOLVE_GRID = (64, 64)  # (height, width) of the nearest-neighbour grid the focal/shift solve runs on
 MAX_CANVAS_SIDE = 4096
-PRECISIONS = ("auto", "fp32", "bf16", "fp16", "int8", "bfp8")  # precision= of from_pretrained (see runners/precision.py)
+PRECISIONS = (
+    "auto",
+    "fp32",
+    "bf16",
+    "fp16",
+    "int8",
+    "bfp8",
+)  # precision= of from_pretrained (see runners/precision.py)
 DEPTH_EDGE_RTOL = 0.04  # 3D exports drop a pixel whose 3x3 neighbourhood spans more than this share of its depth

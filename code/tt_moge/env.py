@@ -6,6 +6,7 @@ other tools (`TT_VISIBLE_DEVICES`, `HF_*`, `RAY_ADDRESS`, `XDG_CACHE_HOME`) are 
 
 This module imports nothing heavy: the Tenstorrent device graph (no torch) and the tests use it too.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,7 +48,9 @@ def get(name: str, default: Optional[str] = None) -> Optional[str]:
         first = old not in _warned
         _warned.add(old)
     if first:
-        warnings.warn(f"${old} is deprecated: set ${name} instead (the old name is still read for now)",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"${old} is deprecated: set ${name} instead (the old name is still read for now)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     return os.environ[old]
-

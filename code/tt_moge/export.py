@@ -34,6 +34,7 @@ The CLI's defaults (`DEFAULT_FORMATS`: the maps and the mesh, `DEFAULT_MESH_STEP
 sized for folders of many photos: the npz and the point cloud, and a full-resolution mesh, are each several
 times the size of the maps (`python -m perf.cli.export_bench` measures every format).
 """
+
 from __future__ import annotations
 
 import json
@@ -49,9 +50,24 @@ from .constants import DEPTH_EDGE_RTOL
 from .output import MoGeOutput, finite_or_none
 
 __all__ = [
-    "FORMATS", "DEFAULT_FORMATS", "DEFAULT_MESH_STEP", "FILES", "depth_edges", "kept_pixels", "colorize_depth",
-    "colorize_normal", "write_depth_exr", "point_cloud", "image_mesh", "to_json", "check_formats",
-    "missing_format_library", "write_outputs", "remove_outputs", "write_text_atomic", "RESULT_FILE",
+    "FORMATS",
+    "DEFAULT_FORMATS",
+    "DEFAULT_MESH_STEP",
+    "FILES",
+    "depth_edges",
+    "kept_pixels",
+    "colorize_depth",
+    "colorize_normal",
+    "write_depth_exr",
+    "point_cloud",
+    "image_mesh",
+    "to_json",
+    "check_formats",
+    "missing_format_library",
+    "write_outputs",
+    "remove_outputs",
+    "write_text_atomic",
+    "RESULT_FILE",
 ]
 
 # The format groups, in the order they are written, with what each writes (the CLI's --maps/--npz/--ply/--glb).
@@ -139,13 +155,15 @@ def _with_bar(picture: np.ndarray, near: Optional[float], far: Optional[float]) 
         cv2.putText(panel, "n/a", (margin, min(h - 1, text_h + margin)), font, scale, (0, 0, 0), thick, cv2.LINE_AA)
         return np.concatenate([picture, panel], axis=1)
     ramp = np.rint(np.linspace(255, 0, h)).astype(np.uint8)[:, None].repeat(bar_w, axis=1)
-    panel[:, margin:margin + bar_w] = cv2.applyColorMap(ramp, cv2.COLORMAP_TURBO)[..., ::-1]
+    panel[:, margin : margin + bar_w] = cv2.applyColorMap(ramp, cv2.COLORMAP_TURBO)[..., ::-1]
     ticks = 5 if h >= 5 * (text_h + 4) else 2 if h >= 2 * (text_h + 2) else 1
     for t in np.linspace(1.0, 0.0, ticks):  # the bar is linear in inverse depth, like the picture
         metres = 1.0 / (t * (1.0 / near - 1.0 / far) + 1.0 / far)
         y = int(round((1.0 - t) * (h - 1)))
         baseline = int(np.clip(y + text_h // 2, text_h, h - 1))
-        cv2.putText(panel, _depth_label(metres), (2 * margin + bar_w, baseline), font, scale, (0, 0, 0), thick, cv2.LINE_AA)
+        cv2.putText(
+            panel, _depth_label(metres), (2 * margin + bar_w, baseline), font, scale, (0, 0, 0), thick, cv2.LINE_AA
+        )
     return np.concatenate([picture, panel], axis=1)
 
 
@@ -195,12 +213,23 @@ def point_cloud(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.nda
     rgb = _as_uint8_rgb(image_rgb, output)
     keep = kept_pixels(output) if keep is None else keep
     normals = None if output.normal is None else output.normal[keep] * _OPENGL_AXES
-    return trimesh.Trimesh(vertices=output.points[keep] * _OPENGL_AXES, faces=np.zeros((0, 3), np.int64),
-                           vertex_normals=normals, vertex_colors=rgb[keep], process=False, validate=False)
+    return trimesh.Trimesh(
+        vertices=output.points[keep] * _OPENGL_AXES,
+        faces=np.zeros((0, 3), np.int64),
+        vertex_normals=normals,
+        vertex_colors=rgb[keep],
+        process=False,
+        validate=False,
+    )
 
 
-def image_mesh(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.ndarray] = None, step: int = 1,
-               wrap_columns: bool = False) -> Any:
+def image_mesh(
+    output: MoGeOutput,
+    image_rgb: np.ndarray,
+    keep: Optional[np.ndarray] = None,
+    step: int = 1,
+    wrap_columns: bool = False,
+) -> Any:
     """A textured trimesh.Trimesh: the kept pixels as vertices (OpenGL axes), triangles between neighbouring
     kept pixels (see the module docstring), UVs at pixel centres, the image as the base colour texture.
 
@@ -228,15 +257,24 @@ def image_mesh(output: MoGeOutput, image_rgb: np.ndarray, keep: Optional[np.ndar
     tl, tr, bl, br = grid[:-1, :-1], grid[:-1, 1:], grid[1:, :-1], grid[1:, 1:]
     k_tl, k_tr, k_bl, k_br = kept[:-1, :-1], kept[:-1, 1:], kept[1:, :-1], kept[1:, 1:]
     upper, lower = k_tl & k_bl & k_tr, k_tr & k_bl & k_br
-    faces = np.concatenate([np.stack([tl[upper], bl[upper], tr[upper]], 1), np.stack([tr[lower], bl[lower], br[lower]], 1)])
+    faces = np.concatenate(
+        [np.stack([tl[upper], bl[upper], tr[upper]], 1), np.stack([tr[lower], bl[lower], br[lower]], 1)]
+    )
     rows, cols = np.nonzero(keep)
     # trimesh's UV origin is the bottom-left (v up); its glTF export flips v to glTF's top-left origin.
     uv = np.stack([(cols * step + 0.5) / full_w, 1.0 - (rows * step + 0.5) / full_h], axis=1)
-    material = trimesh.visual.material.PBRMaterial(baseColorTexture=Image.fromarray(rgb), metallicFactor=0.0,
-                                                   roughnessFactor=1.0, doubleSided=True)
+    material = trimesh.visual.material.PBRMaterial(
+        baseColorTexture=Image.fromarray(rgb), metallicFactor=0.0, roughnessFactor=1.0, doubleSided=True
+    )
     normals = None if normal is None else normal[keep] * _OPENGL_AXES
-    return trimesh.Trimesh(vertices=points[keep] * _OPENGL_AXES, faces=faces, vertex_normals=normals,
-                           visual=trimesh.visual.TextureVisuals(uv=uv, material=material), process=False, validate=False)
+    return trimesh.Trimesh(
+        vertices=points[keep] * _OPENGL_AXES,
+        faces=faces,
+        vertex_normals=normals,
+        visual=trimesh.visual.TextureVisuals(uv=uv, material=material),
+        process=False,
+        validate=False,
+    )
 
 
 # ------------------------------------------------------------------------------------------ summary
@@ -314,9 +352,16 @@ def remove_outputs(out_dir: Union[str, os.PathLike], stop_at: Optional[Union[str
         folder = folder.parent
 
 
-def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str, os.PathLike],
-                  formats: Iterable[str] = DEFAULT_FORMATS, *, source: Optional[str] = None,
-                  extra: Optional[dict] = None, mesh_step: int = DEFAULT_MESH_STEP) -> dict:
+def write_outputs(
+    output: MoGeOutput,
+    image_rgb: np.ndarray,
+    out_dir: Union[str, os.PathLike],
+    formats: Iterable[str] = DEFAULT_FORMATS,
+    *,
+    source: Optional[str] = None,
+    extra: Optional[dict] = None,
+    mesh_step: int = DEFAULT_MESH_STEP,
+) -> dict:
     """Write one image's files into `out_dir` (created if needed) and return the result.json record.
 
     output: the MoGeOutput of the image (or a PanoramaOutput: depth is then its distance map, there is no
@@ -346,8 +391,15 @@ def write_outputs(output: MoGeOutput, image_rgb: np.ndarray, out_dir: Union[str,
         raise
 
 
-def _write_files(output: MoGeOutput, rgb: np.ndarray, out: Path, formats: tuple, source: Optional[str],
-                 extra: Optional[dict], mesh_step: int) -> dict:
+def _write_files(
+    output: MoGeOutput,
+    rgb: np.ndarray,
+    out: Path,
+    formats: tuple,
+    source: Optional[str],
+    extra: Optional[dict],
+    mesh_step: int,
+) -> dict:
     record: dict = {"source": source, **output.summary(depth_percentiles=True)}
     written: list = []
     if "maps" in formats:
@@ -377,9 +429,16 @@ def _write_files(output: MoGeOutput, rgb: np.ndarray, out: Path, formats: tuple,
                 (out / "points.ply").write_bytes(cloud.export(file_type="ply", vertex_normal=output.normal is not None))
                 written.append("points.ply")
             if "glb" in formats:
-                mesh = image_mesh(output, rgb, keep if mesh_step == 1 else None, step=mesh_step,
-                                  wrap_columns=getattr(output, "is_panorama", False))
-                record.update(mesh_step=mesh_step, mesh_vertices=int(len(mesh.vertices)), mesh_faces=int(len(mesh.faces)))
+                mesh = image_mesh(
+                    output,
+                    rgb,
+                    keep if mesh_step == 1 else None,
+                    step=mesh_step,
+                    wrap_columns=getattr(output, "is_panorama", False),
+                )
+                record.update(
+                    mesh_step=mesh_step, mesh_vertices=int(len(mesh.vertices)), mesh_faces=int(len(mesh.faces))
+                )
                 if len(mesh.vertices):
                     (out / "mesh.glb").write_bytes(mesh.export(file_type="glb"))
                     written.append("mesh.glb")

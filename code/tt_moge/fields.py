@@ -11,6 +11,7 @@ definitions, in `output.py`.
 
 This module is the machinery only; it imports nothing of tt_moge.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,18 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-__all__ = ["Spec", "OptionInfo", "option", "options_of", "signature", "bind", "checked", "include_options",
-           "non_negative_int", "FIELD_KEY"]
+__all__ = [
+    "Spec",
+    "OptionInfo",
+    "option",
+    "options_of",
+    "signature",
+    "bind",
+    "checked",
+    "include_options",
+    "non_negative_int",
+    "FIELD_KEY",
+]
 
 FIELD_KEY = "tt_moge"  # the key of a field's Spec in its dataclass metadata
 
@@ -97,12 +108,15 @@ def options_of(cls: type) -> tuple:
     for f in dataclasses.fields(cls):
         spec = f.metadata.get(FIELD_KEY)
         if isinstance(spec, Spec):
-            found.append(OptionInfo(f.name, spec.argument or f.name, hints.get(f.name, Any), f.metadata["default"], spec))
+            found.append(
+                OptionInfo(f.name, spec.argument or f.name, hints.get(f.name, Any), f.metadata["default"], spec)
+            )
     return tuple(found)
 
 
-def signature(cls: type, *, keyword_only: bool = True, leading: tuple = (),
-              returns: Any = inspect.Signature.empty) -> inspect.Signature:
+def signature(
+    cls: type, *, keyword_only: bool = True, leading: tuple = (), returns: Any = inspect.Signature.empty
+) -> inspect.Signature:
     """A function signature with one parameter per option of `cls` (after `leading` parameters): keyword-only
     (or, with keyword_only=False, positional-or-keyword), except a `positional` option, which comes first."""
     kinds = inspect.Parameter
@@ -152,6 +166,7 @@ def checked(info: OptionInfo, value: Any, error: type = ValueError, type_error: 
 def include_options(source: type, *, after: str) -> Callable[[type], type]:
     """A class decorator, applied before @dataclass: the option fields of the dataclass `source` become fields
     of the decorated class too, right after its field `after` (same names, types, defaults and metadata)."""
+
     def decorate(cls: type) -> type:
         own = dict(cls.__dict__.get("__annotations__", {}))
         if after not in own:
@@ -164,8 +179,11 @@ def include_options(source: type, *, after: str) -> Callable[[type], type]:
                     if f.name in own:
                         raise TypeError(f"{cls.__name__}.{f.name} would shadow the option of {source.__name__}")
                     annotations[f.name] = f.type
-                    default = ({"default": f.default} if f.default is not dataclasses.MISSING
-                               else {"default_factory": f.default_factory})
+                    default = (
+                        {"default": f.default}
+                        if f.default is not dataclasses.MISSING
+                        else {"default_factory": f.default_factory}
+                    )
                     setattr(cls, f.name, dataclasses.field(**default, metadata=f.metadata))
         cls.__annotations__ = annotations
         return cls

@@ -13,6 +13,7 @@ not take its own depth.png files as photos. Names that
 collide (case-insensitively, as on macOS and Windows), or that equal a folder another name needs, get the
 extension appended (`a_jpg`), then a counter (`a_jpg-2`), in input order: names are unique and stable.
 """
+
 from __future__ import annotations
 
 import glob
@@ -55,8 +56,11 @@ def _expand(argument: str, exclude: Optional[str]) -> list:
     if path.is_file():
         return [(path, path.stem)]
     if path.is_dir():
-        return [(p, PurePosixPath(p.relative_to(path).as_posix()).with_suffix("").as_posix())
-                for p in _folder_images(path) if _outside(p, exclude)]
+        return [
+            (p, PurePosixPath(p.relative_to(path).as_posix()).with_suffix("").as_posix())
+            for p in _folder_images(path)
+            if _outside(p, exclude)
+        ]
     if glob.has_magic(argument):
         matches = sorted(glob.glob(os.path.expanduser(argument), recursive=True))
         out: list = []
@@ -73,6 +77,7 @@ def _expand(argument: str, exclude: Optional[str]) -> list:
 
 def _unique_names(wanted: Sequence[tuple]) -> list:
     """[(path, wanted name)] -> names, unique case-insensitively and never a parent folder of another name."""
+
     def parents(name: str) -> list:
         return [p.as_posix().casefold() for p in PurePosixPath(name).parents if p.as_posix() != "."]
 

@@ -6,6 +6,7 @@ reader thread), the model on this chunk (`PredictionService.predict_many`, which
 with the host steps) and writing finished images (writer threads, bounded so that finished maps do not pile up
 in memory). `predict_chunk` is the model step alone: one bad image costs only itself.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,7 +18,9 @@ from .host import CallOptions, to_rgb_array
 
 __all__ = ["DEFAULT_CHUNK", "predict_images", "predict_chunk", "predict_panoramas", "written_bytes"]
 
-DEFAULT_CHUNK = 4  # images per predict_many call (the next chunk decodes meanwhile); its outputs are all in memory at once
+DEFAULT_CHUNK = (
+    4  # images per predict_many call (the next chunk decodes meanwhile); its outputs are all in memory at once
+)
 
 
 def _decode(path: Path) -> Any:
@@ -26,7 +29,7 @@ def _decode(path: Path) -> Any:
 
 def _decoded_chunks(images: Sequence, size: int, reader: ThreadPoolExecutor) -> Iterator[list]:
     """Yield [(ImageInput, Future of its RGB array)] per chunk, with the next chunk already decoding."""
-    chunks = [images[i:i + size] for i in range(0, len(images), size)]
+    chunks = [images[i : i + size] for i in range(0, len(images), size)]
     pending = [reader.submit(_decode, image.path) for image in chunks[0]] if chunks else []
     for k, chunk in enumerate(chunks):
         current = pending
@@ -44,10 +47,18 @@ def _write_reason(image: Any, folder: Path, exc: BaseException) -> str:
     return f"{image.path}: writing {folder} failed: {str(exc) or type(exc).__name__}"
 
 
-def predict_images(service: Any, images: Sequence, out_root: Path, formats: Sequence[str], *,
-                   options: CallOptions = CallOptions(), chunk_size: int = DEFAULT_CHUNK, writers: int = 2,
-                   on_done: Optional[Callable[[Any, Optional[str]], None]] = None,
-                   mesh_step: int = DEFAULT_MESH_STEP) -> dict:
+def predict_images(
+    service: Any,
+    images: Sequence,
+    out_root: Path,
+    formats: Sequence[str],
+    *,
+    options: CallOptions = CallOptions(),
+    chunk_size: int = DEFAULT_CHUNK,
+    writers: int = 2,
+    on_done: Optional[Callable[[Any, Optional[str]], None]] = None,
+    mesh_step: int = DEFAULT_MESH_STEP,
+) -> dict:
     """Run `service` (a `PredictionService`) over [ImageInput] with `options` and write each result to
     out_root / image.name with `write_outputs`.
 
@@ -92,8 +103,15 @@ def predict_images(service: Any, images: Sequence, out_root: Path, formats: Sequ
                 if isinstance(output, BaseException):
                     finish(i, image, _reason(image, output))
                     continue
-                job: Future = writer.submit(write_outputs, output, rgb, out_root / image.name, formats, source=str(image.path),
-                                            mesh_step=mesh_step)
+                job: Future = writer.submit(
+                    write_outputs,
+                    output,
+                    rgb,
+                    out_root / image.name,
+                    formats,
+                    source=str(image.path),
+                    mesh_step=mesh_step,
+                )
                 writing.append((i, image, job))
                 collect(2 * writers)  # bounded: finished maps wait for a writer, not pile up in memory
         collect(0)
@@ -120,9 +138,15 @@ def predict_chunk(service: Any, arrays: list, options: CallOptions = CallOptions
         return results
 
 
-def predict_panoramas(model: Any, images: Sequence, out_root: Path, formats: Sequence[str], *,
-                      on_done: Optional[Callable[[Any, Optional[str]], None]] = None,
-                      mesh_step: int = DEFAULT_MESH_STEP) -> dict:
+def predict_panoramas(
+    model: Any,
+    images: Sequence,
+    out_root: Path,
+    formats: Sequence[str],
+    *,
+    on_done: Optional[Callable[[Any, Optional[str]], None]] = None,
+    mesh_step: int = DEFAULT_MESH_STEP,
+) -> dict:
     """`predict_images` for 360-degree equirectangular panoramas: per image, `model.predict_panorama` (whose 12
     views already keep the device busy through predict_many) and `write_outputs`; the writing of one panorama
     overlaps the next one's views. A panorama that fails (unreadable, not 2:1, no valid view) is recorded and
@@ -152,8 +176,21 @@ def predict_panoramas(model: Any, images: Sequence, out_root: Path, formats: Seq
                     on_done(image, status[index])
                 continue
             settle()
-            pending.append((index, image, writer.submit(write_outputs, output, rgb, out_root / image.name, formats,
-                                                         source=str(image.path), mesh_step=mesh_step)))
+            pending.append(
+                (
+                    index,
+                    image,
+                    writer.submit(
+                        write_outputs,
+                        output,
+                        rgb,
+                        out_root / image.name,
+                        formats,
+                        source=str(image.path),
+                        mesh_step=mesh_step,
+                    ),
+                )
+            )
         settle()
     finally:
         writer.shutdown(wait=True, cancel_futures=True)

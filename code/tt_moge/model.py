@@ -10,6 +10,7 @@ runs one canvas at a time under a lock; the host stages of different calls run i
 The keyword arguments of `from_pretrained` are the fields of `options.LoadOptions`, those of `model(image, ...)`,
 `predict` and `predict_many` the fields of `host.CallOptions`: the signatures below are generated from them.
 """
+
 from __future__ import annotations
 
 import copy
@@ -48,8 +49,9 @@ class MoGeModel:
     Create it with `MoGeModel.from_pretrained(...)`. Calls are thread-safe; the device runs one image at a time.
     """
 
-    def __init__(self, runner: Runner, options: LoadOptions, *, network_config: Any, source: str,
-                 revision: Optional[str]):
+    def __init__(
+        self, runner: Runner, options: LoadOptions, *, network_config: Any, source: str, revision: Optional[str]
+    ):
         self.service = PredictionService(runner, options.resolution)
         self.options = options
         self.config = network_config
@@ -83,9 +85,16 @@ class MoGeModel:
         t0 = time.perf_counter()
         network, ckpt = load_network(options.weights, options.revision)
         _log(options.verbose, f"loaded {ckpt.source} ({network.config.describe()}) in {time.perf_counter() - t0:.1f} s")
-        runner = make_runner(network, options.resolution, options.num_tokens, options.device, options.precision,
-                             dispatch=options.dispatch, num_command_queues=options.num_command_queues,
-                             verbose=options.verbose)
+        runner = make_runner(
+            network,
+            options.resolution,
+            options.num_tokens,
+            options.device,
+            options.precision,
+            dispatch=options.dispatch,
+            num_command_queues=options.num_command_queues,
+            verbose=options.verbose,
+        )
         model = cls(runner, options, network_config=network.config, source=ckpt.source, revision=ckpt.revision)
         del network  # the runner holds what it needs (a graph runner: only its folded copy)
         try:
@@ -129,9 +138,15 @@ class MoGeModel:
     def info(self) -> dict:
         """What is loaded and where: for logs, the server's /info and `tt-moge info`."""
         return {
-            "model": self.source, "revision": self.revision, "architecture": self.config.describe(),
-            "device": self.device, "runner": self._runner.describe(), "canvas": list(self.resolution),
-            "num_tokens": self.num_tokens, "precision": self._runner.precision, "normal": self.has_normal,
+            "model": self.source,
+            "revision": self.revision,
+            "architecture": self.config.describe(),
+            "device": self.device,
+            "runner": self._runner.describe(),
+            "canvas": list(self.resolution),
+            "num_tokens": self.num_tokens,
+            "precision": self._runner.precision,
+            "normal": self.has_normal,
             "host": native.host_path(),
             "version": __version__,
         }
@@ -180,15 +195,26 @@ class MoGeModel:
             out["metric_scale"] = torch.tensor([raw.metric_scale], dtype=torch.float32)
         return out
 
-    def infer(self, image: Any, fov_x: Any = None, force_projection: bool = True, apply_mask: bool = True,
-              num_tokens: Optional[int] = None, resolution_level: int = 9, use_fp16: bool = True) -> dict:
+    def infer(
+        self,
+        image: Any,
+        fov_x: Any = None,
+        force_projection: bool = True,
+        apply_mask: bool = True,
+        num_tokens: Optional[int] = None,
+        resolution_level: int = 9,
+        use_fp16: bool = True,
+    ) -> dict:
         """Drop-in for upstream `MoGeModel.infer`: (3, H, W) or (B, 3, H, W) float in [0, 1] -> dict of torch
         tensors points, intrinsics, depth, mask, normal (batched for a batched input). Images are fitted with
         fit="pad". `num_tokens` must be None or the load-time budget; `resolution_level` and `use_fp16` are
         ignored (the precision is chosen at load)."""
         self.service.check_open()
         if num_tokens is not None and num_tokens != self.num_tokens:
-            raise ValueError(f"num_tokens={num_tokens}: this model runs {self.num_tokens} " "tokens (fixed at load); pass None or load another model")
+            raise ValueError(
+                f"num_tokens={num_tokens}: this model runs {self.num_tokens} "
+                "tokens (fixed at load); pass None or load another model"
+            )
         device = image.device if isinstance(image, torch.Tensor) else torch.device("cpu")
         batched = isinstance(image, (torch.Tensor, np.ndarray)) and image.ndim == 4
         items = list(image) if batched else [image]
@@ -196,8 +222,10 @@ class MoGeModel:
             fovs = [float(f) for f in fov_x]
         else:
             fovs = [fov_x] * len(items)
-        outs = [self.predict(img, fov_x=f, apply_mask=apply_mask, force_projection=force_projection).to_torch()
-                for img, f in zip(items, fovs)]
+        outs = [
+            self.predict(img, fov_x=f, apply_mask=apply_mask, force_projection=force_projection).to_torch()
+            for img, f in zip(items, fovs)
+        ]
         result = {k: torch.stack([o[k] for o in outs]) if batched else outs[0][k] for k in outs[0]}
         return {k: v.to(device) for k, v in result.items()}
 
@@ -258,13 +286,21 @@ def _generated_signatures() -> None:
     param = inspect.Parameter
     this = param("self", param.POSITIONAL_OR_KEYWORD)
     MoGeModel.from_pretrained.__func__.__signature__ = signature(
-        LoadOptions, leading=(param("cls", param.POSITIONAL_OR_KEYWORD),), returns="MoGeModel")
-    for method, first, returns in ((MoGeModel.predict, "image", MoGeOutput), (MoGeModel.__call__, "image", Any),
-                                   (MoGeModel.predict_many, "images", list)):
+        LoadOptions, leading=(param("cls", param.POSITIONAL_OR_KEYWORD),), returns="MoGeModel"
+    )
+    for method, first, returns in (
+        (MoGeModel.predict, "image", MoGeOutput),
+        (MoGeModel.__call__, "image", Any),
+        (MoGeModel.predict_many, "images", list),
+    ):
         sig = signature(CallOptions, leading=(this, param(first, param.POSITIONAL_OR_KEYWORD)), returns=returns)
         if method is MoGeModel.predict:
-            sig = sig.replace(parameters=[*sig.parameters.values(),
-                                          param("timing", param.KEYWORD_ONLY, default=None, annotation=Optional[dict])])
+            sig = sig.replace(
+                parameters=[
+                    *sig.parameters.values(),
+                    param("timing", param.KEYWORD_ONLY, default=None, annotation=Optional[dict]),
+                ]
+            )
         method.__signature__ = sig
 
 

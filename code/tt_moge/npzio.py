@@ -7,6 +7,7 @@ smaller than `MIN_DEFLATE_BYTES` (intrinsics, scalars) are stored: deflate only 
 is an ordinary zip: `np.load`, `zipfile` and `unzip -t` read it. `python -m perf.server.server_bench encode` measures it
 (docs/performance.md, Server).
 """
+
 from __future__ import annotations
 
 import io
@@ -77,10 +78,14 @@ def npz_parts(arrays: Mapping[str, np.ndarray], compress: bool = True) -> list:
         if max(size, packed_size, offset) >= _ZIP32_LIMIT:
             return [_numpy_npz(arrays, compress)]
         filename = f"{name}.npy".encode()
-        fields = struct.pack("<HHHHHIIIHH", 20, 0, method, _DOS_TIME, _DOS_DATE, crc, packed_size, size, len(filename), 0)
+        fields = struct.pack(
+            "<HHHHHIIIHH", 20, 0, method, _DOS_TIME, _DOS_DATE, crc, packed_size, size, len(filename), 0
+        )
         local = b"PK\x03\x04" + fields + filename
         chunks += [local, *(b for b in body if len(b))]
-        directory.append(b"PK\x01\x02" + struct.pack("<H", 20) + fields + struct.pack("<HHHII", 0, 0, 0, 0, offset) + filename)
+        directory.append(
+            b"PK\x01\x02" + struct.pack("<H", 20) + fields + struct.pack("<HHHII", 0, 0, 0, 0, offset) + filename
+        )
         offset += len(local) + packed_size
     central = b"".join(directory)
     if offset + len(central) >= _ZIP32_LIMIT or len(directory) > 0xFFFF:

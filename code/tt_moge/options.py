@@ -11,6 +11,7 @@ canonical warm-up variants. The server resolves its flags this way before it bin
 the same record; nothing downstream validates or resolves an option again. `LoadOptions.arguments(...)` runs
 the checks that do not depend on the machine (for a batch job's driver, whose replicas may run elsewhere).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -31,8 +32,19 @@ from .runners.precision import resolve_precision
 from .warmup import expand_variants
 from .weights import DEFAULT_REPO, DEFAULT_REVISION, WEIGHTS_DIR_ENV
 
-__all__ = ["LoadOptions", "CallOptions", "TtChip", "DISPATCH", "validate_resolution", "select_device",
-           "normalize_revision", "parse_wxh", "parse_canvas", "parse_token_budget", "parse_warmup_spec"]
+__all__ = [
+    "LoadOptions",
+    "CallOptions",
+    "TtChip",
+    "DISPATCH",
+    "validate_resolution",
+    "select_device",
+    "normalize_revision",
+    "parse_wxh",
+    "parse_canvas",
+    "parse_token_budget",
+    "parse_warmup_spec",
+]
 
 DISPATCH = ("eth", "worker")
 DEFAULT_BRANCH_NAMES = ("main", "")  # revision names that mean "the default branch" (revision None)
@@ -42,12 +54,18 @@ def validate_resolution(resolution: Any) -> tuple:
     """A canvas (width, height) of ints, 64..MAX_CANVAS_SIDE per side, aspect ratio in [1/4, 4]."""
     if isinstance(resolution, list):
         resolution = tuple(resolution)
-    if (not isinstance(resolution, tuple) or len(resolution) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in resolution)):
+    if (
+        not isinstance(resolution, tuple)
+        or len(resolution) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in resolution)
+    ):
         raise ValueError(f"resolution must be a (width, height) pair of ints, got {resolution!r}")
     w, h = resolution
     if not (64 <= w <= MAX_CANVAS_SIDE and 64 <= h <= MAX_CANVAS_SIDE and 0.25 <= w / h <= 4.0):
-        raise ValueError(f"resolution must be a canvas of 64..{MAX_CANVAS_SIDE} pixels " f"per side with an aspect ratio in [1/4, 4], got {w}x{h}")
+        raise ValueError(
+            f"resolution must be a canvas of 64..{MAX_CANVAS_SIDE} pixels "
+            f"per side with an aspect ratio in [1/4, 4], got {w}x{h}"
+        )
     return int(w), int(h)
 
 
@@ -158,12 +176,17 @@ def select_device(device: Any = None, device_id: int = 0, verbose: bool = False)
                 raise ValueError(f"device_id={device_id}: only {torch.cuda.device_count()} CUDA device(s) present")
             return torch.device("cuda", device_id)
         if device_id:
-            raise ValueError(f"device_id={device_id}: no Tenstorrent chip and no CUDA GPU here, and the CPU has no "
-                             "device ids; leave device_id at 0 or pass device='cpu'")
+            raise ValueError(
+                f"device_id={device_id}: no Tenstorrent chip and no CUDA GPU here, and the CPU has no "
+                "device ids; leave device_id at 0 or pass device='cpu'"
+            )
         if torch.backends.cuda.is_built():
-            warnings.warn(f"no Tenstorrent chip, and no CUDA GPU found by this CUDA build of torch ({torch.__version__}): "
-                          "running MoGe-2 on the CPU; pass device='cpu' to choose it explicitly", RuntimeWarning,
-                          stacklevel=4)
+            warnings.warn(
+                f"no Tenstorrent chip, and no CUDA GPU found by this CUDA build of torch ({torch.__version__}): "
+                "running MoGe-2 on the CPU; pass device='cpu' to choose it explicitly",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         return torch.device("cpu")
     from .runners.ttnn.device import TtnnUnavailableError, import_ttnn, is_ttnn_device
 
@@ -176,8 +199,10 @@ def select_device(device: Any = None, device_id: int = 0, verbose: bool = False)
     if isinstance(device, str) and device.strip().lower().startswith("tt"):
         return _tt_chip(device.strip().lower(), device_id, verbose)
     if not isinstance(device, (str, torch.device)):
-        raise TypeError("device must be None, 'cpu', 'cuda', 'cuda:N', 'tt', 'tt:N', an open ttnn device or a "
-                        f"torch.device, got {type(device).__name__}")
+        raise TypeError(
+            "device must be None, 'cpu', 'cuda', 'cuda:N', 'tt', 'tt:N', an open ttnn device or a "
+            f"torch.device, got {type(device).__name__}"
+        )
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
@@ -200,39 +225,85 @@ class LoadOptions:
     `from_pretrained` (its argument default, help and checks are in its definition)."""
 
     weights: str = option(
-        DEFAULT_REPO, f"a Hugging Face repo id, a folder holding model.pt, or model.pt itself (default {DEFAULT_REPO}; "
-        f"${WEIGHTS_DIR_ENV}, when set, replaces a repo id)", required=True, argument="pretrained_model_name_or_path",
-        positional=True, flag="--weights", metavar="REPO|DIR|FILE", check=_check_weights,
-        argtype=Union[str, os.PathLike])
+        DEFAULT_REPO,
+        f"a Hugging Face repo id, a folder holding model.pt, or model.pt itself (default {DEFAULT_REPO}; "
+        f"${WEIGHTS_DIR_ENV}, when set, replaces a repo id)",
+        required=True,
+        argument="pretrained_model_name_or_path",
+        positional=True,
+        flag="--weights",
+        metavar="REPO|DIR|FILE",
+        check=_check_weights,
+        argtype=Union[str, os.PathLike],
+    )
     device: Union[torch.device, TtChip] = option(
-        None, "cpu, cuda, cuda:N, tt or tt:N (default: a Tenstorrent chip when ttnn sees one, else CUDA when present, "
-        "else the CPU)", required=True, argtype=Any)
+        None,
+        "cpu, cuda, cuda:N, tt or tt:N (default: a Tenstorrent chip when ttnn sees one, else CUDA when present, "
+        "else the CPU)",
+        required=True,
+        argtype=Any,
+    )
     device_id: int = option(
-        0, "the chip or GPU to open when --device is not given or names no index (default 0)", required=True,
-        metavar="N", parse=non_negative_int, check=_check_device_id)
+        0,
+        "the chip or GPU to open when --device is not given or names no index (default 0)",
+        required=True,
+        metavar="N",
+        parse=non_negative_int,
+        check=_check_device_id,
+    )
     revision: Optional[str] = option(
-        DEFAULT_REVISION, "Hub revision of a repo id (default: the pinned revision of the published numbers; 'main' "
-        "for the newest)", required=True, check=normalize_revision)
+        DEFAULT_REVISION,
+        "Hub revision of a repo id (default: the pinned revision of the published numbers; 'main' for the newest)",
+        required=True,
+        check=normalize_revision,
+    )
     resolution: tuple = option(
-        DEFAULT_CANVAS, f"the canvas every image is fitted onto (default {DEFAULT_CANVAS[0]}x{DEFAULT_CANVAS[1]})",
-        required=True, metavar="WxH", parse=parse_canvas, check=validate_resolution, argtype=Sequence[int])
+        DEFAULT_CANVAS,
+        f"the canvas every image is fitted onto (default {DEFAULT_CANVAS[0]}x{DEFAULT_CANVAS[1]})",
+        required=True,
+        metavar="WxH",
+        parse=parse_canvas,
+        check=validate_resolution,
+        argtype=Sequence[int],
+    )
     num_tokens: int = option(
-        DEFAULT_NUM_TOKENS, "ViT token budget, 1200-3600 (default %(default)s)", required=True, metavar="N",
-        parse=parse_token_budget, check=validate_token_budget)
+        DEFAULT_NUM_TOKENS,
+        "ViT token budget, 1200-3600 (default %(default)s)",
+        required=True,
+        metavar="N",
+        parse=parse_token_budget,
+        check=validate_token_budget,
+    )
     dispatch: str = option("eth", "Tenstorrent dispatch (default %(default)s)", required=True, choices=DISPATCH)
     num_command_queues: Optional[int] = option(
-        None, "Tenstorrent command queues (2: worker dispatch only)", required=True, choices=(None, 1, 2), parse=int)
-    warmup: int = option(2, "device forwards at load (default %(default)s)", required=True, metavar="N",
-                         parse=non_negative_int, check=_check_warmup)
+        None, "Tenstorrent command queues (2: worker dispatch only)", required=True, choices=(None, 1, 2), parse=int
+    )
+    warmup: int = option(
+        2,
+        "device forwards at load (default %(default)s)",
+        required=True,
+        metavar="N",
+        parse=non_negative_int,
+        check=_check_warmup,
+    )
     warmup_variants: tuple = option(
-        "default", "host warm-up: a preset (default, all, minimal, none), presets separated by commas, or JSON such "
-        "as '[\"default\", {\"input\": \"jpeg\", \"size\": [4032, 3024]}]' (default %(default)s)", required=True,
-        metavar="SPEC", parse=parse_warmup_spec, argtype=Any)  # resolved with the canvas, in resolve()
+        "default",
+        "host warm-up: a preset (default, all, minimal, none), presets separated by commas, or JSON such "
+        'as \'["default", {"input": "jpeg", "size": [4032, 3024]}]\' (default %(default)s)',
+        required=True,
+        metavar="SPEC",
+        parse=parse_warmup_spec,
+        argtype=Any,
+    )  # resolved with the canvas, in resolve()
     verbose: bool = option(False, "print model loading steps", required=True, short="-v")
     precision: str = option(
-        "auto", "arithmetic of the forward (default auto: bf16 on CPUs with bfloat16 instructions, else fp32; fp16 on "
+        "auto",
+        "arithmetic of the forward (default auto: bf16 on CPUs with bfloat16 instructions, else fp32; fp16 on "
         "CUDA; bf16 on a Tenstorrent chip). fp32 is the exact reference; int8 is an opt-in CPU mode, bfp8 an opt-in "
-        "Tenstorrent mode", required=True, choices=PRECISIONS)  # concrete once resolved: fp32, bf16, fp16, int8, bfp8
+        "Tenstorrent mode",
+        required=True,
+        choices=PRECISIONS,
+    )  # concrete once resolved: fp32, bf16, fp16, int8, bfp8
 
     @classmethod
     def arguments(cls, *args: Any, **kwargs: Any) -> dict:
@@ -262,5 +333,7 @@ _SIGNATURE = signature(LoadOptions)
 # inspect.signature(LoadOptions.resolve) and help() show the arguments, not *args, **kwargs
 for _method in (LoadOptions.arguments, LoadOptions.resolve):
     _method.__func__.__signature__ = signature(
-        LoadOptions, leading=(inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),),
-        returns=dict if _method is LoadOptions.arguments else "LoadOptions")
+        LoadOptions,
+        leading=(inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),),
+        returns=dict if _method is LoadOptions.arguments else "LoadOptions",
+    )

@@ -18,6 +18,7 @@ web page) and `sliced` (every map cut to a grid). A new output is one new field 
 | `metric_scale`      | float32 | ()        | the predicted scale, already applied                        |
 | `fov_x`, `fov_y`    | float32 | ()        | degrees                                                     |
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,16 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-__all__ = ["MoGeOutput", "NPZ_LAYOUT", "SUMMARY_FIELDS", "INFER_KEYS", "OutputField", "output_field",
-           "finite_or_none", "depth_p1_p99"]
+__all__ = [
+    "MoGeOutput",
+    "NPZ_LAYOUT",
+    "SUMMARY_FIELDS",
+    "INFER_KEYS",
+    "OutputField",
+    "output_field",
+    "finite_or_none",
+    "depth_p1_p99",
+]
 
 _KEY = "tt_moge.output"  # the key of a field's OutputField in its dataclass metadata
 
@@ -62,8 +71,15 @@ class OutputField:
         return self.npz[1] == "()"
 
 
-def output_field(content: str, npz: tuple, *, memory: Optional[str] = None, summary: Optional[str] = None,
-                 optional: bool = False, **default: Any) -> Any:
+def output_field(
+    content: str,
+    npz: tuple,
+    *,
+    memory: Optional[str] = None,
+    summary: Optional[str] = None,
+    optional: bool = False,
+    **default: Any,
+) -> Any:
     """A dataclass field of MoGeOutput that is an output (see `OutputField`); `default=...` gives it a default."""
     return dataclasses.field(**default, metadata={_KEY: OutputField(content, npz, memory, summary, optional)})
 
@@ -95,14 +111,19 @@ class MoGeOutput:
     points: np.ndarray = output_field("metres, camera space (x right, y down, z forward)", ("float32", "(H, W, 3)"))
     depth: np.ndarray = output_field("metres (z); inf where mask is False when masked", ("float32", "(H, W)"))
     normal: Optional[np.ndarray] = output_field(
-        "unit normals, camera space (absent for models without one)", ("float16", "(H, W, 3)"), memory="float32",
-        optional=True)
+        "unit normals, camera space (absent for models without one)",
+        ("float16", "(H, W, 3)"),
+        memory="float32",
+        optional=True,
+    )
     mask: np.ndarray = output_field("1 = valid", ("uint8", "(H, W)"), memory="bool")
-    intrinsics: np.ndarray = output_field("normalised (fx, cx by width; fy, cy by height)", ("float32", "(3, 3)"),
-                                          summary="intrinsics")
+    intrinsics: np.ndarray = output_field(
+        "normalised (fx, cx by width; fy, cy by height)", ("float32", "(3, 3)"), summary="intrinsics"
+    )
     intrinsics_pixels: np.ndarray = output_field("in pixels", ("float32", "(3, 3)"), summary="intrinsics_pixels")
-    metric_scale: float = output_field("the predicted scale, already applied", ("float32", "()"),
-                                       summary="metric_scale")
+    metric_scale: float = output_field(
+        "the predicted scale, already applied", ("float32", "()"), summary="metric_scale"
+    )
     fov_x: float = output_field("horizontal field of view, degrees", ("float32", "()"), summary="fov_x_deg")
     fov_y: float = output_field("vertical field of view, degrees", ("float32", "()"), summary="fov_y_deg")
 
@@ -133,23 +154,34 @@ class MoGeOutput:
         for name, spec in _FIELDS.items():
             if spec.summary is not None:
                 record[spec.summary] = _summarised(getattr(self, name))
-        record.update(valid_fraction=float(self.valid_fraction), median_depth_m=finite_or_none(self.median_depth),
-                      has_normal=self.normal is not None)
+        record.update(
+            valid_fraction=float(self.valid_fraction),
+            median_depth_m=finite_or_none(self.median_depth),
+            has_normal=self.normal is not None,
+        )
         if depth_percentiles:
             record.update(depth_p1_p99(self.depth, self.mask))
         return record
 
     def sliced(self, rows: slice, cols: slice) -> "MoGeOutput":
         """The same result with every map cut to `[rows, cols]` (views, no copy); the rest as it is."""
-        return dataclasses.replace(self, **{name: getattr(self, name)[rows, cols] for name, spec in _FIELDS.items()
-                                            if spec.is_map and getattr(self, name) is not None})
+        return dataclasses.replace(
+            self,
+            **{
+                name: getattr(self, name)[rows, cols]
+                for name, spec in _FIELDS.items()
+                if spec.is_map and getattr(self, name) is not None
+            },
+        )
 
     def __repr__(self) -> str:
         w, h = self.size
         med = self.median_depth
         med_s = f"{med:.3f} m" if math.isfinite(med) else "n/a"
-        return (f"MoGeOutput({w}x{h}, valid {100 * self.valid_fraction:.1f}%, median depth {med_s}, "
-                f"fov_x {self.fov_x:.1f} deg, metric_scale {self.metric_scale:.4f})")
+        return (
+            f"MoGeOutput({w}x{h}, valid {100 * self.valid_fraction:.1f}%, median depth {med_s}, "
+            f"fov_x {self.fov_x:.1f} deg, metric_scale {self.metric_scale:.4f})"
+        )
 
     # --- the upstream infer() dict view -------------------------------------------------------------
     def keys(self) -> list:
@@ -251,8 +283,11 @@ NPZ_LAYOUT: dict = {name: spec.npz for name, spec in _FIELDS.items()}  # {key: (
 SUMMARY_FIELDS: dict = {
     "width": (int, "image width, pixels"),
     "height": (int, "image height, pixels"),
-    **{spec.summary: (Optional[float] if spec.is_scalar else list[list[Optional[float]]], f"{name}: {spec.content}")
-       for name, spec in _FIELDS.items() if spec.summary is not None},
+    **{
+        spec.summary: (Optional[float] if spec.is_scalar else list[list[Optional[float]]], f"{name}: {spec.content}")
+        for name, spec in _FIELDS.items()
+        if spec.summary is not None
+    },
     "valid_fraction": (float, "share of pixels with mask == 1"),
     "median_depth_m": (Optional[float], "median depth of the valid pixels, metres; null when none is valid"),
     "has_normal": (bool, "whether there is a normal map (the model has a normal head)"),

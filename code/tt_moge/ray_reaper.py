@@ -22,6 +22,7 @@ The agents cannot be told by anything of their own once the raylet is gone: Ray 
 and environment, and they are re-parented; hence the notes taken while the raylet lives.
 Linux only (/proc); elsewhere nothing is done. Only the standard library: the watcher runs this file directly.
 """
+
 from __future__ import annotations
 
 import json
@@ -94,8 +95,11 @@ def node_processes(session_dir: str, known: Iterable = (), exclude: Iterable[int
     table = _processes()
     skip = {os.getpid(), *exclude}
     marker = session_dir.rstrip("/").encode()
-    found = {pid for pid, (_, _, cmdline) in table.items()  # the directory itself, or a path inside it
-             if marker + b"/" in cmdline or marker + b"\0" in cmdline or cmdline.endswith(marker)}
+    found = {
+        pid
+        for pid, (_, _, cmdline) in table.items()  # the directory itself, or a path inside it
+        if marker + b"/" in cmdline or marker + b"\0" in cmdline or cmdline.endswith(marker)
+    }
     children: dict = {}
     for pid, (parent, _, _) in table.items():
         children.setdefault(parent, []).append(pid)
@@ -147,7 +151,9 @@ def sweep_dead(records_dir: Optional[Path] = None) -> list:
             continue
         if _start_time(driver) == started and _alive(driver):
             continue  # that driver still runs
-        ended = end_processes(node_processes(record.get("session_dir", ""), record.get("processes", ()), exclude=[driver]))
+        ended = end_processes(
+            node_processes(record.get("session_dir", ""), record.get("processes", ()), exclude=[driver])
+        )
         if ended:
             swept.append((driver, ended))
         try:
@@ -170,13 +176,23 @@ class Watcher:
             return None
         RECORDS_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
         driver = os.getpid()
-        record = {"driver_pid": driver, "driver_start": _start_time(driver), "node_id": node_id, "session_dir": session_dir,
-                  "processes": node_processes(session_dir, exclude=[driver])}
+        record = {
+            "driver_pid": driver,
+            "driver_start": _start_time(driver),
+            "node_id": node_id,
+            "session_dir": session_dir,
+            "processes": node_processes(session_dir, exclude=[driver]),
+        }
         path = _record_path(driver)
         path.write_text(json.dumps(record))
-        process = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), "watch", str(path)],
-                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   start_new_session=True, close_fds=True)
+        process = subprocess.Popen(
+            [sys.executable, "-I", os.path.abspath(__file__), "watch", str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+        )
         return cls(process)
 
     def release(self) -> None:

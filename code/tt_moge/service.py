@@ -10,6 +10,7 @@ The device forward runs one canvas at a time under a lock; the host stages (`hos
 of different calls run in parallel. `predict_many` overlaps the decode of the next image and the finish of the
 previous one with the device.
 """
+
 from __future__ import annotations
 
 import threading
@@ -87,8 +88,9 @@ class PredictionService:
             for i in range(len(images)):
                 prepared = next_prepared.result()
                 if i + 1 < len(images):
-                    next_prepared = pool.submit(prepare, images[i + 1], self.canvas_size, options, None,
-                                                f"images[{i + 1}]")
+                    next_prepared = pool.submit(
+                        prepare, images[i + 1], self.canvas_size, options, None, f"images[{i + 1}]"
+                    )
                 pending = self.submit(prepared.canvas)  # on CUDA, starts while image i-1 still copies back
                 if running is not None:
                     finishing.append(pool.submit(postprocess, running[0].result(), running[1], options))
@@ -103,8 +105,9 @@ class PredictionService:
         if not prepared.plan.is_identity:
             w, h = prepared.plan.image_size
             cw, ch = self.canvas_size
-            raise InputError(f"image: forward takes a canvas-sized image ({cw}x{ch}), got {w}x{h}; use model(image) "
-                             "for other sizes")
+            raise InputError(
+                f"image: forward takes a canvas-sized image ({cw}x{ch}), got {w}x{h}; use model(image) for other sizes"
+            )
         return self.forward_raw(prepared.canvas)
 
     # ------------------------------------------------------------------------------------------ life

@@ -24,6 +24,7 @@ Loading therefore stays fast on a CPU device too, and only the host paths (decod
 finish, their scratch and output buffers, see tt_moge/host/buffers.py) are exercised per variant.
 No result is kept, so warm-up does not change any output.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -35,8 +36,16 @@ import numpy as np
 from .fields import checked, options_of
 from .host.pipeline import CallOptions
 
-__all__ = ["INPUTS", "CALLS", "PRESETS", "KEYS", "canonical_variant", "expand_variants", "run_variant",
-           "synthetic_photo"]
+__all__ = [
+    "INPUTS",
+    "CALLS",
+    "PRESETS",
+    "KEYS",
+    "canonical_variant",
+    "expand_variants",
+    "run_variant",
+    "synthetic_photo",
+]
 
 INPUTS = ("array", "float", "png", "jpeg", "pil")
 CALLS = ("call", "predict_many", "infer", "forward")
@@ -86,8 +95,11 @@ def canonical_variant(variant: dict, canvas_size: tuple, name: str = "warm-up va
     if v["call"] not in CALLS:
         raise ValueError(f"{name}: call must be one of {CALLS}, got {v['call']!r}")
     size = v["size"]
-    if (not isinstance(size, (tuple, list)) or len(size) != 2
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 8 for s in size)):
+    if (
+        not isinstance(size, (tuple, list))
+        or len(size) != 2
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 8 for s in size)
+    ):
         raise ValueError(f"{name}: size must be (width, height) integers >= 8, got {size!r}")
     v["size"] = tuple(size)
     for o in _CALL_OPTIONS:
@@ -109,7 +121,9 @@ def expand_variants(spec: Union[str, dict, Iterable, None], canvas_size: tuple) 
         return []
     if isinstance(spec, str):
         if spec not in PRESETS:
-            raise ValueError(f"warmup_variants: unknown preset {spec!r}; expected one of {sorted(PRESETS)}, a variant dict or a list")
+            raise ValueError(
+                f"warmup_variants: unknown preset {spec!r}; expected one of {sorted(PRESETS)}, a variant dict or a list"
+            )
         items: list[Any] = list(PRESETS[spec])
     elif isinstance(spec, dict):
         items = [spec]
@@ -123,7 +137,9 @@ def expand_variants(spec: Union[str, dict, Iterable, None], canvas_size: tuple) 
     for index, item in enumerate(items):
         if isinstance(item, str):
             raise ValueError(f"warmup_variants: unknown preset {item!r}; expected one of {sorted(PRESETS)}")
-        where = "warmup_variants" if isinstance(spec, dict) else f"warmup_variants (variant {index + 1} of {len(items)})"
+        where = (
+            "warmup_variants" if isinstance(spec, dict) else f"warmup_variants (variant {index + 1} of {len(items)})"
+        )
         key = canonical_variant(item, canvas_size, where)
         if key not in out:
             out.append(key)
@@ -137,7 +153,9 @@ def synthetic_photo(size: tuple, seed: int = 0) -> np.ndarray:
     y = np.linspace(0.0, 1.0, h, dtype=np.float32)[:, None]
     x = np.linspace(0.0, 1.0, w, dtype=np.float32)[None, :]
     sky = np.stack([0.45 + 0.2 * y + 0 * x, 0.6 + 0.15 * y + 0 * x, 0.85 - 0.1 * y + 0 * x], axis=-1)
-    ground = np.stack([0.35 + 0.25 * np.sin(8 * x + 3 * y), 0.4 + 0.2 * y + 0 * x, 0.2 + 0.1 * np.cos(5 * x) + 0 * y], axis=-1)
+    ground = np.stack(
+        [0.35 + 0.25 * np.sin(8 * x + 3 * y), 0.4 + 0.2 * y + 0 * x, 0.2 + 0.1 * np.cos(5 * x) + 0 * y], axis=-1
+    )
     img = np.where((y > 0.45 + 0.05 * np.sin(6 * x))[..., None], ground, sky)
     img = img + rng.normal(0.0, 0.02, img.shape).astype(np.float32)
     return np.rint(np.clip(img, 0, 1) * 255).astype(np.uint8)
@@ -150,16 +168,22 @@ def run_variant(model: Any, key: tuple, photos: dict) -> None:
     photo = photos.get(v["size"])
     if photo is None:
         photo = photos[v["size"]] = synthetic_photo(v["size"])
-    options = {o.argument: (o.spec.warm if v[o.argument] else o.default) if o.spec.warm is not None else v[o.argument]
-               for o in _CALL_OPTIONS}
+    options = {
+        o.argument: (o.spec.warm if v[o.argument] else o.default) if o.spec.warm is not None else v[o.argument]
+        for o in _CALL_OPTIONS
+    }
     with tempfile.TemporaryDirectory(prefix="tt_moge-warmup-") as tmp:
         inputs = [_input(v["input"], photo, Path(tmp), i) for i in range(2 if v["call"] == "predict_many" else 1)]
         if v["call"] == "forward":
             model.forward(inputs[0])
         elif v["call"] == "infer":
             image = inputs[0]
-            model.infer(image[0] if hasattr(image, "dim") else image, fov_x=options["fov_x"],
-                        apply_mask=options["apply_mask"], force_projection=options["force_projection"])
+            model.infer(
+                image[0] if hasattr(image, "dim") else image,
+                fov_x=options["fov_x"],
+                apply_mask=options["apply_mask"],
+                force_projection=options["force_projection"],
+            )
         elif v["call"] == "predict_many":
             model.predict_many(inputs, **options)
         else:

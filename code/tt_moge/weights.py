@@ -4,6 +4,7 @@ A MoGe-2 `model.pt` is `{"model_config": {...}, "model": state_dict}`. We read i
 and load the state dict strictly: a config that does not match its weights is an error that names the
 keys, never a silently half-loaded network (upstream loads with `strict=False`).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,9 +25,19 @@ WEIGHTS_DIR_ENV = "MOGE_WEIGHTS_DIR"
 CHECKPOINT_NAME = "model.pt"
 
 __all__ = [
-    "DEFAULT_REPO", "DEFAULT_REVISION", "WEIGHTS_DIR_ENV", "CheckpointError", "Checkpoint",
-    "resolve_checkpoint", "read_checkpoint", "build_network", "load_network", "ways_out", "describe_source",
-    "RANDOM_WEIGHTS_DIR", "RANDOM_WEIGHTS_ONE_LINER",
+    "DEFAULT_REPO",
+    "DEFAULT_REVISION",
+    "WEIGHTS_DIR_ENV",
+    "CheckpointError",
+    "Checkpoint",
+    "resolve_checkpoint",
+    "read_checkpoint",
+    "build_network",
+    "load_network",
+    "ways_out",
+    "describe_source",
+    "RANDOM_WEIGHTS_DIR",
+    "RANDOM_WEIGHTS_ONE_LINER",
 ]
 
 
@@ -50,12 +61,17 @@ def _file_in(path: Path) -> Path:
     if path.is_dir():
         candidate = path / CHECKPOINT_NAME
         if not candidate.is_file():
-            raise CheckpointError(f"{path} is a directory without {CHECKPOINT_NAME}; put " f"the MoGe-2 {CHECKPOINT_NAME} there or pass its path")
+            raise CheckpointError(
+                f"{path} is a directory without {CHECKPOINT_NAME}; put "
+                f"the MoGe-2 {CHECKPOINT_NAME} there or pass its path"
+            )
         return candidate
     return path
 
 
-def resolve_checkpoint(name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, revision: Optional[str] = DEFAULT_REVISION) -> tuple[Path, str, Optional[str]]:
+def resolve_checkpoint(
+    name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, revision: Optional[str] = DEFAULT_REVISION
+) -> tuple[Path, str, Optional[str]]:
     """Return (local path of model.pt, description of the source, revision used or None for local files).
 
     Order: an existing local file or directory; else `$MOGE_WEIGHTS_DIR` (which overrides a repo id, never a
@@ -69,17 +85,25 @@ def resolve_checkpoint(name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, rev
     if local.exists():
         return _file_in(local), str(local), None
     if isinstance(name_or_path, os.PathLike) or _looks_like_path(name):
-        raise CheckpointError(f"weights not found: {name} does not exist (expected a Hugging Face repo id like " f"{DEFAULT_REPO!r}, a directory holding {CHECKPOINT_NAME}, or the path of {CHECKPOINT_NAME})")
+        raise CheckpointError(
+            f"weights not found: {name} does not exist (expected a Hugging Face repo id like "
+            f"{DEFAULT_REPO!r}, a directory holding {CHECKPOINT_NAME}, or the path of {CHECKPOINT_NAME})"
+        )
     env = environment.get(WEIGHTS_DIR_ENV)
     if env:
         env_path = Path(env).expanduser()
         if not env_path.exists():
-            raise CheckpointError(f"${WEIGHTS_DIR_ENV}={env} does not exist; point it at " f"a directory holding {CHECKPOINT_NAME} or unset it")
+            raise CheckpointError(
+                f"${WEIGHTS_DIR_ENV}={env} does not exist; point it at "
+                f"a directory holding {CHECKPOINT_NAME} or unset it"
+            )
         return _file_in(env_path), f"${WEIGHTS_DIR_ENV}={env}", None
     return _download(name, revision), f"{name}@{revision or 'main'}", revision
 
 
-def describe_source(name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, revision: Optional[str] = DEFAULT_REVISION) -> str:
+def describe_source(
+    name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, revision: Optional[str] = DEFAULT_REVISION
+) -> str:
     """Where `resolve_checkpoint` will take the weights from, in its words, without reading a file or asking the
     Hub: for log lines written before the weights load (`$MOGE_WEIGHTS_DIR` replaces a repo id)."""
     name = os.fspath(name_or_path)
@@ -93,8 +117,10 @@ def describe_source(name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, revisi
 
 # A random-weight checkpoint of the real format: the third way out when the real weights cannot be had.
 RANDOM_WEIGHTS_DIR = "/tmp/moge-tiny"
-RANDOM_WEIGHTS_ONE_LINER = (f"python -c \"from tt_moge.testing import make_checkpoint; "
-                            f"make_checkpoint('{RANDOM_WEIGHTS_DIR}', 'tiny-vits-normal')\"")
+RANDOM_WEIGHTS_ONE_LINER = (
+    f'python -c "from tt_moge.testing import make_checkpoint; '
+    f"make_checkpoint('{RANDOM_WEIGHTS_DIR}', 'tiny-vits-normal')\""
+)
 _COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 
 
@@ -112,11 +138,13 @@ def _hub_command() -> str:
 def ways_out(repo_id: str = DEFAULT_REPO, revision: Optional[str] = DEFAULT_REVISION) -> str:
     """The three ways to weights when the Hub cannot supply them, one numbered line each (for messages)."""
     pin = f" --revision {revision}" if revision else ""
-    return (f"  1. download it where there is network: {_hub_command()} download {repo_id} {CHECKPOINT_NAME}{pin}\n"
-            f"  2. use a {CHECKPOINT_NAME} you have: {WEIGHTS_DIR_ENV}=/dir/with/{CHECKPOINT_NAME}, or pass the folder or "
-            f"file (--weights PATH, from_pretrained(PATH))\n"
-            f"  3. try it on random weights (meaningless outputs): {RANDOM_WEIGHTS_ONE_LINER}, "
-            f"then {WEIGHTS_DIR_ENV}={RANDOM_WEIGHTS_DIR}")
+    return (
+        f"  1. download it where there is network: {_hub_command()} download {repo_id} {CHECKPOINT_NAME}{pin}\n"
+        f"  2. use a {CHECKPOINT_NAME} you have: {WEIGHTS_DIR_ENV}=/dir/with/{CHECKPOINT_NAME}, or pass the folder or "
+        f"file (--weights PATH, from_pretrained(PATH))\n"
+        f"  3. try it on random weights (meaningless outputs): {RANDOM_WEIGHTS_ONE_LINER}, "
+        f"then {WEIGHTS_DIR_ENV}={RANDOM_WEIGHTS_DIR}"
+    )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -125,8 +153,10 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _unavailable(repo_id: str, revision: Optional[str], reason: str) -> CheckpointError:
-    return CheckpointError(f"could not get {CHECKPOINT_NAME} of {repo_id} (revision {revision or 'main'}): {reason}, and "
-                           f"the local Hugging Face cache does not have it. Three ways out:\n" + ways_out(repo_id, revision))
+    return CheckpointError(
+        f"could not get {CHECKPOINT_NAME} of {repo_id} (revision {revision or 'main'}): {reason}, and "
+        f"the local Hugging Face cache does not have it. Three ways out:\n" + ways_out(repo_id, revision)
+    )
 
 
 def _download(repo_id: str, revision: Optional[str]) -> Path:
@@ -136,7 +166,9 @@ def _download(repo_id: str, revision: Optional[str]) -> Path:
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
 
     def get(**kwargs) -> Path:
-        return Path(hf_hub_download(repo_id=repo_id, filename=CHECKPOINT_NAME, revision=revision, repo_type="model", **kwargs))
+        return Path(
+            hf_hub_download(repo_id=repo_id, filename=CHECKPOINT_NAME, revision=revision, repo_type="model", **kwargs)
+        )
 
     def cached() -> Optional[Path]:
         try:
@@ -152,15 +184,20 @@ def _download(repo_id: str, revision: Optional[str]) -> Path:
         if constants.HF_HUB_OFFLINE:
             raise _unavailable(repo_id, revision, "HF_HUB_OFFLINE is set")
     try:  # the hub client's own metadata request, once: its default is no retry
-        get_hf_file_metadata(hf_hub_url(repo_id, CHECKPOINT_NAME, revision=revision), timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        get_hf_file_metadata(
+            hf_hub_url(repo_id, CHECKPOINT_NAME, revision=revision), timeout=constants.HF_HUB_ETAG_TIMEOUT
+        )
     except Exception as exc:  # network errors, timeouts, HTTP errors (missing repo or revision, gated, auth)
         path = None if pinned else cached()
         if path is not None:
             return path
         response = getattr(exc, "response", None)
         status = getattr(response, "status_code", None)
-        reason = (f"the Hub answered HTTP {status} ({_first_line(exc)})" if status is not None
-                  else f"the Hugging Face Hub cannot be reached ({_first_line(exc)})")
+        reason = (
+            f"the Hub answered HTTP {status} ({_first_line(exc)})"
+            if status is not None
+            else f"the Hugging Face Hub cannot be reached ({_first_line(exc)})"
+        )
         raise _unavailable(repo_id, revision, reason) from None
     try:
         return get()
@@ -182,12 +219,16 @@ def read_checkpoint(path: Union[str, os.PathLike]) -> tuple[dict, dict]:
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
-            f"{path} ({size} bytes) is not a readable MoGe-2 checkpoint: " f"torch.load failed ({type(exc).__name__}: {first}). "
+            f"{path} ({size} bytes) is not a readable MoGe-2 checkpoint: "
+            f"torch.load failed ({type(exc).__name__}: {first}). "
             f"The file may be truncated or corrupt (an interrupted download?) or not a PyTorch file; download it again."
         ) from None
     if not isinstance(ckpt, dict) or "model_config" not in ckpt or "model" not in ckpt:
         keys = sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__
-        raise CheckpointError(f"{path} is a PyTorch file but not a MoGe checkpoint: expected " f"a dict with 'model_config' and 'model', found {keys}")
+        raise CheckpointError(
+            f"{path} is a PyTorch file but not a MoGe checkpoint: expected "
+            f"a dict with 'model_config' and 'model', found {keys}"
+        )
     if not isinstance(ckpt["model"], dict):
         raise CheckpointError(f"{path}: 'model' must be a state dict, found {type(ckpt['model']).__name__}")
     return ckpt["model_config"], ckpt["model"]
@@ -211,7 +252,8 @@ def build_network(config: dict, state_dict: dict, source: str = "checkpoint") ->
     unexpected = sorted(set(state_dict) - set(expected))
     mismatched = sorted(
         f"{k} (checkpoint {tuple(state_dict[k].shape)}, config {tuple(expected[k])})"
-        for k in set(expected) & set(state_dict) if tuple(state_dict[k].shape) != tuple(expected[k])
+        for k in set(expected) & set(state_dict)
+        if tuple(state_dict[k].shape) != tuple(expected[k])
     )
     if missing or unexpected or mismatched:
         parts = []
@@ -222,14 +264,17 @@ def build_network(config: dict, state_dict: dict, source: str = "checkpoint") ->
         if mismatched:
             parts.append(f"shape mismatches: {_listing(mismatched, 4)}")
         raise CheckpointError(
-            f"{source}: the weights do not match the model_config ({cfg.describe()}): " + "; ".join(parts)
+            f"{source}: the weights do not match the model_config ({cfg.describe()}): "
+            + "; ".join(parts)
             + ". The config and the state dict come from different models, or the file was edited."
         )
     net.load_state_dict(state_dict, strict=True, assign=True)
     return net.float().eval().requires_grad_(False)  # checkpoints may be stored in half precision
 
 
-def load_network(name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, revision: Optional[str] = DEFAULT_REVISION) -> tuple[MoGe2Network, Checkpoint]:
+def load_network(
+    name_or_path: Union[str, os.PathLike] = DEFAULT_REPO, revision: Optional[str] = DEFAULT_REVISION
+) -> tuple[MoGe2Network, Checkpoint]:
     """Resolve, read and build: the one call the model and the tools use."""
     path, source, rev = resolve_checkpoint(name_or_path, revision)
     config, state_dict = read_checkpoint(path)

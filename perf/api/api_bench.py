@@ -7,6 +7,7 @@ else a synthetic photo-like PNG of the canvas size.
     python -m perf.api.api_bench --weights path/to/model.pt --runs 30
     python -m perf.api.api_bench --random-weights tiny-vits-normal --resolution 448x252 --num-tokens 1200 --runs 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,9 @@ def main(argv=None) -> int:
         png = args.image or default_image(args.resolution, scratch)
         with Image.open(png) as img:
             rgb = np.array(img.convert("RGB"))
-        canvas_rgb = rgb if rgb.shape[1::-1] == args.resolution else np.asarray(
-            Image.fromarray(rgb).resize(args.resolution))
+        canvas_rgb = (
+            rgb if rgb.shape[1::-1] == args.resolution else np.asarray(Image.fromarray(rgb).resize(args.resolution))
+        )
         small = np.asarray(Image.fromarray(rgb).resize((800, 600)))
         canvas_float = torch.from_numpy(canvas_rgb).permute(2, 0, 1)[None].float().div(255)
         paths = []
@@ -58,10 +60,16 @@ def main(argv=None) -> int:
                 ("model(array), uint8 800x600", lambda: model(small), 1),
                 (f"model({Path(png).name!r}) (adds the PNG decode)", lambda: model(png), 1),
                 (f"model.predict_many(paths), per image ({BATCH} per call)", lambda: model.predict_many(paths), BATCH),
-                (f"model.predict_many(arrays), per image ({BATCH} per call)", lambda: model.predict_many(arrays), BATCH),
+                (
+                    f"model.predict_many(arrays), per image ({BATCH} per call)",
+                    lambda: model.predict_many(arrays),
+                    BATCH,
+                ),
             ]
-            print(f"image {png}; canvas {args.resolution[0]}x{args.resolution[1]}, {args.num_tokens} tokens, "
-                  f"device {model.device}, host path {native.host_path()} ({native.threads()} threads)")
+            print(
+                f"image {png}; canvas {args.resolution[0]}x{args.resolution[1]}, {args.num_tokens} tokens, "
+                f"device {model.device}, host path {native.host_path()} ({native.threads()} threads)"
+            )
             print(f"{'call':62s} {'median ms':>10s} {'min ms':>9s}")
             for name, fn, per in rows:
                 fn()

@@ -16,6 +16,7 @@ Without --weights a random-weight tiny-vits-normal checkpoint is written to a te
 meaningless, the work per image is that of the tiny network on the chosen canvas. On CPU, N replicas split the
 cores (each takes cores / N CPUs and torch threads, as tt-moge batch does by default).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,28 +75,50 @@ def main(argv=None) -> int:
         for run in range(args.runs):
             for n in counts:  # interleaved, so that a change in the machine's load hits every count alike
                 t = time.perf_counter()
-                model = {"pretrained_model_name_or_path": weights, "device": args.device, "resolution": resolution,
-                         "num_tokens": args.num_tokens}
-                summary = run_batch(BatchJob([photos], Path(tmp) / f"out-{n}-{run}", model=model, formats=["npz"],
-                                             replicas=n, cpus_per_replica=args.cpus_per_replica,
-                                             gpus_per_replica=args.gpus_per_replica, batch_size=args.batch_size,
-                                             address=args.address, quiet=True))
+                model = {
+                    "pretrained_model_name_or_path": weights,
+                    "device": args.device,
+                    "resolution": resolution,
+                    "num_tokens": args.num_tokens,
+                }
+                summary = run_batch(
+                    BatchJob(
+                        [photos],
+                        Path(tmp) / f"out-{n}-{run}",
+                        model=model,
+                        formats=["npz"],
+                        replicas=n,
+                        cpus_per_replica=args.cpus_per_replica,
+                        gpus_per_replica=args.gpus_per_replica,
+                        batch_size=args.batch_size,
+                        address=args.address,
+                        quiet=True,
+                    )
+                )
                 if summary.done != args.images:
                     raise SystemExit(f"run with {n} replicas: {summary.line()}")
                 results.setdefault(n, []).append(summary)
-                print(f"run {run + 1}/{args.runs}, {n} replica(s): {summary.images_per_second:.2f} images/s job, "
-                      f"{summary.steady_images_per_second:.2f} steady ({summary.seconds:.1f} s job, Ray start "
-                      f"{summary.ray_start_seconds:.1f} s, {time.perf_counter() - t:.1f} s in all)", flush=True)
+                print(
+                    f"run {run + 1}/{args.runs}, {n} replica(s): {summary.images_per_second:.2f} images/s job, "
+                    f"{summary.steady_images_per_second:.2f} steady ({summary.seconds:.1f} s job, Ray start "
+                    f"{summary.ray_start_seconds:.1f} s, {time.perf_counter() - t:.1f} s in all)",
+                    flush=True,
+                )
 
-    print(f"\n{args.images} photos {args.size[0]}x{args.size[1]}, canvas " f"{args.resolution[0]}x{args.resolution[1]}, {args.num_tokens} tokens, device {args.device}, "
-          f"medians of {args.runs} run(s):")
+    print(
+        f"\n{args.images} photos {args.size[0]}x{args.size[1]}, canvas "
+        f"{args.resolution[0]}x{args.resolution[1]}, {args.num_tokens} tokens, device {args.device}, "
+        f"medians of {args.runs} run(s):"
+    )
     base_job = base_steady = None
     for n in counts:
         job = statistics.median(s.images_per_second for s in results[n])
         steady = statistics.median(s.steady_images_per_second for s in results[n])
         base_job, base_steady = base_job or job, base_steady or steady
-        print(f"  {n} replica(s): {job:6.2f} images/s job ({job / base_job:.2f}x)   "
-              f"{steady:6.2f} images/s steady ({steady / base_steady:.2f}x)")
+        print(
+            f"  {n} replica(s): {job:6.2f} images/s job ({job / base_job:.2f}x)   "
+            f"{steady:6.2f} images/s steady ({steady / base_steady:.2f}x)"
+        )
     print(f"\nrerun: {common.rerun_command()}")
     return 0
 

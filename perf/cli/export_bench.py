@@ -22,6 +22,7 @@ Without --weights a random-weight tiny checkpoint is written to a temporary fold
 meaningless, but the file sizes and times are those of a real image of that size; random weights mask about a
 quarter of the pixels).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,14 +41,25 @@ from tt_moge.cli.argtypes import wxh  # noqa: E402
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--image", default=str(ROOT / "media" / "source.png"),
-                        help="the image, or 'synthetic' (a 1920x1080 photo-like one) or 'noise' (1920x1080 random RGB) "
-                             "(default media/source.png)")
-    parser.add_argument("--all-valid", action="store_true",
-                        help="the random checkpoint masks no pixel (default: about a quarter; not with --weights)")
+    parser.add_argument(
+        "--image",
+        default=str(ROOT / "media" / "source.png"),
+        help="the image, or 'synthetic' (a 1920x1080 photo-like one) or 'noise' (1920x1080 random RGB) "
+        "(default media/source.png)",
+    )
+    parser.add_argument(
+        "--all-valid",
+        action="store_true",
+        help="the random checkpoint masks no pixel (default: about a quarter; not with --weights)",
+    )
     parser.add_argument("--weights", help="checkpoint (default: a random-weight tiny-vits-normal in a temp folder)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    parser.add_argument("--resolution", type=wxh, default=(448, 252), help="canvas WxH (default 448x252: the model call is not what is timed)")
+    parser.add_argument(
+        "--resolution",
+        type=wxh,
+        default=(448, 252),
+        help="canvas WxH (default 448x252: the model call is not what is timed)",
+    )
     parser.add_argument("--num-tokens", type=int, default=1200, help="token budget (default 1200)")
     parser.add_argument("--runs", type=int, default=5, help="writes per format group (default 5)")
     args = parser.parse_args(argv)
@@ -62,10 +74,19 @@ def main(argv=None) -> int:
         if weights is None:
             from tt_moge.testing import make_checkpoint
 
-            weights = str(make_checkpoint(Path(tmp) / "weights", "tiny-vits-normal",
-                                          **({"invalid_share": 0.0} if args.all_valid else {})))
-        model = MoGeModel.from_pretrained(weights, device=args.device, resolution=args.resolution, num_tokens=args.num_tokens,
-                                          warmup=1, warmup_variants="none")
+            weights = str(
+                make_checkpoint(
+                    Path(tmp) / "weights", "tiny-vits-normal", **({"invalid_share": 0.0} if args.all_valid else {})
+                )
+            )
+        model = MoGeModel.from_pretrained(
+            weights,
+            device=args.device,
+            resolution=args.resolution,
+            num_tokens=args.num_tokens,
+            warmup=1,
+            warmup_variants="none",
+        )
         if args.image == "synthetic":
             rgb = synthetic_photo((1920, 1080), seed=1)
         elif args.image == "noise":
@@ -80,12 +101,17 @@ def main(argv=None) -> int:
             call_times.append(time.perf_counter() - t)
         model.close()
         call = statistics.median(call_times)
-        print(f"image {args.image} ({output.size[0]}x{output.size[1]}), valid {output.valid_fraction:.1%}, "
-              f"kept for 3D {kept_pixels(output).mean():.1%}; model call median {call * 1e3:.0f} ms "
-              f"({args.resolution[0]}x{args.resolution[1]}, {args.num_tokens} tokens, {args.device})")
+        print(
+            f"image {args.image} ({output.size[0]}x{output.size[1]}), valid {output.valid_fraction:.1%}, "
+            f"kept for 3D {kept_pixels(output).mean():.1%}; model call median {call * 1e3:.0f} ms "
+            f"({args.resolution[0]}x{args.resolution[1]}, {args.num_tokens} tokens, {args.device})"
+        )
         print(f"{'formats':<36}{'median ms':>10}{'min ms':>9}{'MB':>7}   files (MB)")
-        groups = [((f,), DEFAULT_MESH_STEP) for f in FORMATS] + [(("glb",), 1), (DEFAULT_FORMATS, DEFAULT_MESH_STEP),
-                                                                  (tuple(FORMATS), DEFAULT_MESH_STEP)]
+        groups = [((f,), DEFAULT_MESH_STEP) for f in FORMATS] + [
+            (("glb",), 1),
+            (DEFAULT_FORMATS, DEFAULT_MESH_STEP),
+            (tuple(FORMATS), DEFAULT_MESH_STEP),
+        ]
         totals = {}
         for group, step in groups:
             label = "+".join(group) + (f" (mesh step {step})" if "glb" in group else "")

@@ -8,6 +8,7 @@ through simplejpeg when installed, else OpenCV).
     python -m perf.host.decode_bench                       # media/source.png if present, else a synthetic photo
     python -m perf.host.decode_bench --image photo.png --runs 30
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,9 +73,9 @@ def inflate_only(data: bytes) -> dict:
 
     view, pos, idat = memoryview(data), 8, []
     while pos + 8 <= len(data):
-        length, kind = struct.unpack(">I4s", view[pos:pos + 8])
+        length, kind = struct.unpack(">I4s", view[pos : pos + 8])
         if kind == b"IDAT":
-            idat.append(view[pos + 8:pos + 8 + length])
+            idat.append(view[pos + 8 : pos + 8 + length])
         pos += 12 + length
     stream = b"".join(idat)
     out = {"zlib": lambda: zlib.decompress(stream)}
@@ -121,7 +122,10 @@ def main(argv=None) -> int:
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format="JPEG", quality=args.jpeg_quality)
     jpeg = buf.getvalue()
-    print(f"image: {source}, {rgb.shape[1]}x{rgb.shape[0]}; PNG {len(png) / 1e6:.2f} " f"MB, JPEG q{args.jpeg_quality} {len(jpeg) / 1e6:.2f} MB")
+    print(
+        f"image: {source}, {rgb.shape[1]}x{rgb.shape[0]}; PNG {len(png) / 1e6:.2f} "
+        f"MB, JPEG q{args.jpeg_quality} {len(jpeg) / 1e6:.2f} MB"
+    )
     for kind, data in (("png", png), ("jpeg", jpeg)):
         ref = pillow(data)
         results = {}

@@ -12,6 +12,7 @@ that load changes on a shared machine hit both alike.
 
 Needs the upstream oracle (pip install --no-deps dlr-moge==2.0.0 dlr-utils3d==1.3).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,11 +52,16 @@ def main(argv=None) -> int:
     weights = args.weights or str(make_checkpoint(tmp.name, "tiny-vits-normal"))
     size = args.resolution
     image = calibration_image(*size, seed=3)[0]
-    with MoGeModel.from_pretrained(weights, device="cpu", resolution=size, num_tokens=args.num_tokens, warmup=0,
-                                   warmup_variants="none") as model:
+    with MoGeModel.from_pretrained(
+        weights, device="cpu", resolution=size, num_tokens=args.num_tokens, warmup=0, warmup_variants="none"
+    ) as model:
         raw_dict = {k: v.clone() for k, v in model.forward(image[None]).items()}
-    raw = RawMaps(raw_dict["points"][0], raw_dict.get("normal", [None])[0], raw_dict["mask"][0],
-                  float(raw_dict["metric_scale"][0]))
+    raw = RawMaps(
+        raw_dict["points"][0],
+        raw_dict.get("normal", [None])[0],
+        raw_dict["mask"][0],
+        float(raw_dict["metric_scale"][0]),
+    )
     plan = plan_canvas(size, size, "pad")
     options = CallOptions()
 
@@ -92,8 +98,10 @@ def main(argv=None) -> int:
         valid = ref["mask"].float().mean().item()
         same_mask = torch.equal(out["mask"], ref["mask"])
         rel = ((out["depth"] - ref["depth"]).abs()[ref["mask"]] / ref["depth"][ref["mask"]]).max().item()
-        print(f"check {path}: mask identical to upstream={same_mask} (valid {valid:.1%}), max relative depth "
-              f"difference {rel:.2e} (upstream's solver stops at ftol 1e-3)")
+        print(
+            f"check {path}: mask identical to upstream={same_mask} (valid {valid:.1%}), max relative depth "
+            f"difference {rel:.2e} (upstream's solver stops at ftol 1e-3)"
+        )
 
     up, ours = [], {p: [] for p in paths}
     for _ in range(args.runs):
@@ -110,9 +118,11 @@ def main(argv=None) -> int:
         fin = statistics.median(t["finish"] for t in ours[path])
         total = statistics.median(t["solve"] + t["finish"] for t in ours[path])
         extra = f", {native.threads()} threads" if path == "native" else ""
-        print(f"  tt_moge {path:6s} solve {solve:6.2f} + finish {fin:6.2f} = {total:8.2f} ms "
-              f"({min(t['solve'] + t['finish'] for t in ours[path]):.2f}){extra}   ratio to upstream {total / up_ms:.3f} "
-              f"(1/{up_ms / total:.1f})")
+        print(
+            f"  tt_moge {path:6s} solve {solve:6.2f} + finish {fin:6.2f} = {total:8.2f} ms "
+            f"({min(t['solve'] + t['finish'] for t in ours[path]):.2f}){extra}   ratio to upstream {total / up_ms:.3f} "
+            f"(1/{up_ms / total:.1f})"
+        )
     print(f"rerun: {common.rerun_command(argv)}")
     tmp.cleanup()
     return 0

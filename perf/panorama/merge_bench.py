@@ -17,6 +17,7 @@ distance is from the minimiser's after removing the free global scale.
     python -m perf.panorama.merge_bench                          # room views, 1920x960, 3 calls each
     python -m perf.panorama.merge_bench --views model --size 1024x512
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,9 +50,13 @@ def perturbed_room_views(seed: int = 1, size: int = 512) -> tuple:
     maps, masks = [], []
     for camera in view_cameras():
         a, b, s = rng.normal(0, 0.05, 3)
-        maps.append((render_view(camera, size) * np.exp(s + a * u + b * v + 0.02 * np.sin(3 * u + 2 * v + 10 * a))).astype(np.float32))
+        maps.append(
+            (render_view(camera, size) * np.exp(s + a * u + b * v + 0.02 * np.sin(3 * u + 2 * v + 10 * a))).astype(
+                np.float32
+            )
+        )
         cx, cy = rng.uniform(-1, 1, 2)
-        masks.append((u - cx) ** 2 + (v - cy) ** 2 > 0.3 ** 2)
+        masks.append((u - cx) ** 2 + (v - cy) ** 2 > 0.3**2)
     return maps, masks
 
 
@@ -72,8 +77,15 @@ def model_views(seed: int = 0) -> tuple:
 
     with tempfile.TemporaryDirectory() as folder:
         weights = make_checkpoint(folder, "tiny-vits-normal", seed=seed)
-        with MoGeModel.from_pretrained(weights, device="cpu", resolution=(224, 224), num_tokens=1200, warmup=0,
-                                       warmup_variants="none", precision="fp32") as model:
+        with MoGeModel.from_pretrained(
+            weights,
+            device="cpu",
+            resolution=(224, 224),
+            num_tokens=1200,
+            warmup=0,
+            warmup_variants="none",
+            precision="fp32",
+        ) as model:
             out = model.predict_panorama(textured_panorama(seed), return_views=True)
     maps, masks = [], []
     for view in out.views:
@@ -92,8 +104,11 @@ def log_error(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> tuple:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m perf.panorama.merge_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m perf.panorama.merge_bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--size", default="1920x960", help="the merge grid WxH (default 1920x960, upstream's largest)")
     parser.add_argument("--views", choices=["room", "model"], default="room", help="the view maps (default room)")
     parser.add_argument("--repeats", type=int, default=3, help="calls of each, alternated (default 3)")
@@ -143,26 +158,54 @@ def main(argv=None) -> None:
     f_ours, f_up, f_min = objective(mine.distance), objective(theirs), objective(reference.distance)
     mask = mine.mask & their_mask
     ours_err, up_err = log_error(mine.distance, reference.distance, mask), log_error(theirs, reference.distance, mask)
-    print(f"CPU: {cpu_name()} ({platform.machine()}); {args.views} views; merge grid {width}x{height}; "
-          f"{args.repeats} calls each, alternated")
+    print(
+        f"CPU: {cpu_name()} ({platform.machine()}); {args.views} views; merge grid {width}x{height}; "
+        f"{args.repeats} calls each, alternated"
+    )
     print(f"upstream merge_panorama_depth: median {up_t:.2f} s  {[round(t, 2) for t in times['upstream']]}")
-    print(f"ours merge_distance_maps:      median {our_t:.2f} s  {[round(t, 2) for t in times['ours']]}  (last call: "
-          + ", ".join(f"{k} {v:.2f} s" for k, v in mine.seconds.items()) + ")")
-    print(f"ratio ours / upstream: {our_t / up_t:.3f} (CPU seconds of the process: ours {our_c:.2f}, upstream "
-          f"{up_c:.2f}, ratio {our_c / up_c:.3f})")
-    print(f"our solve: {mine.iterations} CG iterations, relative residual {mine.residual:.1e}, converged {mine.converged} "
-          f"(the minimiser: {reference.iterations} iterations to {reference.residual:.1e})")
-    print(f"objective on upstream's equations: ours {f_ours:.6g}, upstream {f_up:.6g}, minimiser {f_min:.6g} "
-          f"(above the minimiser: ours {(f_ours - f_min) / f_min:.1e}, upstream {(f_up - f_min) / f_min:.1e} relative)")
-    print(f"|log distance - minimiser| after the global scale, p50 / p99: ours {ours_err[0]:.1e} / {ours_err[1]:.1e}; "
-          f"upstream {up_err[0]:.1e} / {up_err[1]:.1e}")
+    print(
+        f"ours merge_distance_maps:      median {our_t:.2f} s  {[round(t, 2) for t in times['ours']]}  (last call: "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in mine.seconds.items())
+        + ")"
+    )
+    print(
+        f"ratio ours / upstream: {our_t / up_t:.3f} (CPU seconds of the process: ours {our_c:.2f}, upstream "
+        f"{up_c:.2f}, ratio {our_c / up_c:.3f})"
+    )
+    print(
+        f"our solve: {mine.iterations} CG iterations, relative residual {mine.residual:.1e}, "
+        f"converged {mine.converged} "
+        f"(the minimiser: {reference.iterations} iterations to {reference.residual:.1e})"
+    )
+    print(
+        f"objective on upstream's equations: ours {f_ours:.6g}, upstream {f_up:.6g}, minimiser {f_min:.6g} "
+        f"(above the minimiser: ours {(f_ours - f_min) / f_min:.1e}, upstream {(f_up - f_min) / f_min:.1e} relative)"
+    )
+    print(
+        f"|log distance - minimiser| after the global scale, p50 / p99: ours {ours_err[0]:.1e} / {ours_err[1]:.1e}; "
+        f"upstream {up_err[0]:.1e} / {up_err[1]:.1e}"
+    )
     print(f"mask agreement with upstream: {100 * float((mine.mask == their_mask).mean()):.3f} %")
-    finish_report({"cpu": cpu_name(), "views": args.views, "size": [width, height], "upstream_s": times["upstream"],
-                   "ours_s": times["ours"], "ratio": our_t / up_t, "upstream_cpu_s": cpu["upstream"],
-                   "ours_cpu_s": cpu["ours"], "cpu_ratio": our_c / up_c, "iterations": mine.iterations,
-                   "residual": mine.residual, "converged": mine.converged,
-                   "objective": {"ours": f_ours, "upstream": f_up, "minimiser": f_min},
-                   "ours_log_error_p50_p99": ours_err, "upstream_log_error_p50_p99": up_err}, args.json)
+    finish_report(
+        {
+            "cpu": cpu_name(),
+            "views": args.views,
+            "size": [width, height],
+            "upstream_s": times["upstream"],
+            "ours_s": times["ours"],
+            "ratio": our_t / up_t,
+            "upstream_cpu_s": cpu["upstream"],
+            "ours_cpu_s": cpu["ours"],
+            "cpu_ratio": our_c / up_c,
+            "iterations": mine.iterations,
+            "residual": mine.residual,
+            "converged": mine.converged,
+            "objective": {"ours": f_ours, "upstream": f_up, "minimiser": f_min},
+            "ours_log_error_p50_p99": ours_err,
+            "upstream_log_error_p50_p99": up_err,
+        },
+        args.json,
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ say "n/a"; the raw rows still compare.
     python -m perf.runners.accuracy --precision fp16     # on a CUDA machine: --device cuda
     python -m perf.runners.accuracy --precision bf16,int8 --outliers   # networks with outlier channels
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,9 @@ def raw_errors(ours, ref) -> dict:
     out = {"raw points rel max": rel.max(), "raw points rel p50": np.median(rel)}
     if ref.normal is not None:
         ang = _angle_deg(ours.normal.numpy(), ref.normal.numpy())
-        out.update({"raw normal deg p50": np.median(ang), "raw normal deg p99": _q(ang, 0.99), "raw normal deg max": ang.max()})
+        out.update(
+            {"raw normal deg p50": np.median(ang), "raw normal deg p99": _q(ang, 0.99), "raw normal deg max": ang.max()}
+        )
     if ref.mask is not None:
         out["raw mask prob max abs"] = float(np.abs(ours.mask.numpy() - ref.mask.numpy()).max())
         out["raw mask agreement"] = float(((ours.mask.numpy() > 0.5) == (ref.mask.numpy() > 0.5)).mean())
@@ -67,16 +70,23 @@ def output_errors(ours, ref, same_camera) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", action="append", help="model.pt to compare on (repeatable; default: 2 random ViT-L)")
-    ap.add_argument("--precision", default="bf16", help="the precision(s) compared with fp32, comma-separated (default bf16)")
+    ap.add_argument(
+        "--checkpoint", action="append", help="model.pt to compare on (repeatable; default: 2 random ViT-L)"
+    )
+    ap.add_argument(
+        "--precision", default="bf16", help="the precision(s) compared with fp32, comma-separated (default bf16)"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--size", type=int, nargs=2, default=(1920, 1080), metavar=("W", "H"))
     ap.add_argument("--tokens", type=int, default=1800)
     ap.add_argument("--images", type=int, default=2, help="test images per checkpoint (photo-like, different seeds)")
     ap.add_argument("--json", help="write the numbers to this file")
-    ap.add_argument("--outliers", action="store_true",
-                    help="give every checkpoint's ViT the outlier channels of trained ViTs first "
-                         "(tt_moge.testing.add_outlier_channels): what the int8 smoothing is for")
+    ap.add_argument(
+        "--outliers",
+        action="store_true",
+        help="give every checkpoint's ViT the outlier channels of trained ViTs first "
+        "(tt_moge.testing.add_outlier_channels): what the int8 smoothing is for",
+    )
     args = ap.parse_args()
 
     import torch
@@ -124,21 +134,29 @@ def main() -> None:
             for i, ((raw_ref, out_ref, plan), (raw, out, _)) in enumerate(zip(results["fp32"], results[precision])):
                 focal, shift = recover_camera(raw_ref.points, raw_ref.mask > MASK_THRESHOLD, plan, None)
                 same_camera = finish(raw, plan, focal, shift, apply_mask=True, force_projection=True)
-                rows[precision].append((f"{label}, image {i + 1}",
-                                        {**raw_errors(raw, raw_ref), **output_errors(out, out_ref, same_camera)}))
+                rows[precision].append(
+                    (
+                        f"{label}, image {i + 1}",
+                        {**raw_errors(raw, raw_ref), **output_errors(out, out_ref, same_camera)},
+                    )
+                )
 
     for precision, table in rows.items():
         keys = list(dict.fromkeys(k for _, r in table for k in r))
         extra = ", ViT with outlier channels" if args.outliers else ""
-        print(f"\n{precision} vs fp32{extra}, {size[0]}x{size[1]}, {args.tokens} " f"tokens, device {args.device}, torch {torch.__version__}\n")
+        print(
+            f"\n{precision} vs fp32{extra}, {size[0]}x{size[1]}, {args.tokens} "
+            f"tokens, device {args.device}, torch {torch.__version__}\n"
+        )
         print("| metric | " + " | ".join(name for name, _ in table) + " |")
         print("|---|" + "---:|" * len(table))
         for k in keys:
             cells = ["n/a" if r.get(k) is None else f"{r[k]:.3g}" for _, r in table]
             print(f"| {k} | " + " | ".join(cells) + " |")
     print()
-    common.finish_report({p: {name: {k: float(v) for k, v in r.items()} for name, r in table} for p, table in rows.items()},
-                         args.json)
+    common.finish_report(
+        {p: {name: {k: float(v) for k, v in r.items()} for name, r in table} for p, table in rows.items()}, args.json
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ NOT YET RUN: this session had no GPU. The script needs CUDA and says so without 
 
     python -m perf.runners.bench_cuda --calls 50
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,10 @@ def main() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        sys.exit(f"perf.runners.bench_cuda needs a CUDA GPU; torch {torch.__version__} " "sees none. CPU: python -m perf.runners.bench_cpu")
+        sys.exit(
+            f"perf.runners.bench_cuda needs a CUDA GPU; torch {torch.__version__} "
+            "sees none. CPU: python -m perf.runners.bench_cpu"
+        )
     from tt_moge import MoGeModel
 
     device = torch.device(args.device)
@@ -42,10 +46,14 @@ def main() -> None:
     size = tuple(args.size)
     image = common.photo(size)
     canvas = torch.from_numpy(image).permute(2, 0, 1)[None].float().div(255)
-    ours = MoGeModel.from_pretrained(path, device=device, resolution=size, num_tokens=args.tokens, precision=args.precision)
+    ours = MoGeModel.from_pretrained(
+        path, device=device, resolution=size, num_tokens=args.tokens, precision=args.precision
+    )
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; ours: {ours.info()['runner']}", flush=True)
     rows = {
-        "ours forward (canvas -> raw maps on the host)": common.median_min_ms(lambda: ours.forward(canvas), args.calls, sync),
+        "ours forward (canvas -> raw maps on the host)": common.median_min_ms(
+            lambda: ours.forward(canvas), args.calls, sync
+        ),
         "ours model(array) (-> MoGeOutput on the host)": common.median_min_ms(lambda: ours(image), args.calls, sync),
     }
     if not args.no_upstream:
@@ -53,10 +61,12 @@ def main() -> None:
         x = canvas[0].to(device)
         with torch.inference_mode():
             rows["upstream infer(use_fp16=True), outputs on the GPU"] = common.median_min_ms(
-                lambda: upstream.infer(x, num_tokens=args.tokens, use_fp16=True), args.calls, sync)
+                lambda: upstream.infer(x, num_tokens=args.tokens, use_fp16=True), args.calls, sync
+            )
             with torch.autocast("cuda", dtype=torch.float16):
                 rows["upstream forward, fp16 autocast"] = common.median_min_ms(
-                    lambda: upstream.forward(x[None], num_tokens=args.tokens), args.calls, sync)
+                    lambda: upstream.forward(x[None], num_tokens=args.tokens), args.calls, sync
+                )
     print(f"\nViT-L {size[0]}x{size[1]}, {args.tokens} tokens, {args.calls} calls per row (median / min, ms)")
     for name, (med, low) in rows.items():
         print(f"  {name}: {med:.2f} / {low:.2f}")

@@ -12,6 +12,7 @@ would mean nothing (`scripts/tt-mock-check` is the check there).
     python -m perf.runners.bench_ttnn --calls 50
     python -m perf.runners.bench_ttnn --dispatch worker --num-command-queues 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,10 @@ def main() -> None:
     from tt_moge.runners.ttnn.device import chips_here
 
     if chips_here() == 0:
-        sys.exit("perf.runners.bench_ttnn needs a Tenstorrent chip (ttnn imports and sees one); "
-                 "without one, scripts/tt-mock-check checks the graph on a mock P150")
+        sys.exit(
+            "perf.runners.bench_ttnn needs a Tenstorrent chip (ttnn imports and sees one); "
+            "without one, scripts/tt-mock-check checks the graph on a mock P150"
+        )
     import torch
     from PIL import Image
 
@@ -51,8 +54,15 @@ def main() -> None:
     image = common.photo(size)
     canvas = torch.from_numpy(image).permute(2, 0, 1)[None].float().div(255)
     t = time.perf_counter()
-    model = MoGeModel.from_pretrained(path, device=args.device, precision=args.precision, dispatch=args.dispatch,
-                                      num_command_queues=args.num_command_queues, resolution=size, num_tokens=tokens)
+    model = MoGeModel.from_pretrained(
+        path,
+        device=args.device,
+        precision=args.precision,
+        dispatch=args.dispatch,
+        num_command_queues=args.num_command_queues,
+        resolution=size,
+        num_tokens=tokens,
+    )
     load_s = time.perf_counter() - t
     info = model.info()
     print(f"{info['runner']}; loaded + warmed in {load_s:.1f} s", flush=True)

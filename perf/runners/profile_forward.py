@@ -5,6 +5,7 @@ activations) and per operator (torch.profiler), for the reference network or the
     python -m perf.runners.profile_forward --precision fp32 --threads 1     # the reference network
     python -m perf.runners.profile_forward --precision int8 --torch-glue    # int8 quantisation in torch ops
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1800)
     ap.add_argument("--rows", type=int, default=15, help="operators to list")
     ap.add_argument("--passes", type=int, default=3, help="unprofiled passes for the stage times (median)")
-    ap.add_argument("--torch-glue", action="store_true",
-                    help="int8: quantise/dequantise with the torch reference ops instead of the native kernels")
+    ap.add_argument(
+        "--torch-glue",
+        action="store_true",
+        help="int8: quantise/dequantise with the torch reference ops instead of the native kernels",
+    )
     args = ap.parse_args()
 
     import torch
@@ -58,8 +62,11 @@ def main() -> None:
             t1 = time.perf_counter()
             uv = net.uv_planes(rows, cols, aspect, image.dtype, image.device)
             neck = net.neck([torch.cat([features, uv[0]], dim=1)] + uv[1:])
-            heads = [getattr(net, h + "_head")(neck, last_only=True)[-1] for h in ("points", "normal", "mask")
-                     if hasattr(net, h + "_head")]
+            heads = [
+                getattr(net, h + "_head")(neck, last_only=True)[-1]
+                for h in ("points", "normal", "mask")
+                if hasattr(net, h + "_head")
+            ]
             t2 = time.perf_counter()
             for y in heads:
                 F.interpolate(y, (size[1], size[0]), mode="bilinear", align_corners=False)
@@ -85,10 +92,16 @@ def main() -> None:
             runner.forward(canvas)
         total = time.perf_counter() - t
     glue = " (torch int8 glue)" if args.torch_glue else ""
-    print(f"{args.precision}{glue}, {size[0]}x{size[1]}, {args.tokens} tokens, " f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"{args.precision}{glue}, {size[0]}x{size[1]}, {args.tokens} tokens, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     print(common.cpu_line())
     print(common.kernel_line(runner.describe()))
-    print(f"stages (median of {args.passes} unprofiled passes): ViT encoder " f"{enc:.2f} s, neck + heads {dec:.2f} s, resize to canvas {out:.3f} s")
+    print(
+        f"stages (median of {args.passes} unprofiled passes): ViT encoder "
+        f"{enc:.2f} s, neck + heads {dec:.2f} s, resize to canvas {out:.3f} s"
+    )
     print(f"profiled forward: {total:.2f} s")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
     print(f"rerun: {common.rerun_command()}")

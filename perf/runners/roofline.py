@@ -8,6 +8,7 @@ forward would take at those rates, to set beside `python -m perf.runners.bench_c
     python -m perf.runners.roofline                 # ViT-L, 1920x1080, 1800 tokens, torch's thread count
     python -m perf.runners.roofline --threads 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,16 +63,27 @@ def main() -> None:
     x8 = torch.randint(-127, 128, (tokens, dim), dtype=torch.int8)
     w8 = torch.randint(-127, 128, (dim, 4 * dim), dtype=torch.int8)
     macs = tokens * dim * 4 * dim
-    rates = {"fp32": _rate(lambda: F.linear(x.float(), w.float()), macs),
-             "bf16": _rate(lambda: F.linear(x, w), macs),
-             "int8": _rate(lambda: torch._int_mm(x8, w8), macs)}
+    rates = {
+        "fp32": _rate(lambda: F.linear(x.float(), w.float()), macs),
+        "bf16": _rate(lambda: F.linear(x, w), macs),
+        "int8": _rate(lambda: torch._int_mm(x8, w8), macs),
+    }
     print(common.cpu_line())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.size[0]}x{args.size[1]}, {args.tokens} "
-          f"tokens ({tokens} in the ViT)")
-    print(f"multiply-accumulates: encoder {encoder / 1e9:.0f} G (linear layers, patch embedding, attention), "
-          f"decoder {decoder / 1e9:.0f} G")
-    result = {"cpu": common.cpu_line(), "threads": torch.get_num_threads(), "encoder_gmac": encoder / 1e9,
-              "decoder_gmac": decoder / 1e9, "gemm_tmac_per_s": {k: v / 1e12 for k, v in rates.items()}}
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.size[0]}x{args.size[1]}, {args.tokens} "
+        f"tokens ({tokens} in the ViT)"
+    )
+    print(
+        f"multiply-accumulates: encoder {encoder / 1e9:.0f} G (linear layers, patch embedding, attention), "
+        f"decoder {decoder / 1e9:.0f} G"
+    )
+    result = {
+        "cpu": common.cpu_line(),
+        "threads": torch.get_num_threads(),
+        "encoder_gmac": encoder / 1e9,
+        "decoder_gmac": decoder / 1e9,
+        "gemm_tmac_per_s": {k: v / 1e12 for k, v in rates.items()},
+    }
     for name, rate in rates.items():
         bound = (encoder + decoder) / rate
         result[f"forward_at_{name}_rate_s"] = bound

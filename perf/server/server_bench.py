@@ -7,6 +7,7 @@ Without --weights a random-weight tiny checkpoint is written to a temporary dire
 server's overhead on a fast-forward model, not MoGe-2's speed). Medians over --repeats calls; the command that
 reproduces a run is printed first. The API and the server run one after the other (a device is opened once).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,14 @@ def _weights(args: argparse.Namespace, tmp: str) -> str:
 def _load(args: argparse.Namespace, weights: str):
     from tt_moge import MoGeModel
 
-    return MoGeModel.from_pretrained(weights, device=args.device, resolution=args.resolution,
-                                     num_tokens=args.num_tokens, warmup=1, warmup_variants="minimal")
+    return MoGeModel.from_pretrained(
+        weights,
+        device=args.device,
+        resolution=args.resolution,
+        num_tokens=args.num_tokens,
+        warmup=1,
+        warmup_variants="minimal",
+    )
 
 
 def _image(args: argparse.Namespace) -> bytes:
@@ -90,9 +97,26 @@ def bench_serve(args: argparse.Namespace) -> None:
             model(data)
             api_ms = common.median_min_ms(lambda: model(data), args.repeats)[0]
         print(f"API   model(<PNG bytes>)                      median {api_ms:8.1f} ms")
-        cmd = [sys.executable, "-m", "tt_moge.server", "--weights", weights, "--port", "0", "--log-level", "warning",
-               "--no-access-log", "--resolution", f"{args.resolution[0]}x{args.resolution[1]}", "--num-tokens",
-               str(args.num_tokens), "--warmup", "1", "--warmup-variants", "minimal"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tt_moge.server",
+            "--weights",
+            weights,
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+            "--no-access-log",
+            "--resolution",
+            f"{args.resolution[0]}x{args.resolution[1]}",
+            "--num-tokens",
+            str(args.num_tokens),
+            "--warmup",
+            "1",
+            "--warmup-variants",
+            "minimal",
+        ]
         cmd += ["--device", args.device] if args.device else []
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
         env.pop("MOGE_API_KEY", None)
@@ -110,9 +134,14 @@ def bench_serve(args: argparse.Namespace) -> None:
                 while http.get("/ready").status_code != 200:
                     time.sleep(0.2)
                 for compress in ("true", "false"):
+
                     def post() -> None:  # the client's whole cost: request, response, reading every array
-                        r = http.post("/predict", content=data, headers={"Content-Type": "image/png"},
-                                      params={"compress": compress})
+                        r = http.post(
+                            "/predict",
+                            content=data,
+                            headers={"Content-Type": "image/png"},
+                            params={"compress": compress},
+                        )
                         r.raise_for_status()
                         with np.load(io.BytesIO(r.content)) as npz:
                             sizes[compress] = len(r.content), {k: npz[k] for k in npz.files}
@@ -120,13 +149,20 @@ def bench_serve(args: argparse.Namespace) -> None:
                     sizes: dict = {}
                     post()
                     ms = common.median_min_ms(post, args.repeats)[0]
-                    print(f"HTTP  POST /predict?compress={compress:5s} + np.load median {ms:8.1f} ms  "
-                          f"({ms / api_ms:.2f}x the API, +{ms - api_ms:.1f} ms), {sizes[compress][0] / 1e6:.1f} MB")
+                    print(
+                        f"HTTP  POST /predict?compress={compress:5s} + np.load median {ms:8.1f} ms  "
+                        f"({ms / api_ms:.2f}x the API, +{ms - api_ms:.1f} ms), {sizes[compress][0] / 1e6:.1f} MB"
+                    )
+
                 def summary() -> None:
-                    http.post("/predict/summary", content=data, headers={"Content-Type": "image/png"}).raise_for_status()
+                    http.post(
+                        "/predict/summary", content=data, headers={"Content-Type": "image/png"}
+                    ).raise_for_status()
 
                 ms = common.median_min_ms(summary, args.repeats)[0]
-                print(f"HTTP  POST /predict/summary                   median {ms:8.1f} ms  ({ms / api_ms:.2f}x the API)")
+                print(
+                    f"HTTP  POST /predict/summary                   median {ms:8.1f} ms  ({ms / api_ms:.2f}x the API)"
+                )
                 _concurrent(url, data, args, api_ms)
         finally:
             proc.terminate()
@@ -155,18 +191,29 @@ def _concurrent(url: str, data: bytes, args: argparse.Namespace, api_ms: float) 
     for th in threads:
         th.join()
     seconds = time.perf_counter() - t
-    print(f"HTTP  {args.clients} clients x {args.repeats} requests: " f"{counts['ok']} ok, {counts['busy']} 503 in {seconds:.1f} s "
-          f"= {counts['ok'] / seconds:.2f} images/s (one-at-a-time API: {1e3 / api_ms:.2f} images/s)")
+    print(
+        f"HTTP  {args.clients} clients x {args.repeats} requests: "
+        f"{counts['ok']} ok, {counts['busy']} 503 in {seconds:.1f} s "
+        f"= {counts['ok'] / seconds:.2f} images/s (one-at-a-time API: {1e3 / api_ms:.2f} images/s)"
+    )
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m perf.server.server_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m perf.server.server_bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("what", choices=["encode", "serve", "all"])
     parser.add_argument("--weights", help="checkpoint (default: a random tiny one in a temporary directory)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
-    parser.add_argument("--resolution", type=argtypes.wxh, default=(448, 252),
-                        metavar="WxH", help="canvas (default: 448x252; use 1920x1080 with real weights)")
+    parser.add_argument(
+        "--resolution",
+        type=argtypes.wxh,
+        default=(448, 252),
+        metavar="WxH",
+        help="canvas (default: 448x252; use 1920x1080 with real weights)",
+    )
     parser.add_argument("--num-tokens", type=int, default=1200)
     parser.add_argument("--image", help="a PNG/JPEG file (default: a synthetic photo of --image-size)")
     parser.add_argument("--image-size", type=argtypes.wxh, default=(1920, 1080), metavar="WxH")

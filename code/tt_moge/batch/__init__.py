@@ -32,18 +32,34 @@ A driver that dies (kill -9): the local Ray it started is ended by a watcher pro
 later local start ends whatever an earlier dead driver left (`ray_reaper`). The images it finished are kept;
 the rerun does the rest.
 """
+
 from .job import DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES, BatchJob, BatchSummary, replica_resources, run_batch
 from .session import (
-                      DEFAULT_OBJECT_STORE_MB,
-                      MIN_OBJECT_STORE_MB,
-                      RayMissingError,
-                      check_ray_address,
-                      init_local_ray,
-                      local_ray_cpus,
+    DEFAULT_OBJECT_STORE_MB,
+    MIN_OBJECT_STORE_MB,
+    RayMissingError,
+    check_ray_address,
+    init_local_ray,
+    local_ray_cpus,
 )
 from .sinks import FAILURES_FILE, OUTPUT_FORMATS, RECORD_FILE, SHARDS_DIR, completed_names
 
-__all__ = ["run_batch", "BatchJob", "BatchSummary", "RayMissingError", "OUTPUT_FORMATS", "FAILURES_FILE", "SHARDS_DIR",
-           "RECORD_FILE", "completed_names", "local_ray_cpus", "init_local_ray", "MIN_OBJECT_STORE_MB",
-           "DEFAULT_OBJECT_STORE_MB", "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_RETRIES", "replica_resources",
-           "check_ray_address"]
+__all__ = [
+    "run_batch",
+    "BatchJob",
+    "BatchSummary",
+    "RayMissingError",
+    "OUTPUT_FORMATS",
+    "FAILURES_FILE",
+    "SHARDS_DIR",
+    "RECORD_FILE",
+    "completed_names",
+    "local_ray_cpus",
+    "init_local_ray",
+    "MIN_OBJECT_STORE_MB",
+    "DEFAULT_OBJECT_STORE_MB",
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_MAX_RETRIES",
+    "replica_resources",
+    "check_ray_address",
+]

@@ -4,6 +4,7 @@
 once on a local Ray, starts or joins Ray (`session`), streams the dataset of read tasks and replicas
 (`replica`) and collects each image's status into the summary and OUT/failures.jsonl.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,15 @@ from .session import (
 )
 from .sinks import FAILURES_FILE, OUTPUT_FORMATS, SHARDS_DIR, FailureLog, completed_names, write_record
 
-__all__ = ["BatchJob", "BatchSummary", "run_batch", "replica_resources", "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_RETRIES",
-           "FORWARDED_ENV"]
+__all__ = [
+    "BatchJob",
+    "BatchSummary",
+    "run_batch",
+    "replica_resources",
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_MAX_RETRIES",
+    "FORWARDED_ENV",
+]
 
 DEFAULT_BATCH_SIZE = 4  # images per actor call (one predict_many); also images per read task
 DEFAULT_MAX_RETRIES = 3  # restarts of a dead replica, and retries of the batch it was running
@@ -75,9 +83,11 @@ class BatchSummary:
         if self.replicas == 0:
             return f"nothing to do: all {self.total} images already done (skipped {self.skipped})"
         rate = f", {self.images_per_second:.2f} images/s" if self.done else ""
-        return (f"{self.done} done, {self.failed} failed, {self.skipped} skipped (already done) of {self.total} images "
-                f"in {self.seconds:.1f} s{rate} with {self.replicas} replica{'s' * (self.replicas != 1)} "
-                f"(Ray start {self.ray_start_seconds:.1f} s)")
+        return (
+            f"{self.done} done, {self.failed} failed, {self.skipped} skipped (already done) of {self.total} images "
+            f"in {self.seconds:.1f} s{rate} with {self.replicas} replica{'s' * (self.replicas != 1)} "
+            f"(Ray start {self.ray_start_seconds:.1f} s)"
+        )
 
 
 @dataclass
@@ -136,23 +146,35 @@ class BatchJob:
         formats = check_formats(self.formats)
         if not formats:
             raise ValueError(f"formats: expected at least one of {', '.join(FORMATS)}")
-        for name, low in (("replicas", 1), ("batch_size", 1), ("max_retries", 0),
-                          ("object_store_mb", MIN_OBJECT_STORE_MB), ("writers", 1), ("mesh_step", 1)):
+        for name, low in (
+            ("replicas", 1),
+            ("batch_size", 1),
+            ("max_retries", 0),
+            ("object_store_mb", MIN_OBJECT_STORE_MB),
+            ("writers", 1),
+            ("mesh_step", 1),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         for name in ("cpus_per_replica", "gpus_per_replica"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value < 0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            ):
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.cpus_per_replica == 0:
             raise ValueError("cpus_per_replica must be > 0 (a replica runs the host steps on the CPU)")
         return formats
 
 
-def replica_resources(device: Optional[str], gpus_per_replica: Optional[float], cpus_per_replica: Optional[float],
-                      replicas: int, local: bool) -> tuple:
+def replica_resources(
+    device: Optional[str],
+    gpus_per_replica: Optional[float],
+    cpus_per_replica: Optional[float],
+    replicas: int,
+    local: bool,
+) -> tuple:
     """(device, GPUs, CPUs) of each replica: the device first (None: CUDA where this machine, running a local
     Ray, has a GPU; "cuda" when GPUs are asked for), then the GPUs it needs unless given (1 on CUDA, else 0),
     then the CPUs unless given (a local CPU job: the cores / replicas; else 1)."""
@@ -166,8 +188,11 @@ def replica_resources(device: Optional[str], gpus_per_replica: Optional[float], 
         else:
             device = "cpu"  # a cluster: ask for GPUs with gpus_per_replica (or device="cuda")
     gpus = gpus_per_replica if gpus_per_replica is not None else (1.0 if device.startswith("cuda") else 0.0)
-    cpus = cpus_per_replica if cpus_per_replica is not None else (
-        float(max(1, (os.cpu_count() or 1) // replicas)) if local and gpus == 0 else 1.0)
+    cpus = (
+        cpus_per_replica
+        if cpus_per_replica is not None
+        else (float(max(1, (os.cpu_count() or 1) // replicas)) if local and gpus == 0 else 1.0)
+    )
     if device.startswith("cuda") and gpus == 0:
         raise ValueError(f"device {device!r} needs GPUs for the replicas: gpus_per_replica > 0 (--gpus-per-replica)")
     return device, gpus, cpus
@@ -201,12 +226,26 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     todo = [im for im in images if im.name not in done_before]
     failures_path = out / FAILURES_FILE
 
-    summary = BatchSummary(out=out, total=len(images), done=0, failed=0, skipped=len(images) - len(todo), seconds=0.0,
-                           ray_start_seconds=0.0, replicas=job.replicas, output_format=job.output_format)
+    summary = BatchSummary(
+        out=out,
+        total=len(images),
+        done=0,
+        failed=0,
+        skipped=len(images) - len(todo),
+        seconds=0.0,
+        ray_start_seconds=0.0,
+        replicas=job.replicas,
+        output_format=job.output_format,
+    )
     files = job.output_format == "files"
-    options = {"output_format": job.output_format, "formats": list(formats) if files else None,
-               "mesh_step": job.mesh_step if files and "glb" in formats else None, **call.kwargs(),
-               "batch_size": job.batch_size, "max_retries": job.max_retries}
+    options = {
+        "output_format": job.output_format,
+        "formats": list(formats) if files else None,
+        "mesh_step": job.mesh_step if files and "glb" in formats else None,
+        **call.kwargs(),
+        "batch_size": job.batch_size,
+        "max_retries": job.max_retries,
+    }
     if not todo:  # nothing to do: no Ray, no model
         summary.replicas = 0
         failures_path.write_text("")
@@ -225,8 +264,10 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
         from ..weights import resolve_checkpoint
 
         weights = model_kwargs["pretrained_model_name_or_path"]
-        model_kwargs.update(pretrained_model_name_or_path=str(resolve_checkpoint(weights, model_kwargs["revision"])[0]
-                                                              .resolve()), revision=None)
+        model_kwargs.update(
+            pretrained_model_name_or_path=str(resolve_checkpoint(weights, model_kwargs["revision"])[0].resolve()),
+            revision=None,
+        )
     model_kwargs["resolution"] = list(model_kwargs["resolution"])  # JSON
     model_record = dict(model_kwargs)
     weights_dir = env.get("MOGE_WEIGHTS_DIR")
@@ -237,25 +278,43 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
         summary.ray_start_seconds = start_s
         check_resources(ray, replicas, cpus, gpus, strict=address is None)
         if not job.quiet:
-            print(f"tt-moge batch: {len(todo)} images to do ({summary.skipped} already done) on {where}, "
-                  f"{replicas} replica(s) x ({cpus:g} CPU, {gpus:g} GPU), device {device}", file=sys.stderr, flush=True)
+            print(
+                f"tt-moge batch: {len(todo)} images to do ({summary.skipped} already done) on {where}, "
+                f"{replicas} replica(s) x ({cpus:g} CPU, {gpus:g} GPU), device {device}",
+                file=sys.stderr,
+                flush=True,
+            )
         t0 = time.perf_counter()
         with ray_data_output(ray, job.quiet):
-            dataset = _build_dataset(ray, job, todo, out, formats, call, model_kwargs, replicas, cpus, gpus,
-                                     address is None)
+            dataset = _build_dataset(
+                ray, job, todo, out, formats, call, model_kwargs, replicas, cpus, gpus, address is None
+            )
             _collect(dataset, summary, failures_path, len(todo), job.progress and not job.quiet, on_failure, t0)
         summary.seconds = time.perf_counter() - t0
     write_record(out, summary, where, model_record, options)
     return summary
 
 
-def _build_dataset(ray: Any, job: BatchJob, todo: list, out: Path, formats: tuple, call: CallOptions,
-                   model_kwargs: dict, replicas: int, cpus: float, gpus: float, local: bool) -> Any:
+def _build_dataset(
+    ray: Any,
+    job: BatchJob,
+    todo: list,
+    out: Path,
+    formats: tuple,
+    call: CallOptions,
+    model_kwargs: dict,
+    replicas: int,
+    cpus: float,
+    gpus: float,
+    local: bool,
+) -> Any:
     batch_size, max_retries = job.batch_size, job.max_retries
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     if local:  # workers import the very tt_moge this driver runs, installed or not (a source tree, a script's sys.path)
         here = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join([here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+        env["PYTHONPATH"] = os.pathsep.join(
+            [here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        )
     runtime_env = {"env_vars": env} if env else None
     items = [{"path": str(im.path.resolve()), "name": im.name} for im in todo]
     blocks = min(len(items), max(1, math.ceil(len(items) / batch_size)))  # one read task per batch of images
@@ -269,16 +328,36 @@ def _build_dataset(ray: Any, job: BatchJob, todo: list, out: Path, formats: tupl
         # replica and retry its batch without limit, which never ends on an image that kills the process each time.
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
         return dataset.map_batches(
-            Replica, batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=replicas),
-            fn_constructor_kwargs=dict(model_kwargs=model_kwargs, out=str(out.resolve()), output_format=job.output_format,
-                                       formats=formats, options=call, writers=job.writers, threads=int(cpus),
-                                       mesh_step=job.mesh_step),
-            num_cpus=cpus, num_gpus=gpus or None, runtime_env=runtime_env,
-            max_restarts=max_retries, max_task_retries=max_retries)
+            Replica,
+            batch_size=batch_size,
+            compute=ray.data.ActorPoolStrategy(size=replicas),
+            fn_constructor_kwargs=dict(
+                model_kwargs=model_kwargs,
+                out=str(out.resolve()),
+                output_format=job.output_format,
+                formats=formats,
+                options=call,
+                writers=job.writers,
+                threads=int(cpus),
+                mesh_step=job.mesh_step,
+            ),
+            num_cpus=cpus,
+            num_gpus=gpus or None,
+            runtime_env=runtime_env,
+            max_restarts=max_retries,
+            max_task_retries=max_retries,
+        )
 
 
-def _collect(dataset: Any, summary: BatchSummary, failures_path: Path, total: int, progress: bool,
-             on_failure: Optional[Callable[[str, str], None]], t0: float) -> None:
+def _collect(
+    dataset: Any,
+    summary: BatchSummary,
+    failures_path: Path,
+    total: int,
+    progress: bool,
+    on_failure: Optional[Callable[[str, str], None]],
+    t0: float,
+) -> None:
     """Stream the per-image statuses: count them, append failures to the failures file as they come."""
     from tqdm import tqdm
 

@@ -1,5 +1,6 @@
 """The Ray stages of a batch job: `read_images` (Ray tasks: files -> RGB arrays) and `Replica` (an actor: one
 model, loaded once; each call predicts a batch with the model's PredictionService and writes it)."""
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -33,8 +34,17 @@ class Replica:
     """Ray actor: one MoGeModel, loaded once (`model_kwargs`: from_pretrained arguments, no warm-up); each
     call predicts a batch with `options` and writes it to `out` (`output_format` "files" or "parquet")."""
 
-    def __init__(self, model_kwargs: dict, out: str, output_format: str, formats: tuple, options: CallOptions,
-                 writers: int, threads: int, mesh_step: int = DEFAULT_MESH_STEP):
+    def __init__(
+        self,
+        model_kwargs: dict,
+        out: str,
+        output_format: str,
+        formats: tuple,
+        options: CallOptions,
+        writers: int,
+        threads: int,
+        mesh_step: int = DEFAULT_MESH_STEP,
+    ):
         import torch
 
         from .. import env, native
@@ -64,8 +74,9 @@ class Replica:
             else:
                 results[i] = output
         if self.output_format == "files":
-            write_files(self.writer, self.out, results, batch["rgb"], names, paths, errors, self.formats,
-                        self.mesh_step)
+            write_files(
+                self.writer, self.out, results, batch["rgb"], names, paths, errors, self.formats, self.mesh_step
+            )
         else:
             write_shard(self.out, results, names, paths, errors)
         return {"name": names, "path": paths, "error": errors}

@@ -1,5 +1,6 @@
 """Ray for a batch job: importing it, starting the embedded local Ray or joining a cluster, checking that the
 job fits in it, and Ray Data's own output. Nothing here knows the model."""
+
 from __future__ import annotations
 
 import contextlib
@@ -9,14 +10,25 @@ import sys
 import time
 from typing import Any, Iterator, Optional
 
-__all__ = ["RayMissingError", "RAY_INSTALL_HINT", "READER_CPUS", "DEFAULT_OBJECT_STORE_MB", "MIN_OBJECT_STORE_MB",
-           "import_ray", "local_ray_cpus", "init_local_ray", "check_ray_address", "ray_session", "check_resources",
-           "ray_data_output"]
+__all__ = [
+    "RayMissingError",
+    "RAY_INSTALL_HINT",
+    "READER_CPUS",
+    "DEFAULT_OBJECT_STORE_MB",
+    "MIN_OBJECT_STORE_MB",
+    "import_ray",
+    "local_ray_cpus",
+    "init_local_ray",
+    "check_ray_address",
+    "ray_session",
+    "check_resources",
+    "ray_data_output",
+]
 
 DEFAULT_OBJECT_STORE_MB = 200  # the embedded local Ray's shared-memory object store (the machine may be shared)
 MIN_OBJECT_STORE_MB = 80  # Ray refuses a smaller object store
 READER_CPUS = 1  # logical CPUs one read task asks for (see local_ray_cpus)
-RAY_INSTALL_HINT = "from a clone of the repository: pip install -e \"code/[ray]\" (or: pip install \"ray[data]>=2.9\")"
+RAY_INSTALL_HINT = 'from a clone of the repository: pip install -e "code/[ray]" (or: pip install "ray[data]>=2.9")'
 
 
 class RayMissingError(ImportError):
@@ -45,8 +57,13 @@ def _log_options(quiet: bool) -> dict:
     return dict(logging_level="WARNING" if quiet else "INFO", log_to_driver=not quiet)
 
 
-def init_local_ray(ray: Any, num_cpus: int, object_store_mb: int = DEFAULT_OBJECT_STORE_MB, quiet: bool = False,
-                   num_gpus: Optional[int] = None) -> Optional[Any]:
+def init_local_ray(
+    ray: Any,
+    num_cpus: int,
+    object_store_mb: int = DEFAULT_OBJECT_STORE_MB,
+    quiet: bool = False,
+    num_gpus: Optional[int] = None,
+) -> Optional[Any]:
     """Start the embedded local Ray: always a new one (address "local", never another user's Ray on this
     machine), no dashboard, `object_store_mb` of shared memory, the node advertised on 127.0.0.1.
     Ray's servers still listen on every interface (Ray has no option against it); Ray's token authentication,
@@ -58,16 +75,28 @@ def init_local_ray(ray: Any, num_cpus: int, object_store_mb: int = DEFAULT_OBJEC
     from ..ray_reaper import Watcher, sweep_dead
 
     for driver, pids in sweep_dead():
-        print(f"tt-moge batch: ended {len(pids)} Ray process(es) left by an earlier run whose driver (pid {driver}) "
-              f"died", file=sys.stderr)
-    context = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_mb * 2**20,
-                       include_dashboard=False, _node_ip_address="127.0.0.1", **_log_options(quiet))
+        print(
+            f"tt-moge batch: ended {len(pids)} Ray process(es) left by an earlier run whose driver (pid {driver}) died",
+            file=sys.stderr,
+        )
+    context = ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        object_store_memory=object_store_mb * 2**20,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        **_log_options(quiet),
+    )
     session_dir = (getattr(context, "address_info", None) or {}).get("session_dir", "")
     try:
         return Watcher.start(ray.get_runtime_context().get_node_id(), session_dir)
     except OSError as exc:  # no temp dir to write the record to: run without it
-        print(f"tt-moge batch: warning: cannot watch the local Ray ({exc}); if this process is killed, its Ray "
-              f"processes may outlive it", file=sys.stderr)
+        print(
+            f"tt-moge batch: warning: cannot watch the local Ray ({exc}); if this process is killed, its Ray "
+            f"processes may outlive it",
+            file=sys.stderr,
+        )
         return None
 
 
@@ -76,7 +105,7 @@ def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
     "auto", "local" and addresses without a port are left to Ray."""
     import socket
 
-    target = address[len("ray://"):] if address.startswith("ray://") else address
+    target = address[len("ray://") :] if address.startswith("ray://") else address
     host, _, port = target.rpartition(":")
     if not host or not port.isdigit():
         return
@@ -84,13 +113,14 @@ def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
             pass
     except OSError as exc:
-        raise ValueError(f"address={address!r}: nothing answers at {host}:{port} ({exc.strerror or exc}); start the Ray "
-                         "head there, or fix --address / $RAY_ADDRESS") from None
+        raise ValueError(
+            f"address={address!r}: nothing answers at {host}:{port} ({exc.strerror or exc}); start the Ray "
+            "head there, or fix --address / $RAY_ADDRESS"
+        ) from None
 
 
 @contextlib.contextmanager
-def ray_session(ray: Any, address: Optional[str], num_cpus: int, object_store_mb: int,
-                quiet: bool) -> Iterator[tuple]:
+def ray_session(ray: Any, address: Optional[str], num_cpus: int, object_store_mb: int, quiet: bool) -> Iterator[tuple]:
     """Yield (where, seconds to start). Reuses a Ray this process already started (and leaves it running);
     else connects to `address`, or starts a local Ray (init_local_ray), and shuts it down after."""
     t0 = time.perf_counter()
@@ -117,10 +147,12 @@ def check_resources(ray: Any, replicas: int, cpus: float, gpus: float, strict: b
     """Every replica, plus one read task, must fit in the Ray cluster, or the job waits forever: a ValueError
     (strict: a local Ray, which cannot grow) or a warning (a cluster may autoscale)."""
     have = ray.cluster_resources()
-    short = [f"{need:g} {kind} ({replicas} replica(s) x {per:g}{' + 1 read task' * (kind == 'CPU')}), it has "
-             f"{have.get(kind, 0):g}" for kind, per, need in (("CPU", cpus, replicas * cpus + READER_CPUS),
-                                                               ("GPU", gpus, replicas * gpus))
-             if need > have.get(kind, 0) + 1e-9]
+    short = [
+        f"{need:g} {kind} ({replicas} replica(s) x {per:g}{' + 1 read task' * (kind == 'CPU')}), it has "
+        f"{have.get(kind, 0):g}"
+        for kind, per, need in (("CPU", cpus, replicas * cpus + READER_CPUS), ("GPU", gpus, replicas * gpus))
+        if need > have.get(kind, 0) + 1e-9
+    ]
     if not short:
         return
     message = "the job needs " + "; ".join(short)

@@ -8,6 +8,7 @@
 A replica writes with `write_files` / `write_shard`; the driver asks `completed_names` before a job (resume)
 and writes `FailureLog` and `write_record` while and after it runs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,18 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-__all__ = ["OUTPUT_FORMATS", "FAILURES_FILE", "RECORD_FILE", "SHARDS_DIR", "PARQUET_COLUMNS", "completed_names",
-           "write_files", "write_shard", "FailureLog", "write_record"]
+__all__ = [
+    "OUTPUT_FORMATS",
+    "FAILURES_FILE",
+    "RECORD_FILE",
+    "SHARDS_DIR",
+    "PARQUET_COLUMNS",
+    "completed_names",
+    "write_files",
+    "write_shard",
+    "FailureLog",
+    "write_record",
+]
 
 OUTPUT_FORMATS = ("files", "parquet")
 FAILURES_FILE = "failures.jsonl"  # one JSON object per failed image of the last run: input, name, error
@@ -46,15 +57,25 @@ def completed_names(out: Union[str, os.PathLike], names: Sequence[str], output_f
     return found & set(names)
 
 
-def write_files(writer: Executor, out: Path, results: dict, rgbs: Any, names: list, paths: list, errors: list,
-                formats: tuple, mesh_step: int) -> None:
+def write_files(
+    writer: Executor,
+    out: Path,
+    results: dict,
+    rgbs: Any,
+    names: list,
+    paths: list,
+    errors: list,
+    formats: tuple,
+    mesh_step: int,
+) -> None:
     """Each result {index: MoGeOutput} into OUT/NAME/ on the `writer` threads; a failed write becomes that
     image's error."""
     from ..export import write_outputs
 
-    jobs = {i: writer.submit(write_outputs, output, rgbs[i], out / names[i], formats, source=paths[i],
-                             mesh_step=mesh_step)
-            for i, output in results.items()}
+    jobs = {
+        i: writer.submit(write_outputs, output, rgbs[i], out / names[i], formats, source=paths[i], mesh_step=mesh_step)
+        for i, output in results.items()
+    }
     for i, job in jobs.items():
         exc = job.exception()
         if exc is not None:
@@ -84,8 +105,14 @@ def write_shard(out: Path, results: dict, names: list, paths: list, errors: list
         return
     digest = hashlib.sha1("\n".join(sorted(rows["name"])).encode()).hexdigest()[:20]
     shard = out / SHARDS_DIR / f"part-{digest}.parquet"
-    table = pa.table({"name": pa.array(rows["name"], pa.string()), "source": pa.array(rows["source"], pa.string()),
-                      "result": pa.array(rows["result"], pa.string()), "npz": pa.array(rows["npz"], pa.large_binary())})
+    table = pa.table(
+        {
+            "name": pa.array(rows["name"], pa.string()),
+            "source": pa.array(rows["source"], pa.string()),
+            "result": pa.array(rows["result"], pa.string()),
+            "npz": pa.array(rows["npz"], pa.large_binary()),
+        }
+    )
     tmp = shard.with_name(f".{shard.name}.{os.getpid()}.tmp")
     try:
         pq.write_table(table, tmp)
@@ -124,8 +151,21 @@ def write_record(out: Path, summary: Any, where: str, model: Optional[dict], opt
     from .. import __version__
     from ..export import to_json, write_text_atomic
 
-    write_text_atomic(out / RECORD_FILE, to_json({
-        "tt_moge": __version__, "where": where, "model": model, "options": options,
-        "total": summary.total, "done": summary.done, "failed": summary.failed, "skipped": summary.skipped,
-        "seconds": round(summary.seconds, 3), "images_per_second": round(summary.images_per_second, 3),
-        "ray_start_seconds": round(summary.ray_start_seconds, 3)}))
+    write_text_atomic(
+        out / RECORD_FILE,
+        to_json(
+            {
+                "tt_moge": __version__,
+                "where": where,
+                "model": model,
+                "options": options,
+                "total": summary.total,
+                "done": summary.done,
+                "failed": summary.failed,
+                "skipped": summary.skipped,
+                "seconds": round(summary.seconds, 3),
+                "images_per_second": round(summary.images_per_second, 3),
+                "ray_start_seconds": round(summary.ray_start_seconds, 3),
+            }
+        ),
+    )

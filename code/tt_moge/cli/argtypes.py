@@ -1,6 +1,7 @@
 """argparse types shared by every command line (tt-moge predict/info/batch/serve, the benchmarks): each
 turns a bad value into a usage error (exit code 2) that says what was expected. The parsers of the model and
 call options are their own (`Spec.parse` in tt_moge.options and tt_moge.host); `usage` wraps them."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,11 +13,13 @@ from ..options import parse_token_budget, parse_wxh
 
 def usage(fn):
     """An argparse type from a parser whose ValueError says what was expected."""
+
     def wrapped(text: str):
         try:
             return fn(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+
     wrapped.__name__ = fn.__name__  # argparse names the type in its messages
     return wrapped
 
@@ -57,11 +60,13 @@ def port(text: str) -> int:
 
 def int_at_least(minimum: int):
     """An argparse type: an integer >= minimum."""
+
     @usage
     def at_least(text: str) -> int:
         if not text.strip().isdigit() or int(text) < minimum:
             raise ValueError(f"expected an integer >= {minimum}, got {text!r}")
         return int(text)
+
     at_least.__name__ = f"integer >= {minimum}"
     return at_least
 

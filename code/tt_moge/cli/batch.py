@@ -1,5 +1,6 @@
 """`tt-moge batch`: the command-line face of tt_moge.batch.run_batch (arguments, messages, exit codes).
 Ray is imported only when a job runs."""
+
 from __future__ import annotations
 
 import argparse
@@ -38,10 +39,12 @@ from .common import (
 
 __all__ = ["add_parser", "run"]
 
-DESCRIPTION = ("Run MoGe-2 over many photos as a Ray Data job: images are read in parallel, model replicas "
-               "(one MoGeModel each) predict batches and write them. Without --address a local Ray starts on this "
-               "machine; with --address (or $RAY_ADDRESS) the same command runs on a Ray cluster. Rerunning it "
-               "skips the images already done.")
+DESCRIPTION = (
+    "Run MoGe-2 over many photos as a Ray Data job: images are read in parallel, model replicas "
+    "(one MoGeModel each) predict batches and write them. Without --address a local Ray starts on this "
+    "machine; with --address (or $RAY_ADDRESS) the same command runs on a Ray cluster. Rerunning it "
+    "skips the images already done."
+)
 
 
 def _epilog(exit_codes: str, default_output: str) -> str:
@@ -77,33 +80,85 @@ examples:
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
-    parser = commands.add_parser("batch", formatter_class=Formatter, description=DESCRIPTION,
-                                 help="many photos as a Ray Data job: replicas, cluster, resume, failures file",
-                                 epilog=_epilog(EXIT_CODES, DEFAULT_OUTPUT))
+    parser = commands.add_parser(
+        "batch",
+        formatter_class=Formatter,
+        description=DESCRIPTION,
+        help="many photos as a Ray Data job: replicas, cluster, resume, failures file",
+        epilog=_epilog(EXIT_CODES, DEFAULT_OUTPUT),
+    )
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders (recursive) or glob patterns")
-    parser.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT", help=f"output folder (default ./{DEFAULT_OUTPUT})")
-    parser.add_argument("--format", choices=OUTPUT_FORMATS, default="files", dest="output_format",
-                        help="files: a folder per image, as tt-moge predict (default); parquet: sharded Parquet rows")
+    parser.add_argument(
+        "-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT", help=f"output folder (default ./{DEFAULT_OUTPUT})"
+    )
+    parser.add_argument(
+        "--format",
+        choices=OUTPUT_FORMATS,
+        default="files",
+        dest="output_format",
+        help="files: a folder per image, as tt-moge predict (default); parquet: sharded Parquet rows",
+    )
     add_format_arguments(parser.add_argument_group("files of --format files: " + format_group_title()))
     add_call_arguments(parser)
     add_model_arguments(parser)
     ray = parser.add_argument_group("Ray")
-    ray.add_argument("--address", default=None, metavar="ADDR",
-                     help="a Ray cluster, e.g. ray://head:10001 or auto (default: $RAY_ADDRESS, else a local Ray)")
-    ray.add_argument("--replicas", type=argtypes.positive_int, default=1, metavar="N", help="model replicas (actors), one model each (default 1)")
-    ray.add_argument("--cpus-per-replica", type=argtypes.positive_float, default=None, metavar="X",
-                     help="CPUs per replica, also its torch threads (default: local CPU runs, the cores / replicas; else 1)")
-    ray.add_argument("--gpus-per-replica", type=argtypes.non_negative_float, default=None, metavar="X",
-                     help="GPUs per replica, fractions share a GPU (default: 1 when the replicas run on CUDA: --device "
-                          "cuda, or no --device where torch sees a GPU and Ray is local; else 0)")
-    ray.add_argument("--batch-size", type=argtypes.positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
-                     help=f"images per replica call, one predict_many (default {DEFAULT_BATCH_SIZE})")
-    ray.add_argument("--writers", type=argtypes.positive_int, default=2, metavar="N", help="file-writing threads per replica (default 2)")
-    ray.add_argument("--max-retries", type=argtypes.non_negative_int, default=DEFAULT_MAX_RETRIES, metavar="N",
-                     help=f"restarts of a replica that died, and retries of its batch (default {DEFAULT_MAX_RETRIES})")
-    ray.add_argument("--object-store-mb", type=argtypes.int_at_least(MIN_OBJECT_STORE_MB), default=DEFAULT_OBJECT_STORE_MB,
-                     metavar="MB", help=f"object store of a local Ray, at least {MIN_OBJECT_STORE_MB} (Ray's minimum; "
-                                        f"default {DEFAULT_OBJECT_STORE_MB})")
+    ray.add_argument(
+        "--address",
+        default=None,
+        metavar="ADDR",
+        help="a Ray cluster, e.g. ray://head:10001 or auto (default: $RAY_ADDRESS, else a local Ray)",
+    )
+    ray.add_argument(
+        "--replicas",
+        type=argtypes.positive_int,
+        default=1,
+        metavar="N",
+        help="model replicas (actors), one model each (default 1)",
+    )
+    ray.add_argument(
+        "--cpus-per-replica",
+        type=argtypes.positive_float,
+        default=None,
+        metavar="X",
+        help="CPUs per replica, also its torch threads (default: local CPU runs, the cores / replicas; else 1)",
+    )
+    ray.add_argument(
+        "--gpus-per-replica",
+        type=argtypes.non_negative_float,
+        default=None,
+        metavar="X",
+        help="GPUs per replica, fractions share a GPU (default: 1 when the replicas run on CUDA: --device "
+        "cuda, or no --device where torch sees a GPU and Ray is local; else 0)",
+    )
+    ray.add_argument(
+        "--batch-size",
+        type=argtypes.positive_int,
+        default=DEFAULT_BATCH_SIZE,
+        metavar="N",
+        help=f"images per replica call, one predict_many (default {DEFAULT_BATCH_SIZE})",
+    )
+    ray.add_argument(
+        "--writers",
+        type=argtypes.positive_int,
+        default=2,
+        metavar="N",
+        help="file-writing threads per replica (default 2)",
+    )
+    ray.add_argument(
+        "--max-retries",
+        type=argtypes.non_negative_int,
+        default=DEFAULT_MAX_RETRIES,
+        metavar="N",
+        help=f"restarts of a replica that died, and retries of its batch (default {DEFAULT_MAX_RETRIES})",
+    )
+    ray.add_argument(
+        "--object-store-mb",
+        type=argtypes.int_at_least(MIN_OBJECT_STORE_MB),
+        default=DEFAULT_OBJECT_STORE_MB,
+        metavar="MB",
+        help=f"object store of a local Ray, at least {MIN_OBJECT_STORE_MB} (Ray's minimum; "
+        f"default {DEFAULT_OBJECT_STORE_MB})",
+    )
     ray.add_argument("-q", "--quiet", action="store_true", help="no progress output and no summary; errors still print")
     return parser
 
@@ -126,11 +181,24 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     def on_failure(path: str, error: str) -> None:  # errors print with -q too
         print(f"tt-moge: failed: {error}", file=sys.stderr, flush=True)
 
-    job = BatchJob(args.inputs, args.output, model=model_kwargs(args), **call_options(args).kwargs(),
-                   formats=formats, mesh_step=args.mesh_step, output_format=args.output_format, replicas=args.replicas,
-                   cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
-                   batch_size=args.batch_size, writers=args.writers, max_retries=args.max_retries,
-                   address=args.address, object_store_mb=args.object_store_mb, quiet=args.quiet)
+    job = BatchJob(
+        args.inputs,
+        args.output,
+        model=model_kwargs(args),
+        **call_options(args).kwargs(),
+        formats=formats,
+        mesh_step=args.mesh_step,
+        output_format=args.output_format,
+        replicas=args.replicas,
+        cpus_per_replica=args.cpus_per_replica,
+        gpus_per_replica=args.gpus_per_replica,
+        batch_size=args.batch_size,
+        writers=args.writers,
+        max_retries=args.max_retries,
+        address=args.address,
+        object_store_mb=args.object_store_mb,
+        quiet=args.quiet,
+    )
     try:
         summary = run_batch(job, on_failure=on_failure)
     except RayMissingError as exc:
@@ -142,8 +210,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         say(f"could not start: {exc}")
         return EXIT_START
     except Exception as exc:  # Ray could not start, the replicas could not load, or the job stopped
-        say(f"the batch job stopped: {type(exc).__name__}: {_brief(exc)}\n"
-             f"  images finished so far are kept; rerun the same command to do the rest")
+        say(
+            f"the batch job stopped: {type(exc).__name__}: {_brief(exc)}\n"
+            f"  images finished so far are kept; rerun the same command to do the rest"
+        )
         return EXIT_START
     if not args.quiet:
         print(f"tt-moge batch: {summary.line()}; outputs in {Path(args.output)}/")

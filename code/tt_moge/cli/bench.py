@@ -8,6 +8,7 @@ The stages are the ones `MoGeModel.predict(..., timing=dict)` records (the same 
 total is the wall time of the whole call. Without --image: media/source.png when the repo has it, else a
 synthetic photo-like PNG of the canvas size. `--json` prints one JSON object of the medians in milliseconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,17 +27,29 @@ from .common import Formatter, add_model_arguments, model_kwargs
 STAGES = ("decode", "canvas", "device", "solve", "finish", "total")
 DEMO_IMAGE = Path(__file__).resolve().parents[3] / "media" / "source.png"
 
-__all__ = ["STAGES", "add_parser", "build_parser", "run", "main", "add_bench_model_arguments", "load_bench_model",
-           "default_image", "measure"]
+__all__ = [
+    "STAGES",
+    "add_parser",
+    "build_parser",
+    "run",
+    "main",
+    "add_bench_model_arguments",
+    "load_bench_model",
+    "default_image",
+    "measure",
+]
 
 
 def add_bench_model_arguments(parser: argparse.ArgumentParser, warmup_variants: str = "minimal") -> None:
     """The shared model flags (host warm-up `warmup_variants` by default) plus --random-weights, for the
     benchmarks."""
     add_model_arguments(parser, warmup=2, warmup_variants=warmup_variants)
-    parser.add_argument("--random-weights", metavar="PRESET",
-                        help="use a random-weight checkpoint of this tt_moge.testing preset instead of --weights "
-                             "(e.g. tiny-vits-normal)")
+    parser.add_argument(
+        "--random-weights",
+        metavar="PRESET",
+        help="use a random-weight checkpoint of this tt_moge.testing preset instead of --weights "
+        "(e.g. tiny-vits-normal)",
+    )
 
 
 def load_bench_model(args: argparse.Namespace, scratch: str, **overrides: Any):
@@ -86,8 +99,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
-    parser = commands.add_parser("bench", formatter_class=Formatter, help="per-stage timing of one call",
-                                 description=__doc__)
+    parser = commands.add_parser(
+        "bench", formatter_class=Formatter, help="per-stage timing of one call", description=__doc__
+    )
     _add_arguments(parser)
     return parser
 
@@ -112,8 +126,10 @@ def run(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = No
     if args.json:
         print(json.dumps({stage: round(ms, 3) for stage, ms in medians.items()}))
         return 0
-    print(f"image {image}; canvas {args.resolution[0]}x{args.resolution[1]}, {args.num_tokens} tokens, device {device}, "
-          f"host path {host}" + (f" ({threads} threads)" if threads else "") + f"; medians of {args.runs} calls")
+    print(
+        f"image {image}; canvas {args.resolution[0]}x{args.resolution[1]}, {args.num_tokens} tokens, device {device}, "
+        f"host path {host}" + (f" ({threads} threads)" if threads else "") + f"; medians of {args.runs} calls"
+    )
     for stage in STAGES:
         print(f"  {stage:7s} {medians[stage]:9.2f} ms")
     shown = argv if argv is not None else sys.argv[1:]

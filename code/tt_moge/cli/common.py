@@ -1,6 +1,7 @@
 """What every `tt-moge` command shares: the model flags and the per-image flags (generated from the options'
 definitions: `options.LoadOptions`, `host.CallOptions`), the format flags, exit codes, messages, and the one
 mapping from parsed flags to `MoGeModel.from_pretrained` and call arguments."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,10 +16,27 @@ from ..host import CallOptions
 from ..options import LoadOptions
 from . import argtypes
 
-__all__ = ["EXIT_OK", "EXIT_IMAGES_FAILED", "EXIT_USAGE", "EXIT_START", "EXIT_INTERRUPTED", "EXIT_CODES",
-           "DEFAULT_OUTPUT", "FORMAT_MB", "FULL_MESH_MB", "Formatter", "say", "add_model_arguments",
-           "add_call_arguments", "add_format_arguments", "format_group_title", "chosen_formats",
-           "model_kwargs", "call_options", "load_model"]
+__all__ = [
+    "EXIT_OK",
+    "EXIT_IMAGES_FAILED",
+    "EXIT_USAGE",
+    "EXIT_START",
+    "EXIT_INTERRUPTED",
+    "EXIT_CODES",
+    "DEFAULT_OUTPUT",
+    "FORMAT_MB",
+    "FULL_MESH_MB",
+    "Formatter",
+    "say",
+    "add_model_arguments",
+    "add_call_arguments",
+    "add_format_arguments",
+    "format_group_title",
+    "chosen_formats",
+    "model_kwargs",
+    "call_options",
+    "load_model",
+]
 
 EXIT_OK, EXIT_IMAGES_FAILED, EXIT_USAGE, EXIT_START, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_CODES = f"""\
@@ -103,9 +121,14 @@ def add_format_arguments(group: Any) -> None:
         extra = f" ({FULL_MESH_MB} MB with --mesh-step 1)" if name == "glb" else ""
         default = "[default] " if name in DEFAULT_FORMATS else ""
         group.add_argument(f"--{name}", action="store_true", help=f"{default}{what}: about {FORMAT_MB[name]} MB{extra}")
-    group.add_argument("--mesh-step", type=argtypes.positive_int, default=DEFAULT_MESH_STEP, metavar="N",
-                       help=f"mesh.glb samples every Nth row and column: 1 every pixel, 2 a quarter of the vertices "
-                            f"(default {DEFAULT_MESH_STEP})")
+    group.add_argument(
+        "--mesh-step",
+        type=argtypes.positive_int,
+        default=DEFAULT_MESH_STEP,
+        metavar="N",
+        help=f"mesh.glb samples every Nth row and column: 1 every pixel, 2 a quarter of the vertices "
+        f"(default {DEFAULT_MESH_STEP})",
+    )
 
 
 def chosen_formats(args: argparse.Namespace) -> list:

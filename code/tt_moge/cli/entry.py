@@ -4,6 +4,7 @@ runs many on Ray Data; `info` says what would run where; `serve` starts the HTTP
 `main(argv)` returns the exit code (see `common.EXIT_CODES`) instead of exiting, so tests and other tools can
 call it. Heavy imports (the model, trimesh, Ray, uvicorn) happen inside the commands.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,10 +22,12 @@ COMMANDS = {"predict": predict, "batch": batch, "info": info, "serve": serve, "b
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tt-moge", formatter_class=Formatter,
+        prog="tt-moge",
+        formatter_class=Formatter,
         description="MoGe-2 monocular geometry from the command line: one RGB photo in; metric depth, a camera-space "
-                    "point map, normals, a validity mask and the camera intrinsics out, at the photo's own resolution.",
-        epilog="Each command has its own manual: tt-moge COMMAND --help.\n\n" + EXIT_CODES)
+        "point map, normals, a validity mask and the camera intrinsics out, at the photo's own resolution.",
+        epilog="Each command has its own manual: tt-moge COMMAND --help.\n\n" + EXIT_CODES,
+    )
     parser.add_argument("--version", action="version", version=f"tt-moge {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for module in COMMANDS.values():
@@ -45,7 +48,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 parser.print_help(sys.stderr)
                 return EXIT_USAGE
             if unknown:  # reported by the command's own parser, with its usage line and a hint
-                hint = " (formats are chosen with --maps, --npz, --ply, --glb)" if args.command in ("predict", "batch") else ""
+                hint = (
+                    " (formats are chosen with --maps, --npz, --ply, --glb)"
+                    if args.command in ("predict", "batch")
+                    else ""
+                )
                 args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
             if args.command == "bench":
                 return int(bench.run(args, args.command_parser, argv) or 0)

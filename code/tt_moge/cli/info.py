@@ -1,4 +1,5 @@
 """`tt-moge info`: load the model and say what runs where."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,11 +19,15 @@ exit codes:
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
     info = commands.add_parser(
-        "info", formatter_class=Formatter, help="load the model and say what runs where",
+        "info",
+        formatter_class=Formatter,
+        help="load the model and say what runs where",
         description="Load the model (no warm-up) and print: version, weights source and revision, architecture, "
-                    "device and runner, canvas, token budget, normal head, and whether the host steps run on the "
-                    "native (C++) path or in torch.",
-        epilog="examples:\n  tt-moge info\n  tt-moge info --weights /models/moge-2 --device cpu --json\n\n" + EXIT_CODES)
+        "device and runner, canvas, token budget, normal head, and whether the host steps run on the "
+        "native (C++) path or in torch.",
+        epilog="examples:\n  tt-moge info\n  tt-moge info --weights /models/moge-2 --device cpu --json\n\n"
+        + EXIT_CODES,
+    )
     add_model_arguments(info)
     info.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     return info

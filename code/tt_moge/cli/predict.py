@@ -1,4 +1,5 @@
 """`tt-moge predict`: photos -> depth, normal and mask pictures, npz, PLY and GLB files, one folder per photo."""
+
 from __future__ import annotations
 
 import argparse
@@ -83,26 +84,41 @@ examples:
 """
 
 
-
 def add_parser(commands: Any) -> argparse.ArgumentParser:
     predict = commands.add_parser(
-        "predict", formatter_class=Formatter, help="photos -> depth, normal and mask pictures, npz, PLY, GLB",
+        "predict",
+        formatter_class=Formatter,
+        help="photos -> depth, normal and mask pictures, npz, PLY, GLB",
         description="Run MoGe-2 on PNG/JPEG photos and write, per photo, the chosen formats into its own folder. "
-                    "Images that cannot be read or written are reported as failed; the run goes on.", epilog=_PREDICT_EPILOG)
+        "Images that cannot be read or written are reported as failed; the run goes on.",
+        epilog=_PREDICT_EPILOG,
+    )
     predict.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders (recursive) or glob patterns")
-    predict.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT", help=f"output folder (default ./{DEFAULT_OUTPUT})")
+    predict.add_argument(
+        "-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT", help=f"output folder (default ./{DEFAULT_OUTPUT})"
+    )
     add_format_arguments(predict.add_argument_group(format_group_title()))
-    add_call_arguments(predict).add_argument("--panorama", action="store_true",
-                      help="the inputs are 360-degree equirectangular panoramas (width = 2 x height): 12 perspective "
-                           "views, merged into one distance map of the sphere; depth.exr/png then hold the distance "
-                           "from the centre, the mesh closes around the viewer. The canvas defaults to "
-                           f"{PANORAMA_CANVAS[0]}x{PANORAMA_CANVAS[1]} (the views' size); see docs/panorama.md")
+    add_call_arguments(predict).add_argument(
+        "--panorama",
+        action="store_true",
+        help="the inputs are 360-degree equirectangular panoramas (width = 2 x height): 12 perspective "
+        "views, merged into one distance map of the sphere; depth.exr/png then hold the distance "
+        "from the centre, the mesh closes around the viewer. The canvas defaults to "
+        f"{PANORAMA_CANVAS[0]}x{PANORAMA_CANVAS[1]} (the views' size); see docs/panorama.md",
+    )
     add_model_arguments(predict)
     predict.set_defaults(resolution=None)  # resolved in run(): the photo canvas, or the views' canvas with --panorama
     group = predict.add_argument_group("run")
-    group.add_argument("--chunk-size", type=argtypes.positive_int, default=DEFAULT_CHUNK, metavar="N",
-                     help=f"images per predict_many call; the next chunk is decoded meanwhile (default {DEFAULT_CHUNK})")
-    group.add_argument("--writers", type=argtypes.positive_int, default=2, metavar="N", help="threads writing files (default 2)")
+    group.add_argument(
+        "--chunk-size",
+        type=argtypes.positive_int,
+        default=DEFAULT_CHUNK,
+        metavar="N",
+        help=f"images per predict_many call; the next chunk is decoded meanwhile (default {DEFAULT_CHUNK})",
+    )
+    group.add_argument(
+        "--writers", type=argtypes.positive_int, default=2, metavar="N", help="threads writing files (default 2)"
+    )
     group.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary; errors still print")
     return predict
 
@@ -153,8 +169,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     t_loaded = time.perf_counter()
     from tqdm import tqdm
 
-    bar = tqdm(total=len(todo), unit="img", desc="tt-moge predict", file=sys.stderr, dynamic_ncols=True,
-               disable=args.quiet or len(todo) < 2)
+    bar = tqdm(
+        total=len(todo),
+        unit="img",
+        desc="tt-moge predict",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        disable=args.quiet or len(todo) < 2,
+    )
 
     def on_done(image: Any, error: Optional[str]) -> None:
         if error is not None:
@@ -167,12 +189,21 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             with model:
                 todo_images = [images[i] for i in todo]
                 if args.panorama:
-                    done_status = predict_panoramas(model, todo_images, out_root, formats, on_done=on_done,
-                                                    mesh_step=args.mesh_step)
+                    done_status = predict_panoramas(
+                        model, todo_images, out_root, formats, on_done=on_done, mesh_step=args.mesh_step
+                    )
                 else:
-                    done_status = predict_images(model.service, todo_images, out_root, formats, options=options,
-                                                 chunk_size=args.chunk_size, writers=args.writers, on_done=on_done,
-                                                 mesh_step=args.mesh_step)
+                    done_status = predict_images(
+                        model.service,
+                        todo_images,
+                        out_root,
+                        formats,
+                        options=options,
+                        chunk_size=args.chunk_size,
+                        writers=args.writers,
+                        on_done=on_done,
+                        mesh_step=args.mesh_step,
+                    )
                 info = model.info()
             status.update({todo[j]: error for j, error in done_status.items()})
     finally:
@@ -182,13 +213,30 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     done = len(images) - len(failed)
     nbytes = written_bytes(out_root, [images[i].name for i, err in status.items() if err is None])
     record = {
-        "tt_moge": __version__, "model": info, "formats": formats,
-        "mesh_step": args.mesh_step if "glb" in formats else None, "bytes_written": nbytes,
-        "options": {"panorama": args.panorama, **options.kwargs(), "resolution": list(args.resolution),
-                    "num_tokens": args.num_tokens},
-        "done": done, "failed": len(failed), "load_seconds": round(t_loaded - t_start, 3), "seconds": round(seconds, 3),
-        "images": [{"input": str(img.path), "output": img.name, "status": "failed" if status.get(i) else "done",
-                    "error": status.get(i)} for i, img in enumerate(images)],
+        "tt_moge": __version__,
+        "model": info,
+        "formats": formats,
+        "mesh_step": args.mesh_step if "glb" in formats else None,
+        "bytes_written": nbytes,
+        "options": {
+            "panorama": args.panorama,
+            **options.kwargs(),
+            "resolution": list(args.resolution),
+            "num_tokens": args.num_tokens,
+        },
+        "done": done,
+        "failed": len(failed),
+        "load_seconds": round(t_loaded - t_start, 3),
+        "seconds": round(seconds, 3),
+        "images": [
+            {
+                "input": str(img.path),
+                "output": img.name,
+                "status": "failed" if status.get(i) else "done",
+                "error": status.get(i),
+            }
+            for i, img in enumerate(images)
+        ],
     }
     try:
         write_text_atomic(run_json, to_json(record))
@@ -198,14 +246,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         index = "no index: run.json could not be written"
     if not args.quiet:
         rate = f", {done / seconds:.2f} images/s" if seconds > 0 and done else ""
-        print(f"tt-moge predict: {done} of {len(images)} images done, {len(failed)} failed, in {seconds:.1f} s{rate} "
-              f"(model load {t_loaded - t_start:.1f} s); outputs in {out_root}/ ({index})")
+        print(
+            f"tt-moge predict: {done} of {len(images)} images done, {len(failed)} failed, in {seconds:.1f} s{rate} "
+            f"(model load {t_loaded - t_start:.1f} s); outputs in {out_root}/ ({index})"
+        )
         if done:
             mesh = f" (mesh every {args.mesh_step} px)" if "glb" in formats and args.mesh_step > 1 else ""
-            print(f"  wrote {' '.join('--' + f for f in formats)}{mesh}: {nbytes / 1e6:.1f} MB, "
-                  f"{nbytes / 1e6 / done:.1f} MB per image (each format's size: tt-moge predict --help)")
+            print(
+                f"  wrote {' '.join('--' + f for f in formats)}{mesh}: {nbytes / 1e6:.1f} MB, "
+                f"{nbytes / 1e6 / done:.1f} MB per image (each format's size: tt-moge predict --help)"
+            )
         for _image, error in failed:
             print(f"  failed: {error}")
     return EXIT_IMAGES_FAILED if failed or not run_json.exists() else EXIT_OK
-
-

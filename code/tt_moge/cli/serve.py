@@ -8,6 +8,7 @@ Stopping: the first SIGTERM or SIGINT stops accepting connections and admitting 
 shutting_down), lets what is admitted finish and slow clients read for up to --shutdown-grace seconds, then
 cuts what is left and exits 0. A second signal exits at once, with 128 + the signal's number.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,13 @@ exit codes:
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
-    parser = commands.add_parser("serve", formatter_class=Formatter, help="the HTTP server (POST /predict)",
-                                 description=DESCRIPTION, epilog=EXIT_CODES)
+    parser = commands.add_parser(
+        "serve",
+        formatter_class=Formatter,
+        help="the HTTP server (POST /predict)",
+        description=DESCRIPTION,
+        epilog=EXIT_CODES,
+    )
     add_arguments(parser)
     return parser
 
@@ -61,41 +67,89 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, warmup=2, warmup_variants="default")
 
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST}, this machine only)")
-    server.add_argument("--port", type=argtypes.port, default=DEFAULT_PORT, help=f"port; 0 = any free port (default: {DEFAULT_PORT})")
-    server.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer KEY' on /predict, /predict/summary and /info (default: ${API_KEY_ENV}, "
-                             "else no key; prefer the variable: a flag shows in the process list)")
-    server.add_argument("--max-body-mb", type=argtypes.positive_float, default=_DEFAULTS.max_body_bytes / _MB,
-                        help=f"largest request body in MiB (default: {_DEFAULTS.max_body_bytes / _MB:g})")
-    server.add_argument("--max-pixels", type=argtypes.positive_int, default=_DEFAULTS.max_pixels,
-                        help=f"largest image, width*height, checked before decoding (default: {_DEFAULTS.max_pixels})")
-    server.add_argument("--queue-size", type=argtypes.positive_int, default=_DEFAULTS.queue_size,
-                        help=f"requests admitted at once; one more gets 503 + Retry-After (default: {_DEFAULTS.queue_size})")
-    server.add_argument("--host-threads", type=argtypes.positive_int, default=_DEFAULTS.host_threads,
-                        help=f"threads that decode / post-process / encode admitted requests (default: {_DEFAULTS.host_threads})")
-    server.add_argument("--max-connections", type=argtypes.positive_int, default=_DEFAULTS.max_connections,
-                        help=f"open connections before uvicorn answers 503 (default: {_DEFAULTS.max_connections})")
-    server.add_argument("--read-timeout", type=argtypes.positive_float, default=_DEFAULTS.read_timeout_s,
-                        help=f"seconds for a request body to arrive, else 408 (default: {_DEFAULTS.read_timeout_s:g})")
-    server.add_argument("--send-timeout", type=argtypes.positive_float, default=_DEFAULTS.send_timeout_s,
-                        help="seconds an answer may wait for the client to read more of it; then the connection is cut "
-                             f"and its slot and memory freed (default: {_DEFAULTS.send_timeout_s:g})")
-    server.add_argument("--memory-budget-mb", type=argtypes.positive_float, default=_DEFAULTS.memory_budget_bytes / _MB,
-                        help="MiB that bodies being received, admitted requests and unsent answers may hold together; an "
-                             f"admitted request counts {BYTES_PER_PIXEL} bytes per pixel + its body until its answer is encoded; over "
-                             f"it, 503 + Retry-After (default: {_DEFAULTS.memory_budget_bytes / _MB:g})")
-    server.add_argument("--shutdown-grace", type=argtypes.positive_float, default=_DEFAULTS.shutdown_grace_s,
-                        help="seconds that admitted requests and slow clients get after SIGTERM / SIGINT before they "
-                             f"are cut (default: {_DEFAULTS.shutdown_grace_s:g})")
+    server.add_argument(
+        "--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST}, this machine only)"
+    )
+    server.add_argument(
+        "--port", type=argtypes.port, default=DEFAULT_PORT, help=f"port; 0 = any free port (default: {DEFAULT_PORT})"
+    )
+    server.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /predict, /predict/summary and /info (default: ${API_KEY_ENV}, "
+        "else no key; prefer the variable: a flag shows in the process list)",
+    )
+    server.add_argument(
+        "--max-body-mb",
+        type=argtypes.positive_float,
+        default=_DEFAULTS.max_body_bytes / _MB,
+        help=f"largest request body in MiB (default: {_DEFAULTS.max_body_bytes / _MB:g})",
+    )
+    server.add_argument(
+        "--max-pixels",
+        type=argtypes.positive_int,
+        default=_DEFAULTS.max_pixels,
+        help=f"largest image, width*height, checked before decoding (default: {_DEFAULTS.max_pixels})",
+    )
+    server.add_argument(
+        "--queue-size",
+        type=argtypes.positive_int,
+        default=_DEFAULTS.queue_size,
+        help=f"requests admitted at once; one more gets 503 + Retry-After (default: {_DEFAULTS.queue_size})",
+    )
+    server.add_argument(
+        "--host-threads",
+        type=argtypes.positive_int,
+        default=_DEFAULTS.host_threads,
+        help=f"threads that decode / post-process / encode admitted requests (default: {_DEFAULTS.host_threads})",
+    )
+    server.add_argument(
+        "--max-connections",
+        type=argtypes.positive_int,
+        default=_DEFAULTS.max_connections,
+        help=f"open connections before uvicorn answers 503 (default: {_DEFAULTS.max_connections})",
+    )
+    server.add_argument(
+        "--read-timeout",
+        type=argtypes.positive_float,
+        default=_DEFAULTS.read_timeout_s,
+        help=f"seconds for a request body to arrive, else 408 (default: {_DEFAULTS.read_timeout_s:g})",
+    )
+    server.add_argument(
+        "--send-timeout",
+        type=argtypes.positive_float,
+        default=_DEFAULTS.send_timeout_s,
+        help="seconds an answer may wait for the client to read more of it; then the connection is cut "
+        f"and its slot and memory freed (default: {_DEFAULTS.send_timeout_s:g})",
+    )
+    server.add_argument(
+        "--memory-budget-mb",
+        type=argtypes.positive_float,
+        default=_DEFAULTS.memory_budget_bytes / _MB,
+        help="MiB that bodies being received, admitted requests and unsent answers may hold together; an "
+        f"admitted request counts {BYTES_PER_PIXEL} bytes per pixel + its body until its answer is encoded; over "
+        f"it, 503 + Retry-After (default: {_DEFAULTS.memory_budget_bytes / _MB:g})",
+    )
+    server.add_argument(
+        "--shutdown-grace",
+        type=argtypes.positive_float,
+        default=_DEFAULTS.shutdown_grace_s,
+        help="seconds that admitted requests and slow clients get after SIGTERM / SIGINT before they "
+        f"are cut (default: {_DEFAULTS.shutdown_grace_s:g})",
+    )
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     server.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
-    server.add_argument("--no-ui", action="store_true",
-                        help="do not serve the web page (GET / and /ui: drop a photo, see depth, normals and the 3D view)")
+    server.add_argument(
+        "--no-ui",
+        action="store_true",
+        help="do not serve the web page (GET / and /ui: drop a photo, see depth, normals and the 3D view)",
+    )
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+        0
+    ]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(address)
@@ -158,10 +212,17 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="[tt_moge] %(levelname)s %(message)s", stream=sys.stderr)
     try:
         settings = ServerSettings(
-            max_body_bytes=int(args.max_body_mb * _MB), max_pixels=args.max_pixels, queue_size=args.queue_size,
-            host_threads=args.host_threads, max_connections=args.max_connections, read_timeout_s=args.read_timeout,
-            send_timeout_s=args.send_timeout, memory_budget_bytes=int(args.memory_budget_mb * _MB),
-            shutdown_grace_s=args.shutdown_grace, api_key=args.api_key or ServerSettings.api_key_from_env())
+            max_body_bytes=int(args.max_body_mb * _MB),
+            max_pixels=args.max_pixels,
+            queue_size=args.queue_size,
+            host_threads=args.host_threads,
+            max_connections=args.max_connections,
+            read_timeout_s=args.read_timeout,
+            send_timeout_s=args.send_timeout,
+            memory_budget_bytes=int(args.memory_budget_mb * _MB),
+            shutdown_grace_s=args.shutdown_grace,
+            api_key=args.api_key or ServerSettings.api_key_from_env(),
+        )
         options = LoadOptions.resolve(**model_kwargs(args))  # bad model options fail now (exit 2), not after binding
         sock = _bind(args.host, args.port)
     except (ValueError, TypeError, OSError) as exc:
@@ -180,22 +241,36 @@ def run(args: argparse.Namespace) -> int:
 
     def on_stop(sig: int) -> None:
         serving.drain()
-        print(f"[tt_moge] {signal.Signals(sig).name}: stopping; {serving.in_flight} request(s) in progress get up to "
-              f"{settings.shutdown_grace_s:g} s (--shutdown-grace); a second signal exits at once", file=sys.stderr, flush=True)
+        print(
+            f"[tt_moge] {signal.Signals(sig).name}: stopping; {serving.in_flight} request(s) in progress get up to "
+            f"{settings.shutdown_grace_s:g} s (--shutdown-grace); a second signal exits at once",
+            file=sys.stderr,
+            flush=True,
+        )
 
     if not args.no_ui:
         from ..server.ui import mount_ui
 
         mount_ui(app)
-    config = uvicorn.Config(app, http=JsonH11Protocol, log_level=args.log_level, access_log=not args.no_access_log,
-                            lifespan="on", limit_concurrency=settings.max_connections, timeout_keep_alive=5,
-                            timeout_graceful_shutdown=settings.shutdown_grace_s)
+    config = uvicorn.Config(
+        app,
+        http=JsonH11Protocol,
+        log_level=args.log_level,
+        access_log=not args.no_access_log,
+        lifespan="on",
+        limit_concurrency=settings.max_connections,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
+    )
     server = _make_server(uvicorn, config, on_stop)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     page = "" if args.no_ui else f"; the web page: http://{url_host}:{port}/"
-    print(f"[tt_moge] serving on http://{url_host}:{port} (loading {describe_source(options.weights, options.revision)}; "
-          f"GET /ready answers 200 when it can serve{page})",
-          file=sys.stderr, flush=True)
+    print(
+        f"[tt_moge] serving on http://{url_host}:{port} (loading {describe_source(options.weights, options.revision)}; "
+        f"GET /ready answers 200 when it can serve{page})",
+        file=sys.stderr,
+        flush=True,
+    )
     server.run(sockets=[sock])
     return 1 if serving.load_error else 0

@@ -1,9 +1,19 @@
 """Host code shared by every runner, the API, the server and the CLI: decode, canvas fit, solve, finish."""
+
 from .canvas import CanvasPlan, fit_to_canvas, plan_canvas
 from .decode import ImageNotFoundError, InputError, to_rgb_array
 from .pipeline import CallOptions, Prepared, Stopwatch, postprocess, prepare
 
 __all__ = [
-    "CallOptions", "CanvasPlan", "ImageNotFoundError", "InputError", "Prepared", "Stopwatch",
-    "fit_to_canvas", "plan_canvas", "postprocess", "prepare", "to_rgb_array",
+    "CallOptions",
+    "CanvasPlan",
+    "ImageNotFoundError",
+    "InputError",
+    "Prepared",
+    "Stopwatch",
+    "fit_to_canvas",
+    "plan_canvas",
+    "postprocess",
+    "prepare",
+    "to_rgb_array",
 ]

@@ -12,6 +12,7 @@ can see it any more. Small arrays (< MIN_POOLED_BYTES) use plain `np.empty`. The
 released blocks; when a release would exceed that, the blocks released longest ago go first (so a server whose photo
 sizes change keeps the sizes it sees now, not the first ones it saw).
 """
+
 from __future__ import annotations
 
 import threading
@@ -57,8 +58,12 @@ class _Lease:
 
     def __init__(self, block: np.ndarray, shape: tuple, dtype: np.dtype):
         self.block = block
-        self.__array_interface__ = {"data": (block.ctypes.data, False), "shape": tuple(shape),
-                                    "typestr": dtype.str, "version": 3}
+        self.__array_interface__ = {
+            "data": (block.ctypes.data, False),
+            "shape": tuple(shape),
+            "typestr": dtype.str,
+            "version": 3,
+        }
 
 
 def _release(block: np.ndarray) -> None:

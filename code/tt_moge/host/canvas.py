@@ -9,6 +9,7 @@ An image that already has the canvas size is used as is (a float one without any
 With the native host library, the gray bars and the uint8 -> [0, 1] float conversion are one pass into a
 recycled buffer (the same values: value / 255 by IEEE division, as torch's div_).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -74,8 +75,19 @@ def _canvas_native(lib, content: np.ndarray, plan: CanvasPlan) -> torch.Tensor:
     cw, ch = plan.canvas_size
     x0, y0, _, _ = plan.content_box
     out = buffers.empty((ch, cw, 3), np.float32)
-    lib.moge_canvas_to_unit(content.ctypes.data, content.strides[0], content.strides[1], content.shape[1],
-                            content.shape[0], x0, y0, cw, ch, PAD_GRAY, out.ctypes.data)
+    lib.moge_canvas_to_unit(
+        content.ctypes.data,
+        content.strides[0],
+        content.strides[1],
+        content.shape[1],
+        content.shape[0],
+        x0,
+        y0,
+        cw,
+        ch,
+        PAD_GRAY,
+        out.ctypes.data,
+    )
     return torch.from_numpy(out).permute(2, 0, 1)[None]
 
 

@@ -18,6 +18,7 @@ measurements behind the choice), and Pillow otherwise; both give the same pixels
     integer IDCT, fancy upsampling) as Pillow's, so the same pixels. Data that does not end with the EOI
     marker (truncated) and CMYK/YCCK files go to Pillow, which reports the error or converts.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,8 +31,16 @@ import numpy as np
 
 from ..constants import MIN_IMAGE_SIDE
 
-__all__ = ["InputError", "ImageNotFoundError", "to_rgb_array", "decode_bytes", "decode_with_pillow", "read_image_file",
-           "read_image_header", "float_to_uint8"]
+__all__ = [
+    "InputError",
+    "ImageNotFoundError",
+    "to_rgb_array",
+    "decode_bytes",
+    "decode_with_pillow",
+    "read_image_file",
+    "read_image_header",
+    "float_to_uint8",
+]
 
 
 class InputError(ValueError):
@@ -117,18 +126,26 @@ def _decode_png_fast(data: bytes, name: str) -> Optional[np.ndarray]:
         return None
     width, height, depth, colour, compression, filtering, interlace = struct.unpack(">IIBBBBB", data[16:29])
     channels = _PNG_CHANNELS.get(colour)
-    if depth != 8 or channels is None or interlace or compression or filtering or not (0 < width < 1 << 24) or not (0 < height < 1 << 24):
+    if (
+        depth != 8
+        or channels is None
+        or interlace
+        or compression
+        or filtering
+        or not (0 < width < 1 << 24)
+        or not (0 < height < 1 << 24)
+    ):
         return None
     view = memoryview(data)
     idat, pos, end = [], 8, len(data)
     while True:
         if pos + 8 > end:
             raise InputError(f"{name}: corrupt or truncated PNG data (no IEND chunk)")
-        length, kind = struct.unpack(">I4s", view[pos:pos + 8])
+        length, kind = struct.unpack(">I4s", view[pos : pos + 8])
         if pos + 12 + length > end:
             raise InputError(f"{name}: corrupt or truncated PNG data (chunk {kind!r} runs past the end)")
         if kind == b"IDAT":
-            idat.append(view[pos + 8:pos + 8 + length])
+            idat.append(view[pos + 8 : pos + 8 + length])
         elif kind == b"IEND":
             break
         pos += 12 + length
@@ -196,7 +213,10 @@ def _decode_jpeg_fast(data: bytes) -> Optional[np.ndarray]:
     import cv2
 
     flags = getattr(cv2, "IMREAD_COLOR_RGB", None)
-    arr = cv2.imdecode(np.frombuffer(data, np.uint8), (flags if flags is not None else cv2.IMREAD_COLOR) | cv2.IMREAD_IGNORE_ORIENTATION)
+    arr = cv2.imdecode(
+        np.frombuffer(data, np.uint8),
+        (flags if flags is not None else cv2.IMREAD_COLOR) | cv2.IMREAD_IGNORE_ORIENTATION,
+    )
     if arr is None:
         return None
     return arr if flags is not None else cv2.cvtColor(arr, cv2.COLOR_BGR2RGB)
@@ -280,11 +300,16 @@ def _from_numpy(arr: np.ndarray, name: str) -> np.ndarray:
         elif arr.shape[0] == 1:
             arr = arr[0][..., None].repeat(3, axis=2)
         elif 4 in (arr.shape[-1], arr.shape[0]):
-            raise InputError(f"{name}: 4-channel arrays are not accepted (shape " f"{arr.shape}); drop the alpha channel, e.g. image[..., :3]")
+            raise InputError(
+                f"{name}: 4-channel arrays are not accepted (shape "
+                f"{arr.shape}); drop the alpha channel, e.g. image[..., :3]"
+            )
         else:
             raise InputError(f"{name}: expected (H, W, 3), (3, H, W) or (H, W); got shape {arr.shape}")
     else:
-        raise InputError(f"{name}: expected a 2-D or 3-D array ((H, W, 3), (3, H, W) or (H, W)); got {arr.ndim}-D shape {arr.shape}")
+        raise InputError(
+            f"{name}: expected a 2-D or 3-D array ((H, W, 3), (3, H, W) or (H, W)); got {arr.ndim}-D shape {arr.shape}"
+        )
     if arr.dtype == np.uint8:
         return np.ascontiguousarray(arr)
     if np.issubdtype(arr.dtype, np.floating):
@@ -298,7 +323,10 @@ def _from_torch(t: Any, name: str) -> np.ndarray:
     t = t.detach()
     if t.ndim == 4:
         if t.shape[0] != 1:
-            raise InputError(f"{name}: a (B, 3, H, W) tensor with B={t.shape[0]} > 1; " "pass a list of images or use model.infer for batches")
+            raise InputError(
+                f"{name}: a (B, 3, H, W) tensor with B={t.shape[0]} > 1; "
+                "pass a list of images or use model.infer for batches"
+            )
         t = t[0]
     if t.ndim == 3 and t.shape[0] == 3 and t.is_floating_point():
         arr = t.to("cpu", torch.float32).numpy()
@@ -307,7 +335,10 @@ def _from_torch(t: Any, name: str) -> np.ndarray:
         return np.ascontiguousarray(t.cpu().numpy())
     if t.ndim in (2, 3) and (t.dtype == torch.uint8 or t.is_floating_point()):
         return _from_numpy(t.cpu().float().numpy() if t.is_floating_point() else t.cpu().numpy(), name)
-    raise InputError(f"{name}: tensor of shape {tuple(t.shape)} and dtype {t.dtype} not supported; " "expected (3, H, W) or (1, 3, H, W) float in [0, 1], or (H, W, 3) uint8")
+    raise InputError(
+        f"{name}: tensor of shape {tuple(t.shape)} and dtype {t.dtype} not supported; "
+        "expected (3, H, W) or (1, 3, H, W) float in [0, 1], or (H, W, 3) uint8"
+    )
 
 
 def to_rgb_array(image: Any, name: str = "image", min_side: int = MIN_IMAGE_SIDE) -> np.ndarray:
@@ -326,7 +357,10 @@ def to_rgb_array(image: Any, name: str = "image", min_side: int = MIN_IMAGE_SIDE
     elif image is None:
         raise InputError(f"{name}: got None; expected a file path, PIL image, numpy array or torch tensor")
     else:
-        raise TypeError(f"{name}: unsupported type {type(image).__name__}; expected a file " "path, encoded bytes, PIL image, numpy array or torch tensor")
+        raise TypeError(
+            f"{name}: unsupported type {type(image).__name__}; expected a file "
+            "path, encoded bytes, PIL image, numpy array or torch tensor"
+        )
     h, w = arr.shape[:2]
     if h < min_side or w < min_side:
         raise InputError(f"{name}: image is {w}x{h}; the minimum size is {min_side}x{min_side}")

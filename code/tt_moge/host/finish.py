@@ -16,6 +16,7 @@ adds):
 The torch code below is the reference; with the native host library the same steps run as one multithreaded
 C++ pass that reads the canvas maps once and writes each output once (moge_finish in native/moge_host.cpp).
 """
+
 from __future__ import annotations
 
 import math
@@ -46,7 +47,9 @@ def camera_intrinsics(focal: float, plan: CanvasPlan) -> np.ndarray:
     f_px = focal * math.hypot(cw, ch) / 2  # canvas pixels
     x0, y0, _, _ = plan.content_box
     w, h = plan.content_size
-    return np.array([[f_px / w, 0.0, (cw / 2 - x0) / w], [0.0, f_px / h, (ch / 2 - y0) / h], [0.0, 0.0, 1.0]], dtype=np.float32)
+    return np.array(
+        [[f_px / w, 0.0, (cw / 2 - x0) / w], [0.0, f_px / h, (ch / 2 - y0) / h], [0.0, 0.0, 1.0]], dtype=np.float32
+    )
 
 
 def _resize_maps(maps: list[torch.Tensor], size: tuple) -> list[torch.Tensor]:
@@ -68,8 +71,15 @@ def projection_factors(intrinsics: np.ndarray, size: tuple) -> tuple[torch.Tenso
     return (u - cx) / fx, (v - cy) / fy
 
 
-def finish(raw: RawMaps, plan: CanvasPlan, focal: float, shift: float, *, apply_mask: bool = True,
-           force_projection: bool = True) -> MoGeOutput:
+def finish(
+    raw: RawMaps,
+    plan: CanvasPlan,
+    focal: float,
+    shift: float,
+    *,
+    apply_mask: bool = True,
+    force_projection: bool = True,
+) -> MoGeOutput:
     """Raw canvas maps + camera (focal relative to the canvas half diagonal, z shift) -> MoGeOutput at the
     input size. Runs the native fused pass when the native host library is in use (same results), else the
     torch steps below, which are the reference."""
@@ -82,8 +92,9 @@ def finish(raw: RawMaps, plan: CanvasPlan, focal: float, shift: float, *, apply_
     return _output(*maps, intrinsics, plan, raw.metric_scale)
 
 
-def _finish_torch(raw: RawMaps, plan: CanvasPlan, intrinsics: np.ndarray, shift: float, apply_mask: bool,
-                  force_projection: bool) -> tuple:
+def _finish_torch(
+    raw: RawMaps, plan: CanvasPlan, intrinsics: np.ndarray, shift: float, apply_mask: bool, force_projection: bool
+) -> tuple:
     x0, y0, x1, y1 = plan.content_box
     points = raw.points[y0:y1, x0:x1]
     normal = None if raw.normal is None else raw.normal[y0:y1, x0:x1]
@@ -132,8 +143,9 @@ def _host_float32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.device.type == "cpu" else t.to("cpu", torch.float32)
 
 
-def _finish_native(lib, raw: RawMaps, plan: CanvasPlan, intrinsics: np.ndarray, shift: float, apply_mask: bool,
-                   force_projection: bool) -> tuple:
+def _finish_native(
+    lib, raw: RawMaps, plan: CanvasPlan, intrinsics: np.ndarray, shift: float, apply_mask: bool, force_projection: bool
+) -> tuple:
     """The same steps in one multithreaded C++ pass over the content box (moge_finish in moge_host.cpp)."""
     x0, y0, x1, y1 = plan.content_box
     w, h = plan.image_size
@@ -149,25 +161,55 @@ def _finish_native(lib, raw: RawMaps, plan: CanvasPlan, intrinsics: np.ndarray, 
         col, row = projection_factors(intrinsics, (w, h))
     scale = raw.metric_scale
     lib.moge_finish(
-        points.data_ptr(), *points.stride(),
-        None if normal is None else normal.data_ptr(), *(normal.stride() if normal is not None else (0, 0, 0)),
-        None if prob is None else prob.data_ptr(), *(prob.stride() if prob is not None else (0, 0)),
-        x0, y0, x1 - x0, y1 - y0, w, h, shift, 1.0 if scale is None else scale, MASK_THRESHOLD, scale is not None,
-        None if col is None else col.data_ptr(), None if row is None else row.data_ptr(), apply_mask,
-        out_points.ctypes.data, out_depth.ctypes.data, None if out_normal is None else out_normal.ctypes.data,
-        out_mask.ctypes.data)
+        points.data_ptr(),
+        *points.stride(),
+        None if normal is None else normal.data_ptr(),
+        *(normal.stride() if normal is not None else (0, 0, 0)),
+        None if prob is None else prob.data_ptr(),
+        *(prob.stride() if prob is not None else (0, 0)),
+        x0,
+        y0,
+        x1 - x0,
+        y1 - y0,
+        w,
+        h,
+        shift,
+        1.0 if scale is None else scale,
+        MASK_THRESHOLD,
+        scale is not None,
+        None if col is None else col.data_ptr(),
+        None if row is None else row.data_ptr(),
+        apply_mask,
+        out_points.ctypes.data,
+        out_depth.ctypes.data,
+        None if out_normal is None else out_normal.ctypes.data,
+        out_mask.ctypes.data,
+    )
     return out_points, out_depth, out_normal, out_mask
 
 
-def _output(points: np.ndarray, depth: np.ndarray, normal: Optional[np.ndarray], mask: np.ndarray,
-            intrinsics: np.ndarray, plan: CanvasPlan, scale: Optional[float]) -> MoGeOutput:
+def _output(
+    points: np.ndarray,
+    depth: np.ndarray,
+    normal: Optional[np.ndarray],
+    mask: np.ndarray,
+    intrinsics: np.ndarray,
+    plan: CanvasPlan,
+    scale: Optional[float],
+) -> MoGeOutput:
     w, h = plan.image_size
     fx_n, fy_n = float(intrinsics[0, 0]), float(intrinsics[1, 1])
     pixels = intrinsics.copy()
     pixels[0] *= w
     pixels[1] *= h
     return MoGeOutput(
-        points=points, depth=depth, normal=normal, mask=mask, intrinsics=intrinsics, intrinsics_pixels=pixels,
+        points=points,
+        depth=depth,
+        normal=normal,
+        mask=mask,
+        intrinsics=intrinsics,
+        intrinsics_pixels=pixels,
         metric_scale=float(scale) if scale is not None else 1.0,
-        fov_x=math.degrees(2 * math.atan(0.5 / fx_n)), fov_y=math.degrees(2 * math.atan(0.5 / fy_n)),
+        fov_x=math.degrees(2 * math.atan(0.5 / fx_n)),
+        fov_y=math.degrees(2 * math.atan(0.5 / fy_n)),
     )

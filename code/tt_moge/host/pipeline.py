@@ -3,6 +3,7 @@
 `MoGeModel`, the HTTP server and the CLI all go through these functions, so the same image and options give
 the same arrays everywhere. Stage times (milliseconds) go into an optional `timing` dict.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -51,7 +52,9 @@ def check_fov_x(fov_x: Any) -> Optional[float]:
     low, high = FOV_X_RANGE
     fov_x = float(fov_x)
     if not (math.isfinite(fov_x) and low < fov_x < high):
-        raise InputError(f"fov_x must be a horizontal field of view in degrees, {low:g} < fov_x < {high:g}, got {fov_x}")
+        raise InputError(
+            f"fov_x must be a horizontal field of view in degrees, {low:g} < fov_x < {high:g}, got {fov_x}"
+        )
     return fov_x
 
 
@@ -74,11 +77,20 @@ class CallOptions:
     of `tt-moge predict` / `batch`, the query parameters of the server and of its web page, the fields of
     `BatchJob` and the keys of a warm-up variant are generated from them."""
 
-    fit: str = option("pad", "pad: keep the aspect ratio, gray bars around the image; stretch: resize it to fill the "
-                             "canvas", choices=FITS)
-    fov_x: Optional[float] = option(None, "the horizontal field of view in degrees, if known (then only the depth "
-                                          "shift is solved)", metavar="DEG", parse=parse_fov_degrees, bounds=FOV_X_RANGE,
-                                    check=check_fov_x, warm=60.0)
+    fit: str = option(
+        "pad",
+        "pad: keep the aspect ratio, gray bars around the image; stretch: resize it to fill the canvas",
+        choices=FITS,
+    )
+    fov_x: Optional[float] = option(
+        None,
+        "the horizontal field of view in degrees, if known (then only the depth shift is solved)",
+        metavar="DEG",
+        parse=parse_fov_degrees,
+        bounds=FOV_X_RANGE,
+        check=check_fov_x,
+        warm=60.0,
+    )
     apply_mask: bool = option(True, "set invalid pixels to inf (depth, points) and 0 (normal)")
     force_projection: bool = option(True, "compute the points from the depth and the intrinsics (as upstream does)")
 
@@ -101,8 +113,11 @@ class CallOptions:
 
 _MAKE_SIGNATURE = signature(CallOptions, keyword_only=False)
 CallOptions.make.__func__.__signature__ = signature(
-    CallOptions, keyword_only=False, leading=(inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),),
-    returns="CallOptions")
+    CallOptions,
+    keyword_only=False,
+    leading=(inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),),
+    returns="CallOptions",
+)
 
 
 @dataclass
@@ -111,8 +126,9 @@ class Prepared:
     plan: CanvasPlan
 
 
-def prepare(image: Any, canvas_size: tuple, options: CallOptions, timing: Optional[dict] = None,
-            name: str = "image") -> Prepared:
+def prepare(
+    image: Any, canvas_size: tuple, options: CallOptions, timing: Optional[dict] = None, name: str = "image"
+) -> Prepared:
     """Decode and fit one image onto the canvas."""
     watch = Stopwatch(timing)
     rgb = to_rgb_array(image, name)

@@ -14,6 +14,7 @@ across one), so our objective value is at least as low.
 `recover_camera` runs the same algorithm in C++ (moge_host.cpp) when the native host library is in use; the
 numpy functions here are the reference (tests/test_native.py compares the two and both against upstream).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,8 +30,15 @@ from ..constants import MASK_THRESHOLD, SOLVE_GRID
 from ..network import view_plane_axes
 from .canvas import CanvasPlan
 
-__all__ = ["solve_samples", "solve_focal_shift", "solve_shift", "objective", "focal_from_fov_x", "recover_camera",
-           "native_solve"]
+__all__ = [
+    "solve_samples",
+    "solve_focal_shift",
+    "solve_shift",
+    "objective",
+    "focal_from_fov_x",
+    "recover_camera",
+    "native_solve",
+]
 
 
 def _nearest_index(n_in: int, n_out: int) -> np.ndarray:
@@ -38,8 +46,9 @@ def _nearest_index(n_in: int, n_out: int) -> np.ndarray:
     return (np.arange(n_out) * n_in) // n_out
 
 
-def solve_samples(points: torch.Tensor, mask: Optional[torch.Tensor], content_box: tuple,
-                  grid: tuple = SOLVE_GRID) -> tuple[np.ndarray, np.ndarray]:
+def solve_samples(
+    points: torch.Tensor, mask: Optional[torch.Tensor], content_box: tuple, grid: tuple = SOLVE_GRID
+) -> tuple[np.ndarray, np.ndarray]:
     """(uv (N, 2), xyz (N, 3)) float64 samples of the canvas point map that the solve uses.
 
     `points` (H, W, 3) canvas-sized affine points; `mask` (H, W) bool or None. Samples outside the content box
@@ -92,8 +101,8 @@ class _Problem:
             return math.inf, 0.0, 0.0
         # g(s) = C - A^2 / B with the best focal A / B eliminated
         h = a * a / b
-        dh = 2 * a * da / b - a * a * db / b ** 2
-        ddh = 2 * (da * da + a * dda) / b - 4 * a * da * db / b ** 2 - a * a * ddb / b ** 2 + 2 * a * a * db * db / b ** 3
+        dh = 2 * a * da / b - a * a * db / b**2
+        ddh = 2 * (da * da + a * dda) / b - 4 * a * da * db / b**2 - a * a * ddb / b**2 + 2 * a * a * db * db / b**3
         return self.c - h, -dh, -ddh
 
 
@@ -188,8 +197,9 @@ def _canvas_axes(width: int, height: int) -> tuple[torch.Tensor, torch.Tensor]:
     return u.contiguous(), v.contiguous()
 
 
-def recover_camera(points: torch.Tensor, mask: Optional[torch.Tensor], plan: CanvasPlan,
-                   fov_x: Optional[float] = None) -> tuple[float, float]:
+def recover_camera(
+    points: torch.Tensor, mask: Optional[torch.Tensor], plan: CanvasPlan, fov_x: Optional[float] = None
+) -> tuple[float, float]:
     """(focal, shift) for canvas-sized raw points (H, W, 3), solved on the valid content region.
 
     `mask` (H, W): a bool validity mask, or the float mask probability (valid where > MASK_THRESHOLD; only
@@ -208,9 +218,12 @@ def recover_camera(points: torch.Tensor, mask: Optional[torch.Tensor], plan: Can
     return focal, solve_shift(uv, xyz, focal)
 
 
-def _recover_camera_native(lib, points: torch.Tensor, mask: Optional[torch.Tensor], plan: CanvasPlan,
-                           focal: Optional[float]) -> tuple[float, float]:
-    points = points if points.dtype == torch.float32 and points.device.type == "cpu" else points.to("cpu", torch.float32)
+def _recover_camera_native(
+    lib, points: torch.Tensor, mask: Optional[torch.Tensor], plan: CanvasPlan, focal: Optional[float]
+) -> tuple[float, float]:
+    points = (
+        points if points.dtype == torch.float32 and points.device.type == "cpu" else points.to("cpu", torch.float32)
+    )
     h, w = points.shape[:2]
     u, v = _canvas_axes(w, h)
     mask_u8 = prob = None
@@ -224,10 +237,26 @@ def _recover_camera_native(lib, points: torch.Tensor, mask: Optional[torch.Tenso
     x0, y0, x1, y1 = plan.content_box
     out = (ctypes.c_double * 2)()
     lib.moge_recover_camera(
-        points.data_ptr(), *points.stride(), None if mask_u8 is None else mask_u8.data_ptr(),
-        None if prob is None else prob.data_ptr(), *(m.stride() if m is not None else (0, 0)), w, h,
-        x0, y0, x1, y1, u.data_ptr(), v.data_ptr(), SOLVE_GRID[0], SOLVE_GRID[1], MASK_THRESHOLD,
-        math.nan if focal is None else focal, ctypes.addressof(out), ctypes.addressof(out) + 8)
+        points.data_ptr(),
+        *points.stride(),
+        None if mask_u8 is None else mask_u8.data_ptr(),
+        None if prob is None else prob.data_ptr(),
+        *(m.stride() if m is not None else (0, 0)),
+        w,
+        h,
+        x0,
+        y0,
+        x1,
+        y1,
+        u.data_ptr(),
+        v.data_ptr(),
+        SOLVE_GRID[0],
+        SOLVE_GRID[1],
+        MASK_THRESHOLD,
+        math.nan if focal is None else focal,
+        ctypes.addressof(out),
+        ctypes.addressof(out) + 8,
+    )
     return float(out[0]), float(out[1])
 
 
@@ -240,6 +269,12 @@ def native_solve(uv: np.ndarray, xyz: np.ndarray, focal: Optional[float] = None)
     uv = np.ascontiguousarray(uv, dtype=np.float64)
     xyz = np.ascontiguousarray(xyz, dtype=np.float64)
     out = (ctypes.c_double * 2)()
-    lib.moge_solve(uv.ctypes.data, xyz.ctypes.data, len(uv), math.nan if focal is None else float(focal),
-                   ctypes.addressof(out), ctypes.addressof(out) + 8)
+    lib.moge_solve(
+        uv.ctypes.data,
+        xyz.ctypes.data,
+        len(uv),
+        math.nan if focal is None else float(focal),
+        ctypes.addressof(out),
+        ctypes.addressof(out) + 8,
+    )
     return float(out[0]), float(out[1])

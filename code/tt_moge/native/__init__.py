@@ -11,6 +11,7 @@ with ctypes. Which host path runs is chosen per process:
 * ``$MOGE_SERVE_THREADS``: threads of the native kernels (default: the usable cores, at most 16);
   `set_threads()` changes it at run time.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -22,8 +23,16 @@ from typing import Optional
 from .. import env
 from .build import NativeBuildError, build
 
-__all__ = ["HOST_PATHS", "NativeBuildError", "host_path", "library", "set_host_path", "set_threads", "threads",
-           "default_threads"]
+__all__ = [
+    "HOST_PATHS",
+    "NativeBuildError",
+    "host_path",
+    "library",
+    "set_host_path",
+    "set_threads",
+    "threads",
+    "default_threads",
+]
 
 HOST_PATHS = ("auto", "native", "torch")
 ABI_VERSION = 4  # must match kAbiVersion in moge_host.cpp
@@ -55,7 +64,7 @@ def set_host_path(mode: Optional[str]) -> Optional[str]:
 
 
 def host_path() -> str:
-    """"native" or "torch": the path the next host call takes (builds and loads the library if needed)."""
+    """ "native" or "torch": the path the next host call takes (builds and loads the library if needed)."""
     return "native" if library() is not None else "torch"
 
 
@@ -64,7 +73,9 @@ def default_threads() -> int:
     value = (env.get("MOGE_SERVE_THREADS") or "").strip()
     if value:
         if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"MOGE_SERVE_THREADS must be a positive integer (threads of the native host kernels), got {value!r}")
+            raise ValueError(
+                f"MOGE_SERVE_THREADS must be a positive integer (threads of the native host kernels), got {value!r}"
+            )
         return int(value)
     try:
         cores = len(os.sched_getaffinity(0))
@@ -90,8 +101,12 @@ def library() -> Optional[ctypes.CDLL]:
                 if mode == "native":
                     raise
                 _failure = str(exc)
-                warnings.warn(f"tt_moge: the native host library is unavailable ({exc}); using the torch host path "
-                              "(same results, slower)", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"tt_moge: the native host library is unavailable ({exc}); using the torch host path "
+                    "(same results, slower)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
     return _lib
 
 
@@ -123,13 +138,67 @@ _SIGNATURES = {
     "moge_abi_version": (ctypes.c_int, []),
     "moge_set_threads": (ctypes.c_int, [ctypes.c_int]),
     "moge_threads": (ctypes.c_int, []),
-    "moge_finish": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64,
-                                   _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, ctypes.c_float,
-                                   ctypes.c_int,
-                                   _P, _P, ctypes.c_int, _P, _P, _P, _P]),
+    "moge_finish": (
+        ctypes.c_int,
+        [
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            ctypes.c_float,
+            ctypes.c_float,
+            ctypes.c_float,
+            ctypes.c_int,
+            _P,
+            _P,
+            ctypes.c_int,
+            _P,
+            _P,
+            _P,
+            _P,
+        ],
+    ),
     "moge_solve": (ctypes.c_int, [_P, _P, _I64, ctypes.c_double, _P, _P]),
-    "moge_recover_camera": (_I64, [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-                                   _P, _P, _I64, _I64, ctypes.c_float, ctypes.c_double, _P, _P]),
+    "moge_recover_camera": (
+        _I64,
+        [
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            ctypes.c_float,
+            ctypes.c_double,
+            _P,
+            _P,
+        ],
+    ),
     "moge_png_unfilter": (ctypes.c_int, [_P, _I64, _I64, _I64, ctypes.c_int, _P, _P]),
     "moge_canvas_to_unit": (ctypes.c_int, [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _P]),
     # cpu_kernels.cpp (the CPU runner's int8 matmul glue and fused bfloat16 attention)

@@ -8,6 +8,7 @@
   (atomic), so no process ever loads a half-written library.
 * Compiler: ``$MOGE_CXX`` (default ``g++``).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,8 +27,17 @@ SOURCES = ("moge_host.cpp", "cpu_kernels.cpp")
 HEADERS = ("thread_pool.h",)
 # -ffp-contract=off: no fused multiply-adds that the compiler adds on its own, so the float results follow the
 # torch reference op for op (the code writes std::fma itself where ATen's kernels fuse).
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
-         "-pthread", "-Wall")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+    "-Wall",
+)
 BUILD_TIMEOUT_S = 300
 
 
@@ -68,8 +78,9 @@ def _compiler_signature(cxx_path: str) -> str:
     real = os.path.realpath(cxx_path)
     st = os.stat(real)
     try:
-        version = subprocess.run([cxx_path, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True,
-                                 timeout=30).stdout.strip()
+        version = subprocess.run(
+            [cxx_path, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         version = "?"
     return f"{real}:{st.st_size}:{st.st_mtime_ns}:{version}"
@@ -127,4 +138,3 @@ def _remove(path: Path) -> None:
         path.unlink()
     except OSError:
         pass
-

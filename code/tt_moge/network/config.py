@@ -3,6 +3,7 @@
 Every size of the network (backbone, feature levels, channel widths, heads) comes from the
 checkpoint's own config; nothing here assumes ViT-L.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,8 +39,13 @@ class BackboneSpec:
 def _with_registers(spec: BackboneSpec) -> BackboneSpec:
     # DINOv2's "_reg" models: 4 register tokens and a plain size-based position-embedding resize.
     return BackboneSpec(
-        spec.embed_dim, spec.depth, spec.num_heads, spec.ffn, num_register_tokens=4,
-        interpolate_offset=0.0, interpolate_antialias=True,
+        spec.embed_dim,
+        spec.depth,
+        spec.num_heads,
+        spec.ffn,
+        num_register_tokens=4,
+        interpolate_offset=0.0,
+        interpolate_antialias=True,
     )
 
 
@@ -108,12 +114,18 @@ class ConvStackConfig:
         )
         for r in cfg.resamplers:
             if r not in _RESAMPLERS:
-                raise ConfigError(f"{name}.resamplers: unsupported resampler {r!r}; expected one of {sorted(_RESAMPLERS)}")
+                raise ConfigError(
+                    f"{name}.resamplers: unsupported resampler {r!r}; expected one of {sorted(_RESAMPLERS)}"
+                )
         for key in ("res_block_in_norm", "res_block_hidden_norm"):
             if getattr(cfg, key) not in _NORMS:
-                raise ConfigError(f"{name}.{key}: unsupported norm {getattr(cfg, key)!r}; expected one of {sorted(_NORMS)}")
+                raise ConfigError(
+                    f"{name}.{key}: unsupported norm {getattr(cfg, key)!r}; expected one of {sorted(_NORMS)}"
+                )
         if cfg.activation not in _ACTIVATIONS:
-            raise ConfigError(f"{name}.activation: unsupported {cfg.activation!r}; expected one of {sorted(_ACTIVATIONS)}")
+            raise ConfigError(
+                f"{name}.activation: unsupported {cfg.activation!r}; expected one of {sorted(_ACTIVATIONS)}"
+            )
         return cfg
 
 
@@ -143,16 +155,23 @@ class MoGe2Config:
             raise ConfigError("model_config.encoder must be a dict with a 'backbone' name (e.g. 'dinov2_vitl14')")
         name = enc["backbone"]
         if name not in BACKBONES:
-            raise ConfigError(f"model_config.encoder.backbone {name!r} is not a DINOv2 " f"backbone we know; expected one of {sorted(BACKBONES)}")
+            raise ConfigError(
+                f"model_config.encoder.backbone {name!r} is not a DINOv2 "
+                f"backbone we know; expected one of {sorted(BACKBONES)}"
+            )
         spec = BACKBONES[name]
         layers = enc.get("intermediate_layers", 4)
         if isinstance(layers, int):
             layers = list(range(spec.depth - layers, spec.depth))
         layers = [int(i) for i in layers]
         if not layers or min(layers) < 0 or max(layers) >= spec.depth:
-            raise ConfigError(f"model_config.encoder.intermediate_layers {layers} out of range for {name} ({spec.depth} blocks)")
+            raise ConfigError(
+                f"model_config.encoder.intermediate_layers {layers} out of range for {name} ({spec.depth} blocks)"
+            )
         if "neck" not in raw:
-            raise ConfigError("model_config has no 'neck'; this is not a MoGe-2 checkpoint (MoGe-1 checkpoints are not supported)")
+            raise ConfigError(
+                "model_config has no 'neck'; this is not a MoGe-2 checkpoint (MoGe-1 checkpoints are not supported)"
+            )
         neck = ConvStackConfig.parse(raw["neck"], "neck")
         heads = {}
         for head in ("points_head", "normal_head", "mask_head"):
@@ -168,10 +187,18 @@ class MoGe2Config:
             raise ConfigError(f"model_config.remap_output {remap!r}; expected one of {sorted(_REMAPS)}")
         token_range = tuple(int(t) for t in raw.get("num_tokens_range", (1200, 3600)))
         return cls(
-            backbone_name=name, backbone=spec, intermediate_layers=layers,
-            encoder_dim_out=int(enc["dim_out"]), neck=neck, points_head=heads["points_head"],
-            normal_head=heads["normal_head"], mask_head=heads["mask_head"], scale_head_dims=scale_dims,
-            remap_output=remap, num_tokens_range=token_range, raw=dict(raw),
+            backbone_name=name,
+            backbone=spec,
+            intermediate_layers=layers,
+            encoder_dim_out=int(enc["dim_out"]),
+            neck=neck,
+            points_head=heads["points_head"],
+            normal_head=heads["normal_head"],
+            mask_head=heads["mask_head"],
+            scale_head_dims=scale_dims,
+            remap_output=remap,
+            num_tokens_range=token_range,
+            raw=dict(raw),
         )
 
     @property

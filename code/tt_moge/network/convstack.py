@@ -3,6 +3,7 @@
 Module and parameter names match the MoGe checkpoints (`input_blocks.N`, `res_blocks.N.M.layers.K`,
 `resamplers.N.K`, `output_blocks.N`), so the state dict loads strictly.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -42,8 +43,12 @@ class ResidualConvBlock(nn.Module):
         super().__init__()
         act = _ACTIVATIONS[activation]
         self.layers = nn.Sequential(
-            _norm(in_norm, channels), act(), _conv3x3(channels, hidden),
-            _norm(hidden_norm, hidden), act(), _conv3x3(hidden, channels),
+            _norm(in_norm, channels),
+            act(),
+            _conv3x3(channels, hidden),
+            _norm(hidden_norm, hidden),
+            act(),
+            _conv3x3(hidden, channels),
         )
         self.skip_connection = nn.Identity()
 
@@ -70,19 +75,30 @@ class ConvStack(nn.Module):
         super().__init__()
         dims = cfg.dim_res_blocks
         self.input_blocks = nn.ModuleList(
-            nn.Conv2d(d_in, d, kernel_size=1) if d_in is not None else nn.Identity() for d_in, d in zip(cfg.dim_in, dims)
+            nn.Conv2d(d_in, d, kernel_size=1) if d_in is not None else nn.Identity()
+            for d_in, d in zip(cfg.dim_in, dims)
         )
-        self.resamplers = nn.ModuleList(_resampler(kind, a, b) for kind, a, b in zip(cfg.resamplers, dims[:-1], dims[1:]))
+        self.resamplers = nn.ModuleList(
+            _resampler(kind, a, b) for kind, a, b in zip(cfg.resamplers, dims[:-1], dims[1:])
+        )
         self.res_blocks = nn.ModuleList(
-            nn.Sequential(*(
-                ResidualConvBlock(d, d * cfg.dim_times_res_block_hidden, cfg.activation,
-                                  cfg.res_block_in_norm, cfg.res_block_hidden_norm)
-                for _ in range(n)
-            ))
+            nn.Sequential(
+                *(
+                    ResidualConvBlock(
+                        d,
+                        d * cfg.dim_times_res_block_hidden,
+                        cfg.activation,
+                        cfg.res_block_in_norm,
+                        cfg.res_block_hidden_norm,
+                    )
+                    for _ in range(n)
+                )
+            )
             for d, n in zip(dims, cfg.num_res_blocks)
         )
         self.output_blocks = nn.ModuleList(
-            nn.Conv2d(d, d_out, kernel_size=1) if d_out is not None else nn.Identity() for d_out, d in zip(cfg.dim_out, dims)
+            nn.Conv2d(d, d_out, kernel_size=1) if d_out is not None else nn.Identity()
+            for d_out, d in zip(cfg.dim_out, dims)
         )
 
     def forward(self, inputs: list[Optional[torch.Tensor]], last_only: bool = False) -> list[torch.Tensor]:

@@ -5,6 +5,7 @@ them: affine points (after the output remap), unit normals, mask probability and
 Everything before that (canvas fit) and after it (focal/shift recovery, finish) is host code in
 `tt_moge.host`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,16 +21,20 @@ IMAGE_MEAN = (0.485, 0.456, 0.406)
 IMAGE_STD = (0.229, 0.224, 0.225)
 
 
-def view_plane_axes(width: int, height: int, aspect_ratio: float, dtype=torch.float32, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def view_plane_axes(
+    width: int, height: int, aspect_ratio: float, dtype=torch.float32, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pixel-centre coordinates (u (width,), v (height,)) on the view plane, normalised by the half diagonal.
 
     u spans [-a, a] and v [-b, b] with a = aspect / sqrt(1 + aspect^2), b = 1 / sqrt(1 + aspect^2), sampled at
     pixel centres. MoGe feeds these planes to the neck and solves focal/shift against them.
     """
-    span_x = aspect_ratio / (1 + aspect_ratio ** 2) ** 0.5
-    span_y = 1 / (1 + aspect_ratio ** 2) ** 0.5
+    span_x = aspect_ratio / (1 + aspect_ratio**2) ** 0.5
+    span_y = 1 / (1 + aspect_ratio**2) ** 0.5
     u = torch.linspace(-span_x * (width - 1) / width, span_x * (width - 1) / width, width, dtype=dtype, device=device)
-    v = torch.linspace(-span_y * (height - 1) / height, span_y * (height - 1) / height, height, dtype=dtype, device=device)
+    v = torch.linspace(
+        -span_y * (height - 1) / height, span_y * (height - 1) / height, height, dtype=dtype, device=device
+    )
     return u, v
 
 
@@ -106,7 +111,7 @@ class MoGe2Network(nn.Module):
         planes = self._uv_cache.get(key)
         if planes is None:
             planes = [
-                view_plane_uv(cols * 2 ** level, rows * 2 ** level, aspect_ratio, dtype, device).permute(2, 0, 1)[None]
+                view_plane_uv(cols * 2**level, rows * 2**level, aspect_ratio, dtype, device).permute(2, 0, 1)[None]
                 for level in range(self.config.neck.num_levels)
             ]
             self._uv_cache = {key: planes}

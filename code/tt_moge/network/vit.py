@@ -4,6 +4,7 @@ Parameter names follow the published checkpoints (`patch_embed.proj`, `blocks.N.
 so a MoGe `model.pt` loads strictly. Attention is PyTorch SDPA. The position embedding is resized once per
 token grid and cached (the grid is fixed for a loaded model).
 """
+
 from __future__ import annotations
 
 import torch
@@ -95,8 +96,10 @@ class DinoVisionTransformer(nn.Module):
         dim = spec.embed_dim
         self.patch_embed = PatchEmbed(spec.patch_size, dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
-        self.pos_embed = nn.Parameter(torch.zeros(1, spec.pos_grid ** 2 + 1, dim))
-        self.register_tokens = nn.Parameter(torch.zeros(1, spec.num_register_tokens, dim)) if spec.num_register_tokens else None
+        self.pos_embed = nn.Parameter(torch.zeros(1, spec.pos_grid**2 + 1, dim))
+        self.register_tokens = (
+            nn.Parameter(torch.zeros(1, spec.num_register_tokens, dim)) if spec.num_register_tokens else None
+        )
         self.mask_token = nn.Parameter(torch.zeros(1, dim))  # unused at inference; kept for strict loading
         self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.depth))
         self.norm = nn.LayerNorm(dim, eps=1e-6)
@@ -119,9 +122,13 @@ class DinoVisionTransformer(nn.Module):
         patch_pos = patch_pos.reshape(1, grid, grid, -1).permute(0, 3, 1, 2)
         if spec.interpolate_offset > 0:
             scale = ((rows + spec.interpolate_offset) / grid, (cols + spec.interpolate_offset) / grid)
-            patch_pos = F.interpolate(patch_pos, scale_factor=scale, mode="bicubic", antialias=spec.interpolate_antialias)
+            patch_pos = F.interpolate(
+                patch_pos, scale_factor=scale, mode="bicubic", antialias=spec.interpolate_antialias
+            )
         else:
-            patch_pos = F.interpolate(patch_pos, size=(rows, cols), mode="bicubic", antialias=spec.interpolate_antialias)
+            patch_pos = F.interpolate(
+                patch_pos, size=(rows, cols), mode="bicubic", antialias=spec.interpolate_antialias
+            )
         if patch_pos.shape[-2:] != (rows, cols):
             raise RuntimeError(f"position embedding resized to {tuple(patch_pos.shape[-2:])}, expected {(rows, cols)}")
         patch_pos = patch_pos.flatten(2).transpose(1, 2)
@@ -149,5 +156,5 @@ class DinoVisionTransformer(nn.Module):
             tokens = block(tokens)
             if i in wanted:
                 normed = self.norm(tokens)
-                outputs[i] = (normed[:, 1 + n_reg:], normed[:, 0])
+                outputs[i] = (normed[:, 1 + n_reg :], normed[:, 0])
         return [outputs[i] for i in layers]

@@ -10,6 +10,7 @@ The views are the 12 pinhole cameras that upstream MoGe uses (`moge.utils.panora
 looking at each vertex of a regular icosahedron, 90 degrees field of view both ways, rolled so that the world's
 "up" projects to the view's "up". Their order is upstream's, so view i here is view i there.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,18 +18,39 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["VIEW_FOV_DEG", "VIEW_SIZE", "ViewCamera", "view_cameras", "panorama_directions", "directions_to_pixels",
-           "split_panorama", "check_panorama_size", "ASPECT_TOLERANCE"]
+__all__ = [
+    "VIEW_FOV_DEG",
+    "VIEW_SIZE",
+    "ViewCamera",
+    "view_cameras",
+    "panorama_directions",
+    "directions_to_pixels",
+    "split_panorama",
+    "check_panorama_size",
+    "ASPECT_TOLERANCE",
+]
 
 VIEW_FOV_DEG = 90.0  # both ways, as upstream
 VIEW_SIZE = 512  # pixels per side of a view, as upstream
 _GOLDEN = (1.0 + math.sqrt(5.0)) / 2.0
 # The icosahedron's vertices in a z-up world frame (upstream's), in upstream's order.
-_ICOSAHEDRON_Z_UP = np.array([
-    [0, 1, _GOLDEN], [0, -1, _GOLDEN], [0, 1, -_GOLDEN], [0, -1, -_GOLDEN],
-    [1, _GOLDEN, 0], [-1, _GOLDEN, 0], [1, -_GOLDEN, 0], [-1, -_GOLDEN, 0],
-    [_GOLDEN, 0, 1], [_GOLDEN, 0, -1], [-_GOLDEN, 0, 1], [-_GOLDEN, 0, -1],
-], dtype=np.float64)
+_ICOSAHEDRON_Z_UP = np.array(
+    [
+        [0, 1, _GOLDEN],
+        [0, -1, _GOLDEN],
+        [0, 1, -_GOLDEN],
+        [0, -1, -_GOLDEN],
+        [1, _GOLDEN, 0],
+        [-1, _GOLDEN, 0],
+        [1, -_GOLDEN, 0],
+        [-1, -_GOLDEN, 0],
+        [_GOLDEN, 0, 1],
+        [_GOLDEN, 0, -1],
+        [-_GOLDEN, 0, 1],
+        [-_GOLDEN, 0, -1],
+    ],
+    dtype=np.float64,
+)
 # z-up world (x towards the panorama's centre column reversed, y right, z up) -> our axes: x' = y, y' = -z, z' = -x.
 _Z_UP_TO_OURS = np.array([[0.0, 1.0, 0.0], [0.0, 0.0, -1.0], [-1.0, 0.0, 0.0]])
 _DOWN = np.array([0.0, 1.0, 0.0])
@@ -96,9 +118,11 @@ def check_panorama_size(width: int, height: int, name: str = "image") -> None:
     from ..host.decode import InputError
 
     if abs(width / height - 2.0) > 2.0 * ASPECT_TOLERANCE:
-        raise InputError(f"{name}: a panorama must be an equirectangular image twice as wide as high (360 x 180 "
-                         f"degrees, width / height = 2 within {ASPECT_TOLERANCE:.0%}), got {width}x{height} "
-                         f"(width / height = {width / height:.3f})")
+        raise InputError(
+            f"{name}: a panorama must be an equirectangular image twice as wide as high (360 x 180 "
+            f"degrees, width / height = 2 within {ASPECT_TOLERANCE:.0%}), got {width}x{height} "
+            f"(width / height = {width / height:.3f})"
+        )
     if height < 8:
         raise InputError(f"{name}: a panorama must be at least 16x8 pixels, got {width}x{height}")
 
@@ -131,5 +155,7 @@ def split_panorama(image: np.ndarray, cameras=None, size: int = VIEW_SIZE) -> li
     for camera in cameras:
         pixels = directions_to_pixels(_view_rays(camera, size), width, height) + 1.0  # +1: the padding
         pixels = pixels.astype(np.float32)
-        views.append(cv2.remap(padded, pixels[..., 0], pixels[..., 1], cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE))
+        views.append(
+            cv2.remap(padded, pixels[..., 0], pixels[..., 1], cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
+        )
     return views

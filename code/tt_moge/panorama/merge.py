@@ -26,6 +26,7 @@ the median, over every (pixel, view) pair of the region where the view is valid,
 fitted log distance). So the panorama is in metres like a photo's output, and a view whose metric scale is off
 moves it only as much as a median lets it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,8 +35,16 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-__all__ = ["MergeData", "MergeResult", "SolveResult", "warp_views", "normal_matrix", "solve_log_distance",
-           "metric_offsets", "merge_distance_maps"]
+__all__ = [
+    "MergeData",
+    "MergeResult",
+    "SolveResult",
+    "warp_views",
+    "normal_matrix",
+    "solve_log_distance",
+    "metric_offsets",
+    "merge_distance_maps",
+]
 
 
 @dataclass
@@ -108,8 +117,9 @@ def _rows_seen(camera, width: int, height: int) -> slice:
     return slice(i0, i1)
 
 
-def warp_views(distance_maps: Sequence[np.ndarray], masks: Sequence[np.ndarray], cameras: Sequence,
-               width: int, height: int) -> MergeData:
+def warp_views(
+    distance_maps: Sequence[np.ndarray], masks: Sequence[np.ndarray], cameras: Sequence, width: int, height: int
+) -> MergeData:
     """Resample every view's log distance and mask onto the panorama grid and average the gradients and
     Laplacians of the views (upstream's sampling: bilinear distance, nearest mask, a view counts where the
     pixel projects strictly inside it)."""
@@ -133,10 +143,11 @@ def warp_views(distance_maps: Sequence[np.ndarray], masks: Sequence[np.ndarray],
         with np.errstate(divide="ignore", invalid="ignore"):
             log_d = np.log(np.asarray(distance, np.float32))
         log_d = np.where(np.isfinite(log_d), log_d, 0.0).astype(np.float32)
-        m_view = np.asarray(valid, bool) & np.isfinite(np.log(np.maximum(distance, 0)))  # noqa: invalid <= 0 distances
+        m_view = np.asarray(valid, bool) & np.isfinite(np.log(np.maximum(distance, 0)))  # invalid: <= 0 distances
         log_p = cv2.remap(log_d, column, row, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
-        m_p = inside & (cv2.remap(m_view.astype(np.uint8), column, row, cv2.INTER_NEAREST,
-                                  borderMode=cv2.BORDER_REPLICATE) > 0)
+        m_p = inside & (
+            cv2.remap(m_view.astype(np.uint8), column, row, cv2.INTER_NEAREST, borderMode=cv2.BORDER_REPLICATE) > 0
+        )
         log_p = np.where(m_p, log_p, 0.0).astype(np.float32)
         log_views.append((rows, log_p, m_p))
         mask_any[rows] |= m_p
@@ -148,13 +159,23 @@ def warp_views(distance_maps: Sequence[np.ndarray], masks: Sequence[np.ndarray],
         gx_n[rows] += mx
         # vertical edges inside these rows
         my = m_p[:-1] & m_p[1:]
-        gy_sum[r0:r1 - 1] += np.where(my, log_p[:-1] - log_p[1:], 0.0)
-        gy_n[r0:r1 - 1] += my
+        gy_sum[r0 : r1 - 1] += np.where(my, log_p[:-1] - log_p[1:], 0.0)
+        gy_n[r0 : r1 - 1] += my
         # Laplacian (rows clamp at the poles; this view's rows never reach a pole unless the slice does)
-        up = np.concatenate([log_p[:1], log_p[:-1]]) if r0 == 0 else np.concatenate([np.zeros_like(log_p[:1]), log_p[:-1]])
-        down = np.concatenate([log_p[1:], log_p[-1:]]) if r1 == height else np.concatenate([log_p[1:], np.zeros_like(log_p[:1])])
+        up = (
+            np.concatenate([log_p[:1], log_p[:-1]])
+            if r0 == 0
+            else np.concatenate([np.zeros_like(log_p[:1]), log_p[:-1]])
+        )
+        down = (
+            np.concatenate([log_p[1:], log_p[-1:]])
+            if r1 == height
+            else np.concatenate([log_p[1:], np.zeros_like(log_p[:1])])
+        )
         m_up = np.concatenate([m_p[:1], m_p[:-1]]) if r0 == 0 else np.concatenate([np.zeros_like(m_p[:1]), m_p[:-1]])
-        m_down = np.concatenate([m_p[1:], m_p[-1:]]) if r1 == height else np.concatenate([m_p[1:], np.zeros_like(m_p[:1])])
+        m_down = (
+            np.concatenate([m_p[1:], m_p[-1:]]) if r1 == height else np.concatenate([m_p[1:], np.zeros_like(m_p[:1])])
+        )
         left, m_left = np.roll(log_p, 1, axis=1), np.roll(m_p, 1, axis=1)
         ml = m_p & m_up & m_down & m_left & m_right
         lap_sum[rows] += np.where(ml, up + down + left + right - 4.0 * log_p, 0.0)
@@ -162,11 +183,16 @@ def warp_views(distance_maps: Sequence[np.ndarray], masks: Sequence[np.ndarray],
     grad_y_weight = (gy_n > 0).astype(np.float32)
     grad_y_weight[:, 0] *= 2.0
     return MergeData(
-        width=width, height=height,
-        grad_x=gx_sum / np.maximum(gx_n, 1), grad_x_weight=(gx_n > 0).astype(np.float32),
-        grad_y=gy_sum / np.maximum(gy_n, 1), grad_y_weight=grad_y_weight,
-        laplacian=lap_sum / np.maximum(lap_n, 1), laplacian_weight=(lap_n > 0).astype(np.float32),
-        log_views=log_views, mask=mask_any,
+        width=width,
+        height=height,
+        grad_x=gx_sum / np.maximum(gx_n, 1),
+        grad_x_weight=(gx_n > 0).astype(np.float32),
+        grad_y=gy_sum / np.maximum(gy_n, 1),
+        grad_y_weight=grad_y_weight,
+        laplacian=lap_sum / np.maximum(lap_n, 1),
+        laplacian_weight=(lap_n > 0).astype(np.float32),
+        log_views=log_views,
+        mask=mask_any,
     )
 
 
@@ -281,14 +307,21 @@ def normal_matrix(data: MergeData):
     right, left = _shift_left(idx), _shift_right(idx)
     up, down = np.concatenate([idx[:1], idx[:-1]]), np.concatenate([idx[1:], idx[-1:]])
     n_x, n_y = h * w, (h - 1) * w
-    cols = np.concatenate([np.stack([idx.ravel(), right.ravel()], 1).ravel(),
-                           np.stack([idx[:-1].ravel(), idx[1:].ravel()], 1).ravel()])
-    d = csr_matrix((np.tile([1.0, -1.0], n_x + n_y), cols, np.arange(0, 2 * (n_x + n_y) + 1, 2)), shape=(n_x + n_y, h * w))
+    cols = np.concatenate(
+        [np.stack([idx.ravel(), right.ravel()], 1).ravel(), np.stack([idx[:-1].ravel(), idx[1:].ravel()], 1).ravel()]
+    )
+    d = csr_matrix(
+        (np.tile([1.0, -1.0], n_x + n_y), cols, np.arange(0, 2 * (n_x + n_y) + 1, 2)), shape=(n_x + n_y, h * w)
+    )
     cols = np.stack([idx, up, down, left, right], -1).ravel()
-    lap = csr_matrix((np.tile([-4.0, 1.0, 1.0, 1.0, 1.0], h * w), cols, np.arange(0, 5 * h * w + 1, 5)), shape=(h * w, h * w))
+    lap = csr_matrix(
+        (np.tile([-4.0, 1.0, 1.0, 1.0, 1.0], h * w), cols, np.arange(0, 5 * h * w + 1, 5)), shape=(h * w, h * w)
+    )
     lap.sum_duplicates()
     e = vstack([d, lap], format="csr")
-    weights = np.concatenate([data.grad_x_weight.ravel(), data.grad_y_weight.ravel(), data.laplacian_weight.ravel()]).astype(np.float64)
+    weights = np.concatenate(
+        [data.grad_x_weight.ravel(), data.grad_y_weight.ravel(), data.laplacian_weight.ravel()]
+    ).astype(np.float64)
     targets = np.concatenate([data.grad_x.ravel(), data.grad_y.ravel(), data.laplacian.ravel()]).astype(np.float64)
     m = (e.T @ diags(weights) @ e).tocsr()
     return m, e.T @ (weights * targets)
@@ -328,7 +361,7 @@ def _block_aggregates(wx: np.ndarray, wy: np.ndarray, linked: np.ndarray) -> tup
     h, w = wx.shape
     hc, wc = (h + 1) // 2, (w + 1) // 2
     ex, ey, lk = (np.zeros((2 * hc, 2 * wc), bool) for _ in range(3))
-    ex[:h, :w], ey[:h - 1, :w], lk[:h, :w] = wx > 0, wy > 0, linked
+    ex[:h, :w], ey[: h - 1, :w], lk[:h, :w] = wx > 0, wy > 0, linked
     if w % 2:  # the seam's edge (w - 1 -> 0) is not inside the last block, whose second column is padding
         ex[:, w - 1] = False
     pattern = ex[0::2, 0::2] * 1 + ex[1::2, 0::2] * 2 + ey[0::2, 0::2] * 4 + ey[0::2, 1::2] * 8
@@ -373,8 +406,10 @@ class _SparseLaplacian:
 
         group = (self.coords[:, 0] // 2) * (1 << 31) + self.coords[:, 1] // 2
         inside = group[adjacency.row] == group[adjacency.col]
-        graph = csr_matrix((np.ones(int(inside.sum()), np.int8), (adjacency.row[inside], adjacency.col[inside])),
-                           shape=(self.size, self.size))
+        graph = csr_matrix(
+            (np.ones(int(inside.sum()), np.int8), (adjacency.row[inside], adjacency.col[inside])),
+            shape=(self.size, self.size),
+        )
         _, part = connected_components(graph, directed=False)
         alive = self.degree > 0
         used = np.zeros(self.size + 1, bool)
@@ -404,8 +439,11 @@ def _grid_edges(aggregate: np.ndarray, wx: np.ndarray, wy: np.ndarray) -> tuple:
     grid = aggregate.reshape(wx.shape)
     right = _shift_left(grid)
     across, down = (wx > 0) & (grid != right), (wy > 0) & (grid[:-1] != grid[1:])
-    return (np.concatenate([grid[across], grid[:-1][down]]), np.concatenate([right[across], grid[1:][down]]),
-            np.concatenate([wx[across], wy[down]]))
+    return (
+        np.concatenate([grid[across], grid[:-1][down]]),
+        np.concatenate([right[across], grid[1:][down]]),
+        np.concatenate([wx[across], wy[down]]),
+    )
 
 
 def _coarse_edges(aggregate: np.ndarray, edges) -> tuple:
@@ -424,8 +462,9 @@ class _Transfer:
         from scipy.sparse import csr_matrix
 
         member = np.flatnonzero(aggregate >= 0)
-        self.restriction = csr_matrix((np.ones(member.size, np.float32), (aggregate[member], member)),
-                                      shape=(count, aggregate.size))
+        self.restriction = csr_matrix(
+            (np.ones(member.size, np.float32), (aggregate[member], member)), shape=(count, aggregate.size)
+        )
         self.index = np.where(aggregate >= 0, aggregate, count)
         self._extended = np.zeros(count + 1, np.float32)
         self._gathered = np.empty(aggregate.size, np.float32)
@@ -482,7 +521,9 @@ class _Multigrid:
         # no edge at all): its pseudo-inverse, 0 on the others (their rows of K are 0)
         last = self.levels[-1]
         self._alive = np.flatnonzero((degree if last is fine else last.degree) > 0)
-        self.coarsest = np.linalg.pinv(self._dense(last, self._alive), rcond=self.RCOND, hermitian=True).astype(np.float32)
+        self.coarsest = np.linalg.pinv(self._dense(last, self._alive), rcond=self.RCOND, hermitian=True).astype(
+            np.float32
+        )
 
     @staticmethod
     def _dense(level, nodes: np.ndarray) -> np.ndarray:
@@ -530,7 +571,9 @@ class _RegionMeans:
         if self.count == 1:  # the usual case: one region, one mean
             v -= v.dtype.type(float(np.dot(v.ravel(), self.weight.ravel())) / self.sizes[1])
         elif self.count > 1:
-            means = np.bincount(self.labels.ravel(), v.ravel().astype(np.float64), self.count + 1) / np.maximum(self.sizes, 1)
+            means = np.bincount(self.labels.ravel(), v.ravel().astype(np.float64), self.count + 1) / np.maximum(
+                self.sizes, 1
+            )
             v -= means[self.labels].astype(v.dtype)
         v *= self.weight
         return v
@@ -733,8 +776,15 @@ class MergeResult:
     seconds: dict
 
 
-def merge_distance_maps(distance_maps: Sequence[np.ndarray], masks: Sequence[np.ndarray], cameras: Sequence,
-                        width: int, height: int, rtol: float = 1e-6, maxiter: int = 500) -> MergeResult:
+def merge_distance_maps(
+    distance_maps: Sequence[np.ndarray],
+    masks: Sequence[np.ndarray],
+    cameras: Sequence,
+    width: int,
+    height: int,
+    rtol: float = 1e-6,
+    maxiter: int = 500,
+) -> MergeResult:
     """The views' distance maps (each (s, s), metres) and validity masks -> the panorama's distance map at
     W x H (see the module docstring). `rtol`: the solve's relative residual; `maxiter`: its CG steps at most.
     A RuntimeWarning when the solve stops short of rtol (the result then says converged=False)."""
@@ -742,8 +792,10 @@ def merge_distance_maps(distance_maps: Sequence[np.ndarray], masks: Sequence[np.
     import warnings
 
     if not (len(distance_maps) == len(masks) == len(cameras)) or not len(cameras):
-        raise ValueError(f"distance_maps, masks and cameras: one of each per view, got {len(distance_maps)}, "
-                         f"{len(masks)} and {len(cameras)}")
+        raise ValueError(
+            f"distance_maps, masks and cameras: one of each per view, got {len(distance_maps)}, "
+            f"{len(masks)} and {len(cameras)}"
+        )
     _check_solve_options(rtol, maxiter)  # before the warp's work
     t0 = time.perf_counter()
     data = warp_views(distance_maps, masks, cameras, width, height)
@@ -754,12 +806,22 @@ def merge_distance_maps(distance_maps: Sequence[np.ndarray], masks: Sequence[np.
     x0 = np.where(data.regions[0] > 0, np.float32(0), data.mean_log_distance())
     solved = solve_log_distance(data, x0, rtol, maxiter)
     if not solved.converged:
-        warnings.warn(f"panorama merge: the least-squares solve stopped at a relative residual of "
-                      f"{solved.residual:.2e} after {solved.iterations} CG iterations, short of rtol={rtol:g}; "
-                      f"the distances may be off the objective's minimiser", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"panorama merge: the least-squares solve stopped at a relative residual of "
+            f"{solved.residual:.2e} after {solved.iterations} CG iterations, short of rtol={rtol:g}; "
+            f"the distances may be off the objective's minimiser",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     t2 = time.perf_counter()
     x = solved.x + metric_offsets(data, solved.x)
     t3 = time.perf_counter()
     distance = np.exp(x).astype(np.float32)
-    return MergeResult(distance, data.mask, solved.iterations, solved.residual, solved.converged,
-                       {"warp": t1 - t0, "solve": t2 - t1, "offset": t3 - t2})
+    return MergeResult(
+        distance,
+        data.mask,
+        solved.iterations,
+        solved.residual,
+        solved.converged,
+        {"warp": t1 - t0, "solve": t2 - t1, "offset": t3 - t2},
+    )

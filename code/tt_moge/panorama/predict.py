@@ -6,6 +6,7 @@ the device pipeline stays full; each view's distance = |points| (metres, the vie
 merge them (`merge.merge_distance_maps`) at up to MERGE_MAX_SIZE; resize to the panorama's size; points =
 unit direction x distance.
 """
+
 from __future__ import annotations
 
 import math
@@ -87,11 +88,17 @@ class PanoramaOutput:
         so the same readers work)."""
         w, h = self.size
         record = {
-            "kind": "panorama", "width": w, "height": h,
-            "valid_fraction": self.valid_fraction, "median_distance_m": finite_or_none(self.median_distance),
-            "views": len(self.view_errors), "views_failed": [{"view": i, "error": e} for i, e in enumerate(self.view_errors) if e],
-            "merge_iterations": self.merge_iterations, "merge_residual": finite_or_none(self.merge_residual),
-            "merge_converged": bool(self.merge_converged), "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            "kind": "panorama",
+            "width": w,
+            "height": h,
+            "valid_fraction": self.valid_fraction,
+            "median_distance_m": finite_or_none(self.median_distance),
+            "views": len(self.view_errors),
+            "views_failed": [{"view": i, "error": e} for i, e in enumerate(self.view_errors) if e],
+            "merge_iterations": self.merge_iterations,
+            "merge_residual": finite_or_none(self.merge_residual),
+            "merge_converged": bool(self.merge_converged),
+            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             "has_normal": False,
         }
         if depth_percentiles:
@@ -102,9 +109,11 @@ class PanoramaOutput:
         w, h = self.size
         med = self.median_distance
         failed = sum(e is not None for e in self.view_errors)
-        return (f"PanoramaOutput({w}x{h}, valid {100 * self.valid_fraction:.1f}%, median distance "
-                f"{f'{med:.3f} m' if math.isfinite(med) else 'n/a'}, {len(self.view_errors) - failed}/"
-                f"{len(self.view_errors)} views{'' if self.merge_converged else ', merge not converged'})")
+        return (
+            f"PanoramaOutput({w}x{h}, valid {100 * self.valid_fraction:.1f}%, median distance "
+            f"{f'{med:.3f} m' if math.isfinite(med) else 'n/a'}, {len(self.view_errors) - failed}/"
+            f"{len(self.view_errors)} views{'' if self.merge_converged else ', merge not converged'})"
+        )
 
     def npz_arrays(self) -> dict:
         return {k: np.asarray(getattr(self, k), dtype=dt) for k, (dt, _) in PANORAMA_NPZ_LAYOUT.items()}
@@ -163,8 +172,11 @@ def predict_panorama(model: Any, image: Any, *, return_views: bool = False, appl
         distances.append(np.where(np.isfinite(distance) & (distance > 0), distance, 1.0).astype(np.float32))
         masks.append(valid)
     if all(e is not None for e in errors):
-        raise RuntimeError("image: no view of the panorama gave a valid pixel ("
-                           + "; ".join(f"view {i}: {e}" for i, e in enumerate(errors)) + ")")
+        raise RuntimeError(
+            "image: no view of the panorama gave a valid pixel ("
+            + "; ".join(f"view {i}: {e}" for i, e in enumerate(errors))
+            + ")"
+        )
     merge_w, merge_h = min(MERGE_MAX_SIZE[0], width), min(MERGE_MAX_SIZE[1], height)
     merged = merge_distance_maps(distances, masks, cameras, merge_w, merge_h)
     t3 = time.perf_counter()
@@ -176,8 +188,21 @@ def predict_panorama(model: Any, image: Any, *, return_views: bool = False, appl
     if apply_mask:
         distance = np.where(mask, distance, np.float32(np.inf)).astype(np.float32)
         points[~mask] = np.inf
-    seconds = {"split": t1 - t0, "views": t2 - t1, "merge": t3 - t2, **{f"merge_{k}": v for k, v in merged.seconds.items()},
-               "finish": time.perf_counter() - t3}
-    return PanoramaOutput(distance=distance, points=points, mask=mask, view_errors=errors,
-                          views=outputs if return_views else None, merge_iterations=merged.iterations,
-                          merge_residual=merged.residual, merge_converged=merged.converged, seconds=seconds)
+    seconds = {
+        "split": t1 - t0,
+        "views": t2 - t1,
+        "merge": t3 - t2,
+        **{f"merge_{k}": v for k, v in merged.seconds.items()},
+        "finish": time.perf_counter() - t3,
+    }
+    return PanoramaOutput(
+        distance=distance,
+        points=points,
+        mask=mask,
+        view_errors=errors,
+        views=outputs if return_views else None,
+        merge_iterations=merged.iterations,
+        merge_residual=merged.residual,
+        merge_converged=merged.converged,
+        seconds=seconds,
+    )

@@ -6,16 +6,35 @@ float32 reference (`TorchRunner`), the bfloat16 CPU graph (`CpuGraphRunner`) or 
 (`CudaGraphRunner`). The names are imported on first use, so that `runners.ttnn`'s device graph (numpy and
 ttnn only) imports without torch.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PRECISIONS", "PendingMaps", "RawMaps", "Runner", "TorchRunner", "CpuGraphRunner", "make_runner",
-           "resolve_precision", "cpu_has_native_bf16"]
+__all__ = [
+    "PRECISIONS",
+    "PendingMaps",
+    "RawMaps",
+    "Runner",
+    "TorchRunner",
+    "CpuGraphRunner",
+    "make_runner",
+    "resolve_precision",
+    "cpu_has_native_bf16",
+]
 
-_LAZY = {"PendingMaps": "base", "RawMaps": "base", "Runner": "base", "CpuGraphRunner": "cpu",
-         "TorchRunner": "torch_runner", "PRECISIONS": "precision", "resolve_precision": "precision",
-         "cpu_has_native_bf16": "precision", "cpu_has_int8_dot": "precision", "DTYPES": "precision"}
+_LAZY = {
+    "PendingMaps": "base",
+    "RawMaps": "base",
+    "Runner": "base",
+    "CpuGraphRunner": "cpu",
+    "TorchRunner": "torch_runner",
+    "PRECISIONS": "precision",
+    "resolve_precision": "precision",
+    "cpu_has_native_bf16": "precision",
+    "cpu_has_int8_dot": "precision",
+    "DTYPES": "precision",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -26,8 +45,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def make_runner(network: Any, canvas_size: tuple, num_tokens: int, device: Any = "cpu", precision: str = "bf16",
-                **tt_options: Any) -> Any:
+def make_runner(
+    network: Any, canvas_size: tuple, num_tokens: int, device: Any = "cpu", precision: str = "bf16", **tt_options: Any
+) -> Any:
     """The runner for `device` ("cpu", "cuda[:N]", a torch.device, or a Tenstorrent chip: `options.TtChip`) at a
     concrete `precision` ("fp32", "bf16", "fp16", "int8", "bfp8"; see `resolve_precision` for "auto").
     `tt_options` (dispatch, num_command_queues, verbose) reach the Tenstorrent runner only. Takes ownership of
@@ -52,14 +72,24 @@ def make_runner(network: Any, canvas_size: tuple, num_tokens: int, device: Any =
         if precision == "fp32":
             return TorchRunner(network, canvas_size, num_tokens, device)
         if not precisions.cpu_has_native_bf16():
-            warnings.warn(f"precision={precision!r}: this CPU has no bfloat16 dot-product instructions (AVX512-BF16 / AMX), "
-                          "so PyTorch emulates them and the forward is slower than 'fp32'", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"precision={precision!r}: this CPU has no bfloat16 dot-product instructions (AVX512-BF16 / AMX), "
+                "so PyTorch emulates them and the forward is slower than 'fp32'",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if precision == "int8" and not precisions.cpu_has_int8_dot():
-            warnings.warn("precision='int8': this CPU has no int8 dot-product instructions (VNNI / AMX), so the int8 "
-                          "matmuls are slower than 'bf16'", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "precision='int8': this CPU has no int8 dot-product instructions (VNNI / AMX), so the int8 "
+                "matmuls are slower than 'bf16'",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return CpuGraphRunner(network, canvas_size, num_tokens, precision)
     if not torch.cuda.is_available():
-        raise ValueError(f"device={str(device)!r}: no CUDA GPU is available on this machine (torch {torch.__version__})")
+        raise ValueError(
+            f"device={str(device)!r}: no CUDA GPU is available on this machine (torch {torch.__version__})"
+        )
     from .cuda import CudaGraphRunner  # imported here: nothing CUDA-specific runs on CPU-only machines
 
     return CudaGraphRunner(network, canvas_size, num_tokens, device, precision)

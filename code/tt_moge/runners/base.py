@@ -1,4 +1,5 @@
 """The device runner interface: a canvas goes in, the raw maps come out. Nothing else knows the device."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +20,6 @@ class RawMaps:
     normal: Optional[torch.Tensor]
     mask: Optional[torch.Tensor]
     metric_scale: Optional[float]
-
 
     @classmethod
     def from_outputs(cls, out: dict) -> "RawMaps":

@@ -3,6 +3,7 @@ work done at load; "int8" adds smoothed int8 ViT matmuls. The attention kernel (
 the fused native kernel of `cpu_kernels` where the CPU has AVX512-BF16) and the int8 matmul (int8 or bfloat16)
 are chosen by measurement on this machine at load (`kernel_choice`). See docs/devices-and-precision.md for
 what it costs in accuracy against the float32 reference (`TorchRunner`, precision="fp32")."""
+
 from __future__ import annotations
 
 import ctypes
@@ -56,8 +57,14 @@ class CpuGraphRunner(Runner):
 
     name = "cpu-graph"
 
-    def __init__(self, network: MoGe2Network, canvas_size: tuple, num_tokens: int, precision: str = "bf16",
-                 cache: Optional[KernelCache] = None):
+    def __init__(
+        self,
+        network: MoGe2Network,
+        canvas_size: tuple,
+        num_tokens: int,
+        precision: str = "bf16",
+        cache: Optional[KernelCache] = None,
+    ):
         if precision not in ("bf16", "int8", "fp32"):
             raise ValueError(f"the CPU graph runner runs 'bf16', 'int8' or 'fp32', got {precision!r}")
         self.precision = precision
@@ -70,14 +77,23 @@ class CpuGraphRunner(Runner):
         network = network.to("cpu")
         self.choices = self._choose_kernels(network, dtype, KernelCache() if cache is None else cache)
         int8 = precision == "int8" and self.choices["int8_matmul"].kernel == "int8"
-        self.graph = FixedShapeMoGe2(network, canvas_size, num_tokens, dtype, attention=self.choices["attention"].kernel,
-                                     vit_int8=int8, native=self.native).eval()
+        self.graph = FixedShapeMoGe2(
+            network,
+            canvas_size,
+            num_tokens,
+            dtype,
+            attention=self.choices["attention"].kernel,
+            vit_int8=int8,
+            native=self.native,
+        ).eval()
         self._kernels: dict = {}
         for point, choice in self.choices.items():
             self._kernels.update({point: choice.kernel, f"{point}_why": choice.describe()})
         if precision == "int8":
-            self._kernels.update(native_int8_glue=int8 and self.native is not None,
-                                 int8_smoothing=self.graph.int8_smoothing if int8 else None)
+            self._kernels.update(
+                native_int8_glue=int8 and self.native is not None,
+                int8_smoothing=self.graph.int8_smoothing if int8 else None,
+            )
 
     @torch.inference_mode()
     def _choose_kernels(self, network: MoGe2Network, dtype: torch.dtype, cache: KernelCache) -> dict:
@@ -88,7 +104,11 @@ class CpuGraphRunner(Runner):
         threads = torch.get_num_threads()
         if self.native is not None:
             self.native.moge_runner_set_threads(threads)
-        key = f"{cpu_signature()} | torch {torch.__version__} | {threads} " f"threads | {dtype} | {tokens}x{dim}, {heads} heads"
+        key = (
+            f"{cpu_signature()} | torch {torch.__version__} | {threads} "
+            f"threads | {dtype} | {tokens}x{dim}, {heads} heads"
+        )
+
         # The candidates' inputs are made on their first call only: a cached or forced choice times nothing.
         @functools.lru_cache(maxsize=None)
         def qkv() -> tuple:
@@ -110,7 +130,7 @@ class CpuGraphRunner(Runner):
             @functools.lru_cache(maxsize=None)
             def ffn() -> tuple:
                 gen = torch.Generator().manual_seed(1)
-                weight, bias = torch.randn(hidden, dim, generator=gen).div_(dim ** 0.5), torch.zeros(hidden)
+                weight, bias = torch.randn(hidden, dim, generator=gen).div_(dim**0.5), torch.zeros(hidden)
                 x = torch.randn(tokens, dim, generator=gen).to(dtype)
                 return x, Int8Linear(weight, bias, dtype, self.native), make_linear(weight, bias, dtype)
 
@@ -126,8 +146,12 @@ class CpuGraphRunner(Runner):
         return RawMaps.from_outputs(self.graph(canvas.to("cpu", torch.float32)))
 
     def describe(self) -> dict:
-        return {**super().describe(), "threads": torch.get_num_threads(), "malloc_tuned": self.malloc_tuned,
-                **self._kernels}
+        return {
+            **super().describe(),
+            "threads": torch.get_num_threads(),
+            "malloc_tuned": self.malloc_tuned,
+            **self._kernels,
+        }
 
     def close(self) -> None:
         self.graph = None

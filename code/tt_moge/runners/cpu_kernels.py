@@ -15,14 +15,22 @@ The measured times and errors are in docs/performance.md (one-off measurements, 
 They run when the host library is available when the runner is built (not with MOGE_HOST=torch then), on as
 many threads as torch uses (`torch.get_num_threads()`, set per forward by `CpuGraphRunner`).
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-__all__ = ["native_library", "quantize_rows", "dequantize", "quantize_rows_reference", "dequantize_reference",
-           "native_attention_supported", "attention_bf16"]
+__all__ = [
+    "native_library",
+    "quantize_rows",
+    "dequantize",
+    "quantize_rows_reference",
+    "dequantize_reference",
+    "native_attention_supported",
+    "attention_bf16",
+]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -35,7 +43,9 @@ def native_library():
     return native.library()
 
 
-def quantize_rows_reference(x: torch.Tensor, inv_smooth: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(
+    x: torch.Tensor, inv_smooth: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x (N, K) float32/bfloat16, times `inv_smooth` (K,) when given -> (int8 (N, K), float32 scales (N, 1)):
     one scale per row, |q| <= 127."""
     xs = x.float() if inv_smooth is None else x.float() * inv_smooth
@@ -43,8 +53,9 @@ def quantize_rows_reference(x: torch.Tensor, inv_smooth: Optional[torch.Tensor] 
     return torch.round(xs / scale).to(torch.int8), scale
 
 
-def dequantize_reference(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor,
-                         dtype: torch.dtype) -> torch.Tensor:
+def dequantize_reference(
+    acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """int32 (N, M) -> acc * row_scale (N, 1) * col_scale (M,) + bias (M,) in `dtype`."""
     return acc.float().mul_(row_scale).mul_(col_scale).add_(bias).to(dtype)
 
@@ -54,7 +65,9 @@ def _check(t: torch.Tensor, name: str, dtypes) -> None:
         raise ValueError(f"{name}: expected a CPU tensor of {[str(d) for d in dtypes]}, got {t.dtype} on {t.device}")
 
 
-def quantize_rows(x: torch.Tensor, lib=None, inv_smooth: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    x: torch.Tensor, lib=None, inv_smooth: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows_reference`, natively when `lib` is the host library (rows may be strided, columns not)."""
     if lib is None:
         return quantize_rows_reference(x, inv_smooth)
@@ -68,26 +81,50 @@ def quantize_rows(x: torch.Tensor, lib=None, inv_smooth: Optional[torch.Tensor] 
             raise ValueError(f"inv_smooth: expected {cols} values (one per column), got {inv_smooth.numel()}")
     out = torch.empty(rows, cols, dtype=torch.int8)
     scale = torch.empty(rows, 1, dtype=torch.float32)
-    lib.moge_quantize_rows(x.data_ptr(), _DTYPE_CODES[x.dtype], rows, cols, x.stride(0),
-                           None if inv_smooth is None else inv_smooth.data_ptr(), out.data_ptr(), scale.data_ptr())
+    lib.moge_quantize_rows(
+        x.data_ptr(),
+        _DTYPE_CODES[x.dtype],
+        rows,
+        cols,
+        x.stride(0),
+        None if inv_smooth is None else inv_smooth.data_ptr(),
+        out.data_ptr(),
+        scale.data_ptr(),
+    )
     return out, scale
 
 
-def dequantize(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor,
-               dtype: torch.dtype, lib=None) -> torch.Tensor:
+def dequantize(
+    acc: torch.Tensor,
+    row_scale: torch.Tensor,
+    col_scale: torch.Tensor,
+    bias: torch.Tensor,
+    dtype: torch.dtype,
+    lib=None,
+) -> torch.Tensor:
     """`dequantize_reference`, natively when `lib` is the host library."""
     if lib is None:
         return dequantize_reference(acc, row_scale, col_scale, bias, dtype)
     _check(acc, "acc", (torch.int32,))
     if dtype not in _DTYPE_CODES:
         raise ValueError(f"dtype: expected torch.float32 or torch.bfloat16, got {dtype}")
-    acc, row_scale, col_scale, bias = (t.contiguous() for t in (acc, row_scale.float(), col_scale.float(), bias.float()))
+    acc, row_scale, col_scale, bias = (
+        t.contiguous() for t in (acc, row_scale.float(), col_scale.float(), bias.float())
+    )
     rows, cols = acc.shape
     if row_scale.numel() != rows or col_scale.numel() != cols or bias.numel() != cols:
         raise ValueError(f"dequantize: scales/bias do not fit a {rows}x{cols} accumulator")
     out = torch.empty(rows, cols, dtype=dtype)
-    lib.moge_dequantize(acc.data_ptr(), rows, cols, row_scale.data_ptr(), col_scale.data_ptr(), bias.data_ptr(),
-                        _DTYPE_CODES[dtype], out.data_ptr())
+    lib.moge_dequantize(
+        acc.data_ptr(),
+        rows,
+        cols,
+        row_scale.data_ptr(),
+        col_scale.data_ptr(),
+        bias.data_ptr(),
+        _DTYPE_CODES[dtype],
+        out.data_ptr(),
+    )
     return out
 
 

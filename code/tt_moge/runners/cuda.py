@@ -10,6 +10,7 @@ their kernels.
 NOT YET RUN ON A GPU: written against the documented `torch.cuda.CUDAGraph` / `torch.cuda.graph` API and
 checked on CPU only through the code it shares (`FixedShapeMoGe2`). See docs/devices-and-precision.md.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,12 +54,23 @@ class CudaGraphRunner(Runner):
 
     name = "cuda-graph"
 
-    def __init__(self, network: MoGe2Network, canvas_size: tuple, num_tokens: int, device: torch.device,
-                 precision: str = "fp16", *, use_graph: bool = True, warmup_passes: int = 3):
+    def __init__(
+        self,
+        network: MoGe2Network,
+        canvas_size: tuple,
+        num_tokens: int,
+        device: torch.device,
+        precision: str = "fp16",
+        *,
+        use_graph: bool = True,
+        warmup_passes: int = 3,
+    ):
         if precision not in DTYPES:
             raise ValueError(f"precision must be one of {tuple(DTYPES)} here, got {precision!r}")
         if precision == "bf16" and torch.cuda.get_device_capability(device)[0] < 8:  # bfloat16 tensor cores: Ampere+
-            raise ValueError(f"precision='bf16': {torch.cuda.get_device_name(device)} has no bfloat16 support; use 'fp16' or 'auto'")
+            raise ValueError(
+                f"precision='bf16': {torch.cuda.get_device_name(device)} has no bfloat16 support; use 'fp16' or 'auto'"
+            )
         self.device = torch.device(device)
         self.precision = precision
         self.canvas_size = tuple(canvas_size)
@@ -71,7 +83,9 @@ class CudaGraphRunner(Runner):
             if precision == "fp32":
                 self.module: nn.Module = ReferenceForward(network, num_tokens)
             else:
-                self.module = FixedShapeMoGe2(network, self.canvas_size, num_tokens, DTYPES[precision], attention="sdpa").eval()
+                self.module = FixedShapeMoGe2(
+                    network, self.canvas_size, num_tokens, DTYPES[precision], attention="sdpa"
+                ).eval()
             self.stream = torch.cuda.Stream(self.device)
             self.copy_stream = torch.cuda.Stream(self.device)
             self.static_canvas = torch.zeros(1, 3, height, width, device=self.device)
@@ -87,8 +101,7 @@ class CudaGraphRunner(Runner):
         matmul_tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = matmul_tf32 and not exact
         try:
-            with torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False,
-                                            allow_tf32=not exact):
+            with torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False, allow_tf32=not exact):
                 yield
         finally:
             torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
@@ -142,7 +155,11 @@ class CudaGraphRunner(Runner):
         return self.submit(canvas).result()
 
     def describe(self) -> dict:
-        return {**super().describe(), "cuda_graph": self.graph is not None, "gpu": torch.cuda.get_device_name(self.device)}
+        return {
+            **super().describe(),
+            "cuda_graph": self.graph is not None,
+            "gpu": torch.cuda.get_device_name(self.device),
+        }
 
     def close(self) -> None:
         if self.graph is not None or self.static_out is not None:

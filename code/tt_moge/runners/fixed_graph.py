@@ -22,6 +22,7 @@ activation ranges calibrated at construction (one `dtype` pass over a synthetic 
 the result equals the reference network up to float round-off (the folds reassociate sums); the reference
 itself (`TorchRunner`) is the exact float32 path.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,8 +38,16 @@ from ..network.moge2 import remap_points
 from ..network.vit import Block
 from .cpu_kernels import attention_bf16, dequantize, native_attention_supported, quantize_rows
 
-__all__ = ["FixedShapeMoGe2", "FastBlock", "HeadByHeadAttention", "Int8Linear", "make_linear", "raw_outputs", "ATTENTION_KINDS",
-           "HEADS"]
+__all__ = [
+    "FixedShapeMoGe2",
+    "FastBlock",
+    "HeadByHeadAttention",
+    "Int8Linear",
+    "make_linear",
+    "raw_outputs",
+    "ATTENTION_KINDS",
+    "HEADS",
+]
 
 HEADS = ("points", "normal", "mask")
 CALIBRATION_TOKENS = 600  # token budget of the int8 calibration forward (at load)
@@ -68,8 +77,15 @@ class Int8Linear(nn.Module):
     the torch ops.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype, lib=None,
-                 act_max: Optional[torch.Tensor] = None, alpha: float = 0.5):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        dtype: torch.dtype,
+        lib=None,
+        act_max: Optional[torch.Tensor] = None,
+        alpha: float = 0.5,
+    ):
         super().__init__()
         weight = weight.float()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
@@ -85,14 +101,18 @@ class Int8Linear(nn.Module):
             inv_smooth = 1 / smooth
         self.register_buffer("inv_smooth", inv_smooth)  # None: no smoothing
         scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127
-        self.register_buffer("weight_t", torch.round(weight / scale[:, None]).to(torch.int8).t().contiguous())  # (in, out)
+        self.register_buffer(
+            "weight_t", torch.round(weight / scale[:, None]).to(torch.int8).t().contiguous()
+        )  # (in, out)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", bias.float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x8, token_scale = quantize_rows(x.reshape(-1, shape[-1]), self.lib, self.inv_smooth)
-        y = dequantize(torch._int_mm(x8, self.weight_t), token_scale, self.weight_scale, self.bias, self.dtype, self.lib)
+        y = dequantize(
+            torch._int_mm(x8, self.weight_t), token_scale, self.weight_scale, self.bias, self.dtype, self.lib
+        )
         return y.view(*shape[:-1], self.out_features)
 
 
@@ -126,11 +146,11 @@ class HeadByHeadAttention:
             out = torch.empty(num_heads, n, dim, dtype=qkv_t.dtype, device=qkv_t.device)
             self._buffers = (key, scores, torch.empty_like(scores), out)
         _, scores, probs, out = self._buffers
-        q_t, k_t, v_t = (qkv_t[part * c:(part + 1) * c].view(num_heads, dim, n) for part in range(3))
+        q_t, k_t, v_t = (qkv_t[part * c : (part + 1) * c].view(num_heads, dim, n) for part in range(3))
         for h in range(0, num_heads, step):
-            torch.bmm(q_t[h:h + step].transpose(1, 2), k_t[h:h + step], out=scores)
+            torch.bmm(q_t[h : h + step].transpose(1, 2), k_t[h : h + step], out=scores)
             torch.ops.aten._softmax.out(scores, -1, False, out=probs)
-            torch.bmm(probs, v_t[h:h + step].transpose(1, 2), out=out[h:h + step])
+            torch.bmm(probs, v_t[h : h + step].transpose(1, 2), out=out[h : h + step])
         return out.transpose(0, 1).reshape(n, c)
 
 
@@ -149,9 +169,17 @@ class FastBlock(nn.Module):
 
     LINEARS = ("qkv", "attn_out", "ffn_in", "ffn_out")
 
-    def __init__(self, block: Block, dtype: torch.dtype, attention: str = "sdpa",
-                 workspace: Optional[HeadByHeadAttention] = None, int8: bool = False, lib=None,
-                 act_max: Optional[dict] = None, alpha: float = 0.5):
+    def __init__(
+        self,
+        block: Block,
+        dtype: torch.dtype,
+        attention: str = "sdpa",
+        workspace: Optional[HeadByHeadAttention] = None,
+        int8: bool = False,
+        lib=None,
+        act_max: Optional[dict] = None,
+        alpha: float = 0.5,
+    ):
         super().__init__()
         names = iter(self.LINEARS)  # the order of the make() calls below
 
@@ -166,7 +194,9 @@ class FastBlock(nn.Module):
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         if attention == "native" and not (dtype == torch.bfloat16 and native_attention_supported(lib, head_dim)):
-            raise ValueError("attention='native' needs bfloat16, heads of 64 and the native library built with AVX512-BF16")
+            raise ValueError(
+                "attention='native' needs bfloat16, heads of 64 and the native library built with AVX512-BF16"
+            )
         self.attention = attention
         self.workspace = workspace or (HeadByHeadAttention() if attention == "heads" else None)
         self.lib = lib
@@ -253,9 +283,20 @@ class FixedShapeMoGe2(nn.Module):
     `normal` (1, H, W, 3), `mask` (1, H, W) probability, `metric_scale` (1,), as `MoGe2Network.forward`.
     """
 
-    def __init__(self, network: MoGe2Network, canvas_size: tuple, num_tokens: int, dtype: torch.dtype = torch.bfloat16,
-                 *, residual_dtype: torch.dtype = torch.float32, channels_last: bool = True, attention: str = "sdpa",
-                 vit_int8: bool = False, native=None, int8_smoothing: Optional[float] = 0.5):
+    def __init__(
+        self,
+        network: MoGe2Network,
+        canvas_size: tuple,
+        num_tokens: int,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        residual_dtype: torch.dtype = torch.float32,
+        channels_last: bool = True,
+        attention: str = "sdpa",
+        vit_int8: bool = False,
+        native=None,
+        int8_smoothing: Optional[float] = 0.5,
+    ):
         super().__init__()
         cfg = network.config
         width, height = (int(v) for v in canvas_size)
@@ -277,7 +318,11 @@ class FixedShapeMoGe2(nn.Module):
             self._build_encoder(network, rows, cols)
             uv = network.uv_planes(rows, cols, aspect, torch.float32, device)
             self._build_decoder(network, uv)
-            self.scale_head = copy.deepcopy(network.scale_head).float().requires_grad_(False) if hasattr(network, "scale_head") else None
+            self.scale_head = (
+                copy.deepcopy(network.scale_head).float().requires_grad_(False)
+                if hasattr(network, "scale_head")
+                else None
+            )
 
     # ----------------------------------------------------------------------------------------- build
     def _build_encoder(self, network: MoGe2Network, rows: int, cols: int) -> None:
@@ -303,8 +348,10 @@ class FixedShapeMoGe2(nn.Module):
         act_max, alpha = [None] * len(blocks), 0.5
         if self.vit_int8 and self.int8_smoothing is not None:
             act_max, alpha = self._activation_maxima(vit, blocks), self.int8_smoothing
-        self.blocks = nn.ModuleList(FastBlock(blk, self.dtype, self.attention, workspace, self.vit_int8, self.native, a, alpha)
-                                    for blk, a in zip(blocks, act_max))
+        self.blocks = nn.ModuleList(
+            FastBlock(blk, self.dtype, self.attention, workspace, self.vit_int8, self.native, a, alpha)
+            for blk, a in zip(blocks, act_max)
+        )
         self.final_norm = copy.deepcopy(vit.norm).float().requires_grad_(False)
 
     def _token_prefix(self, vit, pos: torch.Tensor) -> torch.Tensor:
@@ -331,15 +378,23 @@ class FixedShapeMoGe2(nn.Module):
         pos = vit.position_embedding(rows, cols).detach().float()
         device = self.patch_pos.device
         photo = torch.from_numpy(synthetic_photo((cols * self.patch, rows * self.patch), seed=0))
-        tokens = self._embed(photo.permute(2, 0, 1)[None].to(device, torch.float32).div(255),
-                             self._token_prefix(vit, pos), pos[:, 1:].to(self.residual_dtype))
+        tokens = self._embed(
+            photo.permute(2, 0, 1)[None].to(device, torch.float32).div(255),
+            self._token_prefix(vit, pos),
+            pos[:, 1:].to(self.residual_dtype),
+        )
         maxima = []
         for block in blocks:
             fast = FastBlock(block, self.dtype)  # SDPA attention: every linear is called as a module
             seen: dict = {}
-            hooks = [getattr(fast, name).register_forward_pre_hook(
-                lambda module, args, name=name: seen.__setitem__(name, args[0].abs().flatten(0, -2).amax(dim=0).float()))
-                for name in FastBlock.LINEARS]
+            hooks = [
+                getattr(fast, name).register_forward_pre_hook(
+                    lambda module, args, name=name: seen.__setitem__(
+                        name, args[0].abs().flatten(0, -2).amax(dim=0).float()
+                    )
+                )
+                for name in FastBlock.LINEARS
+            ]
             tokens = fast(tokens)
             for hook in hooks:
                 hook.remove()
@@ -371,7 +426,9 @@ class FixedShapeMoGe2(nn.Module):
         self.neck = _to_layout(neck, self.dtype, self.channels_last)
         heads = [h for h in HEADS if getattr(network, h + "_head", None) is not None]
         self.head_names = heads
-        self.heads = nn.ModuleDict({h: _to_layout(getattr(network, h + "_head"), self.dtype, self.channels_last) for h in heads})
+        self.heads = nn.ModuleDict(
+            {h: _to_layout(getattr(network, h + "_head"), self.dtype, self.channels_last) for h in heads}
+        )
         self._build_finest_fold(network, heads, neck.input_blocks[last](uv[last]).float(), levels)
 
     def _build_finest_fold(self, network: MoGe2Network, heads: list, neck_const: torch.Tensor, levels: int) -> None:
@@ -379,7 +436,9 @@ class FixedShapeMoGe2(nn.Module):
         neck = network.neck
         for name, stack in [("neck", neck)] + [(h, getattr(network, h + "_head")) for h in heads]:
             if len(stack.res_blocks[last]) != 0:
-                raise ValueError(f"the finest-level fold needs no residual blocks at the finest level ({name} has some)")
+                raise ValueError(
+                    f"the finest-level fold needs no residual blocks at the finest level ({name} has some)"
+                )
         n_up, n_conv = _split_resampler(neck.resamplers[last - 1])
         self.neck_up = _to_layout(n_up, self.dtype, self.channels_last)
         on_w, _ = _matrix(neck.output_blocks[last], n_conv.out_channels, n_conv.weight.device)
@@ -394,20 +453,38 @@ class FixedShapeMoGe2(nn.Module):
             ih_w, _ = _matrix(stack.input_blocks[last], h_conv.out_channels, h_conv.weight.device)
             oh_w, _ = _matrix(stack.output_blocks[last], h_conv.out_channels, h_conv.weight.device)
             kernels_neck.append(_fold_kernel(oh_w @ ih_w @ on_w, n_conv))
-            conv = skip_init(nn.Conv2d, h_conv.in_channels, oh_w.shape[0], 3, padding=1, padding_mode="replicate",
-                             bias=False, device=oh_w.device)
+            conv = skip_init(
+                nn.Conv2d,
+                h_conv.in_channels,
+                oh_w.shape[0],
+                3,
+                padding=1,
+                padding_mode="replicate",
+                bias=False,
+                device=oh_w.device,
+            )
             conv.weight.copy_(_fold_kernel(oh_w, h_conv))
             self.head_ups.append(_to_layout(h_up, self.dtype, self.channels_last))
             self.head_convs.append(_to_layout(conv, self.dtype, self.channels_last))
             zero_head = torch.zeros(1, h_conv.in_channels, *neck_const.shape[-2:], device=neck_const.device)
             consts.append(stack.output_blocks[last](h_conv(zero_head) + stack.input_blocks[last](neck_const_out)))
         self.head_channels = [k.shape[0] for k in kernels_neck]
-        conv = skip_init(nn.Conv2d, n_conv.in_channels, sum(self.head_channels), 3, padding=1, padding_mode="replicate",
-                         bias=False, device=n_conv.weight.device)
+        conv = skip_init(
+            nn.Conv2d,
+            n_conv.in_channels,
+            sum(self.head_channels),
+            3,
+            padding=1,
+            padding_mode="replicate",
+            bias=False,
+            device=n_conv.weight.device,
+        )
         conv.weight.copy_(torch.cat(kernels_neck))
         self.neck_fold_conv = _to_layout(conv, self.dtype, self.channels_last)
         const = torch.cat(consts, dim=1).float()  # (1, sum out, H_L, W_L)
-        self.register_buffer("finest_const", const.contiguous(memory_format=torch.channels_last) if self.channels_last else const)
+        self.register_buffer(
+            "finest_const", const.contiguous(memory_format=torch.channels_last) if self.channels_last else const
+        )
 
     # --------------------------------------------------------------------------------------- forward
     def _nchw(self, tokens: torch.Tensor, channels: int) -> torch.Tensor:
@@ -428,7 +505,7 @@ class FixedShapeMoGe2(nn.Module):
             if i in wanted:
                 taps[i] = self.final_norm(tokens)
         cls_token = taps[self.layers[-1]][:, 0].float()
-        stacked = torch.cat([taps[i][0, self.num_prefix:].to(self.dtype) for i in self.layers], dim=1)
+        stacked = torch.cat([taps[i][0, self.num_prefix :].to(self.dtype) for i in self.layers], dim=1)
         level0 = (self.neck_in0(stacked).float() + self.neck_in0_const).to(self.dtype)
         return self._nchw(level0, level0.shape[1]), cls_token
 
@@ -462,7 +539,9 @@ class FixedShapeMoGe2(nn.Module):
     def forward(self, canvas: torch.Tensor) -> dict:
         height, width = canvas.shape[-2:]
         if (width, height) != self.canvas_size:
-            raise ValueError(f"canvas: this graph runs {self.canvas_size[0]}x{self.canvas_size[1]}, got {width}x{height}")
+            raise ValueError(
+                f"canvas: this graph runs {self.canvas_size[0]}x{self.canvas_size[1]}, got {width}x{height}"
+            )
         level0, cls_token = self.encode(canvas)
         maps = F.interpolate(self.decode(level0), (height, width), mode="bilinear", align_corners=False)
         out = raw_outputs(maps, self.head_names, self.head_channels, self.remap)
@@ -477,7 +556,7 @@ def raw_outputs(maps: torch.Tensor, head_names: list, head_channels: list, remap
     out: dict = {}
     start = 0
     for name, channels in zip(head_names, head_channels):
-        out[name] = maps[:, start:start + channels]
+        out[name] = maps[:, start : start + channels]
         start += channels
     out["points"] = remap_points(out["points"].permute(0, 2, 3, 1), remap).contiguous()
     if "normal" in out:

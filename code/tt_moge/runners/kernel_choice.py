@@ -16,6 +16,7 @@ together) all take the choice of the first to finish, so one machine never mixes
 here is an error). `describe()` of the runner says what was chosen and why (the milliseconds measured, or
 "cached" / "forced").
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,16 @@ from typing import Callable, Mapping, Optional
 
 from .. import env
 
-__all__ = ["KernelChoice", "KernelCache", "choose", "fastest", "forced_choices", "cpu_signature", "FORCE_ENV",
-           "CACHE_ENV"]
+__all__ = [
+    "KernelChoice",
+    "KernelCache",
+    "choose",
+    "fastest",
+    "forced_choices",
+    "cpu_signature",
+    "FORCE_ENV",
+    "CACHE_ENV",
+]
 
 FORCE_ENV = "MOGE_CPU_KERNELS"
 CACHE_ENV = "MOGE_KERNEL_CACHE"
@@ -138,8 +147,11 @@ class KernelCache:
         with self._locked():
             data = self._read()
             entry = data.get(key)
-            if isinstance(entry, dict) and isinstance(entry.get("kernel"), str) and (
-                    candidates is None or entry["kernel"] in candidates):
+            if (
+                isinstance(entry, dict)
+                and isinstance(entry.get("kernel"), str)
+                and (candidates is None or entry["kernel"] in candidates)
+            ):
                 return entry
             data[key] = entry = {"kernel": kernel, "times_ms": {k: round(v, 3) for k, v in times_ms.items()}}
             try:
@@ -162,9 +174,16 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def choose(point: str, candidates: Mapping[str, Callable[[], object]], key: str, *,
-           cache: Optional[KernelCache] = None, forced: Optional[Mapping[str, str]] = None, repeats: int = 3,
-           timer: Callable[[Callable[[], object], int], float] = _median_ms) -> KernelChoice:
+def choose(
+    point: str,
+    candidates: Mapping[str, Callable[[], object]],
+    key: str,
+    *,
+    cache: Optional[KernelCache] = None,
+    forced: Optional[Mapping[str, str]] = None,
+    repeats: int = 3,
+    timer: Callable[[Callable[[], object], int], float] = _median_ms,
+) -> KernelChoice:
     """Pick the kernel for `point` among `candidates` ({name: a call of that kernel on the real shape}, in
     order of preference): forced (`forced`, else $MOGE_CPU_KERNELS), else cached under `key`, else timed with
     `timer` and cached."""

@@ -16,6 +16,7 @@ On a Tenstorrent chip the ttnn graph runs bfloat16 ("auto" and "bf16"), or with 
 bfloat8_b ("bfp8", opt-in); the other names are refused there, and "bfp8" everywhere else (see
 `runners/ttnn/graph.py` for which tensors stay in float32 and why).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -69,14 +70,20 @@ def resolve_precision(precision: Any, device: Any) -> str:
     kind = kind or torch.device(device).type
     if kind == "tt":
         if precision not in ("auto", "bf16", "bfp8"):
-            raise ValueError(f"precision={precision!r} is not available on a Tenstorrent chip; use 'bf16', 'bfp8' or 'auto'")
+            raise ValueError(
+                f"precision={precision!r} is not available on a Tenstorrent chip; use 'bf16', 'bfp8' or 'auto'"
+            )
         return "bf16" if precision == "auto" else precision
     if precision == "bfp8":
-        raise ValueError("precision='bfp8' (bfloat8_b ViT weights) is a Tenstorrent option; use 'bf16', 'fp32' or 'auto'")
+        raise ValueError(
+            "precision='bfp8' (bfloat8_b ViT weights) is a Tenstorrent option; use 'bf16', 'fp32' or 'auto'"
+        )
     if kind == "cpu":
         if precision == "fp16":
-            raise ValueError("precision='fp16' is not available on the CPU (PyTorch has no fast float16 convolutions "
-                             "there); use 'bf16', 'fp32' or 'auto'")
+            raise ValueError(
+                "precision='fp16' is not available on the CPU (PyTorch has no fast float16 convolutions "
+                "there); use 'bf16', 'fp32' or 'auto'"
+            )
         if precision == "auto":
             return "bf16" if cpu_has_native_bf16() else "fp32"
         return precision

@@ -1,4 +1,5 @@
 """The reference runner: `MoGe2Network` itself, float32, on a torch device. Bit-identical to the reference."""
+
 from __future__ import annotations
 
 import torch

@@ -2,6 +2,7 @@
 
 `create_app(model, settings)` builds the FastAPI app; `python -m tt_moge.server` / `tt-moge serve` run it.
 """
+
 from .settings import ServerSettings
 
 __all__ = ["ServerSettings", "create_app"]

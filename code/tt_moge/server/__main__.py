@@ -1,4 +1,5 @@
 """`python -m tt_moge.server --weights PATH_OR_REPO [--host 127.0.0.1 --port 8000 ...]`: `tt-moge serve`."""
+
 from __future__ import annotations
 
 import sys

@@ -13,6 +13,7 @@ is checked at each of those points, and a request that does not fit gets a 503 i
 A `Ticket` frees an admitted request's queue slot and its reservation once both its work (on a host thread)
 and the sending of its answer (on the event loop) have ended, whichever ends last and however they end.
 """
+
 from __future__ import annotations
 
 import threading

@@ -9,6 +9,7 @@ and what each one holds. The query parameters of the predictions are the call op
 generated), the summary record is `MoGeOutput.summary` (`output.SUMMARY_FIELDS`, generated). The arrays are
 those of `model(<same bytes>, <same options>)`.
 """
+
 from __future__ import annotations
 
 import threading
@@ -43,8 +44,16 @@ from .serving import (
 from .settings import ServerSettings
 from .upload import IMAGE_MEDIA_TYPES, MULTIPART_FIELD
 
-__all__ = ["create_app", "MoGeApp", "Summary", "Timing", "NPZ_MEDIA_TYPE", "TIMING_HEADER", "TIMING_STAGES",
-           "client_is_loopback"]
+__all__ = [
+    "create_app",
+    "MoGeApp",
+    "Summary",
+    "Timing",
+    "NPZ_MEDIA_TYPE",
+    "TIMING_HEADER",
+    "TIMING_STAGES",
+    "client_is_loopback",
+]
 
 # ------------------------------------------------------------------------------------------ response models
 Summary = summary_model(SUMMARY_FIELDS)
@@ -107,11 +116,16 @@ _PREDICT_BODY = {
     "requestBody": {
         "required": True,
         "description": f"The image: the raw PNG/JPEG bytes with their Content-Type, or the file field "
-                       f"`{MULTIPART_FIELD}` of a multipart/form-data body. Not a path: the server never opens files a client names.",
+        f"`{MULTIPART_FIELD}` of a multipart/form-data body. Not a path: the server never opens files a client names.",
         "content": {
             **{kind: _IMAGE_BODY for kind in ("image/png", "image/jpeg")},
-            "multipart/form-data": {"schema": {"type": "object", "required": [MULTIPART_FIELD],
-                                               "properties": {MULTIPART_FIELD: {"type": "string", "format": "binary"}}}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": [MULTIPART_FIELD],
+                    "properties": {MULTIPART_FIELD: {"type": "string", "format": "binary"}},
+                }
+            },
         },
     }
 }
@@ -121,8 +135,12 @@ _TIMING_HEADERS = {
 }
 
 
-def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optional[ServerSettings] = None, *,
-               on_load_error: Optional[Callable[[BaseException], None]] = None) -> MoGeApp:
+def create_app(
+    model: Union[MoGeModel, Callable[[], MoGeModel]],
+    settings: Optional[ServerSettings] = None,
+    *,
+    on_load_error: Optional[Callable[[BaseException], None]] = None,
+) -> MoGeApp:
     """A FastAPI app serving one MoGeModel.
 
     model: a loaded MoGeModel (the caller keeps ownership and closes it), or a zero-argument callable that
@@ -142,16 +160,22 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if loader is not None:
-            threading.Thread(target=serving.load, args=(loader, on_load_error), name="tt_moge-load", daemon=True).start()
+            threading.Thread(
+                target=serving.load, args=(loader, on_load_error), name="tt_moge-load", daemon=True
+            ).start()
         try:
             yield
         finally:
             serving.close()
 
     app = MoGeApp(
-        title="tt_moge", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,  # /docs: install_docs
+        title="tt_moge",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,  # /docs: install_docs
         description="MoGe-2 over HTTP: one RGB image in; metric depth, camera-space points, normals, validity mask "
-                    "and intrinsics out, at the image's own resolution. Errors are JSON {code, detail}.",
+        "and intrinsics out, at the image's own resolution. Errors are JSON {code, detail}.",
     )
     app.serving = serving
     install_error_handlers(app)
@@ -161,24 +185,42 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
     call_query = call_options_query()
 
     @app.post(
-        "/predict", dependencies=[Depends(serving.authorize)], openapi_extra=_PREDICT_BODY, response_class=Response,
+        "/predict",
+        dependencies=[Depends(serving.authorize)],
+        openapi_extra=_PREDICT_BODY,
+        response_class=Response,
         summary="Predict: image in, npz of MoGeOutput out",
-        responses={200: {"description": "The npz layout of MoGeOutput (normal float16, mask uint8); timing in the headers",
-                         "content": {NPZ_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
-                         "headers": _TIMING_HEADERS}, **responses},
+        responses={
+            200: {
+                "description": "The npz layout of MoGeOutput (normal float16, mask uint8); timing in the headers",
+                "content": {NPZ_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+                "headers": _TIMING_HEADERS,
+            },
+            **responses,
+        },
     )
-    async def predict(request: Request, options: CallOptions = Depends(call_query),
-                      compress: Literal["auto", "true", "false"] = Query("auto", description=(
-                          "Deflate the maps inside the npz with ISA-L: smaller, and slower to make (docs/performance.md, "
-                          "Server). auto: deflate unless the client is on this machine (loopback)"))) -> Response:
+    async def predict(
+        request: Request,
+        options: CallOptions = Depends(call_query),
+        compress: Literal["auto", "true", "false"] = Query(
+            "auto",
+            description=(
+                "Deflate the maps inside the npz with ISA-L: smaller, and slower to make (docs/performance.md, "
+                "Server). auto: deflate unless the client is on this machine (loopback)"
+            ),
+        ),
+    ) -> Response:
         check_query(request, (*CALL_OPTION_NAMES, "compress"))
         deflate = compress == "true" or (compress == "auto" and not client_is_loopback(request))
         done = await serving.predict(request, options, lambda out, _: npz_parts(out.npz_arrays(), compress=deflate))
         return serving.answer(done.payload, NPZ_MEDIA_TYPE, timing_headers(done.timing), done.ticket)
 
     @app.post(
-        "/predict/summary", dependencies=[Depends(serving.authorize)], openapi_extra=_PREDICT_BODY,
-        response_model=Summary, summary="Predict: image in, a small JSON summary out (no maps)",
+        "/predict/summary",
+        dependencies=[Depends(serving.authorize)],
+        openapi_extra=_PREDICT_BODY,
+        response_model=Summary,
+        summary="Predict: image in, a small JSON summary out (no maps)",
         responses={200: {"headers": _TIMING_HEADERS}, **responses},
     )
     async def predict_summary(request: Request, options: CallOptions = Depends(call_query)) -> Response:
@@ -193,30 +235,61 @@ def create_app(model: Union[MoGeModel, Callable[[], MoGeModel]], settings: Optio
 
     @app.get("/health", response_model=Health, summary="Liveness: the process answers (200 even while loading)")
     async def health() -> dict:
-        return {"status": serving.status(), "ready": serving.model is not None, "in_flight": serving.in_flight,
-                "queue_size": settings.queue_size, "memory_reserved_bytes": serving.budget.used,
-                "memory_budget_bytes": serving.budget.limit, "responses": dict(serving.responses)}
+        return {
+            "status": serving.status(),
+            "ready": serving.model is not None,
+            "in_flight": serving.in_flight,
+            "queue_size": settings.queue_size,
+            "memory_reserved_bytes": serving.budget.used,
+            "memory_budget_bytes": serving.budget.limit,
+            "responses": dict(serving.responses),
+        }
 
-    @app.get("/ready", response_model=Ready, summary="Readiness: 200 once the model is loaded and warm, else 503",
-             responses={503: {"model": ErrorBody, "description": "Still loading, or loading failed"}})
+    @app.get(
+        "/ready",
+        response_model=Ready,
+        summary="Readiness: 200 once the model is loaded and warm, else 503",
+        responses={503: {"model": ErrorBody, "description": "Still loading, or loading failed"}},
+    )
     async def ready() -> dict:
         if serving.model is None:
             detail = f"loading failed: {serving.load_error}" if serving.load_error else "the model is still loading"
             raise ApiError(503, "not_ready", detail, {"Retry-After": str(settings.retry_after_s)})
         return {"ready": True}
 
-    @app.get("/info", dependencies=[Depends(serving.authorize)], summary="The loaded model and the server limits",
-             responses={401: ERROR_RESPONSES[401], 503: ERROR_RESPONSES[503]})
+    @app.get(
+        "/info",
+        dependencies=[Depends(serving.authorize)],
+        summary="The loaded model and the server limits",
+        responses={401: ERROR_RESPONSES[401], 503: ERROR_RESPONSES[503]},
+    )
     async def info() -> dict:
         if serving.model is None:
-            raise ApiError(503, "not_ready", "the model is not loaded yet; see GET /ready", {"Retry-After": str(settings.retry_after_s)})
-        limits = {"max_body_bytes": settings.max_body_bytes, "max_pixels": settings.max_pixels,
-                  "queue_size": settings.queue_size, "host_threads": settings.host_threads,
-                  "max_connections": settings.max_connections, "read_timeout_s": settings.read_timeout_s,
-                  "send_timeout_s": settings.send_timeout_s,
-                  "memory_budget_bytes": settings.memory_budget_bytes, "shutdown_grace_s": settings.shutdown_grace_s,
-                  "auth": settings.api_key is not None}
-        return {**serving.model.info(), "server": {"limits": limits, "npz_deflate": DEFLATE_BACKEND,
-                                                   "image_types": sorted(IMAGE_MEDIA_TYPES) + ["multipart/form-data"]}}
+            raise ApiError(
+                503,
+                "not_ready",
+                "the model is not loaded yet; see GET /ready",
+                {"Retry-After": str(settings.retry_after_s)},
+            )
+        limits = {
+            "max_body_bytes": settings.max_body_bytes,
+            "max_pixels": settings.max_pixels,
+            "queue_size": settings.queue_size,
+            "host_threads": settings.host_threads,
+            "max_connections": settings.max_connections,
+            "read_timeout_s": settings.read_timeout_s,
+            "send_timeout_s": settings.send_timeout_s,
+            "memory_budget_bytes": settings.memory_budget_bytes,
+            "shutdown_grace_s": settings.shutdown_grace_s,
+            "auth": settings.api_key is not None,
+        }
+        return {
+            **serving.model.info(),
+            "server": {
+                "limits": limits,
+                "npz_deflate": DEFLATE_BACKEND,
+                "image_types": sorted(IMAGE_MEDIA_TYPES) + ["multipart/form-data"],
+            },
+        }
 
     return app

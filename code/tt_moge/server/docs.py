@@ -2,6 +2,7 @@
 server from the `swagger-ui-bundle-v2` package (the `server` extra), so that the page works on a machine
 without internet access. FastAPI's own /docs loads them from a CDN; /redoc, which would too, is not offered.
 """
+
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
@@ -35,8 +36,11 @@ def install_docs(app: FastAPI) -> None:
         if swagger_ui_path is None:
             return HTMLResponse(_MISSING.format(schema=schema))
         assets = root + DOCS_ASSETS_URL
-        return get_swagger_ui_html(openapi_url=schema, title=f"{app.title} - Swagger UI",
-                                   swagger_js_url=f"{assets}/swagger-ui-bundle.js",
-                                   swagger_css_url=f"{assets}/swagger-ui.css",
-                                   swagger_favicon_url=f"{assets}/favicon-32x32.png",
-                                   swagger_ui_parameters={"validatorUrl": None})  # no badge from validator.swagger.io
+        return get_swagger_ui_html(
+            openapi_url=schema,
+            title=f"{app.title} - Swagger UI",
+            swagger_js_url=f"{assets}/swagger-ui-bundle.js",
+            swagger_css_url=f"{assets}/swagger-ui.css",
+            swagger_favicon_url=f"{assets}/favicon-32x32.png",
+            swagger_ui_parameters={"validatorUrl": None},
+        )  # no badge from validator.swagger.io

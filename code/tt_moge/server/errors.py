@@ -1,4 +1,5 @@
 """Every error the server answers is JSON `{"code": ..., "detail": ...}` with a 4xx/5xx status."""
+
 from __future__ import annotations
 
 import logging
@@ -36,14 +37,24 @@ def _describe_validation(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("query", "body"))
-        parts.append(f"{where or 'request'}: {err.get('msg', 'invalid')}"
-                     + (f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""))
+        parts.append(
+            f"{where or 'request'}: {err.get('msg', 'invalid')}"
+            + (f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else "")
+        )
     return "; ".join(parts) or "invalid request"
 
 
-_STATUS_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-                 408: "timeout", 413: "too_large", 415: "unsupported_media_type", 422: "invalid_option",
-                 503: "unavailable"}
+_STATUS_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "timeout",
+    413: "too_large",
+    415: "unsupported_media_type",
+    422: "invalid_option",
+    503: "unavailable",
+}
 
 ERROR_RESPONSES = {
     400: {"model": ErrorBody, "description": "Empty body, corrupt or truncated image, missing multipart field"},
@@ -52,8 +63,11 @@ ERROR_RESPONSES = {
     413: {"model": ErrorBody, "description": "Body larger than the limit, or more decoded pixels than the limit"},
     415: {"model": ErrorBody, "description": "Content-Type or data that is not PNG or JPEG (or multipart)"},
     422: {"model": ErrorBody, "description": "Bad option value, unknown option, or an image below 8x8"},
-    503: {"model": ErrorBody, "description": "Queue full, memory budget spent, model not loaded yet, or the server "
-                                             "is stopping: retry after Retry-After seconds"},
+    503: {
+        "model": ErrorBody,
+        "description": "Queue full, memory budget spent, model not loaded yet, or the server "
+        "is stopping: retry after Retry-After seconds",
+    },
 }
 
 
@@ -68,10 +82,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, _STATUS_CODES.get(exc.status_code, "error"), str(exc.detail),
-                              getattr(exc, "headers", None))
+        return error_response(
+            exc.status_code, _STATUS_CODES.get(exc.status_code, "error"), str(exc.detail), getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:  # a bug: logged, answered as JSON
         log.exception("internal error on %s %s", request.method, request.url.path)
-        return error_response(500, "internal_error", f"internal server error ({type(exc).__name__}); see the server log")
+        return error_response(
+            500, "internal_error", f"internal server error ({type(exc).__name__}); see the server log"
+        )

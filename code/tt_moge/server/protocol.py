@@ -16,6 +16,7 @@ JSON 503 `too_many_connections` with Retry-After, by the same rule as uvicorn's.
 What no server can answer (a client that closes before its request line is complete, a TLS or HTTP/2 client
 on this plain HTTP/1.1 port, an answer cut after its status line was sent) is listed in docs/server-limits.md.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,13 @@ _H11_DEFAULT_LIMIT = 16 * 1024  # h11's default max_incomplete_event_size (uvico
 
 
 def _json_head(status: int, body: bytes, extra: tuple = ()) -> bytes:
-    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "content-type: application/json",
-             f"content-length: {len(body)}", "connection: close", *extra]
+    lines = [
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "connection: close",
+        *extra,
+    ]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
@@ -80,17 +86,30 @@ class _ConnectionLimit:
         busy = len(self.protocol.connections) >= self.limit or len(self.protocol.tasks) - 1 >= self.limit
         if scope["type"] != "http" or not busy:
             return await self.app(scope, receive, send)
-        log.warning("refused a request: %d connections open (--max-connections %d)", len(self.protocol.connections), self.limit)
+        log.warning(
+            "refused a request: %d connections open (--max-connections %d)", len(self.protocol.connections), self.limit
+        )
         try:  # read the body first: closing with unread bytes would reset the connection before the answer
             await asyncio.wait_for(self._drain(receive), _BODY_DRAIN_S)
         except asyncio.TimeoutError:
             pass
-        body = error_body("too_many_connections",
-                          f"the server has {len(self.protocol.connections)} connections open, its limit "
-                          f"(--max-connections {self.limit}); retry after {CONNECTION_LIMIT_RETRY_AFTER_S} s")
-        await send({"type": "http.response.start", "status": 503,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"retry-after", str(CONNECTION_LIMIT_RETRY_AFTER_S).encode()), (b"connection", b"close")]})
+        body = error_body(
+            "too_many_connections",
+            f"the server has {len(self.protocol.connections)} connections open, its limit "
+            f"(--max-connections {self.limit}); retry after {CONNECTION_LIMIT_RETRY_AFTER_S} s",
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 503,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"retry-after", str(CONNECTION_LIMIT_RETRY_AFTER_S).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     @staticmethod
@@ -120,12 +139,18 @@ class JsonH11Protocol(H11Protocol):
         reason = str(error) if error is not None and str(error) else msg
         if status == 431:
             limit = self.config.h11_max_incomplete_event_size or _H11_DEFAULT_LIMIT
-            body = error_body("headers_too_large", f"the request line and headers are longer than {limit} bytes "
-                                                   f"({reason}); send a shorter URL and fewer or shorter headers")
+            body = error_body(
+                "headers_too_large",
+                f"the request line and headers are longer than {limit} bytes "
+                f"({reason}); send a shorter URL and fewer or shorter headers",
+            )
         else:
             status = status if 400 <= status < 500 else 400
-            body = error_body("bad_request", f"not a valid HTTP/1.1 request: {reason}; expected a request line such as "
-                                             "'POST /predict HTTP/1.1', then headers (a Content-Length is a byte count)")
+            body = error_body(
+                "bad_request",
+                f"not a valid HTTP/1.1 request: {reason}; expected a request line such as "
+                "'POST /predict HTTP/1.1', then headers (a Content-Length is a byte count)",
+            )
         log.warning("answered %d to an unparsable request: %s", status, reason)
         self.transport.write(_json_head(status, body) + body)
         self._linger()

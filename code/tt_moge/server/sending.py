@@ -10,6 +10,7 @@ A client that reads nothing for `send_timeout_s` is cut: its connection is abort
 wait for the unsent bytes forever) and its queue slot and memory are given back. The same happens when the
 sending is cancelled (the shutdown grace period ran out) or the client goes away.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,8 +64,9 @@ class StreamedAnswer(Response):
     sent at all (the object was dropped): the caller frees the request's slot and memory there.
     """
 
-    def __init__(self, parts: Sequence[Any], media_type: str, headers: dict, send_timeout_s: float,
-                 on_end: Callable[[], None]):
+    def __init__(
+        self, parts: Sequence[Any], media_type: str, headers: dict, send_timeout_s: float, on_end: Callable[[], None]
+    ):
         self.parts = list(parts)
         self.nbytes = parts_nbytes(self.parts)
         self.send_timeout_s = send_timeout_s
@@ -76,28 +78,41 @@ class StreamedAnswer(Response):
         listener = asyncio.ensure_future(self._watch(receive, gone))
         sent = 0
         try:
-            await self._send(send, {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await self._send(
+                send, {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            )
             for part in self.parts:
                 view = memoryview(part).cast("B")
                 for start in range(0, len(view), CHUNK_BYTES):
                     if gone.is_set():
                         return
-                    chunk = bytes(view[start:start + CHUNK_BYTES])
+                    chunk = bytes(view[start : start + CHUNK_BYTES])
                     await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": True})
                     sent += len(chunk)
             # the last message waits until the connection has taken all but the last few KiB
             await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.TimeoutError:
             client = scope.get("client") or ("?", 0)
-            log.warning("cut %s:%s: it read nothing for %g s (--send-timeout); %d of %d bytes sent",
-                        client[0], client[1], self.send_timeout_s, sent, self.nbytes)
+            log.warning(
+                "cut %s:%s: it read nothing for %g s (--send-timeout); %d of %d bytes sent",
+                client[0],
+                client[1],
+                self.send_timeout_s,
+                sent,
+                self.nbytes,
+            )
             await self._abort(scope)
         except asyncio.CancelledError:
             # Only the server cancels a request's task: its shutdown grace period ran out. The connection is cut
             # and the task ends normally (re-raising would only make the server log a traceback for it).
             client = scope.get("client") or ("?", 0)
-            log.warning("cut %s:%s at shutdown (the grace period ran out); %d of %d bytes sent", client[0], client[1],
-                        sent, self.nbytes)
+            log.warning(
+                "cut %s:%s at shutdown (the grace period ran out); %d of %d bytes sent",
+                client[0],
+                client[1],
+                sent,
+                self.nbytes,
+            )
             await self._abort(scope)
         finally:
             listener.cancel()

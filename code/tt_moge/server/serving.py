@@ -13,6 +13,7 @@ Also here, generated from the definitions: the query parameters of the call opti
 one per field of `host.CallOptions`) and the response records `Timing` (the stages, `service.STAGES` inside)
 and `Summary` (the fields of `MoGeOutput.summary`, `output.SUMMARY_FIELDS`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,20 @@ from .sending import StreamedAnswer
 from .settings import ServerSettings
 from .upload import ImageUpload, receive_image
 
-__all__ = ["Serving", "Prediction", "call_options_query", "check_query", "summary_model", "CALL_OPTION_NAMES",
-           "Timing", "TIMING_STAGES", "TIMING_HEADER", "NPZ_MEDIA_TYPE", "timing_headers", "client_is_loopback"]
+__all__ = [
+    "Serving",
+    "Prediction",
+    "call_options_query",
+    "check_query",
+    "summary_model",
+    "CALL_OPTION_NAMES",
+    "Timing",
+    "TIMING_STAGES",
+    "TIMING_HEADER",
+    "NPZ_MEDIA_TYPE",
+    "timing_headers",
+    "client_is_loopback",
+]
 
 log = logging.getLogger("tt_moge.server")
 
@@ -61,8 +74,11 @@ TIMING_STAGES = {
 }
 CALL_OPTION_NAMES = tuple(info.argument for info in options_of(CallOptions))
 
-Timing = create_model("Timing", __doc__="Stage times of one request in milliseconds.",
-                      **{stage: (float, Field(description=what)) for stage, what in TIMING_STAGES.items()})
+Timing = create_model(
+    "Timing",
+    __doc__="Stage times of one request in milliseconds.",
+    **{stage: (float, Field(description=what)) for stage, what in TIMING_STAGES.items()},
+)
 _BEARER = HTTPBearer(auto_error=False, description="Needed only when the server runs with an API key")
 
 
@@ -78,8 +94,10 @@ def client_is_loopback(request: Request) -> bool:
 def timing_headers(timing_ms: dict) -> dict:
     """Server-Timing (shown by browser dev tools) and X-Timing-Ms (the timing_ms record as JSON)."""
     stages = [stage for stage in TIMING_STAGES if stage in timing_ms]
-    return {"Server-Timing": ", ".join(f"{stage};dur={timing_ms[stage]:.2f}" for stage in stages),
-            TIMING_HEADER: json.dumps({stage: round(timing_ms[stage], 3) for stage in stages})}
+    return {
+        "Server-Timing": ", ".join(f"{stage};dur={timing_ms[stage]:.2f}" for stage in stages),
+        TIMING_HEADER: json.dumps({stage: round(timing_ms[stage], 3) for stage in stages}),
+    }
 
 
 # ------------------------------------------------------------------------------------ the call options
@@ -98,14 +116,16 @@ def _query_parameter(info: OptionInfo) -> inspect.Parameter:
 
 def call_options_query() -> Callable[..., CallOptions]:
     """A FastAPI dependency with one query parameter per field of `host.CallOptions` -> the CallOptions."""
+
     def options(**values: Any) -> CallOptions:
         try:
             return CallOptions.make(**values)
         except InputError as exc:
             raise ApiError(422, "invalid_option", str(exc)) from None
 
-    options.__signature__ = inspect.Signature([_query_parameter(i) for i in options_of(CallOptions)],
-                                              return_annotation=CallOptions)
+    options.__signature__ = inspect.Signature(
+        [_query_parameter(i) for i in options_of(CallOptions)], return_annotation=CallOptions
+    )
     return options
 
 
@@ -115,7 +135,9 @@ def check_query(request: Request, allowed: tuple) -> None:
     names = list(request.query_params.keys())
     unknown = sorted(set(names) - set(allowed))
     if unknown:
-        raise ApiError(422, "invalid_option", f"unknown query parameter(s) {unknown}; expected some of {sorted(allowed)}")
+        raise ApiError(
+            422, "invalid_option", f"unknown query parameter(s) {unknown}; expected some of {sorted(allowed)}"
+        )
     repeated = sorted({n for n in names if len(request.query_params.getlist(n)) > 1})
     if repeated:
         raise ApiError(422, "invalid_option", f"query parameter(s) {repeated} given more than once")
@@ -207,23 +229,33 @@ class Serving:
 
     def _budget_detail(self, what: str, needed: int) -> str:
         mb = 1024 * 1024
-        return (f"{what} needs {needed / mb:.1f} MiB of the server's memory budget; requests in progress hold "
-                f"{self.budget.used / mb:.1f} of {self.budget.limit / mb:.0f} MiB (--memory-budget-mb); "
-                f"retry after {self.settings.retry_after_s} s")
+        return (
+            f"{what} needs {needed / mb:.1f} MiB of the server's memory budget; requests in progress hold "
+            f"{self.budget.used / mb:.1f} of {self.budget.limit / mb:.0f} MiB (--memory-budget-mb); "
+            f"retry after {self.settings.retry_after_s} s"
+        )
 
     def admit(self, reservation: Reservation, cost: int) -> Ticket:
         """Take a queue slot and `cost` bytes of the memory budget (the reservation grows to it), or raise 503.
         The ticket frees both once the work has ended and the answer has been sent or abandoned."""
         if self.draining:
-            raise self._refuse("shutting_down", "the server is stopping and admits no more requests; retry on "
-                                                "another instance or after it restarts", close=True)
+            raise self._refuse(
+                "shutting_down",
+                "the server is stopping and admits no more requests; retry on another instance or after it restarts",
+                close=True,
+            )
         if self.model is None:
-            reason = f"the model failed to load ({self.load_error})" if self.load_error else "the model is still loading"
+            reason = (
+                f"the model failed to load ({self.load_error})" if self.load_error else "the model is still loading"
+            )
             raise self._refuse("not_ready", f"{reason}; see GET /ready")
         with self._lock:
             if self.in_flight >= self.settings.queue_size:
-                raise self._refuse("queue_full", f"{self.in_flight} requests are in progress (--queue-size "
-                                                 f"{self.settings.queue_size}); retry after {self.settings.retry_after_s} s")
+                raise self._refuse(
+                    "queue_full",
+                    f"{self.in_flight} requests are in progress (--queue-size "
+                    f"{self.settings.queue_size}); retry after {self.settings.retry_after_s} s",
+                )
             if not reservation.resize(cost):
                 raise self._refuse("memory_full", self._budget_detail("this image", cost))
             self.in_flight += 1
@@ -247,14 +279,22 @@ class Serving:
         api_key = self.settings.api_key
         if api_key is None:
             return
-        if credentials is None or credentials.scheme.lower() != "bearer" or not hmac.compare_digest(
-                credentials.credentials.encode(), api_key.encode()):
-            raise ApiError(401, "unauthorized", "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           {"WWW-Authenticate": "Bearer"})
+        if (
+            credentials is None
+            or credentials.scheme.lower() != "bearer"
+            or not hmac.compare_digest(credentials.credentials.encode(), api_key.encode())
+        ):
+            raise ApiError(
+                401,
+                "unauthorized",
+                "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                {"WWW-Authenticate": "Bearer"},
+            )
 
     # -------------------------------------------------------------------------------------- work
-    async def predict(self, request: Request, options: CallOptions,
-                      encode: Callable[[Any, ImageUpload], Any]) -> Prediction:
+    async def predict(
+        self, request: Request, options: CallOptions, encode: Callable[[Any, ImageUpload], Any]
+    ) -> Prediction:
         """Receive the image, admit it, run the PredictionService with `options` and `encode(output, upload)` on
         a host thread. On any error here the ticket's answer part ends at once, and its slot frees when the work
         has ended too."""
@@ -279,8 +319,9 @@ class Serving:
                 raise ApiError(400, "bad_image", str(exc)) from None
             except Exception as exc:
                 if "decode" not in timing:  # the decoder choked on untrusted bytes: the image is bad, not the server
-                    raise ApiError(400, "bad_image",
-                                   f"could not decode the {upload.format} data ({type(exc).__name__}: {exc})") from None
+                    raise ApiError(
+                        400, "bad_image", f"could not decode the {upload.format} data ({type(exc).__name__}: {exc})"
+                    ) from None
                 raise
             timing["post"] = timing["solve"] + timing["finish"]
             t = time.perf_counter()
@@ -322,8 +363,9 @@ class Serving:
     def answer(self, parts: list, media_type: str, headers: dict, ticket: Ticket) -> StreamedAnswer:
         """The streamed 200 answer; from now on the request holds only the answer's bytes of the budget."""
         try:
-            response = StreamedAnswer(parts, media_type, headers, self.settings.send_timeout_s,
-                                      on_end=lambda: ticket.done("answer"))
+            response = StreamedAnswer(
+                parts, media_type, headers, self.settings.send_timeout_s, on_end=lambda: ticket.done("answer")
+            )
             ticket.reservation.resize(min(response.nbytes, ticket.reservation.nbytes))
         except BaseException:
             ticket.done("answer")
@@ -345,8 +387,10 @@ class Serving:
 def summary_model(fields: dict) -> type:
     """The pydantic record of /predict/summary from {key: (type, description)} (output.SUMMARY_FIELDS), plus
     timing_ms. Unknown keys are refused (a key the output adds must be declared with it, never dropped)."""
-    return create_model("Summary", __doc__="A small JSON view of one result (no maps). Non-finite values are null.",
-                        __config__=ConfigDict(extra="forbid"),
-                        **{key: (kind, Field(description=what)) for key, (kind, what) in fields.items()},
-                        timing_ms=(Timing, Field(description="stage times of this request")))
-
+    return create_model(
+        "Summary",
+        __doc__="A small JSON view of one result (no maps). Non-finite values are null.",
+        __config__=ConfigDict(extra="forbid"),
+        **{key: (kind, Field(description=what)) for key, (kind, what) in fields.items()},
+        timing_ms=(Timing, Field(description="stage times of this request")),
+    )

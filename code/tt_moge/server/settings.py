@@ -1,4 +1,5 @@
 """Server limits and defaults: the one place their values are set (the CLI flags and docs/server.md read them)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,8 +59,15 @@ class ServerSettings:
     api_key: Optional[str] = None
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_pixels", "queue_size", "host_threads", "max_connections", "retry_after_s",
-                     "memory_budget_bytes"):
+        for name in (
+            "max_body_bytes",
+            "max_pixels",
+            "queue_size",
+            "host_threads",
+            "max_connections",
+            "retry_after_s",
+            "memory_budget_bytes",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -69,10 +77,12 @@ class ServerSettings:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         largest = self.request_cost(self.max_pixels, self.max_body_bytes) + self.max_body_bytes  # + a multipart copy
         if largest > self.memory_budget_bytes:
-            raise ValueError(f"memory_budget_bytes ({self.memory_budget_bytes}, --memory-budget-mb) cannot hold one "
-                             f"request of max_pixels ({self.max_pixels}, --max-pixels) and max_body_bytes "
-                             f"({self.max_body_bytes}, --max-body-mb): it needs {largest} bytes ({BYTES_PER_PIXEL} per "
-                             f"pixel + the body, twice for a multipart form)")
+            raise ValueError(
+                f"memory_budget_bytes ({self.memory_budget_bytes}, --memory-budget-mb) cannot hold one "
+                f"request of max_pixels ({self.max_pixels}, --max-pixels) and max_body_bytes "
+                f"({self.max_body_bytes}, --max-body-mb): it needs {largest} bytes ({BYTES_PER_PIXEL} per "
+                f"pixel + the body, twice for a multipart form)"
+            )
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
             raise ValueError("api_key must be a non-empty string or None")
 

@@ -30,6 +30,7 @@ once its last holder is done. The folder is removed when the server stops. Resul
 id: they work without the API key (an <img> cannot send one) for whoever was given them, until the result is
 dropped.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,30 +62,53 @@ from .errors import ApiError
 from .serving import CALL_OPTION_NAMES, NPZ_MEDIA_TYPE, Serving, call_options_query, check_query, client_is_loopback
 from .upload import ImageUpload
 
-__all__ = ["mount_ui", "ResultStore", "view_mesh", "VIEW_MAX_BYTES", "UI_PATHS", "VIEW_MAX_SIDE",
-           "TEXTURE_MAX_SIDE", "KEEP_RESULTS", "KEEP_BYTES", "KEEP_SECONDS", "DOWNLOADS", "VIEW_FILES"]
+__all__ = [
+    "mount_ui",
+    "ResultStore",
+    "view_mesh",
+    "VIEW_MAX_BYTES",
+    "UI_PATHS",
+    "VIEW_MAX_SIDE",
+    "TEXTURE_MAX_SIDE",
+    "KEEP_RESULTS",
+    "KEEP_BYTES",
+    "KEEP_SECONDS",
+    "DOWNLOADS",
+    "VIEW_FILES",
+]
 
 UI_PATHS = ("/", "/ui")
 VIEW_MAX_SIDE = 480  # vertices along the longer side of the 3D view's mesh
 TEXTURE_MAX_SIDE = 1536  # pixels along the longer side of its texture (JPEG)
-VIEW_MAX_BYTES = 14 * 1024 ** 2  # view.glb never exceeds this (the texture shrinks when needed)
+VIEW_MAX_BYTES = 14 * 1024**2  # view.glb never exceeds this (the texture shrinks when needed)
 KEEP_RESULTS = 8  # results kept for the page's images and downloads
-KEEP_BYTES = 2 * 1024 ** 3  # their files together (arrays, upload, pictures, view and the downloads made)
+KEEP_BYTES = 2 * 1024**3  # their files together (arrays, upload, pictures, view and the downloads made)
 KEEP_SECONDS = 3600
 _PNG_FAST = 1  # zlib level of the page's mask PNG: quick to write
 _MAP_JPEG_QUALITY = 90  # the depth and normal pictures are viewed, not archived (the downloads hold the values);
 # JPEG writes these noisy colour maps much faster than PNG
 
 # The files of a result the page shows (made with the result) and the downloads (made when first asked for).
-VIEW_FILES = {"depth.jpg": "image/jpeg", "normal.jpg": "image/jpeg", "mask.png": "image/png", "view.glb": "model/gltf-binary"}
-DOWNLOADS = {"result.npz": NPZ_MEDIA_TYPE, "mesh.glb": "model/gltf-binary", "points.ply": "application/octet-stream",
-             "depth.exr": "image/x-exr"}
+VIEW_FILES = {
+    "depth.jpg": "image/jpeg",
+    "normal.jpg": "image/jpeg",
+    "mask.png": "image/png",
+    "view.glb": "model/gltf-binary",
+}
+DOWNLOADS = {
+    "result.npz": NPZ_MEDIA_TYPE,
+    "mesh.glb": "model/gltf-binary",
+    "points.ply": "application/octet-stream",
+    "depth.exr": "image/x-exr",
+}
 _ARRAYS = "arrays.npz"  # the MoGeOutput of the result, every array as predicted (float32 normals): exact downloads
 _STATIC = Path(__file__).with_name("static")
 _STATIC_FILES = {"app.js": "text/javascript", "viewer.js": "text/javascript", "style.css": "text/css"}
 # The page loads nothing from elsewhere: same-origin scripts, styles, images and requests only.
-_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' blob: data:; connect-src 'self'; "
-        "object-src 'none'; base-uri 'none'; frame-ancestors 'self'")
+_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' blob: data:; connect-src 'self'; "
+    "object-src 'none'; base-uri 'none'; frame-ancestors 'self'"
+)
 _PAGE_HEADERS = {"Content-Security-Policy": _CSP, "Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
 
 
@@ -104,8 +128,13 @@ class _Entry:
 class ResultStore:
     """Bounded temporary storage of the page's results (see the module docstring). Thread-safe."""
 
-    def __init__(self, keep: int = KEEP_RESULTS, keep_bytes: int = KEEP_BYTES, keep_seconds: float = KEEP_SECONDS,
-                 parent: Optional[str] = None):
+    def __init__(
+        self,
+        keep: int = KEEP_RESULTS,
+        keep_bytes: int = KEEP_BYTES,
+        keep_seconds: float = KEEP_SECONDS,
+        parent: Optional[str] = None,
+    ):
         self.keep, self.keep_bytes, self.keep_seconds = keep, keep_bytes, keep_seconds
         self.root = Path(tempfile.mkdtemp(prefix="tt_moge-ui-", dir=parent))
         self._entries: dict = {}  # rid -> _Entry, oldest first
@@ -129,8 +158,12 @@ class ResultStore:
             self._trim_locked()
             entry = self._entries.get(rid)
             if entry is None:
-                raise ApiError(404, "result_expired", "this result is no longer kept (the server keeps the last "
-                                                      f"{self.keep} results for up to {self.keep_seconds / 60:g} min); run the image again")
+                raise ApiError(
+                    404,
+                    "result_expired",
+                    "this result is no longer kept (the server keeps the last "
+                    f"{self.keep} results for up to {self.keep_seconds / 60:g} min); run the image again",
+                )
             entry.users += 1
             return entry
 
@@ -176,7 +209,9 @@ class ResultStore:
         while self._entries:
             total = sum(e.nbytes for e in self._entries.values())
             oldest = next(iter(self._entries.values()))
-            if not (len(self._entries) > self.keep or total > self.keep_bytes or now - oldest.created > self.keep_seconds):
+            if not (
+                len(self._entries) > self.keep or total > self.keep_bytes or now - oldest.created > self.keep_seconds
+            ):
                 return
             # the oldest result nobody holds goes first; if every one is held, the oldest (deleted when released)
             victim = next((e for e in self._entries.values() if e.users == 0), oldest)
@@ -203,8 +238,13 @@ def view_step(size: tuple, max_side: int = VIEW_MAX_SIDE) -> int:
     return max(1, math.ceil(max(size) / max_side))
 
 
-def view_mesh(output: MoGeOutput, image_rgb: np.ndarray, max_side: int = VIEW_MAX_SIDE,
-              texture_side: int = TEXTURE_MAX_SIDE, max_bytes: int = VIEW_MAX_BYTES) -> tuple:
+def view_mesh(
+    output: MoGeOutput,
+    image_rgb: np.ndarray,
+    max_side: int = VIEW_MAX_SIDE,
+    texture_side: int = TEXTURE_MAX_SIDE,
+    max_bytes: int = VIEW_MAX_BYTES,
+) -> tuple:
     """(GLB bytes, record) of the light mesh for the page's 3D view.
 
     Every `step`-th pixel (the centre pixel of each step x step block) becomes a vertex where it is kept at full
@@ -236,8 +276,13 @@ def view_mesh(output: MoGeOutput, image_rgb: np.ndarray, max_side: int = VIEW_MA
     side = texture_side
     while True:
         scale = min(1.0, side / max(w, h))
-        texture = image_rgb if scale == 1.0 else cv2.resize(
-            image_rgb, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=cv2.INTER_AREA)
+        texture = (
+            image_rgb
+            if scale == 1.0
+            else cv2.resize(
+                image_rgb, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=cv2.INTER_AREA
+            )
+        )
         picture = Image.fromarray(np.ascontiguousarray(texture))
         picture.format = "JPEG"  # trimesh's GLB export then embeds a JPEG (quality 75), not a PNG
         mesh.visual.material.baseColorTexture = picture
@@ -255,7 +300,9 @@ def _encode(rgb_or_gray: np.ndarray, kind: str) -> bytes:
     import cv2
 
     image = rgb_or_gray[..., ::-1] if rgb_or_gray.ndim == 3 else rgb_or_gray
-    params = [cv2.IMWRITE_PNG_COMPRESSION, _PNG_FAST] if kind == ".png" else [cv2.IMWRITE_JPEG_QUALITY, _MAP_JPEG_QUALITY]
+    params = (
+        [cv2.IMWRITE_PNG_COMPRESSION, _PNG_FAST] if kind == ".png" else [cv2.IMWRITE_JPEG_QUALITY, _MAP_JPEG_QUALITY]
+    )
     ok, data = cv2.imencode(kind, np.ascontiguousarray(image), params)
     if not ok:
         raise RuntimeError(f"{kind} encoding failed")
@@ -280,7 +327,10 @@ def make_page_result(out: MoGeOutput, upload: ImageUpload, store: ResultStore) -
         summary = out.summary(depth_percentiles=True)
         known = (summary.pop("depth_p1_m"), summary.pop("depth_p99_m"))
         depth_picture, (near, far) = colorize_depth(out.depth, out.mask, None if None in known else known)
-        files = {"depth.jpg": _encode(depth_picture, ".jpg"), "mask.png": _encode(out.mask.astype(np.uint8) * 255, ".png")}
+        files = {
+            "depth.jpg": _encode(depth_picture, ".jpg"),
+            "mask.png": _encode(out.mask.astype(np.uint8) * 255, ".png"),
+        }
         if out.normal is not None:
             files["normal.jpg"] = _encode(colorize_normal(out.normal, out.mask), ".jpg")
         times["maps"] = (time.perf_counter() - t) * 1e3
@@ -294,8 +344,11 @@ def make_page_result(out: MoGeOutput, upload: ImageUpload, store: ResultStore) -
             (entry.path / name).write_bytes(data)
         store.added(entry, *(entry.path / name for name in files))
         # The arrays for the downloads (tens of MB) are written after the answer; downloads wait for them.
-        store.save_later(entry, {"input.png" if upload.format == "PNG" else "input.jpg": upload.data},
-                         lambda: _save_arrays(entry.path / _ARRAYS, out))
+        store.save_later(
+            entry,
+            {"input.png" if upload.format == "PNG" else "input.jpg": upload.data},
+            lambda: _save_arrays(entry.path / _ARRAYS, out),
+        )
         times["store"] = (time.perf_counter() - t) * 1e3
     except BaseException:
         store.drop(entry)
@@ -307,8 +360,11 @@ def make_page_result(out: MoGeOutput, upload: ImageUpload, store: ResultStore) -
         "id": entry.rid,
         "summary": summary,
         "depth_range_m": [None if not math.isfinite(v) else v for v in (near, far)],
-        "images": {"depth": base + "depth.jpg", "normal": base + "normal.jpg" if "normal.jpg" in files else None,
-                   "mask": base + "mask.png"},
+        "images": {
+            "depth": base + "depth.jpg",
+            "normal": base + "normal.jpg" if "normal.jpg" in files else None,
+            "mask": base + "mask.png",
+        },
         "view": {**view, "url": base + "view.glb" if glb is not None else None},
         "downloads": {name: base + name for name in (*DOWNLOADS, "view.glb") if name != "view.glb" or glb is not None},
         "page_ms": times,
@@ -394,11 +450,25 @@ def _option_controls() -> list:
     controls = []
     for info in options_of(CallOptions):
         spec = info.spec
-        kind = ("bool" if info.type is bool else "choice" if spec.choices is not None
-                else "number" if spec.bounds is not None else "text")
-        controls.append({"name": info.argument, "kind": kind, "default": info.default, "help": info.describe(),
-                         "choices": [c for c in spec.choices if c is not None] if spec.choices else None,
-                         "bounds": list(spec.bounds) if spec.bounds else None})
+        kind = (
+            "bool"
+            if info.type is bool
+            else "choice"
+            if spec.choices is not None
+            else "number"
+            if spec.bounds is not None
+            else "text"
+        )
+        controls.append(
+            {
+                "name": info.argument,
+                "kind": kind,
+                "default": info.default,
+                "help": info.describe(),
+                "choices": [c for c in spec.choices if c is not None] if spec.choices else None,
+                "bounds": list(spec.bounds) if spec.bounds else None,
+            }
+        )
     return controls
 
 
@@ -470,7 +540,9 @@ def mount_ui(app: MoGeApp, store: Optional[ResultStore] = None) -> ResultStore:
     @router.get("/ui/results/{rid}/{name}")
     async def result_file(request: Request, rid: str, name: str) -> Response:
         if name not in VIEW_FILES and name not in DOWNLOADS:
-            raise ApiError(404, "not_found", f"no result file {name!r}; expected one of {sorted({**VIEW_FILES, **DOWNLOADS})}")
+            raise ApiError(
+                404, "not_found", f"no result file {name!r}; expected one of {sorted({**VIEW_FILES, **DOWNLOADS})}"
+            )
         entry = store.acquire(rid)
         held = True
         try:
@@ -478,12 +550,14 @@ def mount_ui(app: MoGeApp, store: Optional[ResultStore] = None) -> ResultStore:
                 path = entry.path / name
                 if not path.exists():
                     raise ApiError(404, "not_found", f"this result has no {name}")
-                return Response(path.read_bytes(), media_type=VIEW_FILES[name],
-                                headers={"Cache-Control": "private, max-age=3600"})
+                return Response(
+                    path.read_bytes(), media_type=VIEW_FILES[name], headers={"Cache-Control": "private, max-age=3600"}
+                )
             # a download is made like a prediction: admitted (its arrays read back and encoded: about twice their
             # bytes), on a host thread, answered through the same answer path
             made, ticket = await serving.run_admitted(
-                lambda: _make_download(store, entry, name, not client_is_loopback(request)), 2 * entry.nbytes)
+                lambda: _make_download(store, entry, name, not client_is_loopback(request)), 2 * entry.nbytes
+            )
             headers = {"Content-Disposition": f'attachment; filename="{name}"', "Cache-Control": "no-store"}
             if isinstance(made, bytes):
                 return serving.answer([made], DOWNLOADS[name], headers, ticket)

@@ -4,6 +4,7 @@ Everything here runs before a request is admitted to the model, so a bad upload 
 image header (PNG IHDR, JPEG SOF) is read without decoding the pixels, so a decompression bomb (a small file
 that declares a huge image) is refused before any large allocation.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,9 +25,10 @@ IMAGE_MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPE
 MULTIPART = "multipart/form-data"
 MULTIPART_FIELD = "image"  # the form field that carries the file
 _MAGIC = {"PNG": b"\x89PNG\r\n\x1a\n", "JPEG": b"\xff\xd8\xff"}
-_HEADER_EXPECTED = {"PNG": "an IHDR chunk of 13 bytes with a sound CRC and a width and height of at least 1 "
-                           "right after the signature",
-                    "JPEG": "a frame header (SOF marker) with the image size before the compressed data"}
+_HEADER_EXPECTED = {
+    "PNG": "an IHDR chunk of 13 bytes with a sound CRC and a width and height of at least 1 right after the signature",
+    "JPEG": "a frame header (SOF marker) with the image size before the compressed data",
+}
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,12 @@ def check_media_type(request: Request) -> str:
     kind = media_type(request)
     if kind not in IMAGE_MEDIA_TYPES and kind != MULTIPART:
         got = f"Content-Type {kind!r}" if kind else "no Content-Type"
-        raise ApiError(415, "unsupported_media_type",
-                       f"got {got}; send the image as the body with Content-Type image/png or image/jpeg, "
-                       f"or as the file field {MULTIPART_FIELD!r} of multipart/form-data")
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"got {got}; send the image as the body with Content-Type image/png or image/jpeg, "
+            f"or as the file field {MULTIPART_FIELD!r} of multipart/form-data",
+        )
     return kind
 
 
@@ -58,7 +63,9 @@ async def _read_body(request: Request, settings: ServerSettings, reserve: Callab
         if not declared.isdigit():
             raise ApiError(400, "bad_request", f"Content-Length must be a byte count, got {declared!r}")
         if int(declared) > limit:
-            raise ApiError(413, "body_too_large", f"body of {int(declared)} bytes; the limit is {limit} bytes (--max-body-mb)")
+            raise ApiError(
+                413, "body_too_large", f"body of {int(declared)} bytes; the limit is {limit} bytes (--max-body-mb)"
+            )
     chunks: list = []
     received = 0
 
@@ -74,10 +81,13 @@ async def _read_body(request: Request, settings: ServerSettings, reserve: Callab
     try:
         await asyncio.wait_for(receive_all(), settings.read_timeout_s)
     except asyncio.TimeoutError:
-        raise ApiError(408, "timeout", f"the body did not arrive within {settings.read_timeout_s:g} s "
-                                       f"({received} bytes received)") from None
+        raise ApiError(
+            408, "timeout", f"the body did not arrive within {settings.read_timeout_s:g} s ({received} bytes received)"
+        ) from None
     except ClientDisconnect:
-        raise ApiError(400, "client_disconnected", "the client closed the connection before the body was complete") from None
+        raise ApiError(
+            400, "client_disconnected", "the client closed the connection before the body was complete"
+        ) from None
     return b"".join(chunks)
 
 
@@ -91,10 +101,15 @@ async def _multipart_file(request: Request, body: bytes) -> bytes:
     try:
         part = form.get(MULTIPART_FIELD)
         if part is None:
-            raise ApiError(400, "missing_field", f"multipart/form-data without a file field {MULTIPART_FIELD!r} "
-                                                 f"(got fields {sorted(form.keys())})")
+            raise ApiError(
+                400,
+                "missing_field",
+                f"multipart/form-data without a file field {MULTIPART_FIELD!r} (got fields {sorted(form.keys())})",
+            )
         if isinstance(part, str):
-            raise ApiError(400, "missing_field", f"multipart field {MULTIPART_FIELD!r} must be a file upload, got a text value")
+            raise ApiError(
+                400, "missing_field", f"multipart field {MULTIPART_FIELD!r} must be a file upload, got a text value"
+            )
         return await part.read()
     finally:
         await form.close()
@@ -120,15 +135,24 @@ def inspect_image(data: bytes, declared_format: str, settings: ServerSettings) -
     except Image.DecompressionBombError as exc:
         raise ApiError(413, "too_many_pixels", f"the image declares too many pixels ({exc})") from None
     except UnidentifiedImageError:  # Pillow's message names only its stream object
-        raise ApiError(400, "bad_image", f"corrupt or truncated {found} data: its header cannot be read (expected "
-                                         f"{_HEADER_EXPECTED[found]})") from None
+        raise ApiError(
+            400,
+            "bad_image",
+            f"corrupt or truncated {found} data: its header cannot be read (expected {_HEADER_EXPECTED[found]})",
+        ) from None
     except Exception as exc:  # untrusted bytes: any parser failure means a corrupt header
         raise ApiError(400, "bad_image", f"corrupt or truncated {found} data ({type(exc).__name__}: {exc})") from None
     if width * height > settings.max_pixels:
-        raise ApiError(413, "too_many_pixels", f"the image is {width}x{height} = {width * height} pixels; "
-                                               f"the limit is {settings.max_pixels} (--max-pixels)")
+        raise ApiError(
+            413,
+            "too_many_pixels",
+            f"the image is {width}x{height} = {width * height} pixels; "
+            f"the limit is {settings.max_pixels} (--max-pixels)",
+        )
     if width < MIN_IMAGE_SIDE or height < MIN_IMAGE_SIDE:
-        raise ApiError(422, "image_too_small", f"the image is {width}x{height}; the minimum is {MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE}")
+        raise ApiError(
+            422, "image_too_small", f"the image is {width}x{height}; the minimum is {MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE}"
+        )
     return found, (width, height)
 
 

@@ -4,6 +4,7 @@ Uses the system's Chromium and its matching driver (Debian: `apt-get install chr
 browser downloaded at run time: $MOGE_CHROMIUM / $MOGE_CHROMEDRIVER name them, else the usual paths are tried.
 WebGL runs on SwiftShader (software), so the 3D view draws on machines without a GPU.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -43,18 +44,31 @@ def start_chromium(download_dir: Optional[Path] = None, size: tuple = (1400, 100
 
     found = find_chromium()
     if found is None:
-        raise RuntimeError("no Chromium + chromedriver found: apt-get install chromium chromium-driver "
-                           "(or set MOGE_CHROMIUM and MOGE_CHROMEDRIVER)")
+        raise RuntimeError(
+            "no Chromium + chromedriver found: apt-get install chromium chromium-driver "
+            "(or set MOGE_CHROMIUM and MOGE_CHROMEDRIVER)"
+        )
     browser, driver = found
     options = webdriver.ChromeOptions()
     options.binary_location = browser
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--enable-unsafe-swiftshader",
-                "--use-angle=swiftshader", "--disable-gpu-sandbox", "--no-first-run", "--disable-extensions",
-                "--hide-scrollbars", f"--window-size={size[0]},{size[1]}", "--force-device-scale-factor=1"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--enable-unsafe-swiftshader",
+        "--use-angle=swiftshader",
+        "--disable-gpu-sandbox",
+        "--no-first-run",
+        "--disable-extensions",
+        "--hide-scrollbars",
+        f"--window-size={size[0]},{size[1]}",
+        "--force-device-scale-factor=1",
+    ):
         options.add_argument(arg)
     if download_dir is not None:
-        options.add_experimental_option("prefs", {"download.default_directory": str(download_dir),
-                                                  "download.prompt_for_download": False})
+        options.add_experimental_option(
+            "prefs", {"download.default_directory": str(download_dir), "download.prompt_for_download": False}
+        )
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     session = webdriver.Chrome(options=options, service=Service(driver))  # an explicit driver: no download
     if download_dir is not None:
@@ -70,8 +84,10 @@ def wait_for_download(folder: Path, name: str, timeout_s: float = 60.0) -> Path:
         if target.exists() and not (Path(folder) / (name + ".crdownload")).exists():
             return target
         time.sleep(0.1)
-    raise TimeoutError(f"{name} was not downloaded into {folder} within {timeout_s} s "
-                       f"(there: {sorted(p.name for p in Path(folder).iterdir())})")
+    raise TimeoutError(
+        f"{name} was not downloaded into {folder} within {timeout_s} s "
+        f"(there: {sorted(p.name for p in Path(folder).iterdir())})"
+    )
 
 
 def canvas_pixels(element: Any):

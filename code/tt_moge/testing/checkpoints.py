@@ -15,6 +15,7 @@ geometry known while keeping every head image-dependent:
 * The mask head's output conv is rescaled and shifted so that `invalid_share` of the pixels of a calibration
   image are invalid; the normal and scale heads are rescaled to sane magnitudes.
 """
+
 from __future__ import annotations
 
 import copy
@@ -34,13 +35,31 @@ _RESAMPLERS = ["conv_transpose", "conv_transpose", "conv_transpose", "bilinear"]
 
 
 def _stack(dim_in, dims, n_res, dim_out, **extra) -> dict:
-    return {"dim_in": dim_in, "dim_out": dim_out, "dim_res_blocks": dims, "num_res_blocks": n_res,
-            "res_block_in_norm": "none", "res_block_hidden_norm": "none", "resamplers": list(_RESAMPLERS), **extra}
+    return {
+        "dim_in": dim_in,
+        "dim_out": dim_out,
+        "dim_res_blocks": dims,
+        "num_res_blocks": n_res,
+        "res_block_in_norm": "none",
+        "res_block_hidden_norm": "none",
+        "resamplers": list(_RESAMPLERS),
+        **extra,
+    }
 
 
-def _moge2(backbone: str, layers: list, enc_out: int, dims: list, scale: list, normal: bool = True,
-           neck_res=(0, 2, 2, 2, 0), head_res=(0, 1, 1, 1, 0), **stack_extra) -> dict:
+def _moge2(
+    backbone: str,
+    layers: list,
+    enc_out: int,
+    dims: list,
+    scale: list,
+    normal: bool = True,
+    neck_res=(0, 2, 2, 2, 0),
+    head_res=(0, 1, 1, 1, 0),
+    **stack_extra,
+) -> dict:
     """A MoGe-2 config with the published structure: 5 levels, uv inputs, last-level outputs only."""
+
     def head(out: int) -> dict:
         return _stack(list(dims), list(dims), list(head_res), [None] * 4 + [out], **stack_extra)
 
@@ -78,8 +97,16 @@ PRESETS: dict[str, dict] = {
     "tiny-vitl-normal": _moge2("dinov2_vitl14", [0, 1], 64, _TINY_DIMS, [1024, 32, 1]),
     "tiny-vitl": _moge2("dinov2_vitl14", [0, 1], 64, _TINY_DIMS, [1024, 32, 1], normal=False),
     # Code paths the published models do not use: normalised residual blocks, other resamplers, registers.
-    "tiny-norms": _moge2("dinov2_vits14_reg", [1, 3], 64, [64, 64, 32, 32, 32], [384, 32, 1],
-                         neck_res=(1, 1, 1, 1, 0), res_block_in_norm="layer_norm", res_block_hidden_norm="group_norm"),
+    "tiny-norms": _moge2(
+        "dinov2_vits14_reg",
+        [1, 3],
+        64,
+        [64, 64, 32, 32, 32],
+        [384, 32, 1],
+        neck_res=(1, 1, 1, 1, 0),
+        res_block_in_norm="layer_norm",
+        res_block_hidden_norm="group_norm",
+    ),
 }
 PRESETS["tiny-norms"]["neck"]["resamplers"] = ["pixel_shuffle", "nearest", "conv_transpose", "bilinear"]
 
@@ -137,8 +164,15 @@ def _require_linear_finest_level(stack, name: str) -> None:
 
 
 @torch.no_grad()
-def _make_well_posed(net: MoGe2Network, focal: float, depth: float, tilt: float, image_detail: float,
-                     invalid_share: float, metric_scale: float) -> None:
+def _make_well_posed(
+    net: MoGe2Network,
+    focal: float,
+    depth: float,
+    tilt: float,
+    image_detail: float,
+    invalid_share: float,
+    metric_scale: float,
+) -> None:
     neck, points = net.neck, net.points_head
     _require_linear_finest_level(neck, "neck")
     _require_linear_finest_level(points, "points_head")
@@ -226,9 +260,17 @@ def add_outlier_channels(net: MoGe2Network, seed: int = 1) -> MoGe2Network:
     return net
 
 
-def make_network(preset: Union[str, dict] = "tiny-vits-normal", seed: int = 0, well_posed: bool = True,
-                 focal: float = 1.2, depth: float = 3.0, tilt: float = 0.5, image_detail: float = 0.01,
-                 invalid_share: float = 0.25, metric_scale: float = 2.0) -> MoGe2Network:
+def make_network(
+    preset: Union[str, dict] = "tiny-vits-normal",
+    seed: int = 0,
+    well_posed: bool = True,
+    focal: float = 1.2,
+    depth: float = 3.0,
+    tilt: float = 0.5,
+    image_detail: float = 0.01,
+    invalid_share: float = 0.25,
+    metric_scale: float = 2.0,
+) -> MoGe2Network:
     """A random-weight MoGe2Network (see the module docstring for `well_posed`)."""
     cfg = model_config(preset)
     with torch.random.fork_rng():  # deterministic per seed, and the caller's RNG state is left alone
@@ -240,8 +282,12 @@ def make_network(preset: Union[str, dict] = "tiny-vits-normal", seed: int = 0, w
     return net
 
 
-def make_checkpoint(path: Union[str, os.PathLike], preset: Union[str, dict] = "tiny-vits-normal", seed: int = 0,
-                    **well_posed_kwargs: Any) -> Path:
+def make_checkpoint(
+    path: Union[str, os.PathLike],
+    preset: Union[str, dict] = "tiny-vits-normal",
+    seed: int = 0,
+    **well_posed_kwargs: Any,
+) -> Path:
     """Write a random-weight MoGe-2 `model.pt` (upstream format) and return its path.
 
     `path` may be a directory (then `model.pt` is written inside it). Keyword arguments go to `make_network`.

@@ -9,6 +9,7 @@ the angle of view), so that an image model sees structure everywhere.
 `render_view(camera, size)` the exact distance map of one perspective view (what a perfect model would
 predict for that view), and `plane_of` which plane each direction hits.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -7,6 +7,7 @@ canvas fit, finish) can be tested against the truth rather than against another 
 Camera: OpenCV axes (x right, y down, z forward), pinhole, pixel (j, i) centred at (j + 0.5, i + 0.5).
 Scene: a checkered ground 1.6 m below the camera, spheres, a box, a far building with windows, and sky.
 """
+
 from __future__ import annotations
 
 import math
@@ -115,7 +116,7 @@ def render(width: int = 1920, height: int = 1080, intrinsics: Optional[np.ndarra
     albedo[ground] = np.where(checker[ground, None] > 0, (0.55, 0.50, 0.42), (0.30, 0.27, 0.22))
     building = which == 1
     normal[building] = (0.0, 0.0, -1.0)
-    windows = ((np.floor(points[..., 0] * 0.8) % 2 == 0) & (np.floor(points[..., 1] * 0.7) % 2 == 1))
+    windows = (np.floor(points[..., 0] * 0.8) % 2 == 0) & (np.floor(points[..., 1] * 0.7) % 2 == 1)
     albedo[building] = np.where(windows[building, None], (0.25, 0.32, 0.40), (0.70, 0.55, 0.45))
     for i, (centre, radius, colour) in enumerate(SPHERES):
         hit = which == 2 + i
@@ -142,5 +143,4 @@ def render(width: int = 1920, height: int = 1080, intrinsics: Optional[np.ndarra
     sky += 0.04 * (np.sin(u[None, :] * 7.0 + 2.0 * np.sin(v[:, None] * 5.0)) * (v[:, None] < 0))[..., None]
     colour = np.where(mask[..., None], colour, sky)
     image = np.rint(np.clip(colour, 0.0, 1.0) * 255.0).astype(np.uint8)
-    return SceneRender(image=image, depth=depth, points=points, normal=normal, mask=mask, intrinsics=k,
-                       surface=surface)
+    return SceneRender(image=image, depth=depth, points=points, normal=normal, mask=mask, intrinsics=k, surface=surface)
