@@ -114,8 +114,18 @@ def objective(uv: np.ndarray, xyz: np.ndarray, shift: float, focal: Optional[flo
     return float(np.square(focal * p - uv).sum())
 
 
+_COST_ROUND_OFF = 1e-12  # relative to sum |uv|^2: below this a cost difference is round-off (see `_newton`)
+
+
 def _newton(problem: _Problem, shift: float, scale: float, max_iter: int = 100) -> tuple[float, float]:
-    """Safeguarded Newton descent on the shift from `shift`; returns (shift, cost)."""
+    """Safeguarded Newton descent on the shift from `shift`; returns (shift, cost).
+
+    A step is taken when the cost does not increase, or, near the minimum, when it increases by no more than
+    the cost's round-off (it is a difference of terms of the size of sum |uv|^2) while the gradient shrinks:
+    there the cost no longer resolves the shift (to ~1e-8 on a typical photo), the gradient does, and without
+    this the descent stops wherever round-off first makes a step look uphill (different places for the numpy
+    and the native code)."""
+    noise = _COST_ROUND_OFF * problem.c
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         cost, grad, curv = problem.derivatives(shift)
         if not math.isfinite(cost):
@@ -126,7 +136,7 @@ def _newton(problem: _Problem, shift: float, scale: float, max_iter: int = 100) 
             for _ in range(60):
                 trial = shift + step
                 t_cost, t_grad, t_curv = problem.derivatives(trial)
-                if math.isfinite(t_cost) and t_cost <= cost:
+                if math.isfinite(t_cost) and (t_cost <= cost or (t_cost <= cost + noise and abs(t_grad) < abs(grad))):
                     break
                 step *= 0.5
             else:

@@ -348,7 +348,10 @@ struct Problem {
   }
 };
 
+constexpr double kCostRoundOff = 1e-12;  // relative to sum |uv|^2 (solve.py's _COST_ROUND_OFF)
+
 void newton(const Problem& p, double shift, double scale, double& out_shift, double& out_cost) {
+  const double noise = kCostRoundOff * p.c;
   double cost, grad, curv;
   p.derivatives(shift, cost, grad, curv);
   if (!std::isfinite(cost)) {
@@ -360,11 +363,13 @@ void newton(const Problem& p, double shift, double scale, double& out_shift, dou
     double step = curv > 0 ? -grad / curv : -std::copysign(0.1 * scale, grad);
     double trial = shift, t_cost = 0, t_grad = 0, t_curv = 0;
     bool accepted = false;
-    // Backtrack until the cost does not increase (a pole where z + shift = 0 has infinite cost).
+    // Backtrack until the cost does not increase (a pole where z + shift = 0 has infinite cost), or, near
+    // the minimum, increases by round-off only while the gradient shrinks (solve.py's _newton says why).
     for (int k = 0; k < 60; ++k) {
       trial = shift + step;
       p.derivatives(trial, t_cost, t_grad, t_curv);
-      if (std::isfinite(t_cost) && t_cost <= cost) {
+      if (std::isfinite(t_cost) &&
+          (t_cost <= cost || (t_cost <= cost + noise && std::fabs(t_grad) < std::fabs(grad)))) {
         accepted = true;
         break;
       }
