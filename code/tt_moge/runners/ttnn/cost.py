@@ -4,10 +4,11 @@ No chip can be measured here, so speed is estimated: every device operation that
 P150 (`mock_check.py` captures them with ttnn's own graph capture, one ttnn call at a time) is costed with
 tt-metal's ideal formulas, and the sum is the forward's estimate.
 
-    recorder = OpRecorder(ttnn, capture=True)          # the ttnn module, wrapped
-    graph = TtnnGraph(recorder, device, prepared)      # the graph calls ttnn through it
+    recorder = OpRecorder(ttnn, capture_api=ttnn.graph)  # the ttnn module, wrapped
+    recorder.capture = True                              # record the device ops of each call from here
+    graph = TtnnGraph(recorder, device, prepared)        # the graph calls ttnn through it
     graph.forward(x)
-    est = estimate(recorder.ops)                       # Estimate: total_ms, per group, per op
+    est = estimate(recorder.ops)                         # Estimate: total_ms, per group, per op
 
 Per device operation (`op_cost`), the time is the larger of what it computes and what it moves, plus a fixed
 dispatch cost:
@@ -26,10 +27,11 @@ The cores an op uses come from what the capture recorded: a sharded tensor's sha
 config (per-core blocks over the output tiles, from the ttnn call's arguments, which `OpRecorder` keeps), SDPA's
 work units (batch x heads x query chunks). An interleaved op with no config is assumed to use the whole grid.
 
-Calibration (`calibrate`): the same model, applied to the op list of tt-metal's own high-resolution Blackhole ViT
-(`hires_vit.py`, run on the mock like our graph), is compared with the times tt-metal publishes for it; the
-constants of `BLACKHOLE_P150` are fixed by that comparison and by the chip's documented figures, and are not
-tuned to our graph. Both the constants and the comparison are in docs/tenstorrent.md.
+Calibration (`calibration_table`, `fit_calibration`): the same model, applied to the op list of tt-metal's own
+high-resolution Blackhole ViT (`hires_vit.py`, run on the mock like our graph), is compared with the times
+tt-metal publishes for it; the constants of `BLACKHOLE_P150` are fixed by that comparison and by the chip's
+documented figures, and are not tuned to our graph. Both the constants and the comparison are in
+docs/tenstorrent.md.
 
 numpy-free and torch-free: this module runs in the mock's Python (ttnn only) and in the tests.
 """
@@ -377,32 +379,6 @@ class OpCost:
         return "compute" if self.compute_ns >= self.data_ns else "data"
 
 
-_TRANSFERS = (
-    "InterleavedToSharded",
-    "ShardedToInterleaved",
-    "Reshard",
-    "Move",
-    "Slice",
-    "PaddedSlice",
-    "SliceWrite",
-    "ReshapeView",
-    "Concat",
-    "Untilize",
-    "Tilize",
-    "Typecast",
-    "Permute",
-    "Pad",
-    "NlpCreateHeads",
-    "NLPCreateHeads",
-    "Transpose",
-    "Copy",
-    "Halo",
-    "Fold",
-    "Clone",
-    "Split",
-    "NlpConcatHeads",
-    "CreateQKVHeads",
-)
 _COMPUTE_OPS = ("Matmul", "Conv2d", "SDPA", "LayerNorm", "BinaryNg", "Binary", "Unary", "Softmax")
 
 
@@ -573,7 +549,7 @@ def _eltwise(op: DeviceOp, chip: Chip, passes: float) -> tuple:
 def _group(op: DeviceOp, base: str) -> str:
     if base in ("SDPA",):
         return "sdpa"
-    if any(base.startswith(t) for t in _TRANSFERS) or base not in _COMPUTE_OPS and not base.startswith("Matmul"):
+    if base not in _COMPUTE_OPS and not base.startswith("Matmul"):  # data movement: reshard, halo, untilize, ...
         return "transfers"
     if op.stage == "decoder":
         return "decoder"
@@ -707,7 +683,3 @@ def fit_calibration(
         **{n: round(v, 1) for n, v in fitted.items()},
         "table": calibration_table(op_lists, Chip(**{**base, **fitted}), layers, published_ms),
     }
-
-
-def chip_figures(chip: Chip = BLACKHOLE_P150) -> dict:
-    return asdict(chip)

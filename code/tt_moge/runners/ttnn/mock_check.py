@@ -68,13 +68,13 @@ if __package__ in (None, ""):
         fit_calibration,
     )
     from tt_moge.runners.ttnn.graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
-    from tt_moge.runners.ttnn.hires_vit import HiresVitLayer
+    from tt_moge.runners.ttnn.hires_vit import LAYERS, HiresVitLayer
     from tt_moge.runners.ttnn.prepare import Prepared, host_input, host_output
     from tt_moge.runners.ttnn.unet_shallow import PUBLISHED_E2E_MS, UnetShallow
 else:
     from .cost import PUBLISHED_HIRES_VIT_MS, OpRecorder, calibration_table, estimate, fit_calibration
     from .graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
-    from .hires_vit import HiresVitLayer
+    from .hires_vit import LAYERS, HiresVitLayer
     from .prepare import Prepared, host_input, host_output
     from .unet_shallow import PUBLISHED_E2E_MS, UnetShallow
 
@@ -122,35 +122,29 @@ def staged_forward(graph, recorder, x) -> dict:
     return {"finest": finest, "cls_token": cls_token}
 
 
+def _second_run_ops(ttnn, model) -> list:
+    """The device ops of `model(model.input())`, a tt-metal demo model built on an `OpRecorder` (its `.ttnn`),
+    captured on its second run: the first compiles the kernels and prepares the conv weights."""
+    ttnn.deallocate(model(model.input()))
+    x = model.input()
+    model.ttnn.capture = True
+    y = model(x)
+    model.ttnn.capture = False
+    ttnn.deallocate(y)
+    return model.ttnn.ops
+
+
 def hires_vit_op_lists(ttnn, ttnn_graph, device) -> dict:
-    """tokens -> the device ops of one layer of tt-metal's hiRes ViT (`hires_vit.py`), captured on this device
-    after a first, compiling run."""
-    lists = {}
-    for tokens in sorted(PUBLISHED_HIRES_VIT_MS):
-        recorder = OpRecorder(ttnn, capture_api=ttnn_graph)
-        layer = HiresVitLayer(recorder, device, tokens)
-        ttnn.deallocate(layer(layer.input()))
-        x = layer.input()
-        recorder.clear()
-        recorder.capture = True
-        y = layer(x)
-        recorder.capture = False
-        ttnn.deallocate(y)
-        lists[tokens] = list(recorder.ops)
-    return lists
+    """tokens -> the device ops of one layer of tt-metal's hiRes ViT (`hires_vit.py`)."""
+    return {
+        tokens: _second_run_ops(ttnn, HiresVitLayer(OpRecorder(ttnn, capture_api=ttnn_graph), device, tokens))
+        for tokens in sorted(PUBLISHED_HIRES_VIT_MS)
+    }
 
 
 def unet_op_list(ttnn, ttnn_graph, device) -> list:
-    """The device ops of one inference of tt-metal's UNet shallow (`unet_shallow.py`), after a compiling one."""
-    recorder = OpRecorder(ttnn, capture_api=ttnn_graph)
-    net = UnetShallow(recorder, device)
-    ttnn.deallocate(net(net.input()))
-    x = net.input()
-    recorder.capture = True
-    y = net(x)
-    recorder.capture = False
-    ttnn.deallocate(y)
-    return list(recorder.ops)
+    """The device ops of one inference of tt-metal's UNet shallow (`unet_shallow.py`)."""
+    return _second_run_ops(ttnn, UnetShallow(OpRecorder(ttnn, capture_api=ttnn_graph), device))
 
 
 def _forward_fits(ttnn, device, graph, x, recorder, pages: int, banks: int):
@@ -268,9 +262,9 @@ def run(args) -> dict:
         if args.capture and args.calibration:
             t = time.perf_counter()
             lists = hires_vit_op_lists(ttnn, ttnn_graph, device)
-            report["calibration"] = calibration_table(lists)
+            report["calibration"] = calibration_table(lists, layers=LAYERS)
             if args.fit:
-                report["calibration_fit"] = fit_calibration(lists)
+                report["calibration_fit"] = fit_calibration(lists, layers=LAYERS)
             unet = estimate(unet_op_list(ttnn, ttnn_graph, device)).total_ms
             report["validation"] = {
                 "unet_shallow": {

@@ -13,7 +13,7 @@ Published figure. tests/test_unet_perf.py::test_unet_perf_device (newest version
 (batch 1, groups 4, program cache disabled), and divides `batch_size = groups * batch * 4 = 16` by the summed
 DEVICE KERNEL DURATION of every device op of those 4 runs. A "sample" is therefore one 4-channel 1056 x 160 image,
 and one inference (one `__call__`) carries 4 of them (the groups): 16 / 2875.5 = 5.564 ms for 4 inferences, i.e.
-**1.391 ms of device kernel time per inference** (`PUBLISHED_DEVICE_MS`), 0.348 ms per image. This is the sum of
+**1.391 ms of device kernel time per inference**, 0.348 ms per image. This is the sum of
 the ops' kernel durations (first core start to last core end, per op), so host dispatch and the gaps between
 ops are not in it. (The first of the 4 runs also prepares the conv weights, which is host work here.)
 For comparison, the end-to-end figure (test_unet_trace_perf: traced, 2 command queues, input and output
@@ -68,16 +68,12 @@ __all__ = [
     "GROUPS",
     "HEIGHT",
     "WIDTH",
-    "PUBLISHED_DEVICE_MS",
     "PUBLISHED_E2E_MS",
-    "PUBLISHED_DEVICE_SAMPLES_PER_S",
 ]
 
 GROUPS = 4  # images per inference, folded into the channels
 HEIGHT, WIDTH = 1056, 160
 IN_CHANNELS = 4 * GROUPS
-PUBLISHED_DEVICE_SAMPLES_PER_S = 2875.5  # test_unet_perf_device, Blackhole, images per second of kernel time
-PUBLISHED_DEVICE_MS = GROUPS / PUBLISHED_DEVICE_SAMPLES_PER_S * 1e3  # 1.391 ms per 4-image inference
 PUBLISHED_E2E_MS = GROUPS / 2532.0 * 1e3  # test_unet_trace_perf (trace, 2 CQs), Blackhole: 1.580 ms
 INPUT_CORES, INPUT_SHARD = 63, 2688  # the test's width sharding of the input, and convert_to_hwc's shard height
 
@@ -254,7 +250,8 @@ class UnetShallow:
         T.deallocate(x4)
         up = T.reshape(up, (1, 1, h * w, up.shape[-1]))
         y = self.concat(up, skip_rm, final)
-        T.deallocate(skip_rm)
+        if not final:  # the final block's concat has freed it (it tilizes a copy)
+            T.deallocate(skip_rm)
         if final:
             y = T.move(y)
         for name in names:
@@ -283,13 +280,3 @@ class UnetShallow:
         out = T.experimental.convert_to_chw(y, dtype=T.bfloat16)  # 0.81.1 infers the width-sharded output itself
         T.deallocate(y)
         return out
-
-    @staticmethod
-    def conv_flops(grouped: bool = True) -> float:
-        """Multiply-add FLOPs of one inference's convs: the grouped convs' (`grouped`), or those of the dense
-        convs ttnn actually runs (it expands grouped weights to full C_in with zeros)."""
-        total = 0.0
-        for c in CONVS.values():
-            c_in = c["c_in"] // GROUPS if grouped else c["c_in"]
-            total += 2.0 * c["h"] * c["w"] * c["c_out"] * c_in * c["k"] ** 2
-        return total
