@@ -32,7 +32,6 @@ import numpy as np
 from perf import common
 
 SPEC_MS = 25.6  # the spec's p150 median of model(uint8 array 1920x1080)
-ROOT = Path(__file__).resolve().parents[2]
 SIZE, TOKENS = (1920, 1080), 1800
 
 # ttnn's host side, timed in the mock's Python: the input's tilize to bfloat16 tiles (what graph.host_tensor does)
@@ -54,14 +53,17 @@ print(json.dumps({"tilize_input_ms": up, "rows_to_numpy_ms": down}))
 """
 
 
-def _median_ms(fn, runs: int) -> float:
-    return common.median_min_ms(fn, runs)[0]
+def _mock_dir() -> Path:
+    """Where scripts/tt-mock/setup.sh put the mock P150 (the folder tt-mock-check uses)."""
+    from tt_moge import env
+
+    return Path(env.get("MOGE_MOCK_DIR") or Path.home() / ".cache" / "tt_moge" / "tt-mock")
 
 
 def _mock_report(path: str) -> dict:
     if path:
         return json.loads(Path(path).read_text())
-    mock = Path(os.environ.get("MOGE_MOCK_DIR", Path.home() / ".cache" / "tt_moge" / "tt-mock"))
+    mock = _mock_dir()
     if not (mock / "env.sh").is_file():
         sys.exit(
             "no --report and no mock P150 set up (bash scripts/tt-mock/setup.sh): nothing to take the "
@@ -71,7 +73,7 @@ def _mock_report(path: str) -> dict:
         out = Path(tmp) / "report.json"
         subprocess.run(
             [
-                str(ROOT / "scripts" / "tt-mock-check"),
+                str(common.ROOT / "scripts" / "tt-mock-check"),
                 "--random",
                 "vitl-normal",
                 "--resolution",
@@ -90,9 +92,8 @@ def _mock_report(path: str) -> dict:
 
 
 def _ttnn_host(plan: dict, runs: int) -> dict:
-    mock = Path(os.environ.get("MOGE_MOCK_DIR", Path.home() / ".cache" / "tt_moge" / "tt-mock"))
-    python = mock / "venv" / "bin" / "python"
-    if not python.is_file():
+    mock = _mock_dir()
+    if not (mock / "env.sh").is_file():
         return {}
     fin = plan["finest"]
     args = [
@@ -102,13 +103,9 @@ def _ttnn_host(plan: dict, runs: int) -> dict:
         str(fin["phase_channels"]),
         str(runs),
     ]
-    env = {
-        **os.environ,
-        "TT_METAL_MOCK_CLUSTER_DESC_PATH": str(mock / "blackhole_P150.yaml"),
-        "TT_LOGGER_LEVEL": "error",
-        "LOGURU_LEVEL": "WARNING",
-    }
-    done = subprocess.run([str(python), "-c", _TTNN_HOST, *args], capture_output=True, text=True, env=env, cwd=mock)
+    # in the mock's environment, as tt-mock-check runs it (env.sh: its venv, cluster description, caches, logs)
+    command = ["bash", "-c", '. ./env.sh && exec python -c "$0" "$@"', _TTNN_HOST, *args]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=mock)
     return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
 
 
@@ -143,8 +140,8 @@ def main() -> None:
         "finest": np.random.rand(fin["in_height"] * fin["in_width"], fin["phase_channels"]).astype(np.float32),
         "cls_token": np.random.rand(plan["dim"]).astype(np.float32),
     }
-    patches_ms = _median_ms(lambda: patch_matrix(prepared, canvas), args.runs)
-    raw_ms = _median_ms(lambda: raw_maps(prepared, readback), args.runs)
+    patches_ms = common.median_min_ms(lambda: patch_matrix(prepared, canvas), args.runs)[0]
+    raw_ms = common.median_min_ms(lambda: raw_maps(prepared, readback), args.runs)[0]
     ttnn_host = _ttnn_host(plan, args.runs)
 
     seq_tiles = -(-plan["seq_len"] // 32) * 32
@@ -166,7 +163,7 @@ def main() -> None:
                 replay.predict(image, CallOptions(), timing)
                 for k, v in timing.items():
                     stages.setdefault(k, []).append(v)
-    shared = {k: float(np.median(v[1:])) for k, v in stages.items() if k not in ("device", "device_wait")}
+    shared = {k: common.median(v[1:]) for k, v in stages.items() if k not in ("device", "device_wait")}
 
     rows = [
         ("device forward (cost model, mock P150 op list)", forward_ms, "estimated"),
@@ -189,9 +186,7 @@ def main() -> None:
     for name, value, how in rows:
         print(f"  {name:58s} {value:8.2f} ms   {how}")
     print(f"  {'total':58s} {total:8.2f} ms   (the spec's p150: {SPEC_MS} ms; ratio {total / SPEC_MS:.2f})")
-    print(f"rerun: python -m perf.runners.estimate_ttnn --report REPORT.json --runs {args.runs}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "total_ms": total, "host": cpu}, indent=1))
+    common.finish_report({"rows": rows, "total_ms": total, "host": cpu}, args.json)
 
 
 if __name__ == "__main__":
