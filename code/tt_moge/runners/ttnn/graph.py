@@ -736,9 +736,7 @@ class TtnnGraph:
                 best = h
         return best
 
-    def _conv(
-        self, x, key: str, height: int, width: int, relu: bool = False, out_dtype: Optional[str] = None, compute=None
-    ):
+    def _conv(self, x, key: str, height: int, width: int, relu: bool = False, out_dtype: Optional[str] = None):
         """A replicate-padded 3x3 conv (or a 1x1 conv, by the weight's shape) over (1, 1, height * width, C_in)
         -> (1, 1, height * width, C_out): DRAM in and out in the safe graph, L1 height-sharded when chained."""
         T = self.ttnn
@@ -746,10 +744,11 @@ class TtnnGraph:
         c_out, c_in, _, k = self.conv_shapes[key]
         out_dtype = out_dtype or self.formats.decoder_maps
         shard, slicing = self._conv_placement(height, width, c_in, c_out, out_dtype)
-        config = self._conv_config(shard, relu)
         if self.chained and shard == T.TensorMemoryLayout.HEIGHT_SHARDED:
             grid, rows = self._level_sharding(height, width)
             config = self._conv_config(shard, relu, self._act_block_h(rows, k * k * c_in), grid)
+        else:
+            config = self._conv_config(shard, relu)
         y, (h, w_), (weight, bias) = T.conv2d(
             input_tensor=x,
             weight_tensor=weight,
@@ -767,7 +766,7 @@ class TtnnGraph:
             groups=1,
             dtype=self._dt(out_dtype),
             conv_config=config,
-            compute_config=compute or self._level_compute(height),
+            compute_config=self._level_compute(height),
             slice_config=slicing,
             memory_config=None if self.chained else self.dram,
             return_output_dim=True,
@@ -919,9 +918,7 @@ class TtnnGraph:
                     T.deallocate(x)
                 x = y
         fin = p["finest"]
-        finest = self._conv(
-            x, "finest.neck", fin["in_height"], fin["in_width"], out_dtype=self.formats.finest, compute=self.ck_finest
-        )
+        finest = self._conv(x, "finest.neck", fin["in_height"], fin["in_width"], out_dtype=self.formats.finest)
         if x is not neck_out[-1]:
             T.deallocate(x)
         if self.chained:
@@ -955,7 +952,6 @@ class TtnnGraph:
                 fin["in_height"],
                 fin["in_width"],
                 out_dtype=self.formats.finest,
-                compute=self.ck_finest,
             )
             if h is not neck_out[-1]:
                 T.deallocate(h)

@@ -52,8 +52,8 @@ __all__ = [
 TRACE_ENV = "MOGE_TTNN_TRACE"  # "0": no trace capture (the mock device cannot capture one)
 CACHE_ENV = "MOGE_TTNN_CACHE"  # folder of the prepared weights (default: ~/.cache/tt_moge/ttnn)
 GRAPH_ENV = "MOGE_TTNN_GRAPH"  # "safe": the first graph (graph.CONFIGS), the switch back from the default "fast"
-# precision= -> graph.FORMATS, per graph configuration
-PRECISION_FORMATS = {"fast": {"bf16": "bf16", "bfp8": "bfp8-vit"}, "safe": {"bf16": "bf16", "bfp8": "bfp8-vit"}}
+# precision= -> graph.FORMATS (the same in both graph configurations)
+PRECISION_FORMATS = {"bf16": "bf16", "bfp8": "bfp8-vit"}
 
 
 def graph_config_name() -> str:
@@ -156,10 +156,9 @@ class TtnnRunner(Runner):
         ttnn: Any = None,
     ):
         self.graph_config = graph_config_name()
-        formats = PRECISION_FORMATS[self.graph_config]
-        if precision not in formats:
-            raise ValueError(f"precision={precision!r}: the Tenstorrent runner runs {sorted(formats)}")
-        self.formats = formats[precision]
+        if precision not in PRECISION_FORMATS:
+            raise ValueError(f"precision={precision!r}: the Tenstorrent runner runs {sorted(PRECISION_FORMATS)}")
+        self.formats = PRECISION_FORMATS[precision]
         self.ttnn = ttnn if ttnn is not None else import_ttnn(verbose)
         self.canvas_size = tuple(int(v) for v in canvas_size)
         self.num_tokens = num_tokens
