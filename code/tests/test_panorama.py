@@ -18,7 +18,7 @@ from tt_moge.panorama import (
     view_cameras,
 )
 from tt_moge.panorama.merge import _NormalEquations, normal_matrix, warp_views
-from tt_moge.testing.room import ROOM_PLANES, RoomOracle, render_panorama, render_view
+from tt_moge.testing.room import ROOM_PLANES, RoomOracle, recording_upstream_lsmr, render_panorama, render_view
 
 
 def smooth_image(width: int, height: int, seed: int = 0) -> np.ndarray:
@@ -272,30 +272,31 @@ def test_the_solve_at_1920x960_is_optimal():
 def test_the_preconditioner_is_symmetric_positive_and_keeps_m_well_conditioned():
     """Conjugate gradients need a fixed symmetric positive (semi-)definite preconditioner B: the V-cycle,
     written out column by column on a grid with holes (56 regions, three levels, an odd height), is
-    symmetric to float32 round-off with no negative eigenvalue; and on M's range (the region means removed,
-    as the solve does) B M has a condition number under 100 (measured 33; 2 x 2 blocks that tie together
-    pixels their own edges do not join gave 500 here, and ten times the CG steps on larger grids)."""
-    from tt_moge.panorama.merge import _Multigrid, _RegionMeans
+    symmetric to float32 round-off with no negative eigenvalue; and on M's range B M has a condition number
+    under 100 (measured 33; 2 x 2 blocks that tie together pixels their own edges do not join gave 500 here,
+    and ten times the CG steps on larger grids). B M is taken as M^(1/2) B M^(1/2), which only sees B on M's
+    range; the solve's removal of region means (`_RegionMeans`, the orthogonal projector onto that range)
+    would not change it, and is not tested here."""
+    from tt_moge.panorama.merge import _Multigrid
 
     h, w = 27, 54
     maps, masks = synthetic_views("holes", 32)
     data = warp_views(maps, masks, view_cameras(), w, h)
     system = _NormalEquations(data)
-    precondition = _Multigrid(system.wx, system.wy)
-    project = _RegionMeans(*data.regions)
+    precondition = _Multigrid(system.gradient_term)
     assert len(precondition.levels) >= 3 and data.regions[1] > 20
-    b, b_range = np.zeros((h * w, h * w)), np.zeros((h * w, h * w))
+    b = np.zeros((h * w, h * w))
     for k in range(h * w):
         unit = np.zeros((h, w), np.float32)
         unit.ravel()[k] = 1.0
         b[:, k] = precondition(unit).ravel()
-        b_range[:, k] = project(precondition(project(unit)).astype(np.float64)).ravel()
     assert np.abs(b - b.T).max() <= 1e-5 * np.abs(b).max()
-    eigenvalues = np.linalg.eigvalsh((b + b.T) / 2)
+    symmetric = (b + b.T) / 2
+    eigenvalues = np.linalg.eigvalsh(symmetric)
     assert eigenvalues.min() >= -1e-5 * eigenvalues.max() and eigenvalues.max() > 0
     lam, v = np.linalg.eigh(normal_matrix(data)[0].toarray())
     root = (v * np.sqrt(np.clip(lam, 0, None))) @ v.T  # M^(1/2): B M is similar to M^(1/2) B M^(1/2)
-    spectrum = np.linalg.eigvalsh(root @ ((b_range + b_range.T) / 2) @ root)
+    spectrum = np.linalg.eigvalsh(root @ symmetric @ root)
     spectrum = spectrum[spectrum > 1e-8 * spectrum.max()]
     assert spectrum.size == int(np.sum(lam > 1e-8 * lam.max()))  # B is definite on M's whole range
     assert spectrum.max() / spectrum.min() < 100, spectrum.max() / spectrum.min()
@@ -474,7 +475,7 @@ def test_merge_parity_with_upstream_on_model_views(checkpoint, monkeypatch):
     for d, m in zip(distances, masks):  # non-trivial views: finite, positive, partly valid
         assert np.isfinite(d).all() and (d > 0).all() and 0.1 < m.mean() < 0.9
     ours = merge_distance_maps(distances, masks, view_cameras(), 256, 128)
-    shipped, _, a, b = upstream_equations(monkeypatch, 256, 128, distances, masks)
+    shipped, _, a, b = upstream_equations(256, 128, distances, masks)
     objective = lambda d: float(np.sum((a @ np.log(d).ravel().astype(np.float64) - b) ** 2))  # noqa: E731
     monkeypatch.setattr(upstream, "lsmr", exact_lsmr)
     extrinsics, intrinsics = upstream.get_panorama_cameras()
@@ -492,32 +493,25 @@ def test_merge_parity_with_upstream_on_model_views(checkpoint, monkeypatch):
     assert 0.5 < np.median(ours.distance[ours.mask]) / view_median < 2.0
 
 
-def upstream_equations(monkeypatch, width: int, height: int, maps, masks) -> tuple:
+def upstream_equations(width: int, height: int, maps, masks) -> tuple:
     """Upstream's merge_panorama_depth as shipped on these views: (its distance map, its mask, the A and b of
     the least squares its last (full-size) lsmr call was given)."""
     import moge.utils.panorama as upstream
 
-    real, seen = upstream.lsmr, {}
-
-    def recording_lsmr(a, b, **options):
-        seen["equations"] = (a.tocsr(), np.asarray(b, np.float64))
-        return real(a, b, **options)
-
-    monkeypatch.setattr(upstream, "lsmr", recording_lsmr)
     extrinsics, intrinsics = upstream.get_panorama_cameras()
-    distance, mask = upstream.merge_panorama_depth(width, height, maps, masks, extrinsics, intrinsics)
-    monkeypatch.setattr(upstream, "lsmr", real)
-    return (distance, mask, *seen["equations"])
+    with recording_upstream_lsmr() as seen:
+        distance, mask = upstream.merge_panorama_depth(width, height, maps, masks, extrinsics, intrinsics)
+    return distance, mask, seen["a"].tocsr(), np.asarray(seen["b"], np.float64)
 
 
 @pytest.mark.parametrize("kind", ["disagree", "holes"])
-def test_on_upstreams_own_equations_our_merge_is_at_their_minimum(monkeypatch, kind):
+def test_on_upstreams_own_equations_our_merge_is_at_their_minimum(kind):
     """Upstream's A and b (what its merge_panorama_depth hands to lsmr) score our merged distances at their
     exact minimum (a sparse direct solve) to 1e-6, and below upstream's own answer, whose lsmr stops short:
     our excess over the minimum is under 1/1000 of upstream's."""
     width, height = 128, 64  # upstream's merge runs one level at this size (its lsmr from 0)
     maps, masks = synthetic_views(kind, 64)
-    theirs, their_mask, a, b = upstream_equations(monkeypatch, width, height, maps, masks)
+    theirs, their_mask, a, b = upstream_equations(width, height, maps, masks)
     ours = merge_distance_maps(maps, masks, view_cameras(), width, height)
     assert ours.converged and (ours.mask == their_mask).mean() > 0.999 and 0.5 < ours.mask.mean()
     assert a.shape == (b.size, width * height) and b.size > width * height // 2  # equations on most pixels

@@ -120,17 +120,11 @@ def main(argv=None) -> None:
 
     from tt_moge.panorama import merge as ours
     from tt_moge.panorama import view_cameras
+    from tt_moge.testing import recording_upstream_lsmr
 
     maps, masks = perturbed_room_views() if args.views == "room" else model_views()
     cameras = view_cameras()
     up_extrinsics, up_intrinsics = upstream.get_panorama_cameras()
-    real_lsmr, equations = upstream.lsmr, {}
-
-    def recording_lsmr(a, b, **options):  # keeps upstream's last (full-size) least squares; costs nothing
-        equations["a"], equations["b"] = a, b
-        return real_lsmr(a, b, **options)
-
-    upstream.lsmr = recording_lsmr
     results: dict = {}
 
     def run_upstream():
@@ -140,12 +134,12 @@ def main(argv=None) -> None:
         results["ours"] = ours.merge_distance_maps(maps, masks, cameras, width, height)
 
     times, cpu = {"upstream": [], "ours": []}, {"upstream": [], "ours": []}
-    for _ in range(args.repeats):
-        for name, run in (("upstream", run_upstream), ("ours", run_ours)):
-            wall, seconds = timed_both(run)
-            times[name].append(wall)
-            cpu[name].append(seconds)
-    upstream.lsmr = real_lsmr
+    with recording_upstream_lsmr() as equations:  # keeps upstream's last (full-size) least squares
+        for _ in range(args.repeats):
+            for name, run in (("upstream", run_upstream), ("ours", run_ours)):
+                wall, seconds = timed_both(run)
+                times[name].append(wall)
+                cpu[name].append(seconds)
     up_t, our_t = median(times["upstream"]), median(times["ours"])
     up_c, our_c = median(cpu["upstream"]), median(cpu["ours"])
     mine, (theirs, their_mask) = results["ours"], results["upstream"]

@@ -226,22 +226,20 @@ def _laplacian(x: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
 
 class _GraphLaplacian:
     """K x = D^T diag(w) D x for the grid's edges: horizontal weights wx (H, W) (edge j -> j + 1, wrapping),
-    vertical weights wy (H - 1, W); applied with its own buffers, for inputs of one dtype."""
+    vertical weights wy (H - 1, W); degree (H, W): the diagonal of K, each pixel's sum of edge weights.
+    Applied with its own buffers, one pair per input dtype (each call writes them before reading them, so
+    callers may share one operator)."""
 
     def __init__(self, wx: np.ndarray, wy: np.ndarray):
         self.wx, self.wy = wx, wy
+        self.degree = wx + _shift_right(wx)
+        self.degree[:-1] += wy
+        self.degree[1:] += wy
         self._buffers: dict = {}
 
     @property
     def shape(self) -> tuple:
         return self.wx.shape
-
-    def degree(self) -> np.ndarray:
-        """The diagonal of K: each pixel's sum of edge weights."""
-        degree = self.wx + _shift_right(self.wx)
-        degree[:-1] += self.wy
-        degree[1:] += self.wy
-        return degree
 
     def __call__(self, x: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
         if x.dtype not in self._buffers:
@@ -278,7 +276,7 @@ class _NormalEquations:
         rhs[:-1] += ey
         rhs[1:] -= ey
         self.rhs = rhs + _laplacian(data.laplacian_weight.astype(np.float64) * data.laplacian)
-        self.degree = self.gradient_term.degree()  # diag of D^T A D
+        self.degree = self.gradient_term.degree  # diag of D^T A D
         self.has_equation = (self.degree > 0) | (self.b > 0)
         self._buffers: dict = {}
 
@@ -484,23 +482,23 @@ class _Multigrid:
     pixels, then of aggregates: `_block_aggregates`, `_SparseLaplacian.coarse_aggregates`), coarse operators
     exact Galerkin products (graph Laplacians again), the coarse correction over-corrected (the usual remedy
     for piecewise-constant interpolation), the pseudo-inverse on the coarsest level. The finest level runs on
-    the grid (`_GraphLaplacian`), the coarse ones as sparse matrices. K's null space, one constant per
-    region, is left to the caller (`_RegionMeans`); no diagonal shift regularises it (the old 1e-4 shift gave
-    those constants a gain of 1e4: see `solve_log_distance`). Used as the preconditioner of M; the result of a
-    call lives in a buffer that the next call overwrites."""
+    the grid (`fine`: the system's own `_GraphLaplacian`, whose buffers the two share), the coarse ones as
+    sparse matrices. K's null space, one constant per region, is left to the caller (`_RegionMeans`); no
+    diagonal shift regularises it (the old 1e-4 shift gave those constants a gain of 1e4: see
+    `solve_log_distance`). Used as the preconditioner of M; the result of a call lives in a buffer that the
+    next call overwrites."""
 
     OMEGA = 0.85  # Jacobi damping: omega * lambda_max(D^-1 K) <= 1.7 < 2 keeps each step a contraction
     OVER = 2.2  # coarse-correction scaling (with OMEGA: the fewest steps on room, model and holes views)
     COARSEST = 300  # nodes at most on the coarsest level (its pseudo-inverse is dense)
     RCOND = 1e-6  # the coarsest pseudo-inverse drops eigenvalues below this times the largest (the null space)
 
-    def __init__(self, wx: np.ndarray, wy: np.ndarray):
-        fine = _GraphLaplacian(wx, wy)
-        degree = fine.degree()
+    def __init__(self, fine: _GraphLaplacian):
+        wx, wy = fine.wx, fine.wy
         self.levels: list = [fine]
         self.transfers: list = []
         if wx.size > self.COARSEST:
-            aggregate, count, coords = _block_aggregates(wx, wy, degree > 0)
+            aggregate, count, coords = _block_aggregates(wx, wy, fine.degree > 0)
             ends = _grid_edges(aggregate, wx, wy)
             while count > 0:
                 self.transfers.append(_Transfer(aggregate, count))
@@ -513,14 +511,14 @@ class _Multigrid:
                 ends = _coarse_edges(aggregate, edges)
         self.smooth = []
         for level in self.levels[:-1]:
-            d = level.degree() if level is fine else level.degree
+            d = level.degree
             self.smooth.append(np.where(d > 0, self.OMEGA / np.where(d > 0, d, 1), 0).astype(np.float32))
-        self._x = [np.empty(getattr(level, "shape", None) or level.size, np.float32) for level in self.levels[:-1]]
-        self._work = [np.empty_like(x) for x in self._x]
+        self._x = [np.empty_like(s) for s in self.smooth]
+        self._work = [np.empty_like(s) for s in self.smooth]
         # the coarsest level's nodes with an edge (at most COARSEST: a level whose next has no aggregate has
         # no edge at all): its pseudo-inverse, 0 on the others (their rows of K are 0)
         last = self.levels[-1]
-        self._alive = np.flatnonzero((degree if last is fine else last.degree) > 0)
+        self._alive = np.flatnonzero(last.degree > 0)
         self.coarsest = np.linalg.pinv(self._dense(last, self._alive), rcond=self.RCOND, hermitian=True).astype(
             np.float32
         )
@@ -562,8 +560,7 @@ class _RegionMeans:
 
     def __init__(self, labels: np.ndarray, count: int):
         self.labels, self.count = labels, count
-        self.inside = labels > 0
-        self.weight = self.inside.astype(np.float32)
+        self.weight = (labels > 0).astype(np.float32)
         self.sizes = np.bincount(labels.ravel(), minlength=count + 1).astype(np.float64)
 
     def __call__(self, v: np.ndarray) -> np.ndarray:
@@ -640,24 +637,21 @@ def solve_log_distance(data: MergeData, x0: np.ndarray, rtol: float = 1e-6, maxi
     if norm_rhs == 0.0:  # M x = 0: the constants per region are the minimisers; keep x0's
         x -= project(x.copy())
         return SolveResult(x, 0, 0.0, True)
-    precondition = _Multigrid(system.wx, system.wy)
+    precondition = _Multigrid(system.gradient_term)
     r64 = np.empty_like(x)
     q = np.empty(x.shape, np.float32)
     step = np.empty_like(q)
     stop = rtol * norm_rhs
 
-    def true_residual(x_is_zero: bool = False) -> float:
+    def true_residual() -> float:
         """r = rhs - M x from float64 (projected); returns its norm."""
-        if x_is_zero:  # M 0 = 0: merge_distance_maps' start saves one float64 product
-            np.copyto(r64, system.rhs)
-        else:
-            np.subtract(system.rhs, system.apply(x, out=r64), out=r64)
+        np.subtract(system.rhs, system.apply(x, out=r64), out=r64)
         project(r64)
         np.copyto(r, r64)
         return float(np.linalg.norm(r64))
 
     r = np.empty(x.shape, np.float32)
-    norm_r = replaced = true_residual(x_is_zero=not np.any(x[project.inside]))  # the rest do not enter M x
+    norm_r = replaced = true_residual()
     exact = True  # r is the true residual
     p = precondition(r).copy()
     iteration = 0

@@ -7,16 +7,18 @@ the angle of view), so that an image model sees structure everywhere.
 
 `render_panorama(width, height)` gives the equirectangular picture and the exact distance per pixel centre;
 `render_view(camera, size)` the exact distance map of one perspective view (what a perfect model would
-predict for that view), and `plane_of` which plane each direction hits.
+predict for that view), and `plane_of` which plane each direction hits. `recording_upstream_lsmr()` records
+the least squares that upstream's panorama merge hands to `lsmr` (its equations, to score merges on).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ROOM_PLANES", "RoomRender", "room_distance", "render_panorama", "render_view"]
+__all__ = ["ROOM_PLANES", "RoomRender", "recording_upstream_lsmr", "room_distance", "render_panorama", "render_view"]
 
 # (axis, offset, colour A, colour B, checker size m): the plane {p[axis] = offset} in metres from the viewpoint.
 ROOM_PLANES = (
@@ -123,3 +125,23 @@ class RoomOracle:
         from ..panorama import predict_panorama
 
         return predict_panorama(self, image, **options)
+
+
+@contextmanager
+def recording_upstream_lsmr():
+    """Within the block, upstream's `moge.utils.panorama.lsmr` (what its `merge_panorama_depth` solves with)
+    also records its last call's A and b, as given, in the dict it yields ("a", "b"); costs nothing more.
+    Upstream's own `lsmr` is put back on leaving, also on an error."""
+    import moge.utils.panorama as upstream
+
+    real, seen = upstream.lsmr, {}
+
+    def recording_lsmr(a, b, **options):
+        seen["a"], seen["b"] = a, b
+        return real(a, b, **options)
+
+    upstream.lsmr = recording_lsmr
+    try:
+        yield seen
+    finally:
+        upstream.lsmr = real
