@@ -306,6 +306,8 @@ class TtnnGraph:
         self.num_cores = grid.x * grid.y
         self.dram = T.DRAM_MEMORY_CONFIG
         self.encoder_in_l1, self.chained = self._placement()
+        # chained decoder: stack key -> whether its level-0 input 1x1 conv is folded into the level-0 upsample
+        self.level0_folds = dict(self._level0_folds()) if self.chained else {}
         self.act_mem = T.L1_MEMORY_CONFIG if self.encoder_in_l1 else T.DRAM_MEMORY_CONFIG
         arch = device.arch()
 
@@ -447,9 +449,18 @@ class TtnnGraph:
                 name = key[:-2]
                 if self.chained and not name.endswith(".0"):  # 1x1 convs on sharded maps: conv2d's own
                     self._host_conv(name, a[key].T[:, :, None, None], a[name + ".b"])
-                else:  # 1x1 convs as matmuls
+                elif not (name.endswith(".in.0") and self.level0_folds.get(name[: -len(".in.0")])):
+                    # 1x1 convs as matmuls (the folded level-0 input convs live in the upsample's weights)
                     w[key] = self._tensor(a[key], f.decoder_weights)
                     w[name + ".b"] = self._tensor(a[name + ".b"], act, (1, -1))
+                    if self.chained:  # on the level-0 map (the token grid), with an explicit config
+                        self.pc[name] = self._planner.config(
+                            p["grid_tokens"],
+                            *a[key].shape,
+                            in0=f.activations,
+                            in1=f.decoder_weights,
+                            out=f.activations,
+                        )
             elif key.endswith(".w") and a[key].ndim == 4:  # 3x3 convs, conv transposes, the finest fold
                 self._host_conv(key[:-2], a[key], a.get(key[:-2] + ".b"))
         if self.chained:
@@ -471,7 +482,7 @@ class TtnnGraph:
 
     def _load_level0_upsamples(self) -> None:
         a, f = self.prepared.arrays, self.formats
-        for key, fold in self._level0_folds():
+        for key, fold in self.level0_folds.items():
             before = (a[f"{key}.in.0.w"], a[f"{key}.in.0.b"]) if fold else None
             w, b = convt_as_matmul(a[f"{key}.up.0.convt.w"], a[f"{key}.up.0.convt.b"], before)
             self.w[f"{key}.up0.w"] = self._tensor(w, f.decoder_weights)
@@ -674,22 +685,11 @@ class TtnnGraph:
     def _matmul1x1(self, x, key: str):
         """A 1x1 conv over (1, 1, pixels, C) as a matmul (the safe graph's, and the heads' level-0 inputs)."""
         T = self.ttnn
-        pc = None
-        if self.chained:
-            f, weight = self.formats, self.prepared.arrays[key + ".w"]
-            pc = self._planner.config(
-                self.plan["grid_tokens"],
-                weight.shape[0],
-                weight.shape[1],
-                in0=f.activations,
-                in1=f.decoder_weights,
-                out=f.activations,
-            )
         return T.linear(
             x,
             self.w[key + ".w"],
             bias=self.w[key + ".b"],
-            program_config=pc,
+            program_config=self.pc.get(key),  # set at load in the chained decoder; else ttnn chooses
             compute_kernel_config=self.ck_decoder,
             dtype=self._dt(self.formats.activations),
             memory_config=self.act_mem if self.chained else self.dram,
@@ -923,12 +923,11 @@ class TtnnGraph:
             T.deallocate(x)
         if self.chained:
             finest = T.reallocate(finest)
-        folded = dict(self._level0_folds()) if self.chained else {}
         for head in p["heads"]:
             key = f"head.{head['name']}"
             h = None  # the head's map, or one of neck_out (then not ours to free)
             for i in range(last):
-                if i == 0 and folded.get(key):  # the level-0 input conv is inside the upsample's matmul
+                if i == 0 and self.level0_folds.get(key):  # the level-0 input conv is inside the upsample's matmul
                     h = self._upsample0(neck_out[0], key)
                     continue
                 feature = self._one_by_one(neck_out[i], f"{key}.in.{i}", i) if head["inputs"][i] else neck_out[i]
