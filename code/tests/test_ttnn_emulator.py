@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .ttnn_emulator import TtnnEmulator, approx_exp, round_bf16, src_parts, truncate_bits
+from .ttnn_emulator import FIDELITY_BITS, TtnnEmulator, approx_exp, fidelity_operands, round_bf16, truncate_bits
 
 
 def _significant_bits(t: torch.Tensor) -> int:
@@ -25,16 +25,6 @@ def _significant_bits(t: torch.Tensor) -> int:
             return k
         bits = k
     return bits + 1
-
-
-def test_operand_parts_are_what_one_pass_and_the_next_read():
-    x = torch.randn(4096) * 10
-    for register, first, total in (("A", 5, 10), ("B", 7, 11)):
-        parts = src_parts(x, register)
-        assert _significant_bits(parts["hi"]) <= first
-        assert torch.equal(parts["hi"] + parts["lo"], truncate_bits(x, total))  # exact: no bits lost in the split
-        assert torch.all(parts["hi"].abs() <= x.abs()) and torch.all(parts["lo"] * x >= 0)  # cut toward zero
-    assert torch.equal(truncate_bits(torch.tensor([1.99609375]), 8), torch.tensor([1.9921875]))
 
 
 def _linear(emulator, x, w, fidelity, fp32=True, program_config=None, dtype="bfloat16"):
@@ -53,6 +43,12 @@ def _linear(emulator, x, w, fidelity, fp32=True, program_config=None, dtype="bfl
 
 
 def test_matmul_fidelity_passes():
+    v = torch.randn(4096) * 10
+    for fidelity, (bits_a, bits_b) in FIDELITY_BITS.items():  # (SrcA = weights, SrcB = activations)
+        act, wt = fidelity_operands(v, v, fidelity)
+        assert _significant_bits(wt) <= bits_a and _significant_bits(act) <= bits_b
+        assert torch.all(act.abs() <= v.abs()) and torch.all(act * v >= 0)  # cut toward zero
+    assert torch.equal(truncate_bits(torch.tensor([1.99609375]), 8), torch.tensor([1.9921875]))
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(64, 128, generator=gen), torch.randn(128, 32, generator=gen)
     T = TtnnEmulator()

@@ -115,28 +115,7 @@ class _Inert:
         return f"{type(self).__name__}({fields})"
 
 
-class ShardOrientation(enum.Enum):
-    ROW_MAJOR = 0
-    COL_MAJOR = 1
-
-
-class MemoryConfig:
-    """Where a tensor lives; the emulator keeps it for `memory_config()` and `is_sharded()` only."""
-
-    def __init__(self, memory_layout=None, buffer_type=None, shard_spec=None):
-        self.memory_layout = TensorMemoryLayout.INTERLEAVED if memory_layout is None else memory_layout
-        self.buffer_type = BufferType.DRAM if buffer_type is None else buffer_type
-        self.shard_spec = shard_spec
-
-    def __repr__(self):
-        return f"MemoryConfig({self.memory_layout}, {self.buffer_type}, {self.shard_spec})"
-
-
-class ShardSpec(_Inert):
-    pass
-
-
-class CoreRange(_Inert):
+class MemoryConfig(_Inert):
     pass
 
 
@@ -167,15 +146,7 @@ class MatmulMultiCoreReuseMultiCastProgramConfig(_Inert):
     pass
 
 
-class MatmulMultiCoreReuseMultiCast1DProgramConfig(_Inert):
-    pass
-
-
 class SDPAProgramConfig(_Inert):
-    pass
-
-
-class LayerNormShardedMultiCoreProgramConfig(_Inert):
     pass
 
 
@@ -239,15 +210,6 @@ def truncate_bits(t: torch.Tensor, bits: int) -> torch.Tensor:
     """float32 values keeping `bits` significant bits (the implicit one included), the rest cut toward zero."""
     i = t.float().contiguous().view(torch.int32)
     return (i & ~((1 << (24 - bits)) - 1)).view(torch.float32)
-
-
-def src_parts(t: torch.Tensor, register: str) -> dict:
-    """A matrix-engine operand split into what one fidelity pass uses ("hi") and what the next adds ("lo").
-    register "A" (weights: 5 + 5 bits of a 10-bit TF32 significand), "B" (activations: 7 + 4 of 11)."""
-    first, total = (5, 10) if register == "A" else (7, 11)
-    x = truncate_bits(t, total)
-    hi = truncate_bits(x, first)
-    return {"hi": hi, "lo": x - hi}
 
 
 def fidelity_operands(x: torch.Tensor, w: torch.Tensor, fidelity: str) -> tuple:
@@ -344,14 +306,11 @@ class TtnnEmulator:
         self.TILE_LAYOUT, self.ROW_MAJOR_LAYOUT = Layout.TILE, Layout.ROW_MAJOR
         self.Layout = Layout
         self.TensorMemoryLayout, self.BufferType = TensorMemoryLayout, BufferType
-        self.DRAM_MEMORY_CONFIG = MemoryConfig(TensorMemoryLayout.INTERLEAVED, BufferType.DRAM)
-        self.L1_MEMORY_CONFIG = MemoryConfig(TensorMemoryLayout.INTERLEAVED, BufferType.L1)
-        self.L1_HEIGHT_SHARDED_MEMORY_CONFIG = MemoryConfig(TensorMemoryLayout.HEIGHT_SHARDED, BufferType.L1)
-        self.L1_BLOCK_SHARDED_MEMORY_CONFIG = MemoryConfig(TensorMemoryLayout.BLOCK_SHARDED, BufferType.L1)
-        self.MemoryConfig, self.ShardSpec, self.ShardOrientation = MemoryConfig, ShardSpec, ShardOrientation
-        self.CoreRange, self.CoreRangeSet = CoreRange, CoreRangeSet
-        self.MatmulMultiCoreReuseMultiCast1DProgramConfig = MatmulMultiCoreReuseMultiCast1DProgramConfig
-        self.LayerNormShardedMultiCoreProgramConfig = LayerNormShardedMultiCoreProgramConfig
+        self.DRAM_MEMORY_CONFIG = MemoryConfig(
+            memory_layout=TensorMemoryLayout.INTERLEAVED, buffer_type=BufferType.DRAM
+        )
+        self.L1_MEMORY_CONFIG = MemoryConfig(memory_layout=TensorMemoryLayout.INTERLEAVED, buffer_type=BufferType.L1)
+        self.MemoryConfig = MemoryConfig
         self.num = _Numerics(exact)
         self.MathFidelity, self.UnaryOpType, self.UnaryWithParam = MathFidelity, UnaryOpType, UnaryWithParam
         self.CoreCoord, self.CoreGrid = CoreCoord, CoreGrid
@@ -363,7 +322,6 @@ class TtnnEmulator:
         self.Conv2dL1FullSliceConfig = Conv2dSliceConfig(slice_type=SliceType.L1Full)
         emulator = self
         self.Tensor = type("Tensor", (EmulatedTensor,), {"_emulator": emulator})
-        self.experimental = types.SimpleNamespace()
         self.transformer = types.SimpleNamespace(
             split_query_key_value_and_split_heads=self._recorded(self._split_heads),
             scaled_dot_product_attention=self._recorded(self._sdpa),
@@ -463,19 +421,14 @@ class TtnnEmulator:
         if on_device and t.device is None:
             raise RuntimeError(f"{name}: tensor must be on the device")
 
-    @property
-    def _exact_mode(self) -> bool:
-        return self.exact
-
     def _activation(self, x: torch.Tensor, act) -> torch.Tensor:
         if act is None:
             return x
         op = act.op_type if isinstance(act, UnaryWithParam) else act
         if op in (UnaryOpType.RELU, "relu"):
             return torch.relu(x)
-        if op in (UnaryOpType.GELU, "gelu"):  # a parameter of 1: ttnn's fast approximate GELU (tanh form here)
-            params = getattr(act, "params", ()) or (0.0,)
-            return F.gelu(x, approximate="tanh" if params[0] and not self._exact_mode else "none")
+        if op in (UnaryOpType.GELU, "gelu"):  # graph.py passes a parameter of 0: the exact (erf) GELU
+            return F.gelu(x)
         raise ValueError(f"activation {act!r} not emulated")
 
     # ----------------------------------------------------------------------------------- tensor moves
@@ -530,9 +483,9 @@ class TtnnEmulator:
         self._count("typecast")
         return self._new(t.data, dtype, t.layout, t.device, kwargs.get("memory_config"))
 
-    def to_memory_config(self, t, memory_config, dtype=None, **_):
+    def to_memory_config(self, t, memory_config, **_):
         self._check(t, "to_memory_config")
-        out = t._copy() if dtype is None else self._new(t.data, dtype, t.layout, t.device)
+        out = t._copy()
         out.mem = memory_config
         return out
 
