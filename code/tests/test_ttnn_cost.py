@@ -1,4 +1,4 @@
-"""The Tenstorrent cost model (`tt_moge.runners.ttnn.cost`) on device operations that ttnn 0.81.1's graph capture
+"""The Tenstorrent cost model (`tt_moge.ttnn_tools.cost`) on device operations that ttnn 0.81.1's graph capture
 recorded on the mock P150 (tests/data/ttnn_captures: a 2D-multicast matmul, SDPA, a height-sharded 3x3 conv), and
 on synthetic op lists: the capture is parsed into what each op moves and computes, and each cost follows the
 formula the module documents (so a change to a formula, a constant or the parser shows up here). The whole
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tt_moge.runners.ttnn import cost
-from tt_moge.runners.ttnn.cost import (
+from tt_moge.ttnn_tools import cost
+from tt_moge.ttnn_tools.cost import (
     BLACKHOLE_P150,
     DeviceOp,
     TensorInfo,

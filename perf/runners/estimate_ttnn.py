@@ -1,7 +1,7 @@
 """Tenstorrent without a chip: the estimated latency of `model(array)` at the spec case (ViT-L, 1920x1080 canvas,
 1800 tokens, a 1920x1080 uint8 array), part estimated, part measured on this machine.
 
-* device forward: the cost model's estimate (`tt_moge.runners.ttnn.cost`) of the graph the mock P150 ran, read
+* device forward: the cost model's estimate (`tt_moge.ttnn_tools.cost`) of the graph the mock P150 ran, read
   from a `scripts/tt-mock-check --json` report (`--report`), or from a fresh mock check when the mock is set up;
 * PCIe: the patch matrix up and the finest maps down, in the bytes the graph moves, at the cost model's link rate;
 * host, measured here (medians of --runs): the Tenstorrent runner's own steps (`runner.patch_matrix`: the
@@ -120,10 +120,10 @@ def main() -> None:
 
     from tt_moge import MoGeModel
     from tt_moge.host import CallOptions
-    from tt_moge.runners.ttnn.cost import BLACKHOLE_P150
     from tt_moge.runners.ttnn.prepare import prepare_weights
     from tt_moge.runners.ttnn.runner import patch_matrix, raw_maps
     from tt_moge.testing import make_checkpoint, make_network
+    from tt_moge.ttnn_tools.cost import BLACKHOLE_P150
 
     torch.set_num_threads(os.cpu_count() or 1)
     report = _mock_report(args.report)

@@ -1,8 +1,9 @@
 """The Tenstorrent (ttnn) runner: weight preparation and host steps (`prepare`, torch only inside
 `prepare_weights`), the device graph (`graph`, numpy + an injected ttnn module), finding and opening a chip
-(`device`), the runner the API uses (`runner.TtnnRunner`, torch on the host side) and the mock-device check
-(`mock_check`). Importing this package imports neither torch nor ttnn (the mock check runs where there is no
-torch); `runner` is imported by `runners.make_runner` only for a Tenstorrent device."""
+(`device`) and the runner the API uses (`runner.TtnnRunner`, torch on the host side); the mock-device check
+and the cost model are tools beside it (`tt_moge.ttnn_tools`), never imported by it. Importing this package
+imports neither torch nor ttnn (the mock check runs where there is no torch); `runner` is
+imported by `runners.make_runner` only for a Tenstorrent device."""
 
 from .graph import FORMATS, Formats, TtnnGraph
 from .prepare import Prepared, host_input, host_output, prepare_weights

@@ -1,11 +1,12 @@
 """Run the whole ttnn graph on a (mock) Tenstorrent device and report what ran and the peak L1 per core.
 
-    python -m tt_moge.runners.ttnn.mock_check --prepared vitl-1920x1080-1800.npz
-    python code/tt_moge/runners/ttnn/mock_check.py --prepared FILE.npz            # from a checkout, no torch
-    python code/tt_moge/runners/ttnn/mock_check.py --prepared FILE.npz --oversize --expect-refusal
+    python -m tt_moge.ttnn_tools.mock_check --prepared vitl-1920x1080-1800.npz
+    python code/tt_moge/ttnn_tools/mock_check.py --prepared FILE.npz            # from a checkout, no torch
+    python code/tt_moge/ttnn_tools/mock_check.py --prepared FILE.npz --oversize --expect-refusal
 
 numpy + ttnn only (the mock P150 runs in a Python with ttnn and without torch). Run by path, the file loads
-`tt_moge.runners.ttnn` without executing `tt_moge/__init__.py` (which imports torch): see `_package_shim`.
+`tt_moge.runners.ttnn` and `tt_moge.ttnn_tools` without executing `tt_moge/__init__.py` (which imports torch):
+see `_package_shim`.
 
 Steps: open the device, `TtnnGraph.load()` (weights up, one forward on a zero input so the conv weights are
 prepared), one steady-state forward of a synthetic canvas under ttnn's graph capture (NORMAL mode: the ops
@@ -44,13 +45,13 @@ REFUSAL_SIGNS = ("beyond max L1 size", "clash with L1 buffers", "Out of Memory",
 
 
 def _package_shim() -> None:
-    """Make `tt_moge.runners.ttnn` importable without running `tt_moge/__init__.py` and
-    `tt_moge/runners/__init__.py` (both import torch): register those two packages as empty modules whose
+    """Make `tt_moge.runners.ttnn` and `tt_moge.ttnn_tools` importable without running `tt_moge/__init__.py`
+    and `tt_moge/runners/__init__.py` (both import torch): register those two packages as empty modules whose
     `__path__` is their folder. Only used when this file is run by path."""
     here = Path(__file__).resolve().parent
     if sys.path and Path(sys.path[0]).resolve() == here:
-        sys.path.pop(0)  # this folder's graph.py / prepare.py must not shadow top-level modules
-    root = here.parents[2]  # the folder holding tt_moge/
+        sys.path.pop(0)  # this folder's cost.py / mock_check.py must not shadow top-level modules
+    root = here.parents[1]  # the folder holding tt_moge/
     for name, folder in (("tt_moge", root / "tt_moge"), ("tt_moge.runners", root / "tt_moge" / "runners")):
         if name not in sys.modules:
             module = types.ModuleType(name)
@@ -60,22 +61,22 @@ def _package_shim() -> None:
 
 if __package__ in (None, ""):
     _package_shim()
-    from tt_moge.runners.ttnn.cost import (
+    from tt_moge.runners.ttnn.graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
+    from tt_moge.runners.ttnn.prepare import Prepared, host_input, host_output
+    from tt_moge.ttnn_tools.cost import (
         PUBLISHED_HIRES_VIT_MS,
         OpRecorder,
         calibration_table,
         estimate,
         fit_calibration,
     )
-    from tt_moge.runners.ttnn.graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
-    from tt_moge.runners.ttnn.hires_vit import LAYERS, HiresVitLayer
-    from tt_moge.runners.ttnn.prepare import Prepared, host_input, host_output
-    from tt_moge.runners.ttnn.unet_shallow import PUBLISHED_E2E_MS, UnetShallow
+    from tt_moge.ttnn_tools.hires_vit import LAYERS, HiresVitLayer
+    from tt_moge.ttnn_tools.unet_shallow import PUBLISHED_E2E_MS, UnetShallow
 else:
+    from ..runners.ttnn.graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
+    from ..runners.ttnn.prepare import Prepared, host_input, host_output
     from .cost import PUBLISHED_HIRES_VIT_MS, OpRecorder, calibration_table, estimate, fit_calibration
-    from .graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
     from .hires_vit import LAYERS, HiresVitLayer
-    from .prepare import Prepared, host_input, host_output
     from .unet_shallow import PUBLISHED_E2E_MS, UnetShallow
 
 
