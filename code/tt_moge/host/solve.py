@@ -13,7 +13,6 @@ across one), so our objective value is at least as low.
 `fov_x` given: the focal is fixed and only the shift is solved. Known intrinsics (`recover_shift`): focal
 lengths and principal point are fixed; their projection onto the canvas view plane (`view_plane_camera`) turns
 the problem into the same shift-only solve (x scaled by fx, y by fy, uv moved by the principal point's offset).
-`solve_shared_focal`: one focal for the samples of several images, each with its own shift (a video's frames).
 `recover_camera` runs the same algorithm in C++ (moge_host.cpp) when the native host library is in use; the
 numpy functions here are the reference (tests/test_native.py compares the two and both against upstream).
 """
@@ -42,7 +41,7 @@ __all__ = [
     "recover_camera",
     "recover_shift",
     "view_plane_camera",
-    "solve_shared_focal",
+    "fast_solve_shift",
     "native_solve",
 ]
 
@@ -311,8 +310,8 @@ def view_plane_camera(intrinsics: np.ndarray, plan: CanvasPlan) -> tuple[float, 
     return w * fx / half, h * fy / half, (x0 + w * cx - cw / 2) / half, (y0 + h * cy - ch / 2) / half
 
 
-def _solve_shift_fast(uv: np.ndarray, xyz: np.ndarray, focal: float) -> float:
-    """solve_shift, by the native solver when the native host library is in use (same algorithm)."""
+def fast_solve_shift(uv: np.ndarray, xyz: np.ndarray, focal: float) -> float:
+    """`solve_shift`, by the native solver when the native host library is in use (the same algorithm)."""
     if len(uv) < 2:
         return 0.0
     if native.library() is not None:
@@ -332,34 +331,4 @@ def recover_shift(
         mask = mask > MASK_THRESHOLD
     uv, xyz = solve_samples(points, mask, plan.content_box)
     fx, fy, ox, oy = view_plane_camera(intrinsics, plan)
-    return _solve_shift_fast(uv - (ox, oy), xyz * (fx, fy, 1.0), 1.0)
-
-
-def solve_shared_focal(samples: list, grid: int = 24) -> tuple[float, list]:
-    """One focal for several images' samples [(uv (N, 2), xyz (N, 3))], each image with its own shift:
-    minimise sum_k min_s objective_k(focal, s) over the focal. Returns (focal, [shift_k]).
-
-    The sum is evaluated on `grid` log-spaced focals spanning the images' own best focals (their free solves)
-    with a 25 % margin, then refined by a bounded Brent search between the best point's neighbours. Images whose
-    free solve gives no positive focal (too few samples, degenerate geometry) still count in the sum."""
-    from scipy.optimize import minimize_scalar
-
-    samples = [(uv, xyz) for uv, xyz in samples if len(uv) >= 2]
-    if not samples:
-        raise ValueError("samples: no image has two or more valid samples to solve a focal on")
-    own = [solve_focal_shift(uv, xyz)[0] for uv, xyz in samples]
-    own = [f for f in own if math.isfinite(f) and f > 0] or [1.0]
-    low, high = math.log(min(own) / 1.25), math.log(max(own) * 1.25)
-
-    def total(log_focal: float) -> float:
-        focal = math.exp(log_focal)
-        return sum(objective(uv, xyz, _solve_shift_fast(uv, xyz, focal), focal) for uv, xyz in samples)
-
-    logs = np.linspace(low, high, grid)
-    costs = [total(x) for x in logs]
-    k = int(np.argmin(costs))
-    lo, hi = logs[max(k - 1, 0)], logs[min(k + 1, grid - 1)]
-    best = minimize_scalar(total, bounds=(lo, hi), method="bounded", options={"xatol": 1e-7})
-    log_focal = float(best.x) if best.fun <= costs[k] else float(logs[k])
-    focal = math.exp(log_focal)
-    return focal, [_solve_shift_fast(uv, xyz, focal) for uv, xyz in samples]
+    return fast_solve_shift(uv - (ox, oy), xyz * (fx, fy, 1.0), 1.0)

@@ -149,7 +149,10 @@ class VideoOracle:
         """(H, W) factors 1 + a (1 + m / z) for the lateral coordinates: m makes the distortion orthogonal to the
         shift's direction on the valid pixels; a is found (secant steps on the free solve's focal) so that the
         free solve lands at (1 + focal_error) x the undistorted focal."""
-        from ..host.solve import solve_focal_shift
+        from .. import native
+        from ..host.solve import native_solve, solve_focal_shift
+
+        solve = native_solve if native.library() is not None else solve_focal_shift  # the same solver, faster
 
         z = points[..., 2]
         ray2 = np.where(valid, (points[..., 0] ** 2 + points[..., 1] ** 2) / np.where(valid, z * z, 1.0), 0.0)
@@ -164,7 +167,7 @@ class VideoOracle:
         def focal(a: float) -> float:
             distorted = xyz.copy()
             distorted[:, :2] *= (1.0 + a * shape[::step, ::step][sub])[:, None]
-            return solve_focal_shift(uv_true, distorted)[0]
+            return solve(uv_true, distorted)[0]
 
         target, f0 = 1.0 + focal_error, focal(0.0)
         a0, a1 = 0.0, -focal_error

@@ -24,6 +24,7 @@ VIDEO_NPZ_LAYOUT: dict = {
     "intrinsics": ("float32", "(3, 3)", "the clip's normalised intrinsics (fx, cx by width; fy, cy by height)"),
     "intrinsics_pixels": ("float32", "(3, 3)", "the same in pixels"),
     "frame_intrinsics": ("float32", "(N, 3, 3)", "each frame's normalised intrinsics (differ only with window)"),
+    "frame_intrinsics_pixels": ("float32", "(N, 3, 3)", "the same in pixels"),
     "poses": ("float64", "(N, 4, 4)", "camera-to-world, metres; NaN where registration failed"),
     "scale": ("float64", "(N,)", "the metric scale applied to each frame"),
     "model_scale": ("float64", "(N,)", "the metric scale the model predicted for each frame alone"),
@@ -84,7 +85,7 @@ class VideoFrame:
 @dataclass(repr=False, eq=False)
 class VideoOutput:
     """The result for a clip (see the module docstring). Per frame (N of them): frame_intrinsics (N, 3, 3)
-    normalised, poses (N, 4, 4), scale (N,), model_scale (N,), registered (N,) bool, inliers (N,), residual
+    normalised and frame_intrinsics_pixels (N, 3, 3), poses (N, 4, 4), scale (N,), model_scale (N,), registered (N,) bool, inliers (N,), residual
     (N,) (root mean square of the registration's inlier residuals / depth), failures (None or why),
     source_frames (N,), times (N,) seconds. The clip: intrinsics / intrinsics_pixels (3, 3) (of its first
     frame: the clip's, unless `window` re-estimated them), size (width, height), fps (None: unknown),
@@ -97,6 +98,7 @@ class VideoOutput:
     size: tuple
     fps: Optional[float]
     frame_intrinsics: np.ndarray
+    frame_intrinsics_pixels: np.ndarray
     poses: np.ndarray
     scale: np.ndarray
     model_scale: np.ndarray
@@ -127,8 +129,7 @@ class VideoOutput:
 
     @property
     def intrinsics_pixels(self) -> np.ndarray:
-        w, h = self.size
-        return (self.frame_intrinsics[0].astype(np.float64) * np.array([[w], [h], [1.0]])).astype(np.float32)
+        return self.frame_intrinsics_pixels[0].astype(np.float32)
 
     @property
     def path_length(self) -> float:
@@ -182,6 +183,7 @@ class VideoOutput:
             "intrinsics": self.intrinsics,
             "intrinsics_pixels": self.intrinsics_pixels,
             "frame_intrinsics": self.frame_intrinsics,
+            "frame_intrinsics_pixels": self.frame_intrinsics_pixels,
             "poses": self.poses,
             "scale": self.scale,
             "model_scale": self.model_scale,

@@ -45,7 +45,7 @@ from .output import VideoFrame, VideoOutput
 from .registration import Registration, Tracker
 from .source import open_source
 
-__all__ = ["predict_video", "iter_video", "VideoStream", "DEFAULT_CHUNK", "split_options"]
+__all__ = ["predict_video", "iter_video", "VideoStream", "DEFAULT_CHUNK", "split_options", "video_signature"]
 
 DEFAULT_CHUNK = 4  # frames per predict_many call of the real pass (its outputs are in memory at once)
 _END = object()
@@ -61,14 +61,16 @@ def split_options(where: str, options: dict) -> tuple:
     return call, video
 
 
-def _signature(leading: tuple, returns: Any) -> inspect.Signature:
+def video_signature(leading: tuple, returns: Any = inspect.Signature.empty) -> inspect.Signature:
+    """A video call's signature: the `leading` parameters, then the options of CallOptions and VideoOptions
+    (keyword-only), as `predict_video`, `iter_video` and `MoGeModel.predict_video` have it."""
     call, video = signature(CallOptions), signature(VideoOptions)
     return inspect.Signature(
         [*leading, *call.parameters.values(), *video.parameters.values()], return_annotation=returns
     )
 
 
-_SIGNATURE = _signature((), inspect.Signature.empty)
+_SIGNATURE = video_signature(())
 
 
 class VideoStream:
@@ -252,7 +254,7 @@ class _ChainState:
         self.reference_pose = np.eye(4)
         self.depth_range = (math.nan, math.nan)
         self.calibrations: list = []
-        self.rows: list = []  # per frame: (source index, time, pose, scale, model scale, registration, intrinsics)
+        self.rows: list = []  # per frame: (source index, time, pose, scale, model scale, registration, (K, K pixels))
         self.records: list = []
         self.kept: list = []
         self.size: Optional[tuple] = None
@@ -296,21 +298,23 @@ class _ChainState:
         frame = VideoFrame(
             index, source_index, time_s, rgb, out, pose, out.metric_scale, model_scale, registration, self.depth_range
         )
-        self.rows.append((source_index, time_s, pose, out.metric_scale, model_scale, registration, out.intrinsics))
+        cameras = (out.intrinsics.copy(), out.intrinsics_pixels.copy())  # not the output: its maps must not stay
+        self.rows.append((source_index, time_s, pose, out.metric_scale, model_scale, registration, cameras))
         self.records.append(frame.record())
         return frame
 
     def output(self, name: str, fps: Optional[float], seconds: dict) -> VideoOutput:
         if not self.rows:
             raise InputError("source: no frames")
-        source_frames, times, poses, scale, model_scale, regs, intrinsics = zip(*self.rows)
+        source_frames, times, poses, scale, model_scale, regs, cameras = zip(*self.rows)
         points, colours, _ = self.cloud.result()
         kept = self.kept or None
         return VideoOutput(
             name=name,
             size=self.size,
             fps=fps,
-            frame_intrinsics=np.stack(intrinsics).astype(np.float32),
+            frame_intrinsics=np.stack([c[0] for c in cameras]).astype(np.float32),
+            frame_intrinsics_pixels=np.stack([c[1] for c in cameras]).astype(np.float32),
             poses=np.stack(poses),
             scale=np.array(scale),
             model_scale=np.array(model_scale),
@@ -355,10 +359,10 @@ def predict_video(model: Any, source: Any, **options: Any) -> VideoOutput:
 
 
 param = inspect.Parameter
-predict_video.__signature__ = _signature(
+predict_video.__signature__ = video_signature(
     (param("model", param.POSITIONAL_OR_KEYWORD), param("source", param.POSITIONAL_OR_KEYWORD)), VideoOutput
 )
-iter_video.__signature__ = _signature(
+iter_video.__signature__ = video_signature(
     (param("model", param.POSITIONAL_OR_KEYWORD), param("source", param.POSITIONAL_OR_KEYWORD)), VideoStream
 )
 del param
