@@ -85,8 +85,9 @@ class VideoFrame:
 @dataclass(repr=False, eq=False)
 class VideoOutput:
     """The result for a clip (see the module docstring). Per frame (N of them): frame_intrinsics (N, 3, 3)
-    normalised and frame_intrinsics_pixels (N, 3, 3), poses (N, 4, 4), scale (N,), model_scale (N,), registered (N,) bool, inliers (N,), residual
-    (N,) (root mean square of the registration's inlier residuals / depth), failures (None or why),
+    normalised and frame_intrinsics_pixels (N, 3, 3), poses (N, 4, 4), scale (N,), model_scale (N,),
+    registered (N,) bool, inliers (N,), residual (N,) (root mean square of the registration's inlier
+    residuals / depth), failures (None or why),
     source_frames (N,), times (N,) seconds. The clip: intrinsics / intrinsics_pixels (3, 3) (of its first
     frame: the clip's, unless `window` re-estimated them), size (width, height), fps (None: unknown),
     cloud_points (M, 3) float32 world metres and cloud_colors (M, 3) uint8 (the fused, voxel-averaged cloud),
