@@ -287,3 +287,85 @@ def add_video_routes(app: FastAPI, serving: Serving, responses: dict) -> None:
         check_query(request, names)
         done = await predict_clip(serving, request, options, video, lambda r, d, m: r.summary())
         return serving.answer_json({**done.payload, "timing_ms": done.timing}, done.timing, done.ticket)
+
+
+# ------------------------------------------------------------------------------------------- the web page
+PAGE_VIEW_POINTS = 200_000  # points of the page's 3D scene at most (the cloud thinned evenly)
+CLIP_FILES = {
+    "view.glb": "model/gltf-binary",
+    "scene.glb": "model/gltf-binary",
+    "scene.ply": "application/octet-stream",
+    "poses.json": "application/json",
+    "trajectory.txt": "text/plain",
+    "clip.npz": NPZ_MEDIA_TYPE,
+}
+
+
+def make_clip_page_result(result: Any, depth: np.ndarray, mask: np.ndarray, store: Any) -> dict:
+    """On the request's host thread: the page's files of one clip, stored (`ui.ResultStore`) -> its record."""
+    from ..npzio import npz_bytes
+    from ..video.files import scene_files
+
+    entry = store.create()
+    try:
+        files = scene_files(result)
+        view = scene_files(result, max_points=PAGE_VIEW_POINTS)["scene.glb"]
+        files.update({"view.glb": view, "clip.npz": npz_bytes(clip_npz_arrays(result, depth, mask), compress=True)})
+        for name, data in files.items():
+            (entry.path / name).write_bytes(data)
+        store.added(entry, *(entry.path / name for name in files))
+    except BaseException:
+        store.drop(entry)
+        raise
+    finally:
+        store.release(entry)
+    base = f"/ui/clips/{entry.rid}/"
+    ahead = result.cloud_points[:, 2][result.cloud_points[:, 2] > 0]  # the world is the first camera's
+    first = float(np.median(ahead)) if ahead.size else None
+    return {
+        "id": entry.rid,
+        "kind": "video",
+        "summary": result.summary(),
+        "view": {
+            "url": base + "view.glb",
+            "points": int(min(len(result.cloud_points), PAGE_VIEW_POINTS)),
+            "cameras": int(result.registered.sum()),
+            "distance": first,
+        },
+        "downloads": {name: base + name for name in CLIP_FILES if name != "view.glb"},
+    }
+
+
+def add_video_page(router: Any, serving: Serving, store: Any) -> None:
+    """The web page's clip routes on its router (`ui.mount_ui`): POST /ui/api/predict_video (as POST
+    /predict/video/summary, plus the stored files' URLs) and GET /ui/clips/<id>/<file> (CLIP_FILES)."""
+    call_query, video_query = call_options_query(), options_query(VideoOptions)
+    names = (*CALL_OPTION_NAMES, *VIDEO_OPTION_NAMES)
+
+    @router.post("/ui/api/predict_video", dependencies=[Depends(serving.authorize)])
+    async def predict_video_page(
+        request: Request, options: CallOptions = Depends(call_query), video: VideoOptions = Depends(video_query)
+    ) -> Response:
+        check_query(request, names)
+        done = await predict_clip(
+            serving, request, options, video, lambda r, d, m: make_clip_page_result(r, d, m, store)
+        )
+        record = done.payload
+        record["summary"]["timing_ms"] = done.timing
+        return serving.answer_json(record, done.timing, done.ticket)
+
+    @router.get("/ui/clips/{rid}/{name}")
+    async def clip_file(rid: str, name: str) -> Response:
+        if name not in CLIP_FILES:
+            raise ApiError(404, "not_found", f"no clip file {name!r}; expected one of {sorted(CLIP_FILES)}")
+        entry = store.acquire(rid)
+        try:
+            path = entry.path / name
+            if not path.exists():
+                raise ApiError(404, "not_found", f"this result has no {name}")
+            headers = {"Cache-Control": "private, max-age=3600"}
+            if name != "view.glb":
+                headers["Content-Disposition"] = f'attachment; filename="{name}"'
+            return Response(path.read_bytes(), media_type=CLIP_FILES[name], headers=headers)
+        finally:
+            store.release(entry)

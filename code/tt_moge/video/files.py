@@ -39,7 +39,16 @@ from ..export import (
     write_text_atomic,
 )
 
-__all__ = ["ClipWriter", "VIDEO_FRAME_FORMATS", "CLIP_FILES", "FRAMES_FOLDER", "frame_folder", "scene_ply_bytes"]
+__all__ = [
+    "ClipWriter",
+    "VIDEO_FRAME_FORMATS",
+    "CLIP_FILES",
+    "FRAMES_FOLDER",
+    "frame_folder",
+    "scene_ply_bytes",
+    "scene_glb_bytes",
+    "scene_files",
+]
 
 VIDEO_FRAME_FORMATS = ("maps",)  # per-frame files by default: light (no per-frame mesh; scene.glb is the clip's 3D)
 FRAMES_FOLDER = "frames"
@@ -80,7 +89,7 @@ def scene_ply_bytes(points: np.ndarray, colours: np.ndarray, path: np.ndarray) -
     return header.encode("ascii") + vertex.tobytes() + edges.tobytes()
 
 
-def _scene_glb(points: np.ndarray, colours: np.ndarray, poses: np.ndarray, frustum: float) -> bytes:
+def scene_glb_bytes(points: np.ndarray, colours: np.ndarray, poses: np.ndarray, frustum: float) -> bytes:
     """A GLB: the cloud (POINTS), the camera path and the frusta of up to _FRUSTA cameras (LINES), OpenGL axes."""
     import trimesh
 
@@ -101,6 +110,26 @@ def _scene_glb(points: np.ndarray, colours: np.ndarray, poses: np.ndarray, frust
         path.colors = np.tile(np.array([*_PATH_COLOUR, 255], np.uint8), (len(path.entities), 1))
         geometry.append(path)
     return trimesh.Scene(geometry).export(file_type="glb")
+
+
+def scene_files(result: Any, max_points: Optional[int] = None) -> dict:
+    """{name: bytes} of a clip's poses.json, trajectory.txt, scene.ply and scene.glb (`max_points`: the cloud
+    thinned to at most that many points, evenly, as the web page's view does)."""
+    registered = result.registered
+    poses = result.poses[registered]
+    points, colours = result.cloud_points.astype(np.float64) * _OPENGL, result.cloud_colors
+    if max_points is not None and len(points) > max_points:
+        keep = np.linspace(0, len(points) - 1, max_points).astype(int)
+        points, colours = points[keep], colours[keep]
+    depth = np.nanmedian(-points[:, 2]) if len(points) else 1.0
+    frustum = 0.05 * float(depth) if math.isfinite(depth) and depth > 0 else 0.1
+    path = poses[:, :3, 3] * _OPENGL if len(poses) else np.zeros((0, 3))
+    return {
+        "poses.json": (json.dumps({"frames": result.records}, indent=1) + "\n").encode(),
+        "trajectory.txt": result.trajectory_tum().encode(),
+        "scene.ply": scene_ply_bytes(points, colours, path),
+        "scene.glb": scene_glb_bytes(points, colours, poses, frustum),
+    }
 
 
 class ClipWriter:
@@ -183,19 +212,13 @@ class ClipWriter:
         self._collect(0)
         self._close_video()
         self._shutdown()
-        registered = result.registered
-        poses = result.poses[registered]
         written = [f for f in ("depth.mp4",) if self.depth_video and (self.folder / f).exists()]
-        write_text_atomic(self.folder / "poses.json", json.dumps({"frames": result.records}, indent=1) + "\n")
-        write_text_atomic(self.folder / "trajectory.txt", result.trajectory_tum())
-        points = result.cloud_points.astype(np.float64) * _OPENGL
-        (self.folder / "scene.ply").write_bytes(
-            scene_ply_bytes(points, result.cloud_colors, poses[:, :3, 3] * _OPENGL if len(poses) else np.zeros((0, 3)))
-        )
-        depth = np.nanmedian(result.cloud_points[:, 2]) if len(result.cloud_points) else 1.0
-        frustum = 0.05 * float(depth) if math.isfinite(depth) and depth > 0 else 0.1
-        (self.folder / "scene.glb").write_bytes(_scene_glb(points, result.cloud_colors, poses, frustum))
-        written += ["poses.json", "trajectory.txt", "scene.ply", "scene.glb"]
+        for name, data in scene_files(result).items():
+            if name.endswith((".json", ".txt")):
+                write_text_atomic(self.folder / name, data.decode())
+            else:
+                (self.folder / name).write_bytes(data)
+            written.append(name)
         record = {
             **result.summary(),
             "frame_files": list(self.formats),
