@@ -37,7 +37,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from ..fields import bind, signature
-from ..host import CallOptions, InputError
+from ..host import CallOptions, InputError, Stopwatch
 from .calibrate import Calibration, calibrate
 from .fusion import VoxelCloud, frame_points
 from .options import VideoOptions
@@ -45,7 +45,15 @@ from .output import VideoFrame, VideoOutput
 from .registration import Registration, Tracker
 from .source import open_source
 
-__all__ = ["predict_video", "iter_video", "VideoStream", "DEFAULT_CHUNK", "split_options", "video_signature"]
+__all__ = [
+    "predict_video",
+    "iter_video",
+    "VideoStream",
+    "ClipChain",
+    "DEFAULT_CHUNK",
+    "split_options",
+    "video_signature",
+]
 
 DEFAULT_CHUNK = 4  # frames per predict_many call of the real pass (its outputs are in memory at once)
 _END = object()
@@ -213,7 +221,7 @@ class VideoStream:
         ]
         for thread in threads:
             thread.start()
-        state = _ChainState(self.video.voxel_size, self.seed)
+        state = ClipChain(self.video.voxel_size, self.seed)
         register_s = 0.0
         try:
             while True:
@@ -244,8 +252,10 @@ class VideoStream:
         self.result = state.output(self.name, self.fps, {"total": time.perf_counter() - t0, "registration": register_s})
 
 
-class _ChainState:
-    """The registration chain of a clip, frame by frame, and what the result keeps of each frame."""
+class ClipChain:
+    """The registration chain of a clip, frame by frame (`step`: register, scale, fuse one model output), and
+    what the result keeps of each frame (`output`). The caller's thread of `VideoStream` runs it; the benchmark
+    (perf/video) times it alone."""
 
     def __init__(self, voxel_size: Optional[float], seed: int):
         self.tracker = Tracker(seed=seed)
@@ -259,7 +269,19 @@ class _ChainState:
         self.kept: list = []
         self.size: Optional[tuple] = None
 
-    def step(self, source_index: int, rgb: np.ndarray, out: Any, calibration: Optional[Calibration], fps) -> VideoFrame:
+    def step(
+        self,
+        source_index: int,
+        rgb: np.ndarray,
+        out: Any,
+        calibration: Optional[Calibration],
+        fps: Optional[float],
+        timing: Optional[dict] = None,
+    ) -> VideoFrame:
+        """One frame (the model's output for it, changed in place) -> its VideoFrame. `timing`, if a dict,
+        receives milliseconds: "register" (features, fit, the chain), "scale" (depth and points x the
+        frame's scale), "fuse" (its points into the cloud), "record"."""
+        watch = Stopwatch(timing)
         index = len(self.rows)
         if calibration is not None:
             self.calibrations.append(calibration.record())
@@ -285,15 +307,18 @@ class _ChainState:
                 pose, correction = np.full((4, 4), np.nan), self.level
         if registration.ok:
             self.reference_pose = pose
+        watch.lap("register")
         model_scale = float(out.metric_scale)
         out.depth *= np.float32(correction)
         out.points *= np.float32(correction)
         out = dataclasses.replace(out, metric_scale=model_scale * correction)
+        watch.lap("scale")
         if registration.ok:
             if self.cloud.voxel_size is None:
                 self.cloud.auto(out.median_depth)
             if self.cloud.voxel_size is not None:
                 self.cloud.add(*frame_points(out, rgb, pose))
+        watch.lap("fuse")
         time_s = source_index / fps if fps else float(source_index)
         frame = VideoFrame(
             index, source_index, time_s, rgb, out, pose, out.metric_scale, model_scale, registration, self.depth_range
@@ -301,6 +326,7 @@ class _ChainState:
         cameras = (out.intrinsics.copy(), out.intrinsics_pixels.copy())  # not the output: its maps must not stay
         self.rows.append((source_index, time_s, pose, out.metric_scale, model_scale, registration, cameras))
         self.records.append(frame.record())
+        watch.lap("record")
         return frame
 
     def output(self, name: str, fps: Optional[float], seconds: dict) -> VideoOutput:

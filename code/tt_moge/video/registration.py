@@ -53,7 +53,7 @@ __all__ = [
 
 TRACK_SIDE = 640  # features are found and followed on the frame shrunk to this longer side (pixels)
 TRACK_POINTS = 300  # features kept per reference frame
-_REFILL = 0.5  # new corners are looked for when fewer than this share of TRACK_POINTS are left
+_REFILL = 0.4  # new corners are looked for when fewer than this share of TRACK_POINTS are left
 _MIN_DISTANCE = 8  # pixels (shrunk image) between features
 _LK = dict(winSize=(15, 15), maxLevel=3, criteria=(3, 20, 0.03))  # cv2.TERM_CRITERIA_COUNT | EPS
 INLIER_RTOL = 0.03  # RANSAC: a match is an inlier when its 3D residual is below this share of its depth
@@ -202,7 +202,7 @@ def fit_similarity(src: np.ndarray, dst: np.ndarray, seed: int = 0) -> tuple:
     fit = (scale[best : best + 1], rotation[best : best + 1], translation[best : best + 1])
     residual = _residual(src, dst, *fit)[0]
     inliers = residual < INLIER_RTOL
-    for _ in range(8):  # refit on the inliers, with a threshold from their own spread, until they stop changing
+    for _ in range(4):  # refit on the inliers, with a threshold from their own spread, until they stop changing
         if inliers.sum() < 3:
             break
         s, r, t = umeyama(src[inliers], dst[inliers], 1.0 / dst[inliers, 2] ** 2)
