@@ -150,3 +150,58 @@ def test_clip_limits(tiny_model, clip):
     with TestClient(create_app(tiny_model, tight)) as c:
         response = c.post("/predict/video", content=clip.read_bytes(), headers=VIDEO)
         assert response.status_code == 413 and response.json()["code"] == "clip_too_large"
+
+
+def test_known_intrinsics_on_every_photo_surface(tiny_model, client, checkpoint, tmp_path):
+    """intrinsics= (one call option): model(...), predict_many, tt-moge predict --intrinsics and /predict?intrinsics=
+    give exactly the given intrinsics and the same arrays; impossible values are refused on each surface."""
+    import cv2
+
+    from tt_moge.cli import main
+    from tt_moge.host import Intrinsics
+    from tt_moge.output import MoGeOutput
+    from tt_moge.testing.scene import render
+
+    k = np.array([[260.0, 0.0, 171.5], [0.0, 251.0, 97.25], [0.0, 0.0, 1.0]])
+    image = render(320, 200).image
+    one = tiny_model(image, intrinsics=k)
+    assert np.array_equal(one.intrinsics_pixels, k.astype(np.float32))
+    many = tiny_model.predict_many([image, image], intrinsics="260,251,171.5,97.25")
+    assert all(np.array_equal(o.depth, one.depth) for o in many)
+    normalised = Intrinsics.from_matrix(k / np.array([[320], [200], [1]]), normalised=True)
+    assert np.array_equal(
+        tiny_model(image, intrinsics=normalised).intrinsics, normalised.normalised_matrix((320, 200)).astype(np.float32)
+    )
+    assert 0.05 < one.valid_fraction < 0.999
+
+    path = tmp_path / "photo.png"
+    cv2.imwrite(str(path), image[..., ::-1])
+    response = client.post(
+        "/predict?intrinsics=260,251,171.5,97.25", content=path.read_bytes(), headers={"Content-Type": "image/png"}
+    )
+    assert response.status_code == 200, response.text
+    served = MoGeOutput.from_npz(response.content)
+    assert np.array_equal(served.depth, one.depth) and np.array_equal(served.intrinsics_pixels, one.intrinsics_pixels)
+
+    out = tmp_path / "out"
+    args = ["predict", path, "-o", out, "--weights", checkpoint("tiny-vits-normal"), "--device", "cpu", "--npz", "-q"]
+    args += ["--resolution", f"{TEST_CANVAS[0]}x{TEST_CANVAS[1]}", "--num-tokens", TEST_TOKENS, "--precision", "fp32"]
+    assert main([str(a) for a in args + ["--intrinsics", "260,251,171.5,97.25"]]) == 0
+    written = MoGeOutput.from_npz(out / "photo" / "result.npz")
+    assert np.array_equal(written.depth, one.depth) and np.array_equal(written.intrinsics_pixels, one.intrinsics_pixels)
+
+    for bad, message in (
+        ((260, 251, 500, 97), "principal point"),
+        ("1,2,3", "expected"),
+        ((0.5, 0.8, 0.5, 0.5), "normalised"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            tiny_model(image, intrinsics=bad)
+    with pytest.raises(ValueError, match="give one of them"):
+        tiny_model(image, intrinsics=k, fov_x=60)
+    bad = client.post("/predict?intrinsics=0,1,2,3", content=path.read_bytes(), headers={"Content-Type": "image/png"})
+    assert bad.status_code == 422 and "focal lengths must be > 0" in bad.json()["detail"]
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        assert main([str(a) for a in args + ["--intrinsics", "1,2"]]) == 2
+    assert "--intrinsics" in stderr.getvalue()
