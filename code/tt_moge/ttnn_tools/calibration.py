@@ -31,14 +31,42 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from . import hires_vit, unet_shallow, vit_base
-from .cost import BLACKHOLE_P150, FITTED, Chip, OpRecorder, estimate, ops_from_json, ops_to_json
+from . import hires_vit, sentence_bert, unet_shallow, vit_base
+from .cost import (
+    BLACKHOLE_P150,
+    DTYPE_TILE_BYTES,
+    FIDELITY_PASSES,
+    FITTED,
+    TILE,
+    Chip,
+    DeviceOp,
+    OpRecorder,
+    TensorInfo,
+    estimate,
+    op_cost,
+    ops_from_json,
+    ops_to_json,
+)
 
-__all__ = ["Point", "POINTS", "RUNS_FILE", "capture_runs", "save_runs", "load_runs", "point_ms", "calibration", "fit"]
+__all__ = [
+    "Point",
+    "POINTS",
+    "HIRES_FITTED",
+    "GEMM_UTILIZATION",
+    "gemm_check",
+    "RUNS_FILE",
+    "capture_runs",
+    "save_runs",
+    "load_runs",
+    "point_ms",
+    "calibration",
+    "fit",
+]
 
 # The op lists of every calibration run, as the mock P150 (13x10, ttnn 0.81.1) ran them: `capture_runs`, written by
 # `mock_check.py --capture-calibration` and checked against a fresh capture by tests/test_ttnn_mock.py. Stored so that
@@ -65,6 +93,9 @@ def _hires_run(tokens: int, hidden: int) -> str:
 
 
 _HIRES_SOURCE = "test_demo_vit_hiRes_ttnn_inference_perf_e2e_2cq_trace.py, expected samples/s"
+# The hiRes points the fit sees: the grid's four corners (the narrowest and the widest layer at the fewest and the most
+# tokens); the eight between them are held out.
+HIRES_FITTED = ((1024, 512), (3072, 512), (1024, 2304), (3072, 2304))
 POINTS = tuple(
     Point(
         "hires_vit",
@@ -72,7 +103,7 @@ POINTS = tuple(
         _hires_run(tokens, hidden),
         "e2e",
         1e3 / hires_vit.PUBLISHED_SAMPLES_PER_S[(tokens, hidden)],
-        hidden == 1024,
+        (tokens, hidden) in HIRES_FITTED,
         f"{_HIRES_SOURCE} {hires_vit.PUBLISHED_SAMPLES_PER_S[(tokens, hidden)]}",
     )
     for hidden in hires_vit.HIDDENS
@@ -114,7 +145,88 @@ POINTS = tuple(
         True,
         "test_unet_trace_perf, 2532 images/s",
     ),
+    Point(
+        "sentence_bert",
+        "BERT-base, batch 8 x 384 tokens, 6x8 grid, device kernel",
+        "sentence_bert",
+        "kernel",
+        sentence_bert.PUBLISHED_KERNEL_MS,
+        False,
+        "blackhole/sentence_bert test_sentence_bert_perf.py, AVG DEVICE KERNEL SAMPLES/S 980",
+    ),
 )
+
+# tt-metal's matmul microbenchmark on a P150 (tech_reports/GEMM_FLOPS/GEMM_FLOPS.md, "P150 Manually Tuned
+# Configurations", 13x10 grid, traced, in0 block-sharded in L1, in1 in DRAM, output in L1): (M, K, N, dtype, math
+# fidelity) -> "Device based utilization" in %, i.e. ideal cycles / the op's device kernel duration. Not a model
+# figure and not fitted: `gemm_check` reports how the model does on these tuned single matmuls.
+GEMM_UTILIZATION = {
+    (640, 832, 832, "BFLOAT8_B", "LoFi"): 11.17,
+    (640, 1664, 1664, "BFLOAT8_B", "LoFi"): 26.15,
+    (640, 1664, 3328, "BFLOAT8_B", "LoFi"): 34.69,
+    (1280, 1664, 1664, "BFLOAT8_B", "LoFi"): 51.90,
+    (1280, 1664, 3328, "BFLOAT8_B", "LoFi"): 66.05,
+    (1280, 3328, 3328, "BFLOAT8_B", "LoFi"): 76.30,
+    (2560, 3328, 3328, "BFLOAT8_B", "LoFi"): 83.15,
+    (2560, 3328, 4992, "BFLOAT8_B", "LoFi"): 83.75,
+    (2560, 4992, 4992, "BFLOAT8_B", "LoFi"): 85.89,
+    (3840, 4992, 4992, "BFLOAT8_B", "LoFi"): 86.53,
+    (3840, 4992, 6656, "BFLOAT8_B", "LoFi"): 87.49,
+    (640, 832, 832, "BFLOAT8_B", "HiFi2"): 22.39,
+    (640, 1664, 1664, "BFLOAT8_B", "HiFi2"): 52.10,
+    (640, 1664, 3328, "BFLOAT8_B", "HiFi2"): 68.21,
+    (1280, 1664, 1664, "BFLOAT8_B", "HiFi2"): 74.43,
+    (1280, 1664, 3328, "BFLOAT8_B", "HiFi2"): 79.44,
+    (1280, 3328, 3328, "BFLOAT8_B", "HiFi2"): 84.74,
+    (2560, 3328, 3328, "BFLOAT8_B", "HiFi2"): 88.28,
+    (2560, 3328, 4992, "BFLOAT8_B", "HiFi2"): 88.79,
+    (2560, 4992, 4992, "BFLOAT8_B", "HiFi2"): 89.93,
+    (3840, 4992, 4992, "BFLOAT8_B", "HiFi2"): 90.26,
+    (3840, 4992, 6656, "BFLOAT8_B", "HiFi2"): 90.75,
+    (640, 832, 832, "BFLOAT16", "HiFi2"): 20.59,
+    (640, 1664, 1664, "BFLOAT16", "HiFi2"): 44.56,
+    (640, 1664, 3328, "BFLOAT16", "HiFi2"): 54.64,
+    (1280, 1664, 1664, "BFLOAT16", "HiFi2"): 73.03,
+    (1280, 1664, 3328, "BFLOAT16", "HiFi2"): 78.10,
+    (1280, 3328, 3328, "BFLOAT16", "HiFi2"): 82.50,
+    (2560, 3328, 3328, "BFLOAT16", "HiFi2"): 87.05,
+    (2560, 3328, 4992, "BFLOAT16", "HiFi2"): 87.71,
+    (2560, 4992, 4992, "BFLOAT16", "HiFi2"): 88.81,
+    (3840, 4992, 4992, "BFLOAT16", "HiFi2"): 88.42,
+    (640, 832, 832, "BFLOAT16", "HiFi4"): 41.34,
+    (640, 1664, 1664, "BFLOAT16", "HiFi4"): 76.58,
+    (640, 1664, 3328, "BFLOAT16", "HiFi4"): 81.82,
+    (1280, 1664, 1664, "BFLOAT16", "HiFi4"): 85.19,
+    (1280, 1664, 3328, "BFLOAT16", "HiFi4"): 88.02,
+    (1280, 3328, 3328, "BFLOAT16", "HiFi4"): 90.53,
+    (2560, 3328, 3328, "BFLOAT16", "HiFi4"): 93.17,
+    (2560, 3328, 4992, "BFLOAT16", "HiFi4"): 93.49,
+    (2560, 4992, 4992, "BFLOAT16", "HiFi4"): 94.08,
+    (3840, 4992, 4992, "BFLOAT16", "HiFi4"): 93.83,
+}
+_GEMM_GRID = (13, 10)
+
+
+def gemm_ops() -> list:
+    """The microbenchmark's matmuls as device ops (per core: M / 32 / 10 x N / 32 / 13 tiles, in0 blocks of its
+    shard width, K / 32 / 13 tiles) and their measured device kernel times (ns): [(op, ns)]."""
+    gx, gy = _GEMM_GRID
+    out = []
+    for (m, k, n, dtype, fidelity), utilization in GEMM_UTILIZATION.items():
+
+        def tensor(shape, buffer, layout, cores):
+            tiles = math.prod(shape) // (TILE * TILE)
+            return TensorInfo(tuple(shape), dtype, "TILE", buffer, layout, cores, tiles * DTYPE_TILE_BYTES[dtype])
+
+        a = tensor((1, 1, m, k), "L1", "BLOCK_SHARDED", gx * gy)
+        b = tensor((k, n), "DRAM", "INTERLEAVED", 0)
+        y = tensor((1, 1, m, n), "L1", "BLOCK_SHARDED", gx * gy)
+        attrs = {"grid": [gx, gy], "per_core_M": m // TILE // gy, "per_core_N": n // TILE // gx}
+        attrs["in0_block_w"] = k // TILE // gx
+        op = DeviceOp("MatmulDeviceOperation", [a, b], [y], "matmul", "", fidelity, False, False, attrs)
+        ideal_cycles = m * k * n / TILE**3 * 16 * FIDELITY_PASSES[fidelity] / (gx * gy)
+        out.append((op, ideal_cycles / 1.35e9 * 1e9 / (utilization / 100)))
+    return out
 
 
 def _run_parts(ttnn, model, repeat: int = 1) -> dict:
@@ -178,6 +290,8 @@ def capture_runs(ttnn, graph_api, device, runs: Optional[set] = None, parts: boo
         out["vit_base"] = _run_parts(ttnn, vit_base.VitBase(recorder(), device))
     if "unet_shallow" in wanted:
         out["unet_shallow"] = _run_parts(ttnn, unet_shallow.UnetShallow(recorder(), device))
+    if "sentence_bert" in wanted:
+        out["sentence_bert"] = _run_parts(ttnn, sentence_bert.SentenceBert(recorder(), device))
     return out if parts else _expand(out)
 
 
@@ -219,7 +333,12 @@ def calibration(runs: dict, chip: Chip = BLACKHOLE_P150, points=POINTS) -> dict:
 
 
 # The fit's search space: each fitted figure's lower bound (every one is positive; the efficiency at most 1).
-_BOUNDS = {"fpu_efficiency": (0.05, 1.0), "exp_cycles": (1.0, 1e4), "kernel_ns": (0.0, 1e5), "dispatch_ns": (0.0, 1e5)}
+_BOUNDS = {
+    "fpu_efficiency": (0.05, 1.0),
+    "exp_cycles": (1.0, 1e4),
+    "kernel_ns": (0.0, 1e5),
+    "dispatch_ns": (0.0, 1e5),
+}
 
 
 def _solve(a: list, b: list) -> list:
@@ -241,19 +360,10 @@ def _solve(a: list, b: list) -> list:
     return x
 
 
-def fit(runs: dict, chip: Chip = BLACKHOLE_P150, points=POINTS, names=FITTED, iterations: int = 50) -> dict:
-    """The figures `names` of `chip` that minimise the squared relative errors on the fitted points (only those:
-    held-out points are never read), by Levenberg-Marquardt on numerical derivatives, starting from `chip`.
-    -> {"chip": fitted figures, "calibration": `calibration` with them, "iterations": steps taken}."""
-    seen = [p for p in points if p.fitted]
-    if not seen:
-        raise ValueError("fit: no fitted points")
-
-    def residuals(values: dict) -> list:
-        c = replace(chip, **values)
-        return [point_ms(p, runs, c) / p.published_ms - 1 for p in seen]
-
-    values = {n: float(getattr(chip, n)) for n in names}
+def _least_squares(residuals, values: dict, iterations: int = 50) -> tuple:
+    """Levenberg-Marquardt on `residuals(values) -> [relative errors]` with numerical derivatives in log space,
+    each value kept within `_BOUNDS`. -> (values, residuals, steps)."""
+    names = list(values)
     r = residuals(values)
     cost = sum(v * v for v in r)
     damping = 1e-3
@@ -285,9 +395,35 @@ def fit(runs: dict, chip: Chip = BLACKHOLE_P150, points=POINTS, names=FITTED, it
             damping *= 10
         if not improved:
             break
-    fitted_chip = replace(chip, **values)
+    return values, r, steps
+
+
+def gemm_check(chip: Chip = BLACKHOLE_P150) -> dict:
+    """The model's relative errors on tt-metal's P150 matmul microbenchmark (`GEMM_UTILIZATION`, kernel times)."""
+    errors = [op_cost(op, chip).kernel_ns / ns - 1 for op, ns in gemm_ops()]
     return {
-        "chip": {n: values[n] for n in names},
-        "calibration": calibration(runs, fitted_chip, points),
+        "points": len(errors),
+        "mean_error": round(sum(errors) / len(errors), 4),
+        "mean_abs_error": round(sum(abs(e) for e in errors) / len(errors), 4),
+        "max_abs_error": round(max(abs(e) for e in errors), 4),
+    }
+
+
+def fit(runs: dict, chip: Chip = BLACKHOLE_P150, points=POINTS, names=FITTED, iterations: int = 50) -> dict:
+    """The figures `names` of `chip` that minimise the squared relative errors on the fitted points (only those:
+    held-out points are never read), by Levenberg-Marquardt on numerical derivatives, starting from `chip`.
+    -> {"chip": fitted figures, "calibration": `calibration` with them, "iterations": steps taken}."""
+    seen = [p for p in points if p.fitted]
+    if not seen:
+        raise ValueError("fit: no fitted points")
+
+    def residuals(values: dict) -> list:
+        c = replace(chip, **values)
+        return [point_ms(p, runs, c) / p.published_ms - 1 for p in seen]
+
+    values, _, steps = _least_squares(residuals, {n: float(getattr(chip, n)) for n in names}, iterations)
+    return {
+        "chip": values,
+        "calibration": calibration(runs, replace(chip, **values), points),
         "iterations": steps,
     }
