@@ -318,3 +318,19 @@ def test_a_folder_of_frames_in_name_order(walk, tmp_path):
     assert clip.name == "seq" and clip.registered.all()
     ate, rotation = trajectory_errors(clip.poses, poses[:6])
     assert ate <= 0.01 and rotation <= 0.5
+
+
+def test_fov_x_and_the_other_call_options_reach_every_frame(walk):
+    """fov_x given: every frame is asked with it (no focal solved), the clip's intrinsics are its; apply_mask=False
+    keeps the values under the mask, and the registration still reads the mask."""
+    poses, renders = walk
+    model = oracle(renders[:8])
+    fov = math.degrees(2 * math.atan(SIZE[0] / 2 / renders[0].intrinsics[0, 0]))
+    clip = predict_video(model, [r.image for r in renders[:8]], fov_x=fov, apply_mask=False, calibration_frames=4)
+    assert all(call.fov_x == fov and not call.apply_mask for _, call in model.calls)
+    assert clip.calibrations[0]["intrinsics"] == "fov_x"
+    assert clip.intrinsics_pixels[0, 0] == pytest.approx(renders[0].intrinsics[0, 0], rel=1e-4)
+    assert all(np.isfinite(f.depth).all() and not f.mask.all() for f in clip.frames)
+    assert clip.registered.all()
+    ate, rotation = trajectory_errors(clip.poses, poses[:8])
+    assert ate <= 0.01 and rotation <= 0.5
