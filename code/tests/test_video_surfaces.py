@@ -205,3 +205,35 @@ def test_known_intrinsics_on_every_photo_surface(tiny_model, client, checkpoint,
     with contextlib.redirect_stderr(stderr):
         assert main([str(a) for a in args + ["--intrinsics", "1,2"]]) == 2
     assert "--intrinsics" in stderr.getvalue()
+
+
+def test_the_cli_takes_a_sequence_of_frames_and_refuses_mixed_inputs(checkpoint, clip, tmp_path):
+    """--sequence: a folder of frames is one clip, OUT/<folder name>/; a file with --sequence, or photos beside a
+    video, are usage errors before any model loads."""
+    import cv2
+
+    from tt_moge.cli import main
+    from tt_moge.testing.scene import camera_path, render_path
+
+    frames = tmp_path / "corridor"
+    frames.mkdir()
+    for i, r in enumerate(render_path(camera_path(9)[::4], *SIZE)):
+        cv2.imwrite(str(frames / f"f{i}.png"), r.image[..., ::-1])
+    out = tmp_path / "out"
+    model = ["--weights", checkpoint("tiny-vits-normal"), "--device", "cpu", "--precision", "fp32"]
+    model += ["--resolution", f"{TEST_CANVAS[0]}x{TEST_CANVAS[1]}", "--num-tokens", TEST_TOKENS]
+    args = ["predict", "--sequence", frames, "-o", out, *model, "--calibration-frames", 2, "-q", "--npz"]
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        assert main([str(a) for a in args]) == 0, stderr.getvalue()
+    record = json.loads((out / "corridor" / "result.json").read_text())
+    assert record["frames"] == 3 and record["frame_files"] == ["npz"]
+    assert sorted(p.name for p in (out / "corridor" / "frames" / "000002").iterdir()) == ["result.json", "result.npz"]
+    for bad, message in (
+        (["predict", "--sequence", clip, "-o", out, *model], "--sequence takes folders"),
+        (["predict", clip, frames / "f0.png", "-o", out, *model], "separate runs"),
+    ):
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            assert main([str(a) for a in bad]) == 2
+        assert message in stderr.getvalue(), stderr.getvalue()
