@@ -7,8 +7,9 @@ whole clip beside plain `predict_many` on the same frames.
    path adds to every frame on top of the model's own call (`tt_moge.video.registration`: shrink to 640 px,
    KLT, lift, RANSAC; the scale applied to depth and points; the voxel cloud). Alternated, frame by frame, with
    the model's own host post-processing of the same frame (`host.postprocess`: solve + finish at that size),
-   for scale. Wall and thread-CPU milliseconds, median over the frames (the first, which only starts the chain,
-   left out), with the split into register / scale / fuse.
+   for scale. Wall and CPU milliseconds (of the process, OpenCV's and the native library's threads included;
+   nothing else runs in it meanwhile), median over the frames (the first, which only starts the chain, left
+   out), with the split into register / scale / fuse (wall).
 2. clip: a random-weight checkpoint (tiny-vits-normal) on the CPU over --clip-frames frames of the walk at
    --clip-size: `model.predict_many(frames)` against `model.predict_video(frames)` (its calibration frames run
    twice) and `predict_video(frames, intrinsics=K)`, calls alternated --repeats times; frames/s (wall) and frames
@@ -56,14 +57,14 @@ def host_part(size: tuple, frames: int) -> dict:
     registered = 0
     for i, r in enumerate(renders):
         raw = oracle.raw_maps(i)
-        w0, c0 = time.perf_counter(), time.thread_time()
+        w0, c0 = time.perf_counter(), time.process_time()
         out = postprocess(raw, plan, call)  # the model's own host work on this frame, for scale
         model["wall"].append((time.perf_counter() - w0) * 1e3)
-        model["cpu"].append((time.thread_time() - c0) * 1e3)
+        model["cpu"].append((time.process_time() - c0) * 1e3)
         timing: dict = {}
-        w0, c0 = time.perf_counter(), time.thread_time()
+        w0, c0 = time.perf_counter(), time.process_time()
         frame = chain.step(i, r.image, out, start if i == 0 else None, 30.0, timing)
-        wall, cpu = (time.perf_counter() - w0) * 1e3, (time.thread_time() - c0) * 1e3
+        wall, cpu = (time.perf_counter() - w0) * 1e3, (time.process_time() - c0) * 1e3
         registered += frame.registered
         if i == 0:
             continue  # it only starts the chain
