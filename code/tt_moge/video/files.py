@@ -42,7 +42,6 @@ from ..export import (
 __all__ = [
     "ClipWriter",
     "VIDEO_FRAME_FORMATS",
-    "CLIP_FILES",
     "FRAMES_FOLDER",
     "frame_folder",
     "scene_ply_bytes",
@@ -52,7 +51,6 @@ __all__ = [
 
 VIDEO_FRAME_FORMATS = ("maps",)  # per-frame files by default: light (no per-frame mesh; scene.glb is the clip's 3D)
 FRAMES_FOLDER = "frames"
-CLIP_FILES = ("depth.mp4", "poses.json", "trajectory.txt", "scene.ply", "scene.glb")
 _OPENGL = np.array([1.0, -1.0, -1.0])
 _PATH_COLOUR = (255, 40, 40)
 _FRUSTA = 40  # frusta drawn in scene.glb at most (evenly over the registered frames)

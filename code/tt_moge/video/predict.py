@@ -36,7 +36,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from ..fields import bind, signature
+from ..fields import bind, options_of, signature
 from ..host import CallOptions, InputError, Stopwatch
 from .calibrate import Calibration, calibrate
 from .fusion import VoxelCloud, frame_points
@@ -63,7 +63,7 @@ def split_options(where: str, options: dict) -> tuple:
     """(CallOptions, VideoOptions) of a video call's keyword arguments; unknown ones are a TypeError naming
     `where`, bad values an InputError naming the option."""
     given = bind(_SIGNATURE, where, (), options)
-    call_names = set(inspect.signature(CallOptions.make).parameters) - {"cls"}
+    call_names = {info.argument for info in options_of(CallOptions)}
     call = CallOptions.make(**{k: v for k, v in given.items() if k in call_names})
     video = VideoOptions.make(**{k: v for k, v in given.items() if k not in call_names})
     return call, video
