@@ -224,6 +224,32 @@ def test_quiet_still_names_each_failed_image(files_run, local_ray, ckpt, photos)
     assert f"failed: image file '{photos['corrupt'].resolve()}'" in stderr, stderr
 
 
+def test_photos_named_like_the_runs_own_files_cannot_break_the_folder(local_ray, ckpt, tmp_path):
+    """Photos named batch.json.png, failures.jsonl.png, run.json.jpg and ...png: every run and rerun used to end
+    with exit 3 (a folder batch.json/ or failures.jsonl/), or wrote into the parent of OUT. Now each gets a safe
+    folder inside OUT, the run and its rerun exit 0, and batch.json says who was renamed."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    hostile = ["batch.json.png", "failures.jsonl.png", "run.json.jpg", "...png"]
+    for i, name in enumerate(hostile):
+        rgb = np.random.default_rng(i).integers(0, 255, (48, 64, 3), dtype=np.uint8)
+        Image.fromarray(rgb).save(photos / name, format="JPEG" if name.endswith(".jpg") else "PNG")
+    out = tmp_path / "parent" / "out"
+    args = ["batch", photos, "-o", out, "--weights", ckpt, *MODEL_ARGS, "--npz", "-q"]
+    code, stdout, stderr = run_cli(args)
+    assert code == 0, stderr
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"], "nothing written beside OUT"
+    assert (out / "batch.json").is_file() and (out / FAILURES_FILE).is_file()
+    record = json.loads((out / "batch.json").read_text())
+    assert (record["done"], record["failed"]) == (4, 0)
+    assert sorted(r["asked"] for r in record["renamed"]) == sorted(["batch.json", "failures.jsonl", "run.json", ".."])
+    for r in record["renamed"]:
+        assert (out / r["output"] / "result.npz").is_file()
+    code, stdout, stderr = run_cli(args)
+    assert code == 0, f"the rerun: {stderr}"
+    assert json.loads((out / "batch.json").read_text())["skipped"] == 4
+
+
 # ------------------------------------------------------------------------------ Parquet, a replica killed
 def crashing_once(trap: Path) -> type:
     """A Replica whose first batch, in whichever replica takes it, ends its process after the batch's outputs

@@ -1,28 +1,34 @@
-"""The Tenstorrent cost model (`tt_moge.ttnn_tools.cost`) on device operations that ttnn 0.81.1's graph capture
-recorded on the mock P150 (tests/data/ttnn_captures: a 2D-multicast matmul, SDPA, a height-sharded 3x3 conv), and
-on synthetic op lists: the capture is parsed into what each op moves and computes, and each cost follows the
-formula the module documents (so a change to a formula, a constant or the parser shows up here). The whole
-forward's estimate and its calibration run on the mock itself (tests/test_ttnn_mock.py)."""
+"""The Tenstorrent cost model (`tt_moge.ttnn_tools.cost`) and its calibration (`tt_moge.ttnn_tools.calibration`).
+
+The model on device operations that ttnn 0.81.1's graph capture recorded on the mock P150 (tests/data/ttnn_captures:
+a 2D-multicast matmul, SDPA, a height-sharded 3x3 conv) and on synthetic ops: each cost follows the formula the
+module documents (so a change to a formula, a constant or the parser shows up here). The calibration on the stored op
+lists of tt-metal's demo models (`calibration.RUNS_FILE`, checked against a fresh mock capture by
+tests/test_ttnn_mock.py): the committed figures are the fit's, the fit never reads a held-out point, and the
+held-out errors are within the issue's goals."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
 
-from tt_moge.ttnn_tools import cost
+from tt_moge.ttnn_tools import calibration, cost
 from tt_moge.ttnn_tools.cost import (
     BLACKHOLE_P150,
+    FITTED,
     DeviceOp,
     TensorInfo,
     call_attributes,
     device_ops_from_capture,
     estimate,
-    fit_calibration,
     l1_local_bytes_per_s,
     op_cost,
+    ops_from_json,
+    ops_to_json,
 )
 
 CAPTURES = Path(__file__).parent / "data" / "ttnn_captures"
@@ -33,12 +39,23 @@ def _ops(name: str, call: str, attrs: dict = None) -> list:
     return device_ops_from_capture(json.loads((CAPTURES / f"{name}.json").read_text()), call, attrs or {}, "encoder")
 
 
-def _cycles_ns(cycles: float) -> float:
+def _ns(cycles: float) -> float:
     return cycles / CHIP.clock_hz * 1e9
 
 
+def _product(passes: int) -> float:
+    """Cycles of one tile product at `passes` fidelity passes (16 a pass) at the chip's FPU efficiency."""
+    return 16 * passes / CHIP.fpu_efficiency
+
+
+def _tensor(shape, buffer="L1", cores=0, dtype="BFLOAT16", layout=None):
+    size = math.prod(shape) * (4 if dtype == "FLOAT32" else 2)
+    memory = layout or ("HEIGHT_SHARDED" if cores else "INTERLEAVED")
+    return TensorInfo(tuple(shape), dtype, "TILE", buffer, memory, cores, size)
+
+
 # The matmul capture: (1, 1, 1825, 1024) bfloat16 in L1 @ (1024, 3072) bfloat8_b in DRAM, HiFi2, 12x10 cores of
-# per_core_M 6 x per_core_N 8 tiles (what graph._MatmulPlanner gives qkv with whole_grid).
+# per_core_M 6 x per_core_N 8 tiles, in0 blocks of 4 K tiles (what graph._MatmulPlanner gives qkv with whole_grid).
 MATMUL_ATTRS = {"grid": [12, 10], "per_core_M": 6, "per_core_N": 8, "in0_block_w": 4}
 
 
@@ -53,19 +70,21 @@ def test_a_captured_matmul_is_parsed_into_its_tensors_and_compute_config():
     assert (op.fidelity, op.fp32_acc, op.approx) == ("HiFi2", True, False)
 
 
-def test_matmul_cost_is_the_busiest_cores_tile_products_at_its_fidelity():
+def test_matmul_cost_is_the_busiest_cores_tile_products_its_packs_and_its_first_blocks():
     (op,) = _ops("matmul", "linear", MATMUL_ATTRS)
     c = op_cost(op, CHIP)
     assert c.cores == 120  # ceil(58 / 6) rows x ceil(96 / 8) columns of output blocks
-    products = 6 * 8 * 32  # per-core block x K tiles
-    assert c.compute_ns == pytest.approx(_cycles_ns(products * 16 * 2 / CHIP.fpu_efficiency))  # 16 cycles a pass
+    # per core: 6 x 8 output tiles, each 32 K-tile products and one pack
+    assert c.compute_ns == pytest.approx(_ns(6 * 8 * (32 * _product(2) + CHIP.pass_cycles)))
     lofi = op_cost(dataclasses.replace(op, fidelity="LoFi"), CHIP)
-    hifi4 = op_cost(dataclasses.replace(op, fidelity="HiFi4"), CHIP)
-    assert lofi.compute_ns == pytest.approx(c.compute_ns / 2) and hifi4.compute_ns == pytest.approx(2 * c.compute_ns)
+    assert lofi.compute_ns == pytest.approx(_ns(6 * 8 * (32 * _product(1) + CHIP.pass_cycles)))
     # the longer multicast stream: a row's in0 blocks (6 x 32 bfloat16 tiles) against a column's in1 (8 x 32 bfp8)
-    stream = max(6 * 32 * 2048, 8 * 32 * 1088)
-    assert c.data_ns >= _cycles_ns(stream / CHIP.noc_bytes_per_cycle)
-    assert c.total_ns == pytest.approx(max(c.compute_ns, c.data_ns) + CHIP.op_overhead_ns)
+    assert c.data_ns >= _ns(max(6 * 32 * 2048, 8 * 32 * 1088) / CHIP.noc_bytes_per_cycle)
+    # the fill: the first K block (4 tiles) of both operands before the first product; wider blocks wait longer
+    assert c.fill_ns == pytest.approx(_ns((6 * 2048 + 8 * 1088) * 4 / CHIP.noc_bytes_per_cycle))
+    wide = op_cost(dataclasses.replace(op, call_attrs={**MATMUL_ATTRS, "in0_block_w": 8}), CHIP)
+    assert wide.fill_ns == pytest.approx(2 * c.fill_ns) and wide.compute_ns == pytest.approx(c.compute_ns)
+    assert c.kernel_ns == pytest.approx(max(c.compute_ns, c.data_ns) + c.fill_ns + CHIP.kernel_ns)
     assert c.group == "encoder"
 
 
@@ -75,23 +94,57 @@ def test_fewer_cores_cost_more():
     assert narrow.cores == 80 and narrow.compute_ns == pytest.approx(op_cost(op, CHIP).compute_ns * 12 / 8)
 
 
+def test_a_batched_matmul_counts_each_core_its_own_batch_once():
+    """ViT-Base's Q K^T: 10 images x 12 heads of 224 x 64 @ 64 x 224, one image-head (7 x 7 tiles) per core of 120.
+    Its rows already count every batch: multiplying by the batch again made it 120x too slow."""
+    q = _tensor((10, 12, 224, 64), cores=120)
+    k = _tensor((10, 12, 64, 224), cores=120)
+    out = _tensor((10, 12, 224, 224), cores=120)
+    attrs = {"grid": [12, 10], "per_core_M": 7, "per_core_N": 7, "in0_block_w": 2}
+    c = op_cost(DeviceOp("MatmulDeviceOperation", [q, k], [out], "matmul", "encoder", "LoFi", True, False, attrs))
+    assert c.cores == 120
+    assert c.compute_ns == pytest.approx(_ns(7 * 7 * (2 * _product(1) + CHIP.pass_cycles)))
+
+
+SDPA_ATTRS = {"grid": [13, 10], "q_chunk_size": 256, "k_chunk_size": 512, "exp_approx_mode": True}
+
+
 def test_sdpa_is_split_as_ttnns_factory_splits_it():
     """16 heads of 1825 tokens in 256-token query chunks (8 per head): on 13x10 cores every head gets 8 cores,
     one chunk each; on the 12x10 grid of tt-metal's ViT only 7, so the busiest core runs 2 chunks."""
-    attrs = {"grid": [13, 10], "q_chunk_size": 256, "k_chunk_size": 512, "exp_approx_mode": True}
-    (op,) = _ops("sdpa", "transformer.scaled_dot_product_attention", attrs)
+    (op,) = _ops("sdpa", "transformer.scaled_dot_product_attention", SDPA_ATTRS)
     assert op.name == "SDPAOperation" and [t.shape for t in op.inputs] == [(1, 16, 1825, 64)] * 3
     wide = op_cost(op, CHIP)
     assert wide.cores == 128 and wide.group == "sdpa"
-    score_tiles = 1 * 8 * 4 * 16  # 1 chunk x 8 query tiles x 4 key chunks x 16 key tiles (padded to 2048)
-    per_tile = (
-        2 * 2 * 32**3 * 2 / CHIP.flop_per_cycle_lofi * 2 / CHIP.fpu_efficiency + CHIP.softmax_cycles_per_tile_approx
-    )
-    assert wide.compute_ns >= _cycles_ns(score_tiles * per_tile)
-    narrow = op_cost(dataclasses.replace(op, call_attrs={**attrs, "grid": [12, 10]}), CHIP)
-    assert narrow.cores == 16 * 7 and narrow.compute_ns == pytest.approx(2 * wide.compute_ns, rel=0.01)
-    exact = op_cost(dataclasses.replace(op, call_attrs={**attrs, "exp_approx_mode": False}), CHIP)
-    assert exact.compute_ns > 2 * wide.compute_ns  # the exact exp is the SDPA's costliest part
+    narrow = op_cost(dataclasses.replace(op, call_attrs={**SDPA_ATTRS, "grid": [12, 10]}), CHIP)
+    assert narrow.cores == 16 * 7 and narrow.compute_ns == pytest.approx(2 * wide.compute_ns)
+
+
+def test_sdpa_costs_every_softmax_pass_and_the_exp_on_every_score_tile():
+    """Per score tile QK^T and PV and four passes (pack, max, subtract, sum) besides the exp; the exact exp costs the
+    difference of the two exps on every score tile and on every rescale's row tiles, nothing else."""
+    (op,) = _ops("sdpa", "transformer.scaled_dot_product_attention", SDPA_ATTRS)
+    approx = op_cost(op, CHIP)
+    exact = op_cost(dataclasses.replace(op, call_attrs={**SDPA_ATTRS, "exp_approx_mode": False}), CHIP)
+    qt, kt, k_chunks = 8, 16, 4  # 256 / 32 query tiles, 512 / 32 key tiles, 1856 keys -> 4 chunks
+    score_tiles = k_chunks * qt * kt
+    exps = score_tiles + (k_chunks - 1) * qt  # the rescales' exp of (old max - new max), one per row tile
+    assert exact.compute_ns - approx.compute_ns == pytest.approx(_ns(exps * (CHIP.exp_cycles - CHIP.exp_cycles_approx)))
+    # the approximate-exp SDPA is far more than its products and its exps: its passes are counted too
+    products_and_exp = _ns(score_tiles * (2 * 2 * _product(2) + CHIP.exp_cycles_approx))
+    assert approx.compute_ns >= products_and_exp + _ns(score_tiles * 4 * CHIP.pass_cycles)
+
+
+def test_layer_norm_on_an_interleaved_tensor_runs_on_one_core_per_tile_row():
+    """ttnn splits an interleaved layer norm by tile rows (a row's statistics stay on one core): 1825 rows are 58
+    tile rows, so 58 cores, not the grid's 130; sharded, it runs on the shard grid. Seven passes per tile."""
+    x = _tensor((1, 1, 1825, 1024), dtype="FLOAT32")
+    interleaved = op_cost(DeviceOp("LayerNormDeviceOperation", [x], [x], "layer_norm", "encoder"), CHIP)
+    assert interleaved.cores == 58 and interleaved.group == "norms_adds"
+    assert interleaved.compute_ns == pytest.approx(_ns(32 * 7 * CHIP.pass_cycles))  # 32 tiles of a row per core
+    s = _tensor((1, 1, 1825, 1024), cores=120, layout="BLOCK_SHARDED")
+    sharded = op_cost(DeviceOp("LayerNormDeviceOperation", [s], [s], "layer_norm", "encoder"), CHIP)
+    assert sharded.cores == 120 and sharded.compute_ns == pytest.approx(_ns(58 * 32 / 120 * 7 * CHIP.pass_cycles))
 
 
 def test_a_conv_is_costed_as_its_im2col_matmul_or_its_reader():
@@ -112,16 +165,26 @@ def test_a_conv_is_costed_as_its_im2col_matmul_or_its_reader():
     c = op_cost(conv, CHIP)
     pixels = 128 * 228
     assert c.cores == conv.outputs[0].cores > 100
-    flops = 2 * pixels * 9 * 128 * 128
-    assert c.compute_ns == pytest.approx(_cycles_ns(flops / (c.cores * 4096) * 2) / CHIP.conv_efficiency)
+    products = pixels / 32 * 36 * 4 / c.cores  # pixel tiles x K tiles (9 x 128 / 32) x N tiles, per core
+    packs = pixels / 32 * 4 / c.cores
+    assert c.compute_ns == pytest.approx(_ns(products * _product(2) + packs * CHIP.pass_cycles))
     reader = pixels / c.cores * 9 * 128 * 2 / l1_local_bytes_per_s(3 * 128 * 2) * 1e9
     assert c.data_ns >= reader
     assert op_cost(halo, CHIP).compute_ns > 0  # the halo untilizes the tiled map it gathers
     assert op_cost(halo, CHIP).group == "transfers"
 
 
+def test_op_names_pick_their_cost_by_kind():
+    x = _tensor((1, 1, 64, 64))
+    assert op_cost(DeviceOp("SomethingNewDeviceOperation", [x], [x], "new", "encoder")).group == "transfers"
+    assert op_cost(DeviceOp("UnaryDeviceOperation", [x], [x], "relu", "decoder")).group == "decoder"
+    assert op_cost(DeviceOp("SoftmaxDeviceOperation", [x], [x], "softmax", "encoder")).group == "norms_adds"
+    variant = DeviceOp("MatmulMultiCoreReuseDeviceOperation", [x, _tensor((64, 64))], [x], "matmul", "encoder")
+    assert op_cost(variant).group == "encoder" and op_cost(variant).compute_ns > 0
+
+
 def test_l1_rate_follows_tt_metals_table():
-    for size, gbps in cost._L1_LOCAL_GBPS:
+    for size, gbps in cost.L1_LOCAL_GBPS:
         assert l1_local_bytes_per_s(size) == pytest.approx(gbps * 1e9)
     rates = [l1_local_bytes_per_s(2**k) for k in range(4, 18)]
     assert rates == sorted(rates) and rates[0] == pytest.approx(1.337e9)
@@ -144,60 +207,101 @@ def test_call_attributes_keep_program_configs_and_conv_geometry_only():
     assert "kernel" not in call_attributes("max_pool2d", {"kernel_size": (2, 2)})  # a pool is not a conv
 
 
-def _tensor(shape, buffer="L1", cores=0, dtype="BFLOAT16"):
-    size = 1
-    for v in shape:
-        size *= v
-    return TensorInfo(
-        tuple(shape), dtype, "TILE", buffer, "HEIGHT_SHARDED" if cores else "INTERLEAVED", cores, size * 2
-    )
+def test_an_op_list_survives_its_json_form():
+    ops = _ops("matmul", "linear", MATMUL_ATTRS) + _ops("conv", "conv2d", {"kernel": [3, 3], "in_channels": 128})
+    back = ops_from_json(json.loads(json.dumps(ops_to_json(ops))))
+    assert back == ops
 
 
-def test_estimate_groups_sum_to_the_total_and_every_op_pays_its_dispatch():
-    ops = _ops("matmul", "linear", MATMUL_ATTRS) + _ops(
-        "sdpa", "transformer.scaled_dot_product_attention", {"grid": [13, 10], "q_chunk_size": 256, "k_chunk_size": 512}
-    )
-    ops.append(
-        DeviceOp(
-            "BinaryNgDeviceOperation",
-            [_tensor((1, 1, 1856, 1024))] * 2,
-            [_tensor((1, 1, 1856, 1024))],
-            "add",
-            "encoder",
-        )
-    )
-    ops.append(
-        DeviceOp(
-            "InterleavedToShardedDeviceOperation",
-            [_tensor((1, 1, 1856, 1024), "DRAM")],
-            [_tensor((1, 1, 1856, 1024), cores=58)],
-            "to_memory_config",
-            "decoder",
-        )
-    )
-    est = estimate(ops, CHIP)
-    assert est.total_ms == pytest.approx(sum(est.groups_ms.values()))
-    assert {g for g, v in est.groups_ms.items() if v} == {"encoder", "sdpa", "norms_adds", "transfers"}
-    assert est.total_ms >= len(ops) * CHIP.op_overhead_ns / 1e6
+def test_the_dispatch_gap_adds_to_end_to_end_times_only():
+    """A kernel figure (summed kernel durations) does not move with the gap between ops; an end-to-end figure moves
+    by the gap times the ops."""
+    runs = {"vit_base": calibration.load_runs()["vit_base"]}
+    kernel, e2e = [p for p in calibration.POINTS if p.run == "vit_base"]
+    assert (kernel.measure, e2e.measure) == ("kernel", "e2e")
+    slower = dataclasses.replace(CHIP, dispatch_ns=CHIP.dispatch_ns + 1000.0)
+    assert calibration.point_ms(kernel, runs, slower) == pytest.approx(calibration.point_ms(kernel, runs, CHIP))
+    gained = calibration.point_ms(e2e, runs, slower) - calibration.point_ms(e2e, runs, CHIP)
+    assert gained == pytest.approx(len(runs["vit_base"]) * 1000.0 / 1e6)
+    est = estimate(runs["vit_base"], CHIP)
+    assert all(c.dispatch_ns == CHIP.dispatch_ns and c.startup_ns == CHIP.kernel_ns for c in est.ops)
     top = est.summary(top=2)["top"]
     assert len(top) == 2 and top[0]["ms"] >= top[1]["ms"]
 
 
-def test_the_calibration_fit_recovers_the_figures_that_made_the_times():
-    """fit_calibration on times made by a chip with other dispatch and softmax figures finds those figures."""
-    lists = {
-        tokens: _ops("matmul", "linear", MATMUL_ATTRS) * (tokens // 1024)
-        + _ops(
-            "sdpa",
-            "transformer.scaled_dot_product_attention",
-            {"grid": [12, 10], "q_chunk_size": 256, "k_chunk_size": 256, "exp_approx_mode": False},
+# ---------------------------------------------------------------------------------------------- calibration
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    return calibration.load_runs()
+
+
+def test_the_published_figures_are_the_sources_rates_per_run():
+    by = {(p.model, p.config, p.measure): p for p in calibration.POINTS}
+    assert len(calibration.POINTS) == 17 and len(by) == 17
+    hires = [p for p in calibration.POINTS if p.model == "hires_vit"]
+    assert len(hires) == 12 and {p.measure for p in hires} == {"e2e"}
+    assert by[("hires_vit", "hidden 2304, 3072 tokens, 12 layers, batch 1", "e2e")].published_ms == pytest.approx(
+        1000 / 31
+    )
+    assert by[("vit_base", "batch 10, 224x224, device kernel", "kernel")].published_ms == pytest.approx(10 / 4300 * 1e3)
+    unet = [p for p in calibration.POINTS if p.model == "unet_shallow"]
+    assert sorted(round(p.published_ms, 3) for p in unet) == [1.391, 1.58]
+    (bert,) = [p for p in calibration.POINTS if p.model == "sentence_bert"]
+    assert bert.published_ms == pytest.approx(8 / 980 * 1e3) and not bert.fitted
+
+
+def test_the_committed_figures_are_what_the_fit_finds_on_the_fitted_points(runs):
+    """Started from figures 30 % off, the fit on the fitted points converges to `BLACKHOLE_P150`'s own: the committed
+    constants are the fit's, not tuned by hand."""
+    start = dataclasses.replace(CHIP, **{n: getattr(CHIP, n) * 1.3 for n in FITTED})
+    result = calibration.fit(runs, start)
+    for name in FITTED:
+        assert result["chip"][name] == pytest.approx(getattr(CHIP, name), rel=0.01), name
+
+
+def test_the_fit_never_reads_a_held_out_point(runs):
+    """Doubling every held-out published time changes nothing the fit returns but those points' errors."""
+    moved = tuple(
+        p if p.fitted else dataclasses.replace(p, published_ms=2 * p.published_ms) for p in calibration.POINTS
+    )
+    a, b = calibration.fit(runs, iterations=3), calibration.fit(runs, points=moved, iterations=3)
+    assert a["chip"] == b["chip"]
+    assert b["calibration"]["held_out_mean_abs_error"] > a["calibration"]["held_out_mean_abs_error"]
+
+
+def test_the_fit_recovers_the_figures_that_made_the_times(runs):
+    """Published times made by a chip with other figures: the fit finds those figures from the usual start."""
+    truth = dataclasses.replace(CHIP, fpu_efficiency=0.6, exp_cycles=150.0, kernel_ns=4000.0, dispatch_ns=2500.0)
+    made = tuple(dataclasses.replace(p, published_ms=calibration.point_ms(p, runs, truth)) for p in calibration.POINTS)
+    result = calibration.fit(runs, points=made)
+    for name in FITTED:
+        assert result["chip"][name] == pytest.approx(getattr(truth, name), rel=1e-3), name
+    assert result["calibration"]["held_out_max_abs_error"] < 1e-3
+
+
+def test_the_calibration_holds_half_its_points_out_and_meets_the_goals_on_them(runs):
+    """The issue's goal: at least half of the published figures held out, their mean error <= 8 % and max <= 15 %."""
+    report = calibration.calibration(runs)
+    points = report["points"]
+    assert len(points) == len(calibration.POINTS)
+    assert report["held_out_points"] >= len(points) / 2 and report["fitted_points"] + report["held_out_points"] == 17
+    for row in points:
+        assert row["estimate_ms"] > 0 and row["error"] == pytest.approx(
+            row["estimate_ms"] / row["published_ms"] - 1, abs=2e-3
         )
-        * (tokens // 1024) ** 2
-        for tokens in (1024, 2048, 3072)
-    }
-    truth = dataclasses.replace(CHIP, op_overhead_ns=3000.0, softmax_cycles_per_tile=200.0)
-    made = {t: 12 * estimate(ops, truth).total_ms for t, ops in lists.items()}
-    fit = fit_calibration(lists, CHIP, published_ms=made)
-    assert fit["op_overhead_ns"] == pytest.approx(3000.0, rel=1e-3)
-    assert fit["softmax_cycles_per_tile"] == pytest.approx(200.0, rel=1e-3)
-    assert all(row["ratio"] == pytest.approx(1.0, abs=1e-3) for row in fit["table"].values())
+    held = [abs(r["error"]) for r in points if not r["fitted"]]
+    assert report["held_out_mean_abs_error"] == pytest.approx(sum(held) / len(held), abs=1e-3)
+    assert report["held_out_mean_abs_error"] <= 0.08, report
+    assert report["held_out_max_abs_error"] <= 0.15, report
+
+
+def test_the_gemm_cross_check_runs_the_microbenchmarks_matmuls():
+    """tt-metal's P150 matmul microbenchmark, not fitted: the model is pessimistic there (its efficiency is that of the
+    models' own small per-core blocks), and the check says by how much."""
+    (op, ns), *_ = calibration.gemm_ops()
+    assert op.call_attrs["per_core_M"] == 2 and op.call_attrs["per_core_N"] == 2  # 640 x 832 on 10 x 13 cores
+    assert ns == pytest.approx(640 * 832 * 832 / 32**3 * 16 / 130 / 1.35 / 0.1117)
+    check = calibration.gemm_check()
+    assert check["points"] == len(calibration.GEMM_UTILIZATION) and check["mean_error"] > 0

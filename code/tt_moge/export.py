@@ -37,6 +37,7 @@ times the size of the maps (`python -m perf.cli.export_bench` measures every for
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -48,6 +49,7 @@ import numpy as np
 
 from .constants import DEPTH_EDGE_RTOL
 from .output import MoGeOutput, finite_or_none
+from .runs import inside
 
 __all__ = [
     "FORMATS",
@@ -65,7 +67,6 @@ __all__ = [
     "check_formats",
     "missing_format_library",
     "write_outputs",
-    "remove_outputs",
     "write_text_atomic",
     "RESULT_FILE",
 ]
@@ -324,34 +325,6 @@ def write_text_atomic(path: Union[str, os.PathLike], text: str) -> None:
         raise
 
 
-def remove_outputs(out_dir: Union[str, os.PathLike], stop_at: Optional[Union[str, os.PathLike]] = None) -> None:
-    """Delete the files `write_outputs` writes (any format, result.json, its temporary files) from `out_dir`,
-    then `out_dir` and its parents below `stop_at` if that leaves them empty. Other files are left alone;
-    errors are ignored (best effort: the caller reports the image as failed anyway)."""
-    out = Path(out_dir)
-    names = {RESULT_FILE, f"{RESULT_FILE}.tmp", *(name for group in FILES.values() for name in group)}
-    for name in names:
-        try:
-            (out / name).unlink()
-        except OSError:
-            pass
-    for tmp in out.glob(f".{RESULT_FILE}.*.tmp") if out.is_dir() else ():
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-    top = Path(stop_at).resolve() if stop_at is not None else None
-    folder = out.resolve()
-    while folder != top and folder.parent != folder:
-        try:
-            folder.rmdir()  # only when empty
-        except OSError:
-            break
-        if top is None:
-            break
-        folder = folder.parent
-
-
 def write_outputs(
     output: MoGeOutput,
     image_rgb: np.ndarray,
@@ -361,6 +334,7 @@ def write_outputs(
     source: Optional[str] = None,
     extra: Optional[dict] = None,
     mesh_step: int = DEFAULT_MESH_STEP,
+    root: Optional[Union[str, os.PathLike]] = None,
 ) -> dict:
     """Write one image's files into `out_dir` (created if needed) and return the result.json record.
 
@@ -368,26 +342,36 @@ def write_outputs(
     normal.png, and the mesh closes at the seam); image_rgb: that image, (H, W, 3) uint8 (or float in [0, 1]) RGB
     at the output's size; formats: any of FORMATS (result.json is always written, last); mesh_step: the grid step
     of mesh.glb (1: every pixel). `source` (the input's name) and `extra` (more keys) go into result.json.
-    Existing files of the same names are replaced.
+    `root`: the run's output folder; `out_dir` must lie inside it (a ValueError otherwise, before anything is
+    written). Existing files of the same names are replaced.
 
     A folder holds a complete result exactly when it has result.json: an earlier result.json is removed before
-    anything is written, and if writing fails (a full disk, a killed writer's exception), every file this
-    function writes is removed again (`remove_outputs`) before the error is raised.
+    anything is written, and if writing fails (a full disk, a killed writer's exception), the files and folders
+    this call created are removed again before the error is raised; nothing else is touched.
     """
     formats = check_formats(formats)
     if isinstance(mesh_step, bool) or not isinstance(mesh_step, int) or mesh_step < 1:
         raise ValueError(f"mesh_step must be a positive int, got {mesh_step!r}")
     rgb = _as_uint8_rgb(image_rgb, output)
     out = Path(out_dir)
+    if root is not None and not inside(out, root):
+        raise ValueError(f"out_dir {os.fspath(out)!r} is not inside the output folder {os.fspath(root)!r}")
+    created = [p for p in (out, *out.parents) if not p.exists()]  # the folders this call makes, deepest first
     out.mkdir(parents=True, exist_ok=True)
     try:
         (out / RESULT_FILE).unlink()
     except FileNotFoundError:
         pass
+    written: list = []
     try:
-        return _write_files(output, rgb, out, formats, source, extra, mesh_step)
+        return _write_files(output, rgb, out, formats, source, extra, mesh_step, written)
     except BaseException:
-        remove_outputs(out)
+        for path in written:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        for folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty
         raise
 
 
@@ -399,24 +383,29 @@ def _write_files(
     source: Optional[str],
     extra: Optional[dict],
     mesh_step: int,
+    created: list,
 ) -> dict:
+    """The files of write_outputs; each file's path goes into `created` before it is written (so that a failed
+    call removes its partial file too)."""
     record: dict = {"source": source, **output.summary(depth_percentiles=True)}
     written: list = []
+
+    def target(name: str) -> Path:
+        created.append(out / name)
+        written.append(name)
+        return out / name
+
     if "maps" in formats:
         known = (record["depth_p1_m"], record["depth_p99_m"])  # summary() took them from the same pixels
         depth_picture, (near, far) = colorize_depth(output.depth, output.mask, None if None in known else known)
-        _write_png(out / "depth.png", depth_picture)
+        _write_png(target("depth.png"), depth_picture)
         record["depth_png_range_m"] = [finite_or_none(near), finite_or_none(far)]
-        written.append("depth.png")
         if output.normal is not None:
-            _write_png(out / "normal.png", colorize_normal(output.normal, output.mask))
-            written.append("normal.png")
-        _write_png(out / "mask.png", output.mask.astype(np.uint8) * 255)
-        write_depth_exr(out / "depth.exr", output.depth)
-        written += ["mask.png", "depth.exr"]
+            _write_png(target("normal.png"), colorize_normal(output.normal, output.mask))
+        _write_png(target("mask.png"), output.mask.astype(np.uint8) * 255)
+        write_depth_exr(target("depth.exr"), output.depth)
     if "npz" in formats:
-        output.save_npz(out / "result.npz", compress=True)  # a file to keep: its maps deflated
-        written.append("result.npz")
+        output.save_npz(target("result.npz"), compress=True)  # a file to keep: its maps deflated
     if "ply" in formats or "glb" in formats:
         keep = kept_pixels(output)
         record["edge_rtol"] = DEPTH_EDGE_RTOL
@@ -426,8 +415,8 @@ def _write_files(
         else:
             if "ply" in formats:
                 cloud = point_cloud(output, rgb, keep)
-                (out / "points.ply").write_bytes(cloud.export(file_type="ply", vertex_normal=output.normal is not None))
-                written.append("points.ply")
+                ply = cloud.export(file_type="ply", vertex_normal=output.normal is not None)
+                target("points.ply").write_bytes(ply)
             if "glb" in formats:
                 mesh = image_mesh(
                     output,
@@ -440,11 +429,11 @@ def _write_files(
                     mesh_step=mesh_step, mesh_vertices=int(len(mesh.vertices)), mesh_faces=int(len(mesh.faces))
                 )
                 if len(mesh.vertices):
-                    (out / "mesh.glb").write_bytes(mesh.export(file_type="glb"))
-                    written.append("mesh.glb")
+                    glb = mesh.export(file_type="glb")
+                    target("mesh.glb").write_bytes(glb)
                 else:
                     record["note"] = f"no kept pixel on the grid of mesh_step {mesh_step}: mesh.glb not written"
-    record["files"] = written + [RESULT_FILE]
+    record["files"] = [*written, RESULT_FILE]
     record.update(extra or {})
     write_text_atomic(out / RESULT_FILE, to_json(record))
     return record

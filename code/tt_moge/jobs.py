@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from .export import DEFAULT_MESH_STEP, remove_outputs, write_outputs
+from .export import DEFAULT_MESH_STEP, write_outputs
 from .host import CallOptions, to_rgb_array
 
 __all__ = ["DEFAULT_CHUNK", "predict_images", "predict_chunk", "predict_panoramas", "written_bytes"]
@@ -64,8 +64,8 @@ def predict_images(
 
     Decoding of the next chunk, the model on this chunk (`predict_many`) and the writing of finished images
     overlap. An image that fails (unreadable, or its writing fails, e.g. on a full disk) is recorded and the
-    run goes on; its files in out_root / image.name are removed (also those of an earlier run), so that no
-    folder of a failed image can pass for a result. Returns {image index: error message or None};
+    run goes on; the files its writing had made are removed again (`write_outputs`), nothing else: clean-up
+    only touches what this run wrote, inside out_root. Returns {image index: error message or None};
     `on_done(image, error)` is called for each image as it finishes.
     `mesh_step` goes to `write_outputs`.
     """
@@ -73,8 +73,6 @@ def predict_images(
 
     def finish(index: int, image: Any, error: Optional[str]) -> None:
         status[index] = error
-        if error is not None:
-            remove_outputs(out_root / image.name, stop_at=out_root)
         if on_done is not None:
             on_done(image, error)
 
@@ -111,6 +109,7 @@ def predict_images(
                     formats,
                     source=str(image.path),
                     mesh_step=mesh_step,
+                    root=out_root,
                 )
                 writing.append((i, image, job))
                 collect(2 * writers)  # bounded: finished maps wait for a writer, not pile up in memory
@@ -188,6 +187,7 @@ def predict_panoramas(
                         formats,
                         source=str(image.path),
                         mesh_step=mesh_step,
+                        root=out_root,
                     ),
                 )
             )

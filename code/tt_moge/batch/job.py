@@ -65,6 +65,7 @@ class BatchSummary:
     output_format: str
     failures: list = field(default_factory=list)  # [(input path, error)]
     done_names: list = field(default_factory=list)  # output names of the images done by this run, as reported
+    renamed: list = field(default_factory=list)  # [{input, output, asked, why}]: inputs not named as they asked
     arrivals: list = field(default_factory=list)  # seconds after the job start at which each image's status came
 
     @property
@@ -236,6 +237,11 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
         ray_start_seconds=0.0,
         replicas=job.replicas,
         output_format=job.output_format,
+        renamed=[
+            {"input": str(im.path), "output": im.name, "asked": im.wanted, "why": im.renamed}
+            for im in images
+            if im.renamed
+        ],
     )
     files = job.output_format == "files"
     options = {

@@ -19,6 +19,8 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from .. import runs
+
 __all__ = [
     "OUTPUT_FORMATS",
     "FAILURES_FILE",
@@ -33,9 +35,9 @@ __all__ = [
 ]
 
 OUTPUT_FORMATS = ("files", "parquet")
-FAILURES_FILE = "failures.jsonl"  # one JSON object per failed image of the last run: input, name, error
-RECORD_FILE = "batch.json"  # the last run: options, counts, timing
-SHARDS_DIR = "parquet"  # OUT/parquet/part-<hash>.parquet in --format parquet
+FAILURES_FILE = runs.FAILURES_FILE  # one JSON object per failed image of the last run: input, name, error
+RECORD_FILE = runs.BATCH_RECORD_FILE  # the last run: options, counts, timing
+SHARDS_DIR = runs.SHARDS_DIR  # OUT/parquet/part-<hash>.parquet in --format parquet
 PARQUET_COLUMNS = ("name", "source", "result", "npz")
 
 
@@ -73,7 +75,9 @@ def write_files(
     from ..export import write_outputs
 
     jobs = {
-        i: writer.submit(write_outputs, output, rgbs[i], out / names[i], formats, source=paths[i], mesh_step=mesh_step)
+        i: writer.submit(
+            write_outputs, output, rgbs[i], out / names[i], formats, source=paths[i], mesh_step=mesh_step, root=out
+        )
         for i, output in results.items()
     }
     for i, job in jobs.items():
@@ -147,7 +151,8 @@ class FailureLog:
 
 
 def write_record(out: Path, summary: Any, where: str, model: Optional[dict], options: dict) -> None:
-    """OUT/batch.json: the run's options, model arguments, counts and times (a BatchSummary's)."""
+    """OUT/batch.json: the run's options, model arguments, counts and times (a BatchSummary's), and the inputs whose
+    output folder is not the name they asked for (`inputs.output_name`), with why."""
     from .. import __version__
     from ..export import to_json, write_text_atomic
 
@@ -166,6 +171,7 @@ def write_record(out: Path, summary: Any, where: str, model: Optional[dict], opt
                 "seconds": round(summary.seconds, 3),
                 "images_per_second": round(summary.images_per_second, 3),
                 "ray_start_seconds": round(summary.ray_start_seconds, 3),
+                "renamed": summary.renamed,
             }
         ),
     )

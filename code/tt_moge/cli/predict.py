@@ -12,6 +12,7 @@ from .. import __version__
 from ..constants import DEFAULT_CANVAS, DEPTH_EDGE_RTOL
 from ..jobs import DEFAULT_CHUNK
 from ..panorama.predict import PANORAMA_CANVAS
+from ..runs import RUN_FILE
 from . import argtypes
 from .common import (
     DEFAULT_OUTPUT,
@@ -65,11 +66,15 @@ output layout:
                            valid_fraction, median_depth_m, depth percentiles, files; written last
   OUT/NAME/<format files>
   NAME is the file's stem; for a file found in a folder, its path below that folder without the extension
-  (photos/trip/a.jpg -> trip/a). Clashing names get the extension (a_jpg), then a counter (a_jpg-2).
+  (photos/trip/a.jpg -> trip/a). A NAME always stays inside OUT: control characters become _, a part that
+  is only dots (from ..png, ...png) becomes _ or __, and the run's own names (run.json, batch.json,
+  failures.jsonl, parquet, hidden names) get a _ in front. Clashing names get the extension (a_jpg), then a
+  counter (a_jpg-2). run.json says which inputs were renamed, and why.
   Existing files of the same names are replaced. A folder holds a complete result exactly when it has
   result.json: an image that fails (unreadable, or its files cannot be written, e.g. on a full disk) is
-  listed as failed in run.json and on stderr, and its files are removed. run.json is written last and
-  atomically (a run that could not write it says so in one line and exits 1).
+  listed as failed in run.json and on stderr, and the files written for it are removed (nothing else in
+  OUT is ever removed). run.json is written last and atomically (a run that could not write it says so in
+  one line and exits 1).
 
 examples:
   tt-moge predict photo.jpg                          # -> ./{DEFAULT_OUTPUT}/photo/: the maps and mesh.glb
@@ -146,7 +151,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         out_root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         parser.error(f"cannot create the output folder {str(out_root)!r}: {exc}")
-    run_json = out_root / "run.json"
+    run_json = out_root / RUN_FILE
     try:  # it describes the last run: an earlier one's must not stand for this run if this one cannot write its own
         run_json.unlink()
     except FileNotFoundError:
@@ -234,16 +239,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 "output": img.name,
                 "status": "failed" if status.get(i) else "done",
                 "error": status.get(i),
+                **({"renamed": {"asked": img.wanted, "why": img.renamed}} if img.renamed else {}),
             }
             for i, img in enumerate(images)
         ],
     }
     try:
         write_text_atomic(run_json, to_json(record))
-        index = f"index: {run_json}"
+        index, indexed = f"index: {run_json}", True
     except OSError as exc:
         say(f"could not write {run_json}: {exc}")
-        index = "no index: run.json could not be written"
+        index, indexed = f"no index: {RUN_FILE} could not be written", False
     if not args.quiet:
         rate = f", {done / seconds:.2f} images/s" if seconds > 0 and done else ""
         print(
@@ -258,4 +264,4 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             )
         for _image, error in failed:
             print(f"  failed: {error}")
-    return EXIT_IMAGES_FAILED if failed or not run_json.exists() else EXIT_OK
+    return EXIT_IMAGES_FAILED if failed or not indexed else EXIT_OK

@@ -1,37 +1,50 @@
 """A cost model of a ttnn graph on one Blackhole chip, from the device operations the (mock) device ran.
 
 No chip can be measured here, so speed is estimated: every device operation that a forward runs on the mock
-P150 (`mock_check.py` captures them with ttnn's own graph capture, one ttnn call at a time) is costed with
-tt-metal's ideal formulas, and the sum is the forward's estimate.
+P150 (`mock_check.py` captures them with ttnn's own graph capture, one ttnn call at a time) is costed from what
+it computes and what it moves, and the sum is the forward's estimate.
 
     recorder = OpRecorder(ttnn, capture_api=ttnn.graph)  # the ttnn module, wrapped
     recorder.capture = True                              # record the device ops of each call from here
     graph = TtnnGraph(recorder, device, prepared)        # the graph calls ttnn through it
     graph.forward(x)
-    est = estimate(recorder.ops)                         # Estimate: total_ms, per group, per op
+    est = estimate(recorder.ops, chip)                   # Estimate: total, kernel, dispatch, per group, per op
 
-Per device operation (`op_cost`), the time is the larger of what it computes and what it moves, plus a fixed
-dispatch cost:
+An op's time has two parts, as tt-metal's profiler tells them apart:
 
-* compute: a matmul's or conv's 2 M N K multiply-adds / (cores x 4096 FLOP per cycle x the clock) x the math
-  fidelity's passes (LoFi 1, HiFi2 2, HiFi3 3, HiFi4 4), divided by the FPU efficiency `Chip.fpu_efficiency`;
-  SDPA's two matmuls the same way, plus its softmax on the SFPU (`Chip.exp_cycles_per_tile`, exact or
-  approximate exp); eltwise ops and layer norms a few FPU/SFPU passes per tile.
-* data: bytes read and written, each tensor at the bandwidth of where it lives: DRAM (`Chip.dram_bytes_per_s`,
-  shared by the chip) or L1 (sharded: `Chip.l1_bytes_per_cycle` per core of the shard grid); a matmul's
-  multicast operand blocks over the NoC (`Chip.noc_bytes_per_cycle` per core).
-* dispatch: `Chip.op_overhead_ns` per device operation (a traced forward replays its programs back to back;
-  each still starts and ends its kernels on every core).
+* **kernel** (what "DEVICE KERNEL DURATION" measures, first core's start to last core's end): the larger of what
+  the busiest core computes and what the op moves, plus what cannot overlap either (the first operand blocks a
+  matmul must hold before it can start), plus a fixed start-up cost per op (`Chip.kernel_ns`).
+* **dispatch**: the gap a traced replay still leaves between one op's end and the next one's start
+  (`Chip.dispatch_ns` per op): end-to-end time minus the summed kernel time.
+
+Compute counts every pass the kernels run, each at its unit's rate:
+
+* the matrix engine: a 32x32x32 tile product is 16 cycles at LoFi, times the math fidelity's passes (LoFi 1,
+  HiFi2 2, HiFi3 3, HiFi4 4), at `Chip.fpu_efficiency` of that ideal; matmuls and convs count the busiest core's
+  tile products (its output block x K tiles), SDPA its QK^T and PV products;
+* one pass over a tile (unpack, an FPU or SFPU step, pack: an add, a reduction, a broadcast multiply, packing a
+  matmul's output tile): `Chip.pass_cycles`; the exp on the SFPU on top of its pass: `Chip.exp_cycles` (exact) or
+  `Chip.exp_cycles_approx`;
+* SDPA (FlashAttention, per query chunk x key chunk on a core): QK^T, pack, row max, subtract and exp, row sum,
+  PV and its pack, and from the second key chunk on the rescale of the running max, sum and output; at the end
+  the output divided by the sum;
+* layer norm: seven passes a tile (mean, subtract, square, variance, scale by 1/sigma, gamma, beta), on the cores
+  of its shard grid, or, interleaved, on one core per tile row as ttnn splits it; softmax: exp, sum, scale.
+
+Data: bytes read and written, each tensor at the bandwidth of where it lives: DRAM (`Chip.dram_bytes_per_s`,
+shared by the chip) or L1 (`Chip.noc_bytes_per_cycle` per core of the shard grid, or of the whole grid when
+interleaved); a matmul's multicast operand blocks over the NoC; SDPA's keys and values, which every core of a head
+streams once per query chunk (from DRAM when they live there). Weights read from DRAM overlap compute except for
+the first block a core needs, which is the matmul's fill.
 
 The cores an op uses come from what the capture recorded: a sharded tensor's shard grid, a matmul's program
 config (per-core blocks over the output tiles, from the ttnn call's arguments, which `OpRecorder` keeps), SDPA's
-work units (batch x heads x query chunks). An interleaved op with no config is assumed to use the whole grid.
+work units (batch x heads x query chunks). An interleaved op with no config uses the whole grid (`Chip.grid`).
 
-Calibration (`calibration_table`, `fit_calibration`): the same model, applied to the op list of tt-metal's own
-high-resolution Blackhole ViT (`hires_vit.py`, run on the mock like our graph), is compared with the times
-tt-metal publishes for it; the constants of `BLACKHOLE_P150` are fixed by that comparison and by the chip's
-documented figures, and are not tuned to our graph. Both the constants and the comparison are in
-docs/tenstorrent.md.
+Four figures are fitted, the rest are tt-metal's documented ones: `calibration.py` fits `fpu_efficiency`,
+`exp_cycles`, `kernel_ns` and `dispatch_ns` on part of tt-metal's published Blackhole figures and reports the error
+on the rest (held out); docs/tenstorrent.md says which and how far off.
 
 numpy-free and torch-free: this module runs in the mock's Python (ttnn only) and in the tests.
 """
@@ -42,7 +55,7 @@ import collections
 import math
 import re
 import types
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 __all__ = [
@@ -56,36 +69,41 @@ __all__ = [
     "op_cost",
     "estimate",
     "device_ops_from_capture",
+    "call_attributes",
+    "ops_to_json",
+    "ops_from_json",
+    "l1_local_bytes_per_s",
+    "L1_LOCAL_GBPS",
     "GROUPS",
-    "PUBLISHED_HIRES_VIT_MS",
+    "FITTED",
+    "TILE",
+    "FIDELITY_PASSES",
+    "DTYPE_TILE_BYTES",
 ]
 
 TILE = 32
 GROUPS = ("encoder", "sdpa", "norms_adds", "decoder", "transfers")
-
-# tt-metal's published end-to-end times (2 command queues, traced, batch 1) of its Blackhole high-resolution ViT
-# (models/demos/blackhole/vit, test_demo_vit_hiRes_ttnn_inference_perf_e2e_2cq_trace.py): tokens -> ms.
-PUBLISHED_HIRES_VIT_MS = {1024: 4.1, 2048: 9.5, 3072: 14.5}
+FITTED = ("fpu_efficiency", "exp_cycles", "kernel_ns", "dispatch_ns")  # the figures calibration.fit fits
 
 
 @dataclass(frozen=True)
 class Chip:
-    """The figures the model needs of one chip. Defaults: a Blackhole P150; docs/tenstorrent.md says where each
-    comes from (tt-metal's documents and perf models) and which two the calibration sets (`op_overhead_ns`,
-    `softmax_cycles_per_tile`)."""
+    """The figures the model needs of one chip. Defaults: a Blackhole P150. The four of `FITTED` are the values
+    `calibration.fit` finds (rounded; tests/test_ttnn_cost.py checks that they are); docs/tenstorrent.md says where
+    each other one comes from."""
 
     name: str = "Blackhole P150"
-    grid: tuple = (13, 10)  # worker cores (x, y) that ttnn gives ops
+    grid: tuple = (13, 10)  # worker cores (x, y) that ttnn gives ops; the mock check sets the device's
     clock_hz: float = 1.35e9
     flop_per_cycle_lofi: int = 4096  # one core's matrix engine (8x16 @ 16x16 per cycle) at LoFi
-    fpu_efficiency: float = 0.85  # the share of that ideal a well-blocked matmul reaches (tt-metal's GEMM report)
-    conv_efficiency: float = 0.85  # a conv's matmul, the same (its reader is costed on its own)
+    fpu_efficiency: float = 0.724  # the share of that ideal the matrix engine reaches (fitted)
+    pass_cycles: float = 32.0  # one unpack, FPU / SFPU step and pack of a 32x32 tile
+    exp_cycles: float = 72.2  # the SFPU's exact exp on a tile, on top of its pass (fitted)
+    exp_cycles_approx: float = 52.0  # the same with the fast approximate exp
     dram_bytes_per_s: float = 512e9 * 0.9  # eight GDDR6 channels, 512 GB/s peak, at the share reached
     noc_bytes_per_cycle: float = 37.0  # what one core reads or writes over the NoC (or L1 to L1), saturated
-    softmax_cycles_per_tile_approx: float = 52.0  # SDPA, per 32x32 score tile: the SFPU's fast approximate exp
-    softmax_cycles_per_tile: float = 355.0  # the same with exp_approx_mode=False (calibrated)
-    eltwise_cycles_per_tile: float = 32.0  # one FPU / SFPU pass over a tile (add, relu, a layer-norm step)
-    op_overhead_ns: float = 7200.0  # per device operation, what its costs leave out (calibrated)
+    kernel_ns: float = 6053.0  # per device op, its kernels' start-up on every core (fitted)
+    dispatch_ns: float = 1284.0  # per device op, the gap between ops in a traced replay (fitted)
     pcie_bytes_per_s: float = 24e9  # host <-> chip, one stream over PCIe Gen5 x16
 
     @property
@@ -95,11 +113,15 @@ class Chip:
     def cycles_ns(self, cycles: float) -> float:
         return cycles / self.clock_hz * 1e9
 
+    def with_grid(self, grid) -> "Chip":
+        """The same chip with another worker grid (x, y), e.g. the 11x10 of current P150 firmware."""
+        return replace(self, grid=(int(grid[0]), int(grid[1])))
+
 
 BLACKHOLE_P150 = Chip()
 
-_FIDELITY_PASSES = {"LoFi": 1, "HiFi2": 2, "HiFi3": 3, "HiFi4": 4}
-_DTYPE_TILE_BYTES = {
+FIDELITY_PASSES = {"LoFi": 1, "HiFi2": 2, "HiFi3": 3, "HiFi4": 4}
+DTYPE_TILE_BYTES = {
     "BFLOAT16": 2048,
     "FLOAT32": 4096,
     "BFLOAT8_B": 1088,
@@ -207,7 +229,7 @@ def _nbytes(t: TensorInfo) -> int:
     if not t.shape:
         return 0
     if t.layout == "TILE":
-        return math.prod(t.padded_shape) // (TILE * TILE) * _DTYPE_TILE_BYTES.get(t.dtype, 2048)
+        return math.prod(t.padded_shape) // (TILE * TILE) * DTYPE_TILE_BYTES.get(t.dtype, 2048)
     return math.prod(t.shape) * _ELEMENT_BYTES.get(t.dtype, 2)
 
 
@@ -356,34 +378,89 @@ class OpRecorder:
         self.ops.clear()
 
 
+def _tensor_row(t: TensorInfo) -> list:
+    return [list(t.shape), t.dtype, t.layout, t.buffer, t.memory_layout, t.cores, t.nbytes]
+
+
+def ops_to_json(ops: Iterable[DeviceOp]) -> list:
+    """A compact JSON form of an op list (one list per op), read back by `ops_from_json`."""
+    return [
+        [
+            op.name,
+            op.call,
+            op.stage,
+            op.fidelity,
+            op.approx,
+            op.fp32_acc,
+            op.call_attrs,
+            [_tensor_row(t) for t in op.inputs],
+            [_tensor_row(t) for t in op.outputs],
+        ]
+        for op in ops
+    ]
+
+
+def ops_from_json(rows: list) -> list:
+    def tensor(row):
+        shape, dtype, layout, buffer, memory_layout, cores, nbytes = row
+        return TensorInfo(tuple(shape), dtype, layout, buffer, memory_layout, cores, nbytes)
+
+    return [
+        DeviceOp(name, [tensor(t) for t in ins], [tensor(t) for t in outs], call, stage, fid, approx, acc, attrs)
+        for name, call, stage, fid, approx, acc, attrs, ins, outs in rows
+    ]
+
+
 # ------------------------------------------------------------------------------------------- the costs
 
 
 @dataclass
 class OpCost:
+    """One op's estimate: `kernel_ns` = max(compute, data) + fill + the fixed start-up; `total_ns` adds dispatch."""
+
     name: str
     call: str
     group: str
     compute_ns: float
     data_ns: float
-    overhead_ns: float
+    fill_ns: float  # what overlaps neither: a matmul's first operand blocks
+    startup_ns: float  # the op's fixed kernel start-up (Chip.kernel_ns)
+    dispatch_ns: float  # the gap before the next op (Chip.dispatch_ns)
     cores: int
     detail: str
 
     @property
+    def kernel_ns(self) -> float:
+        return max(self.compute_ns, self.data_ns) + self.fill_ns + self.startup_ns
+
+    @property
     def total_ns(self) -> float:
-        return max(self.compute_ns, self.data_ns) + self.overhead_ns
+        return self.kernel_ns + self.dispatch_ns
 
     @property
     def bound(self) -> str:
         return "compute" if self.compute_ns >= self.data_ns else "data"
 
 
-_COMPUTE_OPS = ("Matmul", "Conv2d", "SDPA", "LayerNorm", "BinaryNg", "Binary", "Unary", "Softmax")
+@dataclass
+class _Work:
+    compute_ns: float
+    data_ns: float
+    cores: int
+    detail: str
+    fill_ns: float = 0.0
 
 
 def _base(name: str) -> str:
     return name.replace("DeviceOperation", "").replace("Operation", "").split("::")[-1]
+
+
+def _tile_bytes(t: TensorInfo) -> int:
+    return DTYPE_TILE_BYTES.get(t.dtype, 2048)
+
+
+def _tiles(t: TensorInfo) -> float:
+    return math.prod(t.padded_shape) / (TILE * TILE) if t.shape else 0.0
 
 
 def _tensor_time_ns(t: TensorInfo, chip: Chip) -> float:
@@ -400,7 +477,12 @@ def _data_ns(op: DeviceOp, chip: Chip) -> float:
 
 
 def _passes(op: DeviceOp) -> int:
-    return _FIDELITY_PASSES.get(op.fidelity or "HiFi4", 4)
+    return FIDELITY_PASSES.get(op.fidelity or "HiFi4", 4)
+
+
+def _product_cycles(op: DeviceOp, chip: Chip) -> float:
+    """One 32x32x32 tile product on the matrix engine at the op's fidelity and the FPU efficiency."""
+    return TILE**3 * 2 / chip.flop_per_cycle_lofi * _passes(op) / chip.fpu_efficiency
 
 
 def _op_cores(op: DeviceOp, chip: Chip, blocks: Optional[int] = None) -> int:
@@ -412,13 +494,14 @@ def _op_cores(op: DeviceOp, chip: Chip, blocks: Optional[int] = None) -> int:
     return chip.cores
 
 
-def _matmul(op: DeviceOp, chip: Chip) -> tuple:
-    """The busiest core's tile products (per-core output block x K tiles; 16 cycles each at LoFi) at the FPU
-    efficiency, against DRAM traffic and the operand blocks streamed to each core over the NoC."""
+def _matmul(op: DeviceOp, chip: Chip) -> _Work:
+    """The busiest core's tile products (its output block x K tiles) and the packing of its output tiles, against
+    DRAM traffic and the operand blocks streamed to it over the NoC (2D multicast: a row's first core reads the
+    row's in0 blocks, a column's first core the column's in1 blocks, on the two NoCs at once). The first K block
+    of each operand must arrive before the first product: the fill."""
     a, b = op.inputs[0], op.inputs[1]
     m, k, n = a.rows, a.padded_shape[-1], b.padded_shape[-1]
-    batch_b = math.prod(b.padded_shape[:-2]) if len(b.shape) > 2 else 1
-    mt, nt, kt = -(-m // TILE), -(-n // TILE), -(-k // TILE)
+    mt, nt, kt = -(-m // TILE), -(-n // TILE), -(-k // TILE)  # rows count every batch of a batched matmul
     attrs = op.call_attrs
     if "per_core_M" in attrs and "per_core_N" in attrs:
         per_m, per_n = attrs["per_core_M"], attrs["per_core_N"]
@@ -426,22 +509,20 @@ def _matmul(op: DeviceOp, chip: Chip) -> tuple:
     else:  # ttnn's own config: assume the output tiles spread evenly over the cores it uses
         cores = _op_cores(op, chip, blocks=mt * nt)
         per_m, per_n = 1, -(-mt * nt // cores)
-    products = per_m * per_n * kt * max(1, batch_b)
-    tile_cycles = TILE**3 * 2 / chip.flop_per_cycle_lofi * _passes(op)
-    compute = chip.cycles_ns(products * tile_cycles / chip.fpu_efficiency)
-    # 2D multicast: a row's first core reads the row's in0 blocks and multicasts them, a column's first core the
-    # column's in1 blocks, on the two NoCs at once: the longer of the two streams bounds the op
-    streams = (per_m * _DTYPE_TILE_BYTES.get(a.dtype, 2048) * kt, per_n * _DTYPE_TILE_BYTES.get(b.dtype, 2048) * kt)
-    data = max(_data_ns(op, chip), chip.cycles_ns(max(streams) / chip.noc_bytes_per_cycle))
-    return compute, data, cores, f"{m}x{k}x{n} {op.fidelity} {cores} cores"
+    block_k = min(kt, attrs.get("in0_block_w", 1))  # ttnn's own config: its block is not recorded, take one tile
+    compute = chip.cycles_ns(per_m * per_n * (kt * _product_cycles(op, chip) + chip.pass_cycles))
+    in0, in1 = per_m * _tile_bytes(a), per_n * _tile_bytes(b)  # one K tile of each operand's block
+    data = max(_data_ns(op, chip), chip.cycles_ns(max(in0, in1) * kt / chip.noc_bytes_per_cycle))
+    fill = chip.cycles_ns((in0 + in1) * block_k / chip.noc_bytes_per_cycle)
+    return _Work(compute, data, cores, f"{m}x{k}x{n} {op.fidelity} {cores} cores", fill)
 
 
-def _conv(op: DeviceOp, chip: Chip) -> tuple:
+def _conv(op: DeviceOp, chip: Chip) -> _Work:
     """A conv as ttnn runs it: a matmul of the im2col windows (output pixels x kh kw C_in) by the prepared weight
     matrix, whose shape the capture records (a grouped conv's weights are expanded to the full C_in with zeros,
-    so its cost is a dense conv's), at the conv efficiency; against the activation reader building the windows
-    from the halo'd shard (kh kw C_in bfloat16 values per output pixel, copied a window row at a time at the
-    measured L1 rate for that transaction size) and the data."""
+    so its cost is a dense conv's), plus the packing of its output tiles; against the activation reader building
+    the windows from the halo'd shard (kh kw C_in bfloat16 values per output pixel, copied a window row at a time
+    at the measured L1 rate for that transaction size) and the data."""
     attrs = op.call_attrs
     out = op.outputs[0] if op.outputs else op.inputs[0]
     pixels = out.rows
@@ -451,9 +532,10 @@ def _conv(op: DeviceOp, chip: Chip) -> tuple:
     else:
         kh, kw = attrs.get("kernel", (1, 1))
         k, n = kh * kw * attrs.get("in_channels", 32), -(-attrs.get("out_channels", 32) // TILE) * TILE
-    flops = 2.0 * pixels * k * n
     cores = _op_cores(op, chip)
-    compute = chip.cycles_ns(flops / (cores * chip.flop_per_cycle_lofi) * _passes(op)) / chip.conv_efficiency
+    products = pixels / TILE * (k / TILE) * (n / TILE) / cores
+    out_tiles = pixels / TILE * (n / TILE) / cores
+    compute = chip.cycles_ns(products * _product_cycles(op, chip) + out_tiles * chip.pass_cycles)
     c_in = attrs.get("in_channels", k)
     kw = (attrs.get("kernel") or (1, 1))[1]
     stick = kw * c_in * 2  # the reader copies one window row (kw pixels of C_in bfloat16 values) at a time
@@ -461,18 +543,16 @@ def _conv(op: DeviceOp, chip: Chip) -> tuple:
     weights = weight.nbytes if weight is not None else k * n * 2
     data = max(_data_ns(op, chip), reader, chip.cycles_ns(weights / chip.noc_bytes_per_cycle))
     kernel = "x".join(str(v) for v in attrs.get("kernel", ())) or "?"
-    return (
-        compute,
-        data,
-        cores,
+    detail = (
         f"{pixels}px {attrs.get('in_channels', '?')}->{attrs.get('out_channels', '?')} "
-        f"{kernel} g{attrs.get('groups', 1)} {op.fidelity} {cores} cores",
+        f"{kernel} g{attrs.get('groups', 1)} {op.fidelity} {cores} cores"
     )
+    return _Work(compute, data, cores, detail)
 
 
 # What one Blackhole core reads from its own L1 per transaction size (bytes -> GB/s): the measured table of
 # tt-metal's data-movement cost model (ttnn/.../data_movement/common/common.cpp, common_tm_bw_model, "L1 local").
-_L1_LOCAL_GBPS = (
+L1_LOCAL_GBPS = (
     (32, 1.337),
     (256, 10.708),
     (512, 21.413),
@@ -484,8 +564,8 @@ _L1_LOCAL_GBPS = (
 
 
 def l1_local_bytes_per_s(transaction: float) -> float:
-    """`_L1_LOCAL_GBPS` interpolated log-linearly in the transaction size (clamped at its ends), in bytes/s."""
-    table = _L1_LOCAL_GBPS
+    """`L1_LOCAL_GBPS` interpolated log-linearly in the transaction size (clamped at its ends), in bytes/s."""
+    table = L1_LOCAL_GBPS
     if transaction <= table[0][0]:
         return table[0][1] * 1e9
     for (x0, y0), (x1, y1) in zip(table, table[1:]):
@@ -500,16 +580,21 @@ def _untilize_ns(t: TensorInfo, chip: Chip, cores: int) -> float:
     8 tiles wide, 390 beyond), spread over the cores."""
     if t.layout != "TILE":
         return 0.0
-    tiles = math.prod(t.padded_shape) / (TILE * TILE)
     width = t.padded_shape[-1] // TILE
-    return chip.cycles_ns(tiles / max(1, cores) * (80 if width <= 8 else 390))
+    return chip.cycles_ns(_tiles(t) / max(1, cores) * (80 if width <= 8 else 390))
 
 
-def _sdpa(op: DeviceOp, chip: Chip) -> tuple:
+def _exp_cycles(op: DeviceOp, chip: Chip, approx: Optional[bool]) -> float:
+    return chip.exp_cycles_approx if approx else chip.exp_cycles
+
+
+def _sdpa(op: DeviceOp, chip: Chip) -> _Work:
     """FlashAttention as ttnn's SDPA splits it: batch x heads first, then each head's query chunks over the cores
-    left (`q_parallel`); the busiest core runs `chunks` query chunks, each against every key chunk. Per 32x32 score
-    tile: the two matmuls (QK^T and PV, head_dim / 32 tile products each) at the op's fidelity, and the softmax on
-    the SFPU; per (query chunk, key chunk) the running output's rescale."""
+    left (`q_parallel`); the busiest core runs `chunks` query chunks, each against every key chunk. Per score tile:
+    QK^T (head_dim / 32 products) and its pack, the row max, subtract and exp, the row sum, PV (head_dim / 32
+    products); per key chunk PV's output tiles packed, and from the second key chunk on the rescale (the old max
+    against the new, its exp, the sum and the output tiles scaled and added); per query chunk the output divided by
+    the sum. Data: each core streams its head's keys and values once per query chunk."""
     q, k = op.inputs[0], op.inputs[1]
     b, h, sq, d = (1,) * (4 - len(q.padded_shape)) + q.padded_shape[-4:]
     sk = k.padded_shape[-2]
@@ -522,104 +607,152 @@ def _sdpa(op: DeviceOp, chip: Chip) -> tuple:
     q_parallel = max(1, min(grid_cores // heads, q_chunks)) if grid_cores >= heads else 1
     chunks = -(-q_chunks // q_parallel) * -(-heads // grid_cores)
     cores = min(grid_cores, heads * q_parallel)
-    score_tiles = chunks * (q_chunk // TILE) * k_chunks * (k_chunk // TILE)
+    qt, kt, dt = q_chunk // TILE, k_chunk // TILE, d // TILE
     approx = attrs.get("exp_approx_mode", op.approx)
-    softmax = chip.softmax_cycles_per_tile_approx if approx else chip.softmax_cycles_per_tile
-    mm = 2 * (d // TILE) * TILE**3 * 2 / chip.flop_per_cycle_lofi * _passes(op) / chip.fpu_efficiency
-    rescale = chunks * k_chunks * (q_chunk // TILE) * (d // TILE + 2) * chip.eltwise_cycles_per_tile
-    compute = chip.cycles_ns(score_tiles * (mm + softmax) + rescale)
-    kv_stream = chunks * 2 * sk * d * _DTYPE_TILE_BYTES.get(k.dtype, 2048) / (TILE * TILE)
-    data = max(_data_ns(op, chip), chip.cycles_ns(kv_stream / chip.noc_bytes_per_cycle))
-    return (
-        compute,
-        data,
-        cores,
-        f"{h}h {sq}x{sk}x{d} q{q_chunk}/k{k_chunk} {op.fidelity}{' approx' if approx else ''} {cores} cores",
-    )
+    exp = _exp_cycles(op, chip, approx)
+    pc = chip.pass_cycles
+    score = 2 * dt * _product_cycles(op, chip) + 4 * pc + exp  # QK^T, PV; pack, max, sub + exp, sum
+    per_k_chunk = qt * kt * score + qt * dt * pc  # PV's output tiles packed
+    rescale = qt * (dt + 4) * pc + qt * exp  # new max, exp(old - new), sum, output scaled and added
+    per_q_chunk = k_chunks * per_k_chunk + (k_chunks - 1) * rescale + qt * (dt + 1) * pc  # 1 / sum, scale
+    compute = chip.cycles_ns(chunks * per_q_chunk)
+    kv_core = chunks * 2 * sk * d * _tile_bytes(k) / (TILE * TILE)  # each core's key and value stream
+    data = max(_data_ns(op, chip), chip.cycles_ns(kv_core / chip.noc_bytes_per_cycle))
+    if k.buffer == "DRAM":  # every core of a head reads them: the chip's DRAM carries them `cores` times
+        data = max(data, cores * kv_core / chip.dram_bytes_per_s * 1e9)
+    detail = f"{h}h {sq}x{sk}x{d} q{q_chunk}/k{k_chunk} {op.fidelity}{' approx' if approx else ''} {cores} cores"
+    return _Work(compute, data, cores, detail)
 
 
-def _eltwise(op: DeviceOp, chip: Chip, passes: float) -> tuple:
+def _per_core_tiles(op: DeviceOp, chip: Chip, rows_only: bool = False) -> tuple:
     out = op.outputs[0] if op.outputs else op.inputs[0]
-    tiles = math.prod(out.padded_shape) / (TILE * TILE)
-    cores = _op_cores(op, chip, blocks=int(tiles))
-    compute = chip.cycles_ns(tiles / cores * chip.eltwise_cycles_per_tile * passes)
-    return compute, _data_ns(op, chip), cores, f"{tuple(out.shape)} {cores} cores"
+    tiles = _tiles(out)
+    if rows_only:  # split by tile rows (an interleaved layer norm: a row's statistics stay on one core)
+        cores = _op_cores(op, chip, blocks=max(1, int(out.rows // TILE)))
+    else:
+        cores = _op_cores(op, chip, blocks=max(1, int(tiles)))
+    return out, tiles / cores, cores
 
 
-def _group(op: DeviceOp, base: str) -> str:
-    if base in ("SDPA",):
+def _eltwise(op: DeviceOp, chip: Chip) -> _Work:
+    """One pass per output tile (an add, a multiply, a unary function)."""
+    out, per_core, cores = _per_core_tiles(op, chip)
+    compute = chip.cycles_ns(per_core * chip.pass_cycles)
+    return _Work(compute, _data_ns(op, chip), cores, f"{tuple(out.shape)} {cores} cores")
+
+
+def _layer_norm(op: DeviceOp, chip: Chip) -> _Work:
+    """Seven passes per tile: the row mean (a reduction), subtract, square, the variance (a reduction), scale by
+    1/sigma, gamma, beta. Sharded: on the shard grid; interleaved: one core per tile row, as ttnn splits it."""
+    out, per_core, cores = _per_core_tiles(op, chip, rows_only=not any(t.sharded for t in op.inputs))
+    compute = chip.cycles_ns(per_core * 7 * chip.pass_cycles)
+    return _Work(compute, _data_ns(op, chip), cores, f"{tuple(out.shape)} {out.dtype.lower()} {cores} cores")
+
+
+def _softmax(op: DeviceOp, chip: Chip) -> _Work:
+    """Three passes per tile (exp, the row sum, the scale by its inverse) and the exp on the SFPU."""
+    out, per_core, cores = _per_core_tiles(op, chip)
+    compute = chip.cycles_ns(per_core * (3 * chip.pass_cycles + _exp_cycles(op, chip, op.approx)))
+    return _Work(compute, _data_ns(op, chip), cores, f"{tuple(out.shape)} {cores} cores")
+
+
+def _transfer(op: DeviceOp, chip: Chip) -> _Work:
+    """Data movement: bytes in and out; halo and untilize also convert tiles to rows, tilize rows to tiles."""
+    out = op.outputs[0] if op.outputs else (op.inputs[0] if op.inputs else None)
+    cores = _op_cores(op, chip)
+    base = _base(op.name)
+    compute = 0.0
+    if base in ("Halo", "Untilize", "UntilizeWithUnpadding", "UntilizeWithHalo", "UntilizeCodegen") and op.inputs:
+        compute = _untilize_ns(op.inputs[0], chip, cores)
+    elif base in ("Tilize", "TilizeWithValPadding") and op.outputs:
+        compute = _untilize_ns(op.outputs[0], chip, cores)
+    detail = f"{tuple(out.shape) if out else ()} {out.memory_layout if out else ''} {out.buffer if out else ''}"
+    return _Work(compute, _data_ns(op, chip), cores, detail)
+
+
+# device op (its class name without "DeviceOperation" / "Operation") -> (cost, kind); kinds decide the group.
+# Matmul* and Conv2d* variants match by prefix; anything else is data movement.
+_OPS: dict = {
+    "Matmul": (_matmul, "matmul"),
+    "Conv2d": (_conv, "matmul"),
+    "SDPA": (_sdpa, "sdpa"),
+    "LayerNorm": (_layer_norm, "norm"),
+    "Softmax": (_softmax, "norm"),
+    "BinaryNg": (_eltwise, "norm"),
+    "Binary": (_eltwise, "norm"),
+    "Unary": (_eltwise, "norm"),
+}
+
+
+def _kind(base: str) -> tuple:
+    for prefix in ("Matmul", "Conv2d"):
+        if base.startswith(prefix):
+            return _OPS[prefix]
+    return _OPS.get(base, (_transfer, "transfer"))
+
+
+def _group(op: DeviceOp, kind: str) -> str:
+    if kind == "sdpa":
         return "sdpa"
-    if base not in _COMPUTE_OPS and not base.startswith("Matmul"):  # data movement: reshard, halo, untilize, ...
+    if kind == "transfer":
         return "transfers"
     if op.stage == "decoder":
         return "decoder"
-    if base in ("LayerNorm", "BinaryNg", "Binary", "Unary", "Softmax"):
-        return "norms_adds"
-    return "encoder"
+    return "norms_adds" if kind == "norm" else "encoder"
 
 
 def op_cost(op: DeviceOp, chip: Chip = BLACKHOLE_P150) -> OpCost:
     """The estimated time of one device operation (see the module docstring)."""
-    base = _base(op.name)
-    if base.startswith("Matmul"):
-        compute, data, cores, detail = _matmul(op, chip)
-    elif base.startswith("Conv2d"):
-        compute, data, cores, detail = _conv(op, chip)
-    elif base == "SDPA":
-        compute, data, cores, detail = _sdpa(op, chip)
-    elif base == "LayerNorm":  # mean, variance, normalise, scale and shift: about five passes per tile
-        compute, data, cores, detail = _eltwise(op, chip, 5.0)
-    elif base == "Softmax":
-        compute, data, cores, detail = _eltwise(op, chip, chip.softmax_cycles_per_tile / chip.eltwise_cycles_per_tile)
-    elif base in ("BinaryNg", "Binary", "Unary"):
-        compute, data, cores, detail = _eltwise(op, chip, 1.0)
-    else:  # data movement: bytes in and out; halo and untilize also convert tiles to rows
-        out = op.outputs[0] if op.outputs else (op.inputs[0] if op.inputs else None)
-        compute, data, cores = 0.0, _data_ns(op, chip), _op_cores(op, chip)
-        if base in ("Halo", "Untilize", "UntilizeWithUnpadding", "UntilizeWithHalo") and op.inputs:
-            compute = _untilize_ns(op.inputs[0], chip, cores)
-        elif base in ("Tilize", "TilizeWithValPadding") and op.outputs:
-            compute = _untilize_ns(op.outputs[0], chip, cores)
-        detail = f"{tuple(out.shape) if out else ()} {out.memory_layout if out else ''} {out.buffer if out else ''}"
-    return OpCost(op.name, op.call, _group(op, base), compute, data, chip.op_overhead_ns, cores, detail)
+    cost, kind = _kind(_base(op.name))
+    w: _Work = cost(op, chip)
+    return OpCost(
+        op.name,
+        op.call,
+        _group(op, kind),
+        w.compute_ns,
+        w.data_ns,
+        w.fill_ns,
+        chip.kernel_ns,
+        chip.dispatch_ns,
+        w.cores,
+        w.detail,
+    )
 
 
 @dataclass
 class Estimate:
-    """A forward's estimate: total and per-group milliseconds, and the costed ops."""
+    """A forward's estimate: total = kernel + dispatch milliseconds, per group (each op's kernel and dispatch in
+    its group), and the costed ops."""
 
     total_ms: float
+    kernel_ms: float
+    dispatch_ms: float
     groups_ms: dict
     ops: list
     chip: str
+    grid: tuple
 
     def top(self, n: int = 10) -> list:
         """The n costliest kinds of op (same name, call and detail), with their count and summed time."""
         rows: dict = {}
         for c in self.ops:
-            key = (c.name, c.call, c.detail)
             row = rows.setdefault(
-                key,
-                {
-                    "op": c.name,
-                    "call": c.call,
-                    "detail": c.detail,
-                    "group": c.group,
-                    "bound": c.bound,
-                    "count": 0,
-                    "ms": 0.0,
-                },
+                (c.name, c.call, c.detail),
+                {"op": c.name, "call": c.call, "detail": c.detail, "group": c.group, "bound": c.bound, "count": 0},
             )
             row["count"] += 1
-            row["ms"] += c.total_ns / 1e6
+            row["ms"] = row.get("ms", 0.0) + c.total_ns / 1e6
         return sorted(rows.values(), key=lambda r: -r["ms"])[:n]
 
     def summary(self, top: int = 10) -> dict:
         return {
             "total": round(self.total_ms, 3),
+            "kernel": round(self.kernel_ms, 3),
+            "dispatch": round(self.dispatch_ms, 3),
             **{g: round(v, 3) for g, v in self.groups_ms.items()},
             "device_ops": len(self.ops),
             "chip": self.chip,
+            "grid": f"{self.grid[0]}x{self.grid[1]}",
             "top": [{**r, "ms": round(r["ms"], 3)} for r in self.top(top)],
         }
 
@@ -629,57 +762,6 @@ def estimate(ops: Iterable[DeviceOp], chip: Chip = BLACKHOLE_P150) -> Estimate:
     groups = {g: 0.0 for g in GROUPS}
     for c in costs:
         groups[c.group] += c.total_ns / 1e6
-    return Estimate(sum(groups.values()), groups, costs, chip.name)
-
-
-def calibration_table(
-    op_lists: dict, chip: Chip = BLACKHOLE_P150, layers: int = 12, published_ms: Optional[dict] = None
-) -> dict:
-    """tokens -> {estimate_ms, published_ms, ratio} for tt-metal's hiRes ViT: `op_lists` maps a token count of
-    `published_ms` (default `PUBLISHED_HIRES_VIT_MS`) to the device ops of one of its layers (all alike)."""
-    published_ms = PUBLISHED_HIRES_VIT_MS if published_ms is None else published_ms
-    table = {}
-    for tokens, ops in sorted(op_lists.items()):
-        est = layers * estimate(ops, chip).total_ms
-        published = published_ms[tokens]
-        table[str(tokens)] = {
-            "estimate_ms": round(est, 3),
-            "published_ms": published,
-            "ratio": round(est / published, 3),
-        }
-    return table
-
-
-def fit_calibration(
-    op_lists: dict, chip: Chip = BLACKHOLE_P150, layers: int = 12, published_ms: Optional[dict] = None
-) -> dict:
-    """The `op_overhead_ns` and `softmax_cycles_per_tile` that minimise the squared relative errors of the hiRes
-    ViT estimates against the published times, every other figure of `chip` held. Both enter the estimate
-    linearly (the ops they touch are bound by their compute), so one linear least-squares step is exact."""
-    base = dict(asdict(chip))
-    names = ("op_overhead_ns", "softmax_cycles_per_tile")
-    steps = {"op_overhead_ns": 1000.0, "softmax_cycles_per_tile": 100.0}
-
-    def ests(**change):
-        c = Chip(**{**base, **change})
-        return [layers * estimate(ops, c).total_ms for _, ops in sorted(op_lists.items())]
-
-    published_ms = PUBLISHED_HIRES_VIT_MS if published_ms is None else published_ms
-    published = [published_ms[t] for t in sorted(op_lists)]
-    e0 = ests()
-    columns = [[(b - a) / steps[n] for a, b in zip(e0, ests(**{n: base[n] + steps[n]}))] for n in names]
-    # solve min sum_i ((e0_i + sum_j J_ij d_j - p_i) / p_i)^2 for d (2 unknowns: the normal equations by hand)
-    rows = [[columns[j][i] / published[i] for j in range(2)] for i in range(len(published))]
-    rhs = [(published[i] - e0[i]) / published[i] for i in range(len(published))]
-    a11 = sum(r[0] * r[0] for r in rows)
-    a12 = sum(r[0] * r[1] for r in rows)
-    a22 = sum(r[1] * r[1] for r in rows)
-    b1 = sum(r[0] * y for r, y in zip(rows, rhs))
-    b2 = sum(r[1] * y for r, y in zip(rows, rhs))
-    det = a11 * a22 - a12 * a12
-    d = ((a22 * b1 - a12 * b2) / det, (a11 * b2 - a12 * b1) / det)
-    fitted = {n: base[n] + d[j] for j, n in enumerate(names)}
-    return {
-        **{n: round(v, 1) for n, v in fitted.items()},
-        "table": calibration_table(op_lists, Chip(**{**base, **fitted}), layers, published_ms),
-    }
+    kernel = sum(c.kernel_ns for c in costs) / 1e6
+    dispatch = sum(c.dispatch_ns for c in costs) / 1e6
+    return Estimate(kernel + dispatch, kernel, dispatch, groups, costs, chip.name, tuple(chip.grid))

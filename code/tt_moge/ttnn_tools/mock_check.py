@@ -63,21 +63,13 @@ if __package__ in (None, ""):
     _package_shim()
     from tt_moge.runners.ttnn.graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
     from tt_moge.runners.ttnn.prepare import Prepared, host_input, host_output
-    from tt_moge.ttnn_tools.cost import (
-        PUBLISHED_HIRES_VIT_MS,
-        OpRecorder,
-        calibration_table,
-        estimate,
-        fit_calibration,
-    )
-    from tt_moge.ttnn_tools.hires_vit import LAYERS, HiresVitLayer
-    from tt_moge.ttnn_tools.unet_shallow import PUBLISHED_E2E_MS, UnetShallow
+    from tt_moge.ttnn_tools import calibration
+    from tt_moge.ttnn_tools.cost import BLACKHOLE_P150, OpRecorder, estimate
 else:
     from ..runners.ttnn.graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
     from ..runners.ttnn.prepare import Prepared, host_input, host_output
-    from .cost import PUBLISHED_HIRES_VIT_MS, OpRecorder, calibration_table, estimate, fit_calibration
-    from .hires_vit import LAYERS, HiresVitLayer
-    from .unet_shallow import PUBLISHED_E2E_MS, UnetShallow
+    from . import calibration
+    from .cost import BLACKHOLE_P150, OpRecorder, estimate
 
 
 def synthetic_canvas(width: int, height: int):
@@ -93,8 +85,33 @@ def synthetic_canvas(width: int, height: int):
 
 
 def _short(error: BaseException) -> str:
-    lines = [ln for ln in str(error).splitlines() if ln.strip() and not ln.startswith(" ---")]
+    text = "\n".join([*getattr(error, "__notes__", ()), str(error)])  # notes first: they say where it failed
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(" ---")]
     return " | ".join(lines[:6])[:1500]
+
+
+def _note(error: BaseException, note: str) -> None:
+    """Add `note` to the error's message (its `add_note` where there is one: Python 3.11 on), keeping its type and
+    traceback."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        error.args = (f"{note}: {error}",) + tuple(error.args[1:])
+
+
+def capture_calibration(path: str) -> dict:
+    """Run tt-metal's demo models of the calibration (`calibration.capture_runs`) on the device and write their op
+    lists to `path` (the stored runs: `calibration.RUNS_FILE`). The mock must give the full 13x10 grid."""
+    import ttnn
+    from ttnn._ttnn import graph as ttnn_graph
+
+    device = ttnn.open_device(device_id=0, l1_small_size=32768)
+    try:
+        parts = calibration.capture_runs(ttnn, ttnn_graph, device, parts=True)
+    finally:
+        ttnn.close_device(device)
+    calibration.save_runs(parts, Path(path))
+    return {k: len(p["input"]) + len(p["body"]) * p["repeat"] for k, p in parts.items()}
 
 
 def graph_config(name: str, changes: list):
@@ -121,31 +138,6 @@ def staged_forward(graph, recorder, x) -> dict:
     finest = graph.decode(level0)
     recorder.stage = ""
     return {"finest": finest, "cls_token": cls_token}
-
-
-def _second_run_ops(ttnn, model) -> list:
-    """The device ops of `model(model.input())`, a tt-metal demo model built on an `OpRecorder` (its `.ttnn`),
-    captured on its second run: the first compiles the kernels and prepares the conv weights."""
-    ttnn.deallocate(model(model.input()))
-    x = model.input()
-    model.ttnn.capture = True
-    y = model(x)
-    model.ttnn.capture = False
-    ttnn.deallocate(y)
-    return model.ttnn.ops
-
-
-def hires_vit_op_lists(ttnn, ttnn_graph, device) -> dict:
-    """tokens -> the device ops of one layer of tt-metal's hiRes ViT (`hires_vit.py`)."""
-    return {
-        tokens: _second_run_ops(ttnn, HiresVitLayer(OpRecorder(ttnn, capture_api=ttnn_graph), device, tokens))
-        for tokens in sorted(PUBLISHED_HIRES_VIT_MS)
-    }
-
-
-def unet_op_list(ttnn, ttnn_graph, device) -> list:
-    """The device ops of one inference of tt-metal's UNet shallow (`unet_shallow.py`)."""
-    return _second_run_ops(ttnn, UnetShallow(OpRecorder(ttnn, capture_api=ttnn_graph), device))
 
 
 def _forward_fits(ttnn, device, graph, x, recorder, pages: int, banks: int):
@@ -238,8 +230,9 @@ def run(args) -> dict:
         t = time.perf_counter()
         try:
             graph.load()
-        except Exception as error:  # name the ttnn call that failed
-            raise type(error)(f"in ttnn.{recorder.last}: {error}") from None
+        except Exception as error:  # name the ttnn call that failed, keeping the error and its traceback
+            _note(error, f"in ttnn.{recorder.last}")
+            raise
         report["load_s"] = round(time.perf_counter() - t, 2)
         patches = host_input(plan, synthetic_canvas(*plan["canvas"]))
         x = graph.upload(patches, into=graph.allocate_input())  # the persistent-input path a trace would use
@@ -255,25 +248,18 @@ def run(args) -> dict:
         if args.capture:
             report["device_operations"] = dict(sorted(recorder.device_counts.items()))
             report["device_operations_total"] = sum(recorder.device_counts.values())
-            report["estimate_ms"] = estimate(recorder.ops).summary(top=args.top)
+            chip = BLACKHOLE_P150.with_grid((grid.x, grid.y))  # the estimate on the grid that ran
+            report["estimate_ms"] = estimate(recorder.ops, chip).summary(top=args.top)
         if args.l1_headroom:
             t = time.perf_counter()
             report["peak_l1_per_core"] = l1_peak(ttnn, device, graph, x, recorder)
             report["l1_bisection_s"] = round(time.perf_counter() - t, 2)
-        if args.capture and args.calibration:
+        if args.capture and args.calibration:  # on the stored runs of the demo models (calibration.RUNS_FILE)
             t = time.perf_counter()
-            lists = hires_vit_op_lists(ttnn, ttnn_graph, device)
-            report["calibration"] = calibration_table(lists, layers=LAYERS)
+            runs = calibration.load_runs()
+            report["calibration"] = calibration.calibration(runs)
             if args.fit:
-                report["calibration_fit"] = fit_calibration(lists, layers=LAYERS)
-            unet = estimate(unet_op_list(ttnn, ttnn_graph, device)).total_ms
-            report["validation"] = {
-                "unet_shallow": {
-                    "estimate_ms": round(unet, 3),
-                    "published_ms": PUBLISHED_E2E_MS,
-                    "ratio": round(unet / PUBLISHED_E2E_MS, 3),
-                }
-            }
+                report["calibration_fit"] = calibration.fit(runs)
             report["calibration_s"] = round(time.perf_counter() - t, 2)
         t = time.perf_counter()
         readback = graph.read(out)
@@ -292,7 +278,15 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prepared", required=True, help=".npz written by Prepared.save (prepare_weights)")
+    ap.add_argument(
+        "--prepared", help=".npz written by Prepared.save (prepare_weights); required but with --capture-calibration"
+    )
+    ap.add_argument(
+        "--capture-calibration",
+        metavar="FILE",
+        help="instead: run tt-metal's demo models of the calibration and write their op lists to FILE (the stored "
+        "runs, ttnn_tools/calibration_runs.json.gz); needs the mock's full 13x10 grid",
+    )
     ap.add_argument("--formats", default="bf16", choices=sorted(FORMATS))
     ap.add_argument(
         "--config",
@@ -326,15 +320,21 @@ def main(argv=None) -> int:
         "--no-calibration",
         dest="calibration",
         action="store_false",
-        help="skip the cost model's calibration case (tt-metal's hiRes ViT at 1024 / 2048 / 3072 tokens)",
+        help="skip the cost model's calibration (tt-metal's published Blackhole figures: fitted and held out)",
     )
     ap.add_argument(
         "--fit",
         action="store_true",
-        help="also fit the cost model's two calibrated figures to the published hiRes ViT times",
+        help="also refit the cost model's four fitted figures on the calibration's fitted points (calibration_fit)",
     )
     ap.add_argument("--json", help="also write the report to this file")
     args = ap.parse_args(argv)
+    if args.capture_calibration:
+        counts = capture_calibration(args.capture_calibration)
+        print(f"wrote the op lists of {len(counts)} calibration runs to {args.capture_calibration}: {counts}")
+        return 0
+    if not args.prepared:
+        ap.error("--prepared is required (or --capture-calibration FILE)")
     try:
         report = run(args)
     except Exception as error:  # a ttnn refusal (TT_FATAL / TT_THROW) or any other failure
@@ -362,17 +362,19 @@ def main(argv=None) -> int:
     )
     est = report.get("estimate_ms")
     if est:
-        calib = ", ".join(
-            f"{t} tokens {c['estimate_ms']:.2f} vs {c['published_ms']} ms"
-            for t, c in (report.get("calibration") or {}).items()
-        )
-        unet = (report.get("validation") or {}).get("unet_shallow")
-        if unet:
-            calib += f"; its UNet shallow (convs) {unet['estimate_ms']:.2f} vs {unet['published_ms']:.2f} ms"
         print(
-            f"estimate: forward {est['total']:.2f} ms on a {est['chip']} ("
+            f"estimate: forward {est['total']:.2f} ms on a {est['chip']} {est['grid']} (kernel {est['kernel']:.2f}, "
+            f"dispatch {est['dispatch']:.2f}; "
             + ", ".join(f"{g} {est[g]:.2f}" for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers"))
-            + f"); calibration, tt-metal's hiRes ViT: {calib or 'not run'}",
+            + ")",
+            flush=True,
+        )
+    calib = report.get("calibration")
+    if calib:
+        print(
+            f"calibration on tt-metal's published Blackhole figures: {calib['fitted_points']} fitted (mean error "
+            f"{calib['fitted_mean_abs_error']:.1%}), {calib['held_out_points']} held out: mean error "
+            f"{calib['held_out_mean_abs_error']:.1%}, max {calib['held_out_max_abs_error']:.1%}",
             flush=True,
         )
     if args.json:

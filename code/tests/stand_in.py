@@ -1,0 +1,98 @@
+"""A stand-in for the model where the network is not the point: `tt-moge predict` / `batch` with a fake MoGeModel
+whose PredictionService returns a fixed, well-formed MoGeOutput at each image's size, at once (or after
+`MOGE_STAND_IN_SECONDS` per image). The file writing, naming, locking, signals and exit codes are the real ones.
+
+    python -m tests.stand_in predict photos/ -o out/      # from code/: the tt-moge command with the stand-in
+    with stand_in(monkeypatch): main(["predict", ...])    # in a test's own process
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+
+from tt_moge.output import MoGeOutput
+
+SECONDS_ENV = "MOGE_STAND_IN_SECONDS"  # seconds each image takes "on the device" (default 0)
+
+
+def tilted_plane(h: int, w: int) -> MoGeOutput:
+    """A plane 2-3 m away, seen by a 60-degree camera, every pixel valid: every kept pixel has neighbours, so
+    the mesh has triangles."""
+    f = 0.5 * w / np.tan(np.radians(30))
+    v, u = np.mgrid[0:h, 0:w].astype(np.float32)
+    depth = (2.0 + u / max(w - 1, 1)).astype(np.float32)
+    x, y = (u - w / 2) / f * depth, (v - h / 2) / f * depth
+    normal = np.zeros((h, w, 3), np.float32)
+    normal[..., 2] = -1.0
+    k = np.array([[f / w, 0, 0.5], [0, f / h, 0.5], [0, 0, 1]], np.float32)
+    return MoGeOutput(
+        points=np.stack([x, y, depth], -1).astype(np.float32),
+        depth=depth,
+        normal=normal,
+        mask=np.ones((h, w), bool),
+        intrinsics=k,
+        intrinsics_pixels=np.array([[f, 0, w / 2], [0, f, h / 2], [0, 0, 1]], np.float32),
+        metric_scale=1.0,
+        fov_x=60.0,
+        fov_y=float(np.degrees(2 * np.arctan(h / 2 / f))),
+    )
+
+
+class StandInModel:
+    """What `tt-moge predict` uses of a MoGeModel: a context manager with a `service` (predict_many, predict)
+    and info(). `make(h, w)` builds each output (default: `tilted_plane`)."""
+
+    def __init__(self, make: Optional[Callable[[int, int], MoGeOutput]] = None):
+        self.make = make or tilted_plane
+        self.seconds = float(os.environ.get(SECONDS_ENV, "0") or 0)
+        self.calls: list = []  # the CallOptions of each call
+
+    def __enter__(self) -> "StandInModel":
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
+
+    @property
+    def service(self) -> "StandInModel":
+        return self
+
+    def predict(self, rgb: Any, options: Any = None, timing: Any = None) -> MoGeOutput:
+        self.calls.append(options)
+        time.sleep(self.seconds)
+        return self.make(*np.asarray(rgb).shape[:2])
+
+    def predict_many(self, arrays: list, options: Any = None) -> list:
+        return [self.predict(a, options) for a in arrays]
+
+    def info(self) -> dict:
+        return {"model": "stand-in"}
+
+
+@contextlib.contextmanager
+def stand_in(monkeypatch: Any, model: Optional[StandInModel] = None) -> Iterator[StandInModel]:
+    """`tt-moge predict` in this process loads `model` (a new StandInModel by default) instead of a MoGeModel."""
+    import tt_moge.cli.predict as predict_cli
+
+    model = model or StandInModel()
+    monkeypatch.setattr(predict_cli, "load_model", lambda args: model)
+    yield model
+
+
+def main(argv: list) -> int:
+    import tt_moge.cli.predict as predict_cli
+    from tt_moge.cli import main as cli_main
+
+    model = StandInModel()
+    predict_cli.load_model = lambda args: model
+    return cli_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
