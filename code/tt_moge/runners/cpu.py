@@ -106,7 +106,7 @@ class CpuGraphRunner(Runner):
             self._kernels.update({point: choice.kernel, f"{point}_why": choice.describe()})
         if precision == "int8":
             self._kernels.update(
-                native_int8_glue=int8 and self.native is not None,
+                native_int8_glue=int8 == "int8" and self.native is not None,
                 int8_smoothing=self.graph.int8_smoothing if int8 else None,
             )
 
