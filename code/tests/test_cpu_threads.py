@@ -97,6 +97,8 @@ def test_a_fixed_count_is_never_changed(monkeypatch):
     assert set(machine.used) == {1} and THREADS_ENV in fixed.describe()
     monkeypatch.setenv(THREADS_ENV, "auto")
     assert ThreadGovernor.from_env(4).fixed is None
+    monkeypatch.delenv(THREADS_ENV)  # the default: torch's count, fixed (results stay bit-reproducible)
+    assert ThreadGovernor.from_env(4).candidates == [4] and "torch's count" in ThreadGovernor.from_env(4).describe()
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv(THREADS_ENV, bad)
         with pytest.raises(ValueError, match=THREADS_ENV):

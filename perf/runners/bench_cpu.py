@@ -13,9 +13,10 @@ runs it once in a subprocess and reports its time or that it did not finish with
 `--busy` runs the same alternation twice: on the machine as it is ("quiet"), then with two CPU-bound processes
 per usable core beside it (`while True: pass`, started and stopped by this script: "busy"). In both phases it
 also times our first precision's model with its thread count pinned at 1 and at torch's count (the same model:
-`ThreadGovernor.pinned`), so the table shows what the per-forward thread governor (`runners/cpu_threads.py`)
-chose against both. Each phase prints the load
-average before and after it: a "quiet" phase is only as quiet as the machine's other jobs let it be.
+`ThreadGovernor.pinned`), so the table shows what the per-forward thread governor (`runners/cpu_threads.py`,
+`MOGE_CPU_THREADS=auto`, which --busy sets unless the variable is set already) chose against both. Each
+phase prints the load average before and after it: a "quiet" phase is only as quiet as the machine's other
+jobs let it be.
 """
 
 from __future__ import annotations
@@ -135,11 +136,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from tt_moge.runners.cpu_threads import THREADS_ENV
+
     path = common.full_size_checkpoint(args.checkpoint)
     size = tuple(args.size)
     image = common.photo(size)
     precisions = args.precision.split(",")
     fixed = args.fixed_threads or (f"1,{torch.get_num_threads()}" if args.busy else "none")
+    if args.busy:
+        os.environ.setdefault(THREADS_ENV, "auto")  # the governed model (read at load; opt-in elsewhere)
     models = {}
     for precision in precisions:
         t = time.perf_counter()

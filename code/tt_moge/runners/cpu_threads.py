@@ -15,8 +15,10 @@ forward runs with it; the faster of the two measured counts is kept) when:
 * PROBE_EVERY forwards have passed without a probe (the machine may have become quieter), and right after the
   first timed forward: the warm-up forwards of `from_pretrained` make the first choice at load.
 The candidates are torch's thread count at load (all usable cores, or what the caller set), its halves, and
-1. `MOGE_CPU_THREADS=N` fixes the count (no probes); unset or "auto", the governor chooses. torch's process-wide
-thread count is set for each forward and restored after it.
+1. It is opt-in, `MOGE_CPU_THREADS=auto`: float sums depend on the thread count, so a count that changes between
+calls changes their results in the last bits, and the API, the server and `predict_many` promise the same bits
+for the same image. Unset, the count stays torch's (fixed); `MOGE_CPU_THREADS=N` fixes it at N. torch's
+process-wide thread count is set for each forward and restored after it.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class ThreadGovernor:
             set_threads, get_threads = torch.set_num_threads, torch.get_num_threads
         self._set, self._get = set_threads, get_threads
         self.fixed = fixed
+        self.source = f"${THREADS_ENV}"  # what fixed the count (describe())
         self.candidates = [fixed] if fixed else _candidates(threads)
         self.current = self.candidates[0]
         self.cores = cores or usable_cores()
@@ -104,10 +107,17 @@ class ThreadGovernor:
 
     @classmethod
     def from_env(cls, threads: int) -> "ThreadGovernor":
-        """`threads` = torch's count at load; $MOGE_CPU_THREADS = a count fixes it, "auto"/unset: measured."""
-        text = (env.get(THREADS_ENV) or "auto").strip().lower()
+        """`threads` = torch's count at load. $MOGE_CPU_THREADS: "auto" measures (see the module docstring); a
+        count fixes it; unset or empty keeps torch's count, fixed: the default, because float sums depend on the
+        thread count, so a count that changes between calls changes their results in the last bits (and the API,
+        the server and `predict_many` promise the same bits for the same image)."""
+        text = (env.get(THREADS_ENV) or "").strip().lower()
         if text == "auto":
             return cls(threads)
+        if not text:
+            governor = cls(threads, fixed=max(1, threads))
+            governor.source = "torch's count"
+            return governor
         if not text.isdigit() or int(text) < 1:
             raise ValueError(f"${THREADS_ENV} must be 'auto' or a thread count >= 1, got {text!r}")
         return cls(threads, fixed=int(text))
@@ -216,7 +226,7 @@ class ThreadGovernor:
 
     def describe(self) -> str:
         if self.fixed:
-            return f"{self.fixed} (${THREADS_ENV})"
+            return f"{self.fixed} ({self.source}; {THREADS_ENV}=auto measures per forward)"
         probes = "; ".join(
             f"{t} threads {'?' if s is None else f'{s:.3g} s'} ({why})" for t, s, why in self.history[-3:]
         )
