@@ -271,7 +271,7 @@ def test_the_published_figures_are_the_sources_rates_per_run():
 
 def test_the_blind_transcriptions_ran_whole_models_on_the_mock(runs):
     """The stored op lists of the blind points are the models the sources describe: every conv of ResNet-34 (36:
-    the stem, 32 3x3, 3 strided downsamples) and of VGG-UNet (27 3x3 or transposed, and the 1x1 output one run as a
+    the stem, 32 3x3, 3 strided downsamples) and of VGG-UNet (24 3x3, 4 transposed, and the 1x1 output one run as a
     matmul), ResNet-50's 53 convs (the 1x1 stride-1 ones run as matmuls) and its classifier; batch 32 does the same
     work on twice the pixels."""
     counts = {key: collections.Counter(op.name for op in runs[key]) for key in BLIND_RUNS}
