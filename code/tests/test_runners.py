@@ -187,9 +187,10 @@ def _graph_errors(graph: FixedShapeMoGe2, net: MoGe2Network, image: torch.Tensor
 
 
 # int8 ViT matmuls (opt-in, smoothed), observed on the same presets and images: class token 0.014, metric scale 2.7e-3
-# (before smoothing: 0.017, 5.2e-3),
-# everything else as in bfloat16.
-INT8_LIMITS = {**REDUCED_LIMITS, "scale": 0.012, "cls_token": 0.04}
+# (before smoothing: 0.017, 5.2e-3), everything else as in bfloat16. On the outlier-channel networks the class token
+# depends on the CPU: below 0.04 on an Intel Xeon with AMX, 0.041 (float32 graph) and 0.045 (emulated bfloat16
+# graph) on an AVX2-only AMD EPYC, with the metric scale, its only consumer, at 5e-4 on both.
+INT8_LIMITS = {**REDUCED_LIMITS, "scale": 0.012, "cls_token": 0.05}
 # oneDNN's int8 linear (one activation scale per tensor): class token 0.079 / 0.057 on the outlier-channel networks
 # (per token: 0.014), 0.040 on tiny-norms without outliers; ViT output 0.018 / 0.019 rms; metric scale (the class
 # token's only consumer) 5e-4 / 8e-4 with outliers, 7.9e-3 without
@@ -300,11 +301,11 @@ def test_native_attention_matches_float32_attention(tokens):
 def test_int8_smoothing_keeps_outlier_channels_from_costing_accuracy(preset, kernel):
     """int8 activations (one scale per token: "int8"; per tensor: "onednn") lose the small channels next to an
     outlier channel; the smoothing calibrated at load moves that range into the weights. Prints the ViT output
-    errors (run with -s; docs/performance.md). oneDNN's kernel runs in the float32 graph where bfloat16 is
-    emulated (as the runner's choice would be), against the same bf16 yardstick."""
+    errors (run with -s; docs/performance.md). Both kernels run in the float32 graph where bfloat16 is emulated
+    (as the runner's choice would be), against the same bf16 yardstick."""
     net = add_outlier_channels(copy.deepcopy(_network(preset)))
     image = calibration_image(*SMALL, seed=6)
-    dtype = torch.float32 if kernel == "onednn" and not precision_mod.cpu_has_native_bf16() else torch.bfloat16
+    dtype = torch.bfloat16 if precision_mod.cpu_has_native_bf16() else torch.float32
 
     def errors(dt=dtype, **options):
         graph = FixedShapeMoGe2(net, SMALL, SMALL_TOKENS, dt, attention="heads", **options)
