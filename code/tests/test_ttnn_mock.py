@@ -108,7 +108,10 @@ def test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budg
     assert len(est["top"]) == 10 and est["device_ops"] > 400
     calibration = report["calibration"]
     points = calibration["points"]
-    assert {p["model"] for p in points} == {"hires_vit", "vit_base", "unet_shallow", "sentence_bert"}
+    from tt_moge.ttnn_tools.calibration import POINTS
+
+    assert [(p["model"], p["config"]) for p in points] == [(p.model, p.config) for p in POINTS]
+    assert calibration["blind"]["points"] + calibration["seen_held_out"]["points"] == calibration["held_out_points"]
     assert all({"model", "config", "published_ms", "estimate_ms", "fitted"} <= set(p) for p in points)
     held = [p for p in points if not p["fitted"]]
     assert len(held) >= len(points) / 2 and calibration["held_out_points"] == len(held)

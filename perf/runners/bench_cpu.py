@@ -8,11 +8,22 @@ runs it once in a subprocess and reports its time or that it did not finish with
 
     python -m perf.runners.bench_cpu --repeats 5
     python -m perf.runners.bench_cpu --precision bf16,int8 --threads 1   # steadier on a shared machine
+    python -m perf.runners.bench_cpu --busy --repeats 3                  # quiet, then busy, side by side
+
+`--busy` runs the same alternation twice: on the machine as it is ("quiet"), then with two CPU-bound processes
+per usable core beside it (`while True: pass`, started and stopped by this script: "busy"). In both phases it
+also times our first precision's model with its thread count pinned at 1 and at torch's count (the same model:
+`ThreadGovernor.pinned`), so the table shows what the per-forward thread governor (`runners/cpu_threads.py`,
+`MOGE_CPU_THREADS=auto`, which --busy sets unless the variable is set already) chose against both. Each
+phase prints the load average before and after it: a "quiet" phase is only as quiet as the machine's other
+jobs let it be.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -42,6 +53,43 @@ def _upstream_fp16_capped(path, size, tokens, cap_s: float) -> str:
     )
 
 
+@contextlib.contextmanager
+def busy_machine(per_core: int):
+    """`per_core` CPU-bound processes per usable core (`while True: pass`) for the duration of the block."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], **quiet) for _ in range(per_core * cores)]
+    try:
+        time.sleep(1.0)  # let the scheduler spread them
+        yield len(procs)
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
+def load_line() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min), {five:.2f} (5 min)"
+
+
+def alternate(calls: dict, repeats: int, label: str = "") -> tuple:
+    """Each call `repeats` times, alternating (a change of load hits every side alike): ({name: [(wall s, CPU
+    s)]}, {name: [stage timings]})."""
+    times: dict = {name: [] for name in calls}
+    stages: dict = {name: [] for name in calls}
+    for i in range(repeats):
+        line = []
+        for name, call in calls.items():
+            timing: dict = {}
+            times[name].append(common.timed_both(lambda: call(timing)))
+            stages[name].append(timing)
+            line.append(f"{name} {times[name][-1][0]:.2f} s ({times[name][-1][1]:.1f} CPU s)")
+        print(f"{label}[{i + 1}/{repeats}] " + "   ".join(line), flush=True)
+    return times, stages
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="a MoGe-2 model.pt (default: the cached random full-size ViT-L)")
@@ -62,8 +110,24 @@ def main() -> None:
         metavar="S",
         help="also run upstream's default fp16 infer once, stopped after S seconds (0: skip)",
     )
+    ap.add_argument(
+        "--busy",
+        action="store_true",
+        help="time everything twice: as the machine is, then with --busy-per-core CPU-bound processes per core",
+    )
+    ap.add_argument("--busy-per-core", type=int, default=2, metavar="N", help="busy processes per core (default 2)")
+    ap.add_argument(
+        "--fixed-threads",
+        default=None,
+        metavar="N,M",
+        help="also time ours (first precision) with the thread count pinned at each of these "
+        "(default with --busy: 1 and torch's count; 'none' for none)",
+    )
     ap.add_argument("--json", help="write the numbers to this file")
     args = ap.parse_args()
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed benchmark still stops its busy processes
 
     import torch
 
@@ -71,18 +135,25 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+
+    from tt_moge.runners.cpu_threads import THREADS_ENV
+
     path = common.full_size_checkpoint(args.checkpoint)
     size = tuple(args.size)
     image = common.photo(size)
+    precisions = args.precision.split(",")
+    fixed = args.fixed_threads or (f"1,{torch.get_num_threads()}" if args.busy else "none")
+    if args.busy:
+        os.environ.setdefault(THREADS_ENV, "auto")  # the governed model (read at load; opt-in elsewhere)
     models = {}
-    for precision in args.precision.split(","):
+    for precision in precisions:
         t = time.perf_counter()
         model = MoGeModel.from_pretrained(
             path,
             device="cpu",
             resolution=size,
             num_tokens=args.tokens,
-            warmup=1,
+            warmup=2,  # the second warm-up forward makes the thread governor's first choice
             warmup_variants="minimal",
             precision=precision,
         )
@@ -92,10 +163,19 @@ def main() -> None:
             f"{time.perf_counter() - t:.1f} s",
             flush=True,
         )
+    first_name, first = next(iter(models.items()))
+    pinned = [int(n) for n in fixed.split(",") if n.strip()] if fixed != "none" else []
     print(f"{common.cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     calls = {
         name: (lambda m: lambda timing: m.predict(image, timing=timing))(m) for name, m in models.items()
     }  # = model(array)
+    for n in pinned:  # the same model, its thread governor pinned to n threads for these calls (not recorded)
+
+        def pinned_call(timing, n=n):
+            with first.service.runner.threads.pinned(n):
+                first.predict(image, timing=timing)
+
+        calls[f"{first_name} {n}t"] = pinned_call
     if not args.no_upstream:
         upstream = common.load_upstream(path)
         x = torch.from_numpy(image).permute(2, 0, 1).float().div(255)
@@ -107,51 +187,58 @@ def main() -> None:
         print(f"upstream warm call: {common.timed(lambda: run_upstream(None)):.2f} s", flush=True)
         calls["upstream fp32"] = run_upstream
 
-    times: dict = {name: [] for name in calls}
-    stages: dict = {name: [] for name in calls}
-    for i in range(args.repeats):  # alternate, so that a change of load hits every side alike
-        line = []
-        for name, call in calls.items():
-            timing: dict = {}
-            times[name].append(common.timed_both(lambda: call(timing)))
-            stages[name].append(timing)
-            line.append(f"{name} {times[name][-1][0]:.2f} s ({times[name][-1][1]:.1f} CPU s)")
-        print(f"[{i + 1}/{args.repeats}] " + "   ".join(line), flush=True)
-
+    phases = ["quiet", "busy"] if args.busy else ["quiet"]
     arch = next(iter(models.values())).info()["architecture"]
-    print(
-        f"\n{arch}, {size[0]}x{size[1]}, {args.tokens} tokens, "
-        f"{args.repeats} calls each, {torch.get_num_threads()} threads: "
-        f"median wall s / CPU s"
-    )
     result: dict = {
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cpu": common.cpu_line(),
         "kernels": {name: m.info()["runner"] for name, m in models.items()},
     }
-    for name in calls:
-        wall, cpu = (common.median([t[k] for t in times[name]]) for k in (0, 1))
-        result[name] = {"median_s": wall, "median_cpu_s": cpu}
-        extra = ""
-        if stages[name][0]:
-            result[name]["stage_median_ms"] = {
-                k: round(common.median([s[k] for s in stages[name]]), 1) for k in stages[name][0]
-            }
-            extra = f"  (stages, ms: {result[name]['stage_median_ms']})"
+    for phase in phases:
+        with busy_machine(args.busy_per_core) if phase == "busy" else contextlib.nullcontext(0) as extra:
+            before = load_line()
+            print(f"\n{phase}: {extra} busy processes of ours; {before}", flush=True)
+            times, stages = alternate(calls, args.repeats, f"{phase} ")
+            after = load_line()
         print(
-            f"  {name:14s} {'model(array)' if name.startswith('ours') else 'infer(use_fp16=False)'}: "
-            f"{wall:.2f} s / {cpu:.1f} CPU s{extra}"
+            f"\n{phase} ({extra} busy processes; {before} before, {after} after): {arch}, {size[0]}x{size[1]}, "
+            f"{args.tokens} tokens, {args.repeats} calls each, torch threads {torch.get_num_threads()}: "
+            "median wall s / CPU s"
         )
-    if "upstream fp32" in calls:
-        up = result["upstream fp32"]
-        for name in models:
-            result[name]["ratio"] = result[name]["median_s"] / up["median_s"]
-            result[name]["ratio_cpu"] = result[name]["median_cpu_s"] / up["median_cpu_s"]
+        report: dict = {"busy_processes": extra, "load_before": before, "load_after": after}
+        for name in calls:
+            wall, cpu = (common.median([t[k] for t in times[name]]) for k in (0, 1))
+            report[name] = {"median_s": wall, "median_cpu_s": cpu, "calls_s": [round(t[0], 3) for t in times[name]]}
+            extra_text = ""
+            if stages[name][0]:
+                report[name]["stage_median_ms"] = {
+                    k: round(common.median([st[k] for st in stages[name]]), 1) for k in stages[name][0]
+                }
+                extra_text = f"  (stages, ms: {report[name]['stage_median_ms']})"
+            if name in models:
+                report[name]["threads"] = models[name].info()["runner"].get("threads")
+            elif name.startswith("ours"):
+                report[name]["threads"] = f"{name.rsplit(' ', 1)[1][:-1]} (pinned)"
             print(
-                f"ratio {name} / upstream fp32: {result[name]['ratio']:.3f} "
-                f"wall, {result[name]['ratio_cpu']:.3f} CPU time"
+                f"  {name:16s} {'model(array)' if name.startswith('ours') else 'infer(use_fp16=False)'}: "
+                f"{wall:.2f} s / {cpu:.1f} CPU s{extra_text}"
             )
+        if "upstream fp32" in calls:
+            up = report["upstream fp32"]
+            for name in (n for n in calls if n.startswith("ours")):
+                report[name]["ratio"] = report[name]["median_s"] / up["median_s"]
+                report[name]["ratio_cpu"] = report[name]["median_cpu_s"] / up["median_cpu_s"]
+                print(
+                    f"ratio {name} / upstream fp32 ({phase}): {report[name]['ratio']:.3f} "
+                    f"wall, {report[name]['ratio_cpu']:.3f} CPU time; threads: {report[name].get('threads')}"
+                )
+        result[phase] = report
+    if len(phases) == 2 and "upstream fp32" in calls:
+        print("\nside by side, ratio to upstream's median wall time in the same phase (quiet / busy):")
+        for name in (n for n in calls if n.startswith("ours")):
+            print(f"  {name:16s} {result['quiet'][name]['ratio']:.3f} / {result['busy'][name]['ratio']:.3f}")
+    if "upstream fp32" in calls:
         del upstream
     if args.upstream_fp16_cap > 0:
         result["upstream_fp16_capped"] = _upstream_fp16_capped(path, size, args.tokens, args.upstream_fp16_cap)

@@ -92,14 +92,22 @@ def _add_option(group: Any, info: OptionInfo, default: Any) -> None:
     group.add_argument(*flags, **kwargs)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, warmup: int = 0, warmup_variants: str = "none") -> None:
-    """The flags of `MoGeModel.from_pretrained`, for every command: one per field of `options.LoadOptions`.
+def add_model_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    warmup: int = 0,
+    warmup_variants: str = "none",
+    only: Optional[tuple] = None,
+) -> None:
+    """The flags of `MoGeModel.from_pretrained`, for every command: one per field of `options.LoadOptions`
+    (`only`: those fields by name, for a command that loads the weights but runs no model, `export`).
     `warmup` / `warmup_variants` are the command's defaults: a run over many images does not need its first
     call to be fast; a server does."""
     group = parser.add_argument_group("model (as MoGeModel.from_pretrained)")
     defaults = {"warmup": warmup, "warmup_variants": warmup_variants}
     for info in options_of(LoadOptions):
-        _add_option(group, info, defaults.get(info.argument, info.default))
+        if only is None or info.name in only:
+            _add_option(group, info, defaults.get(info.argument, info.default))
 
 
 def add_call_arguments(parser: argparse.ArgumentParser) -> Any:

@@ -12,12 +12,12 @@ import sys
 from typing import Optional, Sequence
 
 from .. import __version__
-from . import batch, bench, info, predict, serve
+from . import batch, bench, export_onnx, info, predict, serve
 from .common import EXIT_CODES, EXIT_INTERRUPTED, EXIT_USAGE, Formatter, say
 
 __all__ = ["main", "build_parser"]
 
-COMMANDS = {"predict": predict, "batch": batch, "info": info, "serve": serve, "bench": bench}
+COMMANDS = {"predict": predict, "batch": batch, "info": info, "serve": serve, "bench": bench, "export": export_onnx}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,10 @@
 """The fast CPU runner: the fixed-shape graph (`FixedShapeMoGe2`) in bfloat16, channels-last, with the constant
-work done at load; "int8" adds smoothed int8 ViT matmuls. The attention kernel (PyTorch SDPA, head by head, or
-the fused native kernel of `cpu_kernels` where the CPU has AVX512-BF16) and the int8 matmul (int8 or bfloat16)
-are chosen by measurement on this machine at load (`kernel_choice`). See docs/devices-and-precision.md for
+work done at load; "int8" adds smoothed int8 ViT matmuls. Chosen by measurement on this machine at load
+(`kernel_choice`): the attention kernel (PyTorch SDPA, head by head, or the fused native kernel of `cpu_kernels`
+where the CPU has AVX512-BF16); for "int8", the dtype of the rest of the graph (bfloat16, or float32 where
+bfloat16 is only emulated) and the ViT's matmul (`Int8Linear`'s per-token `_int_mm`, oneDNN's int8 linear
+`OnednnInt8Linear`, or no int8 at all where neither beats the plain GEMM). The thread count of each forward is
+chosen by measurement too, and re-checked under load (`cpu_threads`). See docs/devices-and-precision.md for
 what it costs in accuracy against the float32 reference (`TorchRunner`, precision="fp32")."""
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -17,7 +20,16 @@ from .. import env
 from ..network import MoGe2Network, token_grid
 from .base import RawMaps, Runner
 from .cpu_kernels import attention_bf16, native_attention_supported, native_library
-from .fixed_graph import FixedShapeMoGe2, HeadByHeadAttention, Int8Linear, make_linear
+from .cpu_threads import ThreadGovernor
+from .fixed_graph import (
+    INT8_KERNELS,
+    FixedShapeMoGe2,
+    HeadByHeadAttention,
+    Int8Linear,
+    OnednnInt8Linear,
+    make_linear,
+    onednn_int8_available,
+)
 from .kernel_choice import KernelCache, choose, cpu_signature
 from .precision import DTYPES
 
@@ -26,6 +38,8 @@ __all__ = ["CpuGraphRunner", "keep_freed_memory", "MALLOC_TUNING_ENV"]
 MALLOC_TUNING_ENV = "MOGE_CPU_MALLOC_TUNING"  # "0" leaves glibc's malloc settings alone
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
 _KEEP_BYTES = 1 << 30
+SCREEN_ROWS = 32  # tokens of the small shape on which the kernel candidates are screened (kernel_choice.screened)
+BASE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 _malloc_tuned = False
 
 
@@ -72,11 +86,12 @@ class CpuGraphRunner(Runner):
         self.canvas_size = tuple(canvas_size)
         self.num_tokens = num_tokens
         self.malloc_tuned = keep_freed_memory()
+        self.threads = ThreadGovernor.from_env(torch.get_num_threads())  # per forward, re-checked under load
         self.native = native_library() if precision != "fp32" else None  # fused attention, int8 glue
-        dtype = torch.bfloat16 if precision == "int8" else DTYPES[precision]  # int8: bf16 + int8 ViT matmuls
         network = network.to("cpu")
-        self.choices = self._choose_kernels(network, dtype, KernelCache() if cache is None else cache)
-        int8 = precision == "int8" and self.choices["int8_matmul"].kernel == "int8"
+        self.choices, dtype = self._choose_kernels(network, KernelCache() if cache is None else cache)
+        int8 = self.choices["int8_matmul"].kernel if precision == "int8" else False
+        int8 = int8 if int8 in INT8_KERNELS else False  # else the ViT stays in the graph's dtype
         self.graph = FixedShapeMoGe2(
             network,
             canvas_size,
@@ -91,23 +106,54 @@ class CpuGraphRunner(Runner):
             self._kernels.update({point: choice.kernel, f"{point}_why": choice.describe()})
         if precision == "int8":
             self._kernels.update(
-                native_int8_glue=int8 and self.native is not None,
+                native_int8_glue=int8 == "int8" and self.native is not None,
                 int8_smoothing=self.graph.int8_smoothing if int8 else None,
             )
 
     @torch.inference_mode()
-    def _choose_kernels(self, network: MoGe2Network, dtype: torch.dtype, cache: KernelCache) -> dict:
-        """Time the candidate kernels of each choice point on this graph's shapes (once per machine: cached)."""
+    def _choose_kernels(self, network: MoGe2Network, cache: KernelCache) -> tuple:
+        """Time the candidate kernels of each choice point on this graph's shapes (once per machine: cached).
+        Returns ({choice point: KernelChoice}, the graph's dtype)."""
         spec = network.encoder.backbone.spec
         rows, cols = token_grid(self.num_tokens, self.canvas_size[0] / self.canvas_size[1])
         tokens, dim, heads = rows * cols + 1 + spec.num_register_tokens, spec.embed_dim, spec.num_heads
         threads = torch.get_num_threads()
         if self.native is not None:
             self.native.moge_runner_set_threads(threads)
-        key = (
-            f"{cpu_signature()} | torch {torch.__version__} | {threads} "
-            f"threads | {dtype} | {tokens}x{dim}, {heads} heads"
-        )
+        machine = f"{cpu_signature()} | torch {torch.__version__} | {threads} threads"
+        mlp = network.encoder.backbone.blocks[0].mlp
+        hidden = (mlp.w12 if hasattr(mlp, "w12") else mlp.fc1).out_features
+
+        @functools.lru_cache(maxsize=None)
+        def ffn(dt: torch.dtype, n: int) -> tuple:
+            """The FFN's first matmul: its input (n tokens) and weights in `dt`."""
+            gen = torch.Generator().manual_seed(1)
+            weight, bias = torch.randn(hidden, dim, generator=gen).div_(dim**0.5), torch.zeros(hidden)
+            return torch.randn(n, dim, generator=gen).to(dt), weight, bias
+
+        def on(n: int, dt: torch.dtype, build) -> Callable[[], object]:
+            layer = functools.lru_cache(maxsize=None)(lambda: build(*ffn(dt, n)[1:]))
+            return lambda: layer()(ffn(dt, n)[0])
+
+        choices = {}
+        dtype = DTYPES.get(self.precision)
+        if self.precision == "int8":
+            # int8 runs the rest of the graph in bfloat16 where that is the faster, else in float32: a CPU
+            # without bfloat16 instructions emulates it, several times slower than float32
+            bases = {"bf16": torch.bfloat16, "fp32": torch.float32}
+            base = {
+                name: (lambda dt: lambda n: on(n, dt, lambda w, b: make_linear(w, b, dt)))(dt)
+                for name, dt in bases.items()
+            }
+            choices["int8_base"] = choose(
+                "int8_base",
+                {name: make(tokens) for name, make in base.items()},
+                f"{machine} | ffn {tokens}x{dim}->{hidden}",
+                cache=cache,
+                screen={name: make(SCREEN_ROWS) for name, make in base.items()},
+            )
+            dtype = bases[choices["int8_base"].kernel]
+        key = f"{machine} | {dtype} | {tokens}x{dim}, {heads} heads"
 
         # The candidates' inputs are made on their first call only: a cached or forced choice times nothing.
         @functools.lru_cache(maxsize=None)
@@ -122,33 +168,36 @@ class CpuGraphRunner(Runner):
         attention = {"sdpa": sdpa, "heads": lambda: qkv()[2](qkv()[1], heads)}
         if dtype == torch.bfloat16 and native_attention_supported(self.native, dim // heads):
             attention = {"native": lambda: attention_bf16(qkv()[0], heads, self.native), **attention}
-        choices = {"attention": choose("attention", attention, key, cache=cache)}
+        choices["attention"] = choose("attention", attention, key, cache=cache)
         if self.precision == "int8":
-            mlp = network.encoder.backbone.blocks[0].mlp
-            hidden = (mlp.w12 if hasattr(mlp, "w12") else mlp.fc1).out_features
-
-            @functools.lru_cache(maxsize=None)
-            def ffn() -> tuple:
-                gen = torch.Generator().manual_seed(1)
-                weight, bias = torch.randn(hidden, dim, generator=gen).div_(dim**0.5), torch.zeros(hidden)
-                x = torch.randn(tokens, dim, generator=gen).to(dtype)
-                return x, Int8Linear(weight, bias, dtype, self.native), make_linear(weight, bias, dtype)
-
-            matmul = {"int8": lambda: ffn()[1](ffn()[0]), "bf16": lambda: ffn()[2](ffn()[0])}
-            choices["int8_matmul"] = choose("int8_matmul", matmul, f"{key} | ffn {dim}->{hidden}", cache=cache)
-        return choices
+            kernels = {
+                "int8": lambda w, b: Int8Linear(w, b, dtype, self.native),
+                "onednn": lambda w, b: OnednnInt8Linear(w, b, dtype),
+                BASE_NAMES[dtype]: lambda w, b: make_linear(w, b, dtype),  # int8 does not pay here: no int8
+            }
+            if not onednn_int8_available():
+                del kernels["onednn"]
+            choices["int8_matmul"] = choose(
+                "int8_matmul",
+                {name: on(tokens, dtype, build) for name, build in kernels.items()},
+                f"{key} | ffn {dim}->{hidden}",
+                cache=cache,
+                screen={name: on(SCREEN_ROWS, dtype, build) for name, build in kernels.items()},
+            )
+        return choices, dtype
 
     @torch.inference_mode()
     def forward(self, canvas: torch.Tensor) -> RawMaps:
-        if self.native is not None:  # the native kernels use as many threads as torch does now (chosen at load:
-            # MOGE_HOST=torch set later does not take them away)
-            self.native.moge_runner_set_threads(torch.get_num_threads())
-        return RawMaps.from_outputs(self.graph(canvas.to("cpu", torch.float32)))
+        with self.threads.forward() as threads:
+            if self.native is not None:  # the native kernels use as many threads as torch does for this forward
+                # (the library was chosen at load: MOGE_HOST=torch set later does not take it away)
+                self.native.moge_runner_set_threads(threads)
+            return RawMaps.from_outputs(self.graph(canvas.to("cpu", torch.float32)))
 
     def describe(self) -> dict:
         return {
             **super().describe(),
-            "threads": torch.get_num_threads(),
+            "threads": self.threads.describe(),
             "malloc_tuned": self.malloc_tuned,
             **self._kernels,
         }

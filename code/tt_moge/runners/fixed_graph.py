@@ -17,7 +17,8 @@ shape done once at construction:
 
 Matrix work runs in `dtype` (bfloat16/float16 on the fast paths), channels-last; the residual stream of the
 ViT, the head outputs, the final resize to the canvas and the output activations stay float32. With
-`vit_int8` (the CPU's opt-in "int8") the ViT's linear layers are `Int8Linear`, smoothed per input channel with
+`vit_int8` (the CPU's opt-in "int8") the ViT's linear layers are int8 (`Int8Linear`, or `OnednnInt8Linear` with
+`vit_int8="onednn"`), smoothed per input channel with
 activation ranges calibrated at construction (one `dtype` pass over a synthetic photo at <= 600 tokens). In float32
 the result equals the reference network up to float round-off (the folds reassociate sums); the reference
 itself (`TorchRunner`) is the exact float32 path.
@@ -43,6 +44,9 @@ __all__ = [
     "FastBlock",
     "HeadByHeadAttention",
     "Int8Linear",
+    "OnednnInt8Linear",
+    "INT8_KERNELS",
+    "onednn_int8_available",
     "make_linear",
     "raw_outputs",
     "ATTENTION_KINDS",
@@ -91,14 +95,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.dtype = dtype
         self.lib = lib
-        inv_smooth = None
-        if act_max is not None:
-            act_max = act_max.float().to(weight.device)
-            w_max = weight.abs().amax(dim=0)
-            smooth = act_max.clamp_min(1e-12) ** alpha / w_max.clamp_min(1e-12) ** (1 - alpha)
-            smooth = torch.where((act_max > 0) & (w_max > 0), smooth, torch.ones_like(smooth))
-            weight = weight * smooth[None, :]
-            inv_smooth = 1 / smooth
+        weight, inv_smooth = _smoothing(weight, act_max, alpha)
         self.register_buffer("inv_smooth", inv_smooth)  # None: no smoothing
         scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127
         self.register_buffer(
@@ -114,6 +111,104 @@ class Int8Linear(nn.Module):
             torch._int_mm(x8, self.weight_t), token_scale, self.weight_scale, self.bias, self.dtype, self.lib
         )
         return y.view(*shape[:-1], self.out_features)
+
+
+def _smoothing(weight: torch.Tensor, act_max: Optional[torch.Tensor], alpha: float) -> tuple:
+    """SmoothQuant (see `Int8Linear`): (the weight with column j times s_j, 1 / s (or None without `act_max`))."""
+    if act_max is None:
+        return weight, None
+    act_max = act_max.float().to(weight.device)
+    w_max = weight.abs().amax(dim=0)
+    smooth = act_max.clamp_min(1e-12) ** alpha / w_max.clamp_min(1e-12) ** (1 - alpha)
+    smooth = torch.where((act_max > 0) & (w_max > 0), smooth, torch.ones_like(smooth))
+    return weight * smooth[None, :], 1 / smooth
+
+
+class OnednnInt8Linear(nn.Module):
+    """y = x W^T + b through oneDNN's int8 matmul (`torch.ops.onednn.qlinear_pointwise`, the kernel of PyTorch's
+    own x86 int8 inference path: AMX-INT8 tiles where the CPU has them, else VNNI or AVX2 u8 x s8 products):
+    weights int8, one scale per output channel, packed once for the CPU; activations uint8 with one scale and
+    zero point per tensor, taken at run time; int32 accumulation; bias and output in `dtype` (bfloat16 or
+    float32) inside the kernel.
+
+    One scale per tensor instead of `Int8Linear`'s one per token: the GEMM is then one oneDNN call with its
+    scales applied inside, the form oneDNN's AMX and VNNI kernels run fastest. Outlier channels would cost the
+    other channels their levels, so the same SmoothQuant smoothing (`act_max`, `alpha`) moves their range
+    into the weights first. The class and register tokens (`prefix_rows`, the first rows of each image) differ
+    in range from the patch tokens, and the class token alone feeds the scale head: they get a scale (and a
+    oneDNN call) of their own. Whether this kernel, `Int8Linear` or a plain `dtype` GEMM runs is measured at load
+    (`CpuGraphRunner`); each is held to the same accuracy limits (tests/test_runners.py).
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        dtype: torch.dtype,
+        act_max: Optional[torch.Tensor] = None,
+        alpha: float = 0.5,
+        prefix_rows: int = 0,
+    ):
+        super().__init__()
+        self.prefix_rows = prefix_rows
+        weight, inv_smooth = _smoothing(weight.float(), act_max, alpha)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.dtype = dtype
+        self.register_buffer("inv_smooth", inv_smooth)
+        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("weight_zero", torch.zeros(self.out_features, dtype=torch.int32))
+        self.register_buffer("bias_out", bias.to(dtype).clone())  # added in the output's dtype by the kernel
+        # oneDNN's packed layout for this CPU (an opaque tensor: kept out of the state dict)
+        self.packed = torch.ops.onednn.qlinear_prepack(torch.round(weight / scale[:, None]).to(torch.int8), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, K) or (B, N, K); with `prefix_rows` = P, the first P tokens (of each image) get a scale of
+        their own."""
+        p = self.prefix_rows
+        if p and x.shape[-2] > p:
+            if x.dim() == 2:
+                return torch.cat([self._linear(x[:p]), self._linear(x[p:])])
+            if x.dim() == 3:
+                b, n = x.shape[:2]
+                head, tail = self._linear(x[:, :p].reshape(b * p, -1)), self._linear(x[:, p:].reshape(-1, x.shape[-1]))
+                return torch.cat([head.view(b, p, -1), tail.view(b, n - p, -1)], dim=1)
+        return self._linear(x)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1]).float()
+        if self.inv_smooth is not None:
+            x = x * self.inv_smooth
+        low, high = (float(v) for v in torch.aminmax(x))
+        low, high = min(low, 0.0), max(high, 0.0)
+        scale = max(high - low, 1e-12) / 255
+        zero = int(round(-low / scale))
+        q = torch.round(x * (1 / scale)).add_(zero).clamp_(0, 255).to(torch.uint8)
+        y = torch.ops.onednn.qlinear_pointwise(
+            q,
+            scale,
+            zero,
+            self.packed,
+            self.weight_scale,
+            self.weight_zero,
+            self.bias_out,
+            1.0,
+            0,
+            self.dtype,
+            "none",
+            [],
+            "",
+        )
+        return y.view(*shape[:-1], self.out_features)
+
+
+INT8_KERNELS = ("int8", "onednn")  # Int8Linear (per-token scales, torch._int_mm), OnednnInt8Linear
+
+
+def onednn_int8_available() -> bool:
+    """Whether this torch has oneDNN's int8 linear operators (builds with oneDNN: every x86 wheel)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
 class HeadByHeadAttention:
@@ -159,9 +254,10 @@ ATTENTION_KINDS = ("sdpa", "heads", "native")
 
 class FastBlock(nn.Module):
     """A DINOv2 block with LayerScale folded into `attn_out` and `ffn_out`, and the attention scale into the q
-    rows of `qkv`; matmuls in `dtype`, or `Int8Linear` with `int8` (smoothed with `act_max`: {linear name: per
-    input channel max |x|}). Attention (`attention`): "sdpa" (PyTorch), "heads" (`HeadByHeadAttention`, batch 1,
-    with the shared `workspace`) or "native" (the fused bfloat16 kernel of `lib`, batch 1).
+    rows of `qkv`; matmuls in `dtype`, or int8 with `int8` ("int8" or True: `Int8Linear`, "onednn":
+    `OnednnInt8Linear`; smoothed with `act_max`: {linear name: per input channel max |x|}). Attention
+    (`attention`): "sdpa" (PyTorch), "heads" (`HeadByHeadAttention`, batch 1, with the shared `workspace`) or
+    "native" (the fused bfloat16 kernel of `lib`, batch 1).
 
     The residual stream `x` (B, N, C) stays in its own dtype (float32 by default): every block adds small
     updates to it, and bfloat16 would round them away. LayerNorm runs on it in that dtype.
@@ -175,18 +271,26 @@ class FastBlock(nn.Module):
         dtype: torch.dtype,
         attention: str = "sdpa",
         workspace: Optional[HeadByHeadAttention] = None,
-        int8: bool = False,
+        int8=False,
         lib=None,
         act_max: Optional[dict] = None,
         alpha: float = 0.5,
+        prefix_rows: int = 0,
     ):
         super().__init__()
         names = iter(self.LINEARS)  # the order of the make() calls below
 
+        int8 = "int8" if int8 is True else int8  # True: the original int8 kernel (Int8Linear)
+        if int8 and int8 not in INT8_KERNELS:
+            raise ValueError(f"int8 must be False or one of {INT8_KERNELS}, got {int8!r}")
+
         def make(weight, bias, dt):
             if not int8:
                 return make_linear(weight, bias, dt)
-            return Int8Linear(weight, bias, dt, lib, None if act_max is None else act_max[next(names)], alpha)
+            seen = None if act_max is None else act_max[next(names)]
+            if int8 == "onednn":
+                return OnednnInt8Linear(weight, bias, dt, seen, alpha, prefix_rows)
+            return Int8Linear(weight, bias, dt, lib, seen, alpha)
 
         self.dtype = dtype
         self.num_heads = block.attn.num_heads
@@ -293,7 +397,7 @@ class FixedShapeMoGe2(nn.Module):
         residual_dtype: torch.dtype = torch.float32,
         channels_last: bool = True,
         attention: str = "sdpa",
-        vit_int8: bool = False,
+        vit_int8=False,
         native=None,
         int8_smoothing: Optional[float] = 0.5,
     ):
@@ -307,7 +411,7 @@ class FixedShapeMoGe2(nn.Module):
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         self.attention = attention
-        self.vit_int8 = vit_int8
+        self.vit_int8 = "int8" if vit_int8 is True else vit_int8  # False, or the int8 kernel: INT8_KERNELS
         self.native = native  # the native host library (`cpu_kernels`: fused attention, int8 glue), or None: torch
         self.int8_smoothing = int8_smoothing  # SmoothQuant's alpha for the int8 ViT (None: no smoothing)
         self.remap = cfg.remap_output
@@ -349,7 +453,7 @@ class FixedShapeMoGe2(nn.Module):
         if self.vit_int8 and self.int8_smoothing is not None:
             act_max, alpha = self._activation_maxima(vit, blocks), self.int8_smoothing
         self.blocks = nn.ModuleList(
-            FastBlock(blk, self.dtype, self.attention, workspace, self.vit_int8, self.native, a, alpha)
+            FastBlock(blk, self.dtype, self.attention, workspace, self.vit_int8, self.native, a, alpha, self.num_prefix)
             for blk, a in zip(blocks, act_max)
         )
         self.final_norm = copy.deepcopy(vit.norm).float().requires_grad_(False)

@@ -40,6 +40,8 @@ __all__ = [
     "fastest",
     "forced_choices",
     "cpu_signature",
+    "screened",
+    "SCREEN_FACTOR",
     "FORCE_ENV",
     "CACHE_ENV",
 ]
@@ -174,6 +176,21 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+SCREEN_FACTOR = 4.0  # a candidate this much slower than the fastest on the screening shape is not timed in full
+
+
+def screened(
+    screen: Mapping[str, Callable[[], object]], timer: Optional[Callable[[Callable[[], object]], float]] = None
+) -> tuple:
+    """({name: ms} of one call of each candidate on a small shape, [the names within SCREEN_FACTOR of the
+    fastest]): a kernel that the CPU only emulates (bfloat16 or int8 without the instructions) can take minutes
+    on the real shape, so it is measured on a small one first and left out there."""
+    timer = timer or (lambda fn: _median_ms(fn, 1))  # one warm-up call, one timed
+    times = {name: timer(fn) for name, fn in screen.items()}
+    best = min(times.values())
+    return times, [name for name, ms in times.items() if ms <= SCREEN_FACTOR * best]
+
+
 def choose(
     point: str,
     candidates: Mapping[str, Callable[[], object]],
@@ -183,10 +200,12 @@ def choose(
     forced: Optional[Mapping[str, str]] = None,
     repeats: int = 3,
     timer: Callable[[Callable[[], object], int], float] = _median_ms,
+    screen: Optional[Mapping[str, Callable[[], object]]] = None,
 ) -> KernelChoice:
     """Pick the kernel for `point` among `candidates` ({name: a call of that kernel on the real shape}, in
     order of preference): forced (`forced`, else $MOGE_CPU_KERNELS), else cached under `key`, else timed with
-    `timer` and cached."""
+    `timer` and cached. With `screen` ({name: a call on a small shape}), candidates more than SCREEN_FACTOR
+    slower than the fastest there are not timed on the real shape (their small-shape time is kept, marked)."""
     forced = forced_choices() if forced is None else forced
     if point in forced:
         if forced[point] not in candidates:
@@ -198,8 +217,14 @@ def choose(
     hit = cache.get(full_key) if cache is not None else None
     if hit is not None and hit["kernel"] in candidates:
         return KernelChoice(point, hit["kernel"], "cached", dict(hit.get("times_ms") or {}))
+    left_out: dict = {}
+    if screen:
+        small, kept = screened({name: screen[name] for name in candidates if name in screen}, lambda fn: timer(fn, 1))
+        left_out = {f"{name} (small shape, left out)": ms for name, ms in small.items() if name not in kept}
+        candidates = {name: fn for name, fn in candidates.items() if name in kept or name not in screen}
     times = {name: timer(fn, repeats) for name, fn in candidates.items()}
     kernel = fastest(times)
+    times.update(left_out)
     if cache is not None:
         entry = cache.settle(full_key, kernel, times, candidates)
         if entry["kernel"] != kernel:  # another process chose first: one kernel per shape on this machine
