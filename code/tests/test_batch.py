@@ -610,3 +610,59 @@ def test_a_later_run_ends_what_a_dead_driver_left(tmp_path):
         for process in (recorded, named, kept):
             process.kill()
             process.wait()
+
+
+# ---------------------------------------------------------------------------------------------- clips
+def test_video_files_are_one_job_each_and_resume_clip_by_clip(local_ray, ckpt, tmp_path):
+    """`tt-moge batch a.mp4 b.mp4`: each clip is one replica call, written as tt-moge predict writes it (its
+    frames' depth the API's exactly); a rerun does nothing; after one clip's result.json is removed, a rerun
+    does that clip only. Photos and videos in one job: refused before anything starts."""
+    import cv2
+    import torch
+    from OpenEXR import File as ExrFile
+
+    from tt_moge import MoGeModel
+    from tt_moge.testing.scene import camera_path, render_path
+
+    clips = {}
+    for name, start in (("a", 0), ("b", 6)):
+        path = tmp_path / f"{name}.mp4"
+        writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 6.0, (96, 72))
+        for r in render_path(camera_path(12)[start : start + 6 : 2], 96, 72):
+            writer.write(np.ascontiguousarray(r.image[..., ::-1]))
+        writer.release()
+        clips[name] = path
+    out = tmp_path / "out"
+    args = ["batch", clips["a"], clips["b"], "-o", out, "--weights", ckpt, *MODEL_ARGS, "--calibration-frames", 2]
+    code, stdout, stderr = run_cli(args)
+    assert code == 0, stderr
+    assert "2 done, 0 failed, 0 skipped (already done) of 2 clips" in stdout, stdout
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # like the replica (the CPU kernels' summation order depends on the thread count)
+    try:
+        with MoGeModel.from_pretrained(
+            ckpt, device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0, warmup_variants="none"
+        ) as model:
+            expected = {name: model.predict_video(path, calibration_frames=2) for name, path in clips.items()}
+    finally:
+        torch.set_num_threads(threads)
+    for name, clip in expected.items():
+        record = json.loads((out / name / "result.json").read_text())
+        assert record["frames"] == len(clip) == 3 and record["registered"] == int(clip.registered.sum())
+        for i, frame in enumerate(clip.frames):
+            with ExrFile(str(out / name / "frames" / f"{i:06d}" / "depth.exr")) as exr:
+                assert np.array_equal(exr.channels()["Y"].pixels, frame.depth), f"{name} frame {i}"
+    before = file_times(out)
+    code, stdout, _ = run_cli(args)
+    assert code == 0 and "nothing to do: all 2 clips already done" in stdout, stdout
+    (out / "b" / "result.json").unlink()
+    code, stdout, _ = run_cli(args)
+    assert code == 0 and "1 done, 0 failed, 1 skipped (already done) of 2 clips" in stdout, stdout
+    after = file_times(out)
+    assert all(after[k] == t for k, t in before.items() if k.startswith("a/")), "clip a was not redone"
+    assert (out / "b" / "result.json").is_file()
+
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.full((32, 32, 3), 128, np.uint8)).save(photo)
+    code, _, stderr = run_cli(["batch", clips["a"], photo, "-o", tmp_path / "mixed", "--weights", ckpt, *MODEL_ARGS])
+    assert code == 3 and "photos and video files go in separate batch jobs" in stderr

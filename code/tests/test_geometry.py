@@ -138,3 +138,78 @@ def test_flat_surfaces_stay_exact_through_the_resize(size, force_projection):
     depth = truth.depth[flat]
     assert (np.abs(out.depth[flat] - depth) / depth).max() < 2e-5
     assert (np.linalg.norm(out.points[flat] - truth.points[flat], axis=-1) / depth).max() < 2e-5
+
+
+# Known intrinsics (the call option `intrinsics`): an off-centre principal point and fx != fy, which the free
+# solve cannot represent (it assumes a centred principal point and square canvas pixels).
+INTRINSICS_CASES = [
+    # (input size, fit, principal point offset from the centre in pixels, pixel aspect fx / fy)
+    ((960, 540), "pad", (0.0, 0.0), 1.0),
+    ((640, 480), "pad", (41.0, -27.0), 1.0),
+    ((400, 300), "pad", (-23.5, 18.0), 1.08),
+    ((480, 270), "stretch", (30.0, 12.0), 1.0),
+    ((640, 480), "stretch", (-35.0, -20.0), 0.93),
+]
+
+
+def _camera(size, offset, pixel_aspect) -> np.ndarray:
+    k = intrinsics_for(*size, pixel_aspect=pixel_aspect)
+    k[0, 2] += offset[0]
+    k[1, 2] += offset[1]
+    return k
+
+
+@pytest.mark.parametrize("unit", ["pixels", "normalised"])
+@pytest.mark.parametrize("size,fit,offset,pixel_aspect", INTRINSICS_CASES)
+def test_given_intrinsics_give_the_true_geometry_and_exactly_those_intrinsics(size, fit, offset, pixel_aspect, unit):
+    """With the camera's intrinsics given, only the shift is solved: the depth and points are the truth, and the
+    output's intrinsics are the given numbers exactly (float32 of them), in the unit they were given in."""
+    from tt_moge.host.intrinsics import Intrinsics
+
+    w, h = size
+    k_in = _camera(size, offset, pixel_aspect)
+    truth = render(w, h, intrinsics=k_in)
+    plan = plan_canvas(size, CANVAS, fit)
+    k_n = k_in / np.array([[w], [h], [1]])
+    given = k_in if unit == "pixels" else Intrinsics.from_matrix(k_n, normalised=True)
+    out = postprocess(perfect_raw(plan, k_in), plan, CallOptions.make(fit=fit, intrinsics=given))
+
+    if unit == "pixels":
+        assert np.array_equal(out.intrinsics_pixels, k_in.astype(np.float32))
+        np.testing.assert_allclose(out.intrinsics, k_n, rtol=1e-6)
+    else:
+        assert np.array_equal(out.intrinsics, k_n.astype(np.float32))
+        np.testing.assert_allclose(out.intrinsics_pixels, k_in, rtol=1e-6)
+    assert out.fov_x == pytest.approx(math.degrees(2 * math.atan(0.5 / k_n[0, 0])), rel=1e-6)
+
+    interior = smooth_interior(truth)
+    assert interior.sum() > 0.6 * truth.mask.sum()
+    assert out.mask[interior].all()
+    rel = np.abs(out.depth[interior] - truth.depth[interior]) / truth.depth[interior]
+    assert rel.max() < 1e-3, f"depth: max relative error {rel.max():.2e}"
+    err = np.linalg.norm(out.points[interior] - truth.points[interior], axis=-1) / truth.depth[interior]
+    assert err.max() < 1e-3, f"points: max error / depth {err.max():.2e}"
+
+
+def test_given_intrinsics_matter_where_the_free_solve_cannot_follow():
+    """The checks above are sharp: on the off-centre camera, the free solve, or the shift solved with the
+    principal point wrongly at the centre, misses the depth bound; the solve with the true camera meets it."""
+    from tt_moge.host.intrinsics import Intrinsics
+    from tt_moge.host.solve import recover_shift
+
+    size = (640, 480)
+    k_in = _camera(size, (41.0, -27.0), 1.0)
+    truth = render(*size, intrinsics=k_in)
+    plan = plan_canvas(size, CANVAS, "pad")
+    raw = perfect_raw(plan, k_in)
+    interior = smooth_interior(truth)
+
+    def worst(out) -> float:
+        return float((np.abs(out.depth[interior] - truth.depth[interior]) / truth.depth[interior]).max())
+
+    assert worst(postprocess(raw, plan, CallOptions())) > 1e-3
+    centred = k_in.copy()
+    centred[:2, 2] = (size[0] / 2, size[1] / 2)
+    assert worst(postprocess(raw, plan, CallOptions.make(intrinsics=centred))) > 1e-3
+    k_n = Intrinsics.from_matrix(k_in).normalised_matrix(size)
+    assert recover_shift(raw.points, raw.mask, plan, k_n) == pytest.approx(-SCALE * SHIFT, rel=1e-5)

@@ -39,13 +39,34 @@ def image_bodies(fmt: str) -> st.SearchStrategy:
     return st.one_of(st.binary(max_size=512), valid, truncated)
 
 
+def video_bodies() -> st.SearchStrategy:
+    """Bytes for a video/mp4 body: noise, a valid 3-frame 32x32 clip (OpenCV, mp4v), or a cut-off one."""
+    import tempfile
+
+    import cv2
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/clip.mp4"
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), 5.0, (32, 32))
+        for k in range(3):
+            writer.write(np.ascontiguousarray(np.roll(photo(32, 32, 7), 2 * k, axis=1)[..., ::-1]))
+        writer.release()
+        valid = open(path, "rb").read()
+    truncated = st.builds(lambda keep: valid[: max(1, int(len(valid) * keep))], st.floats(0.05, 0.95))
+    return st.one_of(st.binary(max_size=512), st.just(valid), truncated)
+
+
 schemathesis.openapi.media_type("image/png", image_bodies("PNG"))
 schemathesis.openapi.media_type("image/jpeg", image_bodies("JPEG"))
+schemathesis.openapi.media_type("video/mp4", video_bodies())
 
 
 OPERATIONS = [
     ("POST", "/predict"),
     ("POST", "/predict/summary"),
+    ("POST", "/predict/video"),
+    ("POST", "/predict/video/summary"),
     ("GET", "/health"),
     ("GET", "/ready"),
     ("GET", "/info"),

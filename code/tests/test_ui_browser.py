@@ -232,3 +232,39 @@ def test_bad_uploads_show_the_api_error_and_the_server_keeps_serving(result_page
 
     assert api.get("/health").json()["status"] == "ok"
     assert upload(browser, SOURCE) == "done"  # and the page works again
+
+
+def test_a_clip_shows_its_scene_and_the_apis_numbers(result_page, api, tmp_path):
+    """A short clip dropped on the page: its numbers are POST /predict/video/summary's for the same bytes, and
+    the 3D view shows the fused cloud with the camera path (not blank, red path pixels, moves when dragged)."""
+    import cv2
+
+    from tt_moge.testing.scene import camera_path, render_path
+
+    browser = result_page
+    clip = tmp_path / "walk.mp4"
+    writer = cv2.VideoWriter(str(clip), cv2.VideoWriter_fourcc(*"mp4v"), 8.0, (160, 120))
+    for r in render_path(camera_path(16)[::4], 160, 120):
+        writer.write(np.ascontiguousarray(r.image[..., ::-1]))
+    writer.release()
+    assert upload(browser, clip, timeout_s=300) == "done", browser.find_element(By.ID, "error").text
+    assert browser.find_element(By.TAG_NAME, "body").get_attribute("data-kind") == "video"
+    expected = api.post("/predict/video/summary", content=clip.read_bytes(), headers={"Content-Type": "video/mp4"})
+    assert expected.status_code == 200, expected.text
+    expected = expected.json()
+    shown = json.loads(browser.execute_script("return document.getElementById('summary-json').textContent"))
+    assert shown["poses"] == expected["poses"] and shown["intrinsics"] == expected["intrinsics"]
+    assert shown["frames"] == 4 and shown["registered"] == expected["registered"]
+
+    canvas = browser.find_element(By.ID, "view")
+    assert not browser.find_element(By.ID, "view-message").is_displayed()
+    pixels = canvas_pixels(canvas).astype(np.int16)
+    assert (np.abs(pixels - BACKGROUND).max(axis=2) > 24).mean() > 0.02, "the scene view is blank"
+    frames = int(canvas.get_attribute("data-frames"))
+    ActionChains(browser).move_to_element(canvas).click_and_hold().move_by_offset(120, 40).release().perform()
+    WebDriverWait(browser, 10).until(lambda b: int(canvas.get_attribute("data-frames")) > frames)
+    time.sleep(0.3)
+    assert np.abs(canvas_pixels(canvas).astype(np.int16) - pixels).mean() > 1
+    names = [b.get_attribute("data-file") for b in browser.find_elements(By.CSS_SELECTOR, "#download-buttons button")]
+    assert set(names) == {"clip.npz", "poses.json", "trajectory.txt", "scene.ply", "scene.glb"}
+    assert console_errors(browser) == []

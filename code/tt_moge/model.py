@@ -182,6 +182,17 @@ class MoGeModel:
         self.service.check_open()
         return predict_panorama(self, image, return_views=return_views, apply_mask=apply_mask)
 
+    def predict_video(self, source: Any, **options: Any) -> Any:
+        """A clip (a video file, a folder of frames, video bytes, an (N, H, W, 3) array or an iterable of images)
+        -> VideoOutput: every frame's MoGeOutput with one set of intrinsics and one metric scale for the clip,
+        camera poses from frame-to-frame registration, a fused point cloud. Options: the call options of
+        `model(image, ...)` and those of `tt_moge.video.VideoOptions` (see `tt_moge.video.predict_video`,
+        docs/video.md); `tt_moge.video.iter_video` streams clips that do not fit in memory."""
+        from .video import predict_video
+
+        self.service.check_open()
+        return predict_video(self, source, **options)
+
     def forward(self, image: Any) -> dict:
         """The raw forward on a canvas-sized image, like upstream `MoGeModel.forward`: a dict of torch tensors
         `points` (1, H, W, 3) affine, `normal` (1, H, W, 3), `mask` (1, H, W) probability, `metric_scale` (1,)."""
@@ -302,6 +313,11 @@ def _generated_signatures() -> None:
                 ]
             )
         method.__signature__ = sig
+    from .video.predict import video_signature
+
+    MoGeModel.predict_video.__signature__ = video_signature(
+        (this, param("source", param.POSITIONAL_OR_KEYWORD)), returns="VideoOutput"
+    )
 
 
 _generated_signatures()

@@ -20,7 +20,8 @@ from ..export import DEFAULT_FORMATS, DEFAULT_MESH_STEP, FORMATS, check_formats
 from ..fields import include_options, options_of
 from ..host import CallOptions
 from ..options import LoadOptions
-from .replica import Replica, read_images
+from ..video import VideoOptions
+from .replica import ClipReplica, Replica, read_images
 from .session import (
     DEFAULT_OBJECT_STORE_MB,
     MIN_OBJECT_STORE_MB,
@@ -67,6 +68,7 @@ class BatchSummary:
     done_names: list = field(default_factory=list)  # output names of the images done by this run, as reported
     renamed: list = field(default_factory=list)  # [{input, output, asked, why}]: inputs not named as they asked
     arrivals: list = field(default_factory=list)  # seconds after the job start at which each image's status came
+    unit: str = "images"  # what the counts count: "images", or "clips" for a job over video files
 
     @property
     def steady_images_per_second(self) -> float:
@@ -82,16 +84,17 @@ class BatchSummary:
 
     def line(self) -> str:
         if self.replicas == 0:
-            return f"nothing to do: all {self.total} images already done (skipped {self.skipped})"
-        rate = f", {self.images_per_second:.2f} images/s" if self.done else ""
+            return f"nothing to do: all {self.total} {self.unit} already done (skipped {self.skipped})"
+        rate = f", {self.images_per_second:.2f} {self.unit}/s" if self.done else ""
         return (
-            f"{self.done} done, {self.failed} failed, {self.skipped} skipped (already done) of {self.total} images "
-            f"in {self.seconds:.1f} s{rate} with {self.replicas} replica{'s' * (self.replicas != 1)} "
+            f"{self.done} done, {self.failed} failed, {self.skipped} skipped (already done) of {self.total} "
+            f"{self.unit} in {self.seconds:.1f} s{rate} with {self.replicas} replica{'s' * (self.replicas != 1)} "
             f"(Ray start {self.ray_start_seconds:.1f} s)"
         )
 
 
 @dataclass
+@include_options(VideoOptions, after="model")
 @include_options(CallOptions, after="model")
 class BatchJob:
     """One batch job: which images, where the results go, the model, and how Ray spreads the work.
@@ -102,6 +105,12 @@ class BatchJob:
     of `host.CallOptions`: fit, fov_x, apply_mask, force_projection), applied to every image. A missing
     `pretrained_model_name_or_path` is the default repo (or $MOGE_WEIGHTS_DIR); a missing `device` is CUDA when
     the replicas get GPUs (or, on a local Ray, when this machine has one), else the CPU.
+
+    Video files as inputs (all of them: photos and videos go in separate jobs): each clip is one job of one
+    replica, written as `tt-moge predict clip.mp4` writes it (OUT/NAME/, `video.files`; per-frame `formats`, the
+    video default when left at DEFAULT_FORMATS; "files" only), with the clip options (the fields of
+    `video.VideoOptions`: stride, max_frames, calibration_frames, window, voxel_size). A rerun skips the clips
+    whose OUT/NAME/result.json exists (written last), so an interrupted job resumes clip by clip.
 
     output_format "files": OUT/NAME/ as `tt-moge predict` writes it (`formats` picks the files); "parquet":
     OUT/parquet/part-*.parquet, one row per image (name, source, result = result.json text, npz = the npz bytes).
@@ -132,6 +141,10 @@ class BatchJob:
     def call_options(self) -> CallOptions:
         """The options applied to every image, validated (a ValueError naming the option)."""
         return CallOptions.make(**{o.argument: getattr(self, o.name) for o in options_of(CallOptions)})
+
+    def video_options(self) -> VideoOptions:
+        """The options applied to every clip, validated (a ValueError naming the option)."""
+        return VideoOptions.make(**{o.argument: getattr(self, o.name) for o in options_of(VideoOptions)})
 
     def model_arguments(self) -> dict:
         """`model` with the defaults of from_pretrained filled in, each checked (a ValueError naming it)."""
@@ -211,6 +224,8 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     """
     from .. import env
     from ..inputs import InputPathError, collect_images
+    from ..video import is_video_file
+    from ..video.files import VIDEO_FRAME_FORMATS
 
     formats = job.checked_formats()
     call = job.call_options()  # checked now, not in every replica for every image
@@ -219,6 +234,14 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     images = collect_images([os.fspath(i) for i in job.inputs], exclude=out)
     if not images:
         raise InputPathError(f"inputs: no PNG or JPEG images found in {', '.join(map(str, job.inputs))}")
+    clips = [im for im in images if is_video_file(im.path)]
+    if clips and len(clips) != len(images):
+        raise ValueError("inputs: photos and video files go in separate batch jobs")
+    if clips and job.output_format != "files":
+        raise ValueError("output_format: clips are written as files (OUT/NAME/, as tt-moge predict writes them)")
+    if clips and tuple(formats) == tuple(DEFAULT_FORMATS):
+        formats = VIDEO_FRAME_FORMATS  # the light per-frame default of videos
+    video = job.video_options() if clips else None
     ray = import_ray()
     out.mkdir(parents=True, exist_ok=True)
     if job.output_format == "parquet":
@@ -242,6 +265,7 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
             for im in images
             if im.renamed
         ],
+        unit="clips" if clips else "images",
     )
     files = job.output_format == "files"
     options = {
@@ -249,6 +273,7 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
         "formats": list(formats) if files else None,
         "mesh_step": job.mesh_step if files and "glb" in formats else None,
         **call.kwargs(),
+        **(video.kwargs() if video is not None else {}),
         "batch_size": job.batch_size,
         "max_retries": job.max_retries,
     }
@@ -258,7 +283,8 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
         write_record(out, summary, "nowhere (nothing to do)", None, options)
         return summary
 
-    replicas = min(job.replicas, math.ceil(len(todo) / job.batch_size))  # no idle replicas for a short remainder
+    per_call = 1 if clips else job.batch_size  # a clip is one replica call
+    replicas = min(job.replicas, math.ceil(len(todo) / per_call))  # no idle replicas for a short remainder
     summary.replicas = replicas
     address = job.address or os.environ.get("RAY_ADDRESS") or None
     local = address is None and not ray.is_initialized()
@@ -292,13 +318,74 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
             )
         t0 = time.perf_counter()
         with ray_data_output(ray, job.quiet):
-            dataset = _build_dataset(
-                ray, job, todo, out, formats, call, model_kwargs, replicas, cpus, gpus, address is None
-            )
+            if clips:
+                dataset = _clip_dataset(
+                    ray, job, todo, out, formats, call, video, model_kwargs, replicas, cpus, gpus, address is None
+                )
+            else:
+                dataset = _build_dataset(
+                    ray, job, todo, out, formats, call, model_kwargs, replicas, cpus, gpus, address is None
+                )
             _collect(dataset, summary, failures_path, len(todo), job.progress and not job.quiet, on_failure, t0)
         summary.seconds = time.perf_counter() - t0
     write_record(out, summary, where, model_record, options)
     return summary
+
+
+def _runtime_env(local: bool) -> Optional[dict]:
+    """The replicas' environment: FORWARDED_ENV, and on a local Ray this driver's tt_moge on PYTHONPATH."""
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    if local:  # workers import the very tt_moge this driver runs, installed or not (a source tree, a script's sys.path)
+        here = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        )
+    return {"env_vars": env} if env else None
+
+
+def _clip_dataset(
+    ray: Any,
+    job: BatchJob,
+    todo: list,
+    out: Path,
+    formats: tuple,
+    call: CallOptions,
+    video: VideoOptions,
+    model_kwargs: dict,
+    replicas: int,
+    cpus: float,
+    gpus: float,
+    local: bool,
+) -> Any:
+    """One item per clip, one clip per replica call (`replica.ClipReplica`: it reads the video file itself)."""
+    runtime_env = _runtime_env(local)
+    items = [{"path": str(im.path.resolve()), "name": im.name} for im in todo]
+    try:
+        dataset = ray.data.from_items(items, override_num_blocks=len(items))
+    except TypeError:  # Ray < 2.10 names it parallelism
+        dataset = ray.data.from_items(items, parallelism=len(items))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        return dataset.map_batches(
+            ClipReplica,
+            batch_size=1,
+            compute=ray.data.ActorPoolStrategy(size=replicas),
+            fn_constructor_kwargs=dict(
+                model_kwargs=model_kwargs,
+                out=str(out.resolve()),
+                formats=formats,
+                options=call,
+                video=video,
+                writers=job.writers,
+                threads=int(cpus),
+                mesh_step=job.mesh_step,
+            ),
+            num_cpus=cpus,
+            num_gpus=gpus or None,
+            runtime_env=runtime_env,
+            max_restarts=job.max_retries,
+            max_task_retries=job.max_retries,
+        )
 
 
 def _build_dataset(
@@ -315,13 +402,7 @@ def _build_dataset(
     local: bool,
 ) -> Any:
     batch_size, max_retries = job.batch_size, job.max_retries
-    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    if local:  # workers import the very tt_moge this driver runs, installed or not (a source tree, a script's sys.path)
-        here = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(
-            [here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-        )
-    runtime_env = {"env_vars": env} if env else None
+    runtime_env = _runtime_env(local)
     items = [{"path": str(im.path.resolve()), "name": im.name} for im in todo]
     blocks = min(len(items), max(1, math.ceil(len(items) / batch_size)))  # one read task per batch of images
     try:

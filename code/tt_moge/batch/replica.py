@@ -1,5 +1,6 @@
 """The Ray stages of a batch job: `read_images` (Ray tasks: files -> RGB arrays) and `Replica` (an actor: one
-model, loaded once; each call predicts a batch with the model's PredictionService and writes it)."""
+model, loaded once; each call predicts a batch with the model's PredictionService and writes it); for clips,
+`ClipReplica` (an actor: one model; each call runs one video file through `tt_moge.video` into its folder)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from ..export import DEFAULT_MESH_STEP
 from ..host import CallOptions
 from .sinks import write_files, write_shard
 
-__all__ = ["read_images", "Replica"]
+__all__ = ["read_images", "Replica", "ClipReplica"]
 
 
 def read_images(batch: dict) -> dict:
@@ -79,4 +80,57 @@ class Replica:
             )
         else:
             write_shard(self.out, results, names, paths, errors)
+        return {"name": names, "path": paths, "error": errors}
+
+
+class ClipReplica:
+    """Ray actor: one MoGeModel (as `Replica`); each call runs one clip ({name, path} of a video file) with the
+    call `options` and the clip options `video`, written to OUT/NAME/ (`video.files.ClipWriter`, result.json
+    last). Only a returned status counts: a replica that dies has its clip retried."""
+
+    def __init__(
+        self,
+        model_kwargs: dict,
+        out: str,
+        formats: tuple,
+        options: CallOptions,
+        video: object,
+        writers: int,
+        threads: int,
+        mesh_step: int = DEFAULT_MESH_STEP,
+    ):
+        import torch
+
+        from .. import env, native
+        from ..model import MoGeModel
+
+        torch.set_num_threads(max(1, threads))
+        if not env.get("MOGE_SERVE_THREADS"):
+            native.set_threads(max(1, threads))
+        self.model = MoGeModel.from_pretrained(**{**model_kwargs, "warmup": 0, "warmup_variants": "none"})
+        self.out, self.formats, self.mesh_step, self.writers = Path(out), formats, mesh_step, writers
+        self.options, self.video = options, video
+
+    def __call__(self, batch: dict) -> dict:
+        from ..video import VideoStream
+        from ..video.files import ClipWriter
+
+        names, paths = [str(n) for n in batch["name"]], [str(p) for p in batch["path"]]
+        errors = []
+        for name, path in zip(names, paths):
+            writer = None
+            try:
+                with VideoStream(self.model, path, self.options, self.video) as stream:
+                    fps = None if stream.fps is None else stream.fps / self.video.stride
+                    writer = ClipWriter(
+                        self.out / name, self.formats, mesh_step=self.mesh_step, fps=fps, writers=self.writers
+                    )
+                    for frame in stream:
+                        writer.add(frame.index, frame.output, frame.image, frame.record(), frame.depth_range)
+                    writer.finish(stream.result)
+                errors.append("")
+            except Exception as exc:  # a bad clip costs only itself
+                if writer is not None:
+                    writer.abort()
+                errors.append(f"{path}: {exc}" if str(path) not in str(exc) else str(exc))
         return {"name": names, "path": paths, "error": errors}

@@ -19,6 +19,7 @@ from ..batch import (
     RECORD_FILE,
     SHARDS_DIR,
 )
+from ..video.options import VideoOptions
 from . import argtypes
 from .common import (
     DEFAULT_OUTPUT,
@@ -30,10 +31,12 @@ from .common import (
     add_call_arguments,
     add_format_arguments,
     add_model_arguments,
+    add_options,
     call_options,
     chosen_formats,
     format_group_title,
     model_kwargs,
+    option_values,
     say,
 )
 
@@ -100,6 +103,10 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     )
     add_format_arguments(parser.add_argument_group("files of --format files: " + format_group_title()))
     add_call_arguments(parser)
+    add_options(
+        parser.add_argument_group("clips (video files as INPUT: each clip one job, as tt-moge predict clip.mp4)"),
+        VideoOptions,
+    )
     add_model_arguments(parser)
     ray = parser.add_argument_group("Ray")
     ray.add_argument(
@@ -186,6 +193,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.output,
         model=model_kwargs(args),
         **call_options(args).kwargs(),
+        **option_values(args, VideoOptions),
         formats=formats,
         mesh_step=args.mesh_step,
         output_format=args.output_format,

@@ -31,6 +31,8 @@ __all__ = [
     "add_model_arguments",
     "add_call_arguments",
     "add_format_arguments",
+    "add_options",
+    "option_values",
     "format_group_title",
     "chosen_formats",
     "model_kwargs",
@@ -115,6 +117,18 @@ def add_call_arguments(parser: argparse.ArgumentParser) -> Any:
     for info in options_of(CallOptions):
         _add_option(group, info, info.default)
     return group
+
+
+def add_options(group: Any, record: type) -> None:
+    """One flag per option of `record` (a dataclass of `tt_moge.fields` options, e.g. `video.VideoOptions`),
+    as its definition says; `option_values` maps them back."""
+    for info in options_of(record):
+        _add_option(group, info, info.default)
+
+
+def option_values(args: argparse.Namespace, record: type) -> dict:
+    """{argument: value} of the flags that `add_options` made for `record`."""
+    return {info.argument: getattr(args, _dest(info)) for info in options_of(record)}
 
 
 def format_group_title() -> str:

@@ -32,6 +32,7 @@ from .common import (
     load_model,
     say,
 )
+from .video import VIDEO_EPILOG, add_video_arguments, run_videos, wants_video
 
 __all__ = ["add_parser", "run"]
 
@@ -93,12 +94,15 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     predict = commands.add_parser(
         "predict",
         formatter_class=Formatter,
-        help="photos -> depth, normal and mask pictures, npz, PLY, GLB",
-        description="Run MoGe-2 on PNG/JPEG photos and write, per photo, the chosen formats into its own folder. "
-        "Images that cannot be read or written are reported as failed; the run goes on.",
-        epilog=_PREDICT_EPILOG,
+        help="photos or videos -> depth, normal and mask pictures, npz, PLY, GLB; trajectories and fused scenes",
+        description="Run MoGe-2 on PNG/JPEG photos and write, per photo, the chosen formats into its own folder "
+        "(or on video clips: one folder per clip, see 'videos' below). Images that cannot be read or written are "
+        "reported as failed; the run goes on.",
+        epilog=_PREDICT_EPILOG + "\n" + VIDEO_EPILOG,
     )
-    predict.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders (recursive) or glob patterns")
+    predict.add_argument(
+        "inputs", nargs="+", metavar="INPUT", help="image files, folders (recursive) or glob patterns; or video files"
+    )
     predict.add_argument(
         "-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT", help=f"output folder (default ./{DEFAULT_OUTPUT})"
     )
@@ -111,6 +115,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "from the centre, the mesh closes around the viewer. The canvas defaults to "
         f"{PANORAMA_CANVAS[0]}x{PANORAMA_CANVAS[1]} (the views' size); see docs/panorama.md",
     )
+    add_video_arguments(predict)
     add_model_arguments(predict)
     predict.set_defaults(resolution=None)  # resolved in run(): the photo canvas, or the views' canvas with --panorama
     group = predict.add_argument_group("run")
@@ -136,8 +141,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.resolution is None:
         args.resolution = PANORAMA_CANVAS if args.panorama else DEFAULT_CANVAS
-    if args.panorama and args.fov_x is not None:
-        parser.error("--fov-x does not apply to --panorama (the views' field of view is known: 90 degrees)")
+    if wants_video(args):
+        return run_videos(args, parser)
+    if args.panorama and (args.fov_x is not None or args.intrinsics is not None):
+        parser.error("--fov-x and --intrinsics do not apply to --panorama (the views' camera is known: 90 degrees)")
     options = call_options(args)
     formats = chosen_formats(args) or list(DEFAULT_FORMATS)
     out_root = Path(args.output)

@@ -92,6 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"largest image, width*height, checked before decoding (default: {_DEFAULTS.max_pixels})",
     )
     server.add_argument(
+        "--max-video-frames",
+        type=argtypes.positive_int,
+        default=_DEFAULTS.max_video_frames,
+        help="most frames of a clip sent to /predict/video, after its stride and max_frames (default: "
+        f"{_DEFAULTS.max_video_frames})",
+    )
+    server.add_argument(
         "--queue-size",
         type=argtypes.positive_int,
         default=_DEFAULTS.queue_size,
@@ -214,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
         settings = ServerSettings(
             max_body_bytes=int(args.max_body_mb * _MB),
             max_pixels=args.max_pixels,
+            max_video_frames=args.max_video_frames,
             queue_size=args.queue_size,
             host_threads=args.host_threads,
             max_connections=args.max_connections,

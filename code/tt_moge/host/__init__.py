@@ -2,6 +2,7 @@
 
 from .canvas import CanvasPlan, fit_to_canvas, plan_canvas
 from .decode import ImageNotFoundError, InputError, to_rgb_array
+from .intrinsics import Intrinsics
 from .pipeline import CallOptions, Prepared, Stopwatch, postprocess, prepare
 
 __all__ = [
@@ -9,6 +10,7 @@ __all__ = [
     "CanvasPlan",
     "ImageNotFoundError",
     "InputError",
+    "Intrinsics",
     "Prepared",
     "Stopwatch",
     "fit_to_canvas",

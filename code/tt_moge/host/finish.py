@@ -32,6 +32,7 @@ from ..output import MoGeOutput
 from ..runners.base import RawMaps
 from . import buffers
 from .canvas import CanvasPlan
+from .intrinsics import Intrinsics
 
 __all__ = ["camera_intrinsics", "finish", "projection_factors"]
 
@@ -79,17 +80,23 @@ def finish(
     *,
     apply_mask: bool = True,
     force_projection: bool = True,
+    intrinsics: Optional[Intrinsics] = None,
 ) -> MoGeOutput:
     """Raw canvas maps + camera (focal relative to the canvas half diagonal, z shift) -> MoGeOutput at the
-    input size. Runs the native fused pass when the native host library is in use (same results), else the
-    torch steps below, which are the reference."""
-    intrinsics = camera_intrinsics(focal, plan)
+    input size. Known `intrinsics` (then `focal` is not used) are the output's, exactly: in the unit they were
+    given in, the float32 rounding of the given numbers. Runs the native fused pass when the native host library
+    is in use (same results), else the torch steps below, which are the reference."""
+    if intrinsics is None:
+        normalised = camera_intrinsics(focal, plan).astype(np.float64)
+        pixels = normalised * np.array([[plan.image_size[0]], [plan.image_size[1]], [1.0]])
+    else:
+        normalised, pixels = intrinsics.normalised_matrix(plan.image_size), intrinsics.pixel_matrix(plan.image_size)
     lib = native.library()
     if lib is not None:
-        maps = _finish_native(lib, raw, plan, intrinsics, shift, apply_mask, force_projection)
+        maps = _finish_native(lib, raw, plan, normalised, shift, apply_mask, force_projection)
     else:
-        maps = _finish_torch(raw, plan, intrinsics, shift, apply_mask, force_projection)
-    return _output(*maps, intrinsics, plan, raw.metric_scale)
+        maps = _finish_torch(raw, plan, normalised, shift, apply_mask, force_projection)
+    return _output(*maps, normalised, pixels, raw.metric_scale)
 
 
 def _finish_torch(
@@ -194,21 +201,17 @@ def _output(
     normal: Optional[np.ndarray],
     mask: np.ndarray,
     intrinsics: np.ndarray,
-    plan: CanvasPlan,
+    pixels: np.ndarray,
     scale: Optional[float],
 ) -> MoGeOutput:
-    w, h = plan.image_size
     fx_n, fy_n = float(intrinsics[0, 0]), float(intrinsics[1, 1])
-    pixels = intrinsics.copy()
-    pixels[0] *= w
-    pixels[1] *= h
     return MoGeOutput(
         points=points,
         depth=depth,
         normal=normal,
         mask=mask,
-        intrinsics=intrinsics,
-        intrinsics_pixels=pixels,
+        intrinsics=intrinsics.astype(np.float32),
+        intrinsics_pixels=pixels.astype(np.float32),
         metric_scale=float(scale) if scale is not None else 1.0,
         fov_x=math.degrees(2 * math.atan(0.5 / fx_n)),
         fov_y=math.degrees(2 * math.atan(0.5 / fy_n)),

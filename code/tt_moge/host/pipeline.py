@@ -22,7 +22,8 @@ from ..runners.base import RawMaps
 from .canvas import CanvasPlan, fit_to_canvas, plan_canvas
 from .decode import InputError, to_rgb_array
 from .finish import finish
-from .solve import recover_camera
+from .intrinsics import Intrinsics, check_intrinsics
+from .solve import recover_camera, recover_shift
 
 __all__ = ["CallOptions", "Prepared", "prepare", "postprocess", "Stopwatch", "check_fov_x", "parse_fov_degrees"]
 
@@ -93,6 +94,21 @@ class CallOptions:
     )
     apply_mask: bool = option(True, "set invalid pixels to inf (depth, points) and 0 (normal)")
     force_projection: bool = option(True, "compute the points from the depth and the intrinsics (as upstream does)")
+    intrinsics: Optional[Intrinsics] = option(
+        None,
+        "the camera intrinsics, if known: fx,fy,cx,cy in pixels of the input image (or normalised, fx and cx by "
+        "the width, fy and cy by the height, followed by ',normalised'); then the focal lengths and the principal "
+        "point are fixed and only the depth shift is solved",
+        metavar="FX,FY,CX,CY",
+        parse=Intrinsics.parse,
+        check=check_intrinsics,
+        warm=Intrinsics(0.6, 1.0, 0.5, 0.5, normalised=True),
+        argtype=Any,
+    )
+
+    def __post_init__(self) -> None:
+        if self.fov_x is not None and self.intrinsics is not None:
+            raise InputError("fov_x and intrinsics: give one of them (the intrinsics fix the focal already)")
 
     @classmethod
     def make(cls, *args: Any, **kwargs: Any) -> "CallOptions":
@@ -132,6 +148,8 @@ def prepare(
     """Decode and fit one image onto the canvas."""
     watch = Stopwatch(timing)
     rgb = to_rgb_array(image, name)
+    if options.intrinsics is not None:  # before the device: a principal point outside this image is impossible
+        options.intrinsics.check_image((rgb.shape[1], rgb.shape[0]))
     watch.lap("decode")
     plan = plan_canvas((rgb.shape[1], rgb.shape[0]), canvas_size, options.fit)
     canvas = fit_to_canvas(rgb, plan)
@@ -140,11 +158,25 @@ def prepare(
 
 
 def postprocess(raw: RawMaps, plan: CanvasPlan, options: CallOptions, timing: Optional[dict] = None) -> MoGeOutput:
-    """Solve the camera on the valid content region, then finish at the input resolution."""
+    """Solve the camera on the valid content region (only the shift when `intrinsics` are given), then finish at
+    the input resolution."""
     watch = Stopwatch(timing)
+    given = None
     # the probability goes in as is: the solve thresholds only the pixels it samples
-    focal, shift = recover_camera(raw.points, raw.mask, plan, options.fov_x)
+    if options.intrinsics is None:
+        focal, shift = recover_camera(raw.points, raw.mask, plan, options.fov_x)
+    else:
+        given = options.intrinsics
+        focal, shift = None, recover_shift(raw.points, raw.mask, plan, given.normalised_matrix(plan.image_size))
     watch.lap("solve")
-    out = finish(raw, plan, focal, shift, apply_mask=options.apply_mask, force_projection=options.force_projection)
+    out = finish(
+        raw,
+        plan,
+        focal,
+        shift,
+        apply_mask=options.apply_mask,
+        force_projection=options.force_projection,
+        intrinsics=given,
+    )
     watch.lap("finish")
     return out

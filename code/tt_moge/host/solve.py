@@ -10,7 +10,9 @@ fixed shift the best focal is closed-form, so this is a 1-D problem in the shift
 Levenberg-Marquardt from shift 0 with ftol=1e-3; we run a safeguarded Newton iteration on the same objective
 from the same start, to convergence, plus a search of the basins just across the nearest poles (LM can step
 across one), so our objective value is at least as low.
-`fov_x` given: the focal is fixed and only the shift is solved.
+`fov_x` given: the focal is fixed and only the shift is solved. Known intrinsics (`recover_shift`): focal
+lengths and principal point are fixed; their projection onto the canvas view plane (`view_plane_camera`) turns
+the problem into the same shift-only solve (x scaled by fx, y by fy, uv moved by the principal point's offset).
 `recover_camera` runs the same algorithm in C++ (moge_host.cpp) when the native host library is in use; the
 numpy functions here are the reference (tests/test_native.py compares the two and both against upstream).
 """
@@ -37,6 +39,9 @@ __all__ = [
     "objective",
     "focal_from_fov_x",
     "recover_camera",
+    "recover_shift",
+    "view_plane_camera",
+    "fast_solve_shift",
     "native_solve",
 ]
 
@@ -288,3 +293,42 @@ def native_solve(uv: np.ndarray, xyz: np.ndarray, focal: Optional[float] = None)
         ctypes.addressof(out) + 8,
     )
     return float(out[0]), float(out[1])
+
+
+def view_plane_camera(intrinsics: np.ndarray, plan: CanvasPlan) -> tuple[float, float, float, float]:
+    """(fx, fy, ox, oy): normalised image intrinsics (3, 3) seen on the canvas view plane, where a camera point
+    (x, y, z) lands at (fx x / z + ox, fy y / z + oy) in the units of `view_plane_axes` (the canvas half diagonal).
+
+    The image's normalised coordinate u (0 at its left edge, 1 at its right) sits at canvas pixel x0 + u * content
+    width, so fx = content_w * fx_n / (D / 2) and ox = (x0 + content_w * cx_n - canvas_w / 2) / (D / 2); likewise
+    for y. For the intrinsics that `finish.camera_intrinsics` makes from a focal f, this gives (f, f, 0, 0)."""
+    cw, ch = plan.canvas_size
+    x0, y0, _, _ = plan.content_box
+    w, h = plan.content_size
+    half = math.hypot(cw, ch) / 2
+    fx, fy, cx, cy = (float(intrinsics[i, j]) for i, j in ((0, 0), (1, 1), (0, 2), (1, 2)))
+    return w * fx / half, h * fy / half, (x0 + w * cx - cw / 2) / half, (y0 + h * cy - ch / 2) / half
+
+
+def fast_solve_shift(uv: np.ndarray, xyz: np.ndarray, focal: float) -> float:
+    """`solve_shift`, by the native solver when the native host library is in use (the same algorithm)."""
+    if len(uv) < 2:
+        return 0.0
+    if native.library() is not None:
+        return native_solve(uv, xyz, focal)[1]
+    return solve_shift(uv, xyz, focal)
+
+
+def recover_shift(
+    points: torch.Tensor, mask: Optional[torch.Tensor], plan: CanvasPlan, intrinsics: np.ndarray
+) -> float:
+    """The z-shift for canvas-sized raw points (H, W, 3) when the image's normalised intrinsics (3, 3) are known.
+
+    On the same samples as `recover_camera`, it minimises sum ||(fx x / (z + s) + ox, fy y / (z + s) + oy) - uv||^2
+    over s (`view_plane_camera`), which is upstream's shift-only objective with focal 1 after x -> fx x,
+    y -> fy y, uv -> uv - (ox, oy)."""
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask > MASK_THRESHOLD
+    uv, xyz = solve_samples(points, mask, plan.content_box)
+    fx, fy, ox, oy = view_plane_camera(intrinsics, plan)
+    return fast_solve_shift(uv - (ox, oy), xyz * (fx, fy, 1.0), 1.0)

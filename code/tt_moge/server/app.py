@@ -1,4 +1,5 @@
-"""The HTTP server: POST /predict (npz) and /predict/summary (JSON) over one MoGeModel, plus health endpoints.
+"""The HTTP server: POST /predict (npz) and /predict/summary (JSON) over one MoGeModel, the same for clips
+(/predict/video, /predict/video/summary: `server/video.py`), plus health endpoints.
 
     app = create_app(MoGeModel.from_pretrained(...))            # a loaded model: ready at once
     app = create_app(lambda: MoGeModel.from_pretrained(...))    # loaded in the background: /ready says when
@@ -43,6 +44,7 @@ from .serving import (
 )
 from .settings import ServerSettings
 from .upload import IMAGE_MEDIA_TYPES, MULTIPART_FIELD
+from .video import VIDEO_MEDIA_TYPES, add_video_routes
 
 __all__ = [
     "create_app",
@@ -233,6 +235,8 @@ def create_app(
             raise
         return serving.answer_json(record, done.timing, done.ticket)
 
+    add_video_routes(app, serving, responses)
+
     @app.get("/health", response_model=Health, summary="Liveness: the process answers (200 even while loading)")
     async def health() -> dict:
         return {
@@ -281,6 +285,7 @@ def create_app(
             "send_timeout_s": settings.send_timeout_s,
             "memory_budget_bytes": settings.memory_budget_bytes,
             "shutdown_grace_s": settings.shutdown_grace_s,
+            "max_video_frames": settings.max_video_frames,
             "auth": settings.api_key is not None,
         }
         return {
@@ -289,6 +294,7 @@ def create_app(
                 "limits": limits,
                 "npz_deflate": DEFLATE_BACKEND,
                 "image_types": sorted(IMAGE_MEDIA_TYPES) + ["multipart/form-data"],
+                "video_types": list(VIDEO_MEDIA_TYPES),
             },
         }
 

@@ -47,6 +47,7 @@ __all__ = [
     "Serving",
     "Prediction",
     "call_options_query",
+    "options_query",
     "check_query",
     "summary_model",
     "CALL_OPTION_NAMES",
@@ -104,6 +105,8 @@ def timing_headers(timing_ms: dict) -> dict:
 def _query_parameter(info: OptionInfo) -> inspect.Parameter:
     """The query parameter of one call option: its type, limits and description from its definition."""
     spec, annotation = info.spec, info.type
+    if annotation not in (bool, int, float, str, Optional[int], Optional[float], Optional[str]):
+        annotation = Optional[str]  # a structured value (e.g. intrinsics) is sent as its command-line text
     limits: dict = {}
     if spec.choices is not None:
         values = tuple(c for c in spec.choices if c is not None)
@@ -116,15 +119,21 @@ def _query_parameter(info: OptionInfo) -> inspect.Parameter:
 
 def call_options_query() -> Callable[..., CallOptions]:
     """A FastAPI dependency with one query parameter per field of `host.CallOptions` -> the CallOptions."""
+    return options_query(CallOptions)
 
-    def options(**values: Any) -> CallOptions:
+
+def options_query(record: type) -> Callable[..., Any]:
+    """A FastAPI dependency with one query parameter per option of `record` (a dataclass of `tt_moge.fields`
+    options with a `make` classmethod: CallOptions, video.VideoOptions) -> the record; 422 for a bad value."""
+
+    def options(**values: Any) -> Any:
         try:
-            return CallOptions.make(**values)
+            return record.make(**values)
         except InputError as exc:
             raise ApiError(422, "invalid_option", str(exc)) from None
 
     options.__signature__ = inspect.Signature(
-        [_query_parameter(i) for i in options_of(CallOptions)], return_annotation=CallOptions
+        [_query_parameter(i) for i in options_of(record)], return_annotation=record
     )
     return options
 

@@ -7,7 +7,15 @@ from typing import Optional
 
 from .. import env
 
-__all__ = ["ServerSettings", "API_KEY_ENV", "DEFAULT_HOST", "DEFAULT_PORT", "BYTES_PER_PIXEL"]
+__all__ = [
+    "ServerSettings",
+    "API_KEY_ENV",
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "BYTES_PER_PIXEL",
+    "CLIP_BYTES_PER_PIXEL",
+    "CLIP_FRAMES_IN_FLIGHT",
+]
 
 API_KEY_ENV = "MOGE_API_KEY"  # the bearer token clients must send, when set
 DEFAULT_HOST = "127.0.0.1"  # loopback only unless asked otherwise
@@ -17,6 +25,11 @@ DEFAULT_PORT = 8000
 # mask) and their deflated copy when the answer is compressed. A rounded-up bound of what was measured
 # (docs/performance.md, "Server memory per request"); the memory budget counts every admitted request at this rate.
 BYTES_PER_PIXEL = 64
+# A clip (POST /predict/video): every frame's answer is kept until the end, its depth (float32) and mask (uint8);
+# besides, the calibration frames and at most CLIP_FRAMES_IN_FLIGHT more are being worked on at once, each at
+# BYTES_PER_PIXEL (the reader's decoded frames, the model's chunks, the frame being registered).
+CLIP_BYTES_PER_PIXEL = 5
+CLIP_FRAMES_IN_FLIGHT = 16
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,9 @@ class ServerSettings:
       server cuts them and exits.
     retry_after_s: the Retry-After of a 503.
     api_key: when set, /predict, /predict/summary and /info need `Authorization: Bearer <api_key>`.
+    max_video_frames: the most frames (after the request's stride and max_frames) a clip sent to /predict/video
+      may have (413); its frames count against max_pixels each, and its cost (`clip_cost`) against the memory
+      budget (413 when it could never fit, else 503 while it does not fit now).
     """
 
     max_body_bytes: int = 64 * 1024 * 1024
@@ -57,6 +73,7 @@ class ServerSettings:
     shutdown_grace_s: float = 30.0
     retry_after_s: int = 1
     api_key: Optional[str] = None
+    max_video_frames: int = 300
 
     def __post_init__(self) -> None:
         for name in (
@@ -67,6 +84,7 @@ class ServerSettings:
             "max_connections",
             "retry_after_s",
             "memory_budget_bytes",
+            "max_video_frames",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -91,6 +109,14 @@ class ServerSettings:
         """The bytes an admitted request is counted for until its answer is being sent: BYTES_PER_PIXEL per
         pixel of its image, plus the encoded image it was sent."""
         return BYTES_PER_PIXEL * pixels + body_bytes
+
+    @staticmethod
+    def clip_cost(frames: int, pixels: int, body_bytes: int, calibration_frames: int) -> int:
+        """The bytes an admitted clip is counted for: CLIP_BYTES_PER_PIXEL per pixel of each of its frames (the
+        answer), BYTES_PER_PIXEL per pixel of its calibration frames and CLIP_FRAMES_IN_FLIGHT more (the work),
+        and the body."""
+        working = min(calibration_frames, frames) + CLIP_FRAMES_IN_FLIGHT
+        return pixels * (CLIP_BYTES_PER_PIXEL * frames + BYTES_PER_PIXEL * working) + body_bytes
 
     @staticmethod
     def api_key_from_env() -> Optional[str]:

@@ -11,6 +11,10 @@ Routes (none is in the OpenAPI schema: the API is /predict and /predict/summary)
     GET  /ui/demo.png               the demo image: the pixels of media/source.png (tt_moge.testing.scene)
     POST /ui/api/predict            the image and the call options, as for POST /predict/summary -> JSON: the
                                     same summary, plus the URLs of the maps, the 3D view and the downloads
+    POST /ui/api/predict_video      a short clip and the call and clip options, as for /predict/video/summary
+                                    -> JSON: that summary, plus the URLs of its scene view and files
+    GET  /ui/clips/<id>/<file>      a clip's view.glb (the fused cloud thinned, the camera path) and its files
+                                    (clip.npz, poses.json, trajectory.txt, scene.ply, scene.glb), made with it
     GET  /ui/results/<id>/<file>    depth.jpg, normal.jpg, mask.png, view.glb (made with the result), and the
                                     downloads result.npz, mesh.glb, points.ply, depth.exr (made on first request)
 
@@ -57,10 +61,12 @@ from ..fields import options_of
 from ..host import CallOptions
 from ..host.decode import decode_bytes
 from ..output import MoGeOutput
+from ..video import VideoOptions
 from .app import MoGeApp, Summary
 from .errors import ApiError
 from .serving import CALL_OPTION_NAMES, NPZ_MEDIA_TYPE, Serving, call_options_query, check_query, client_is_loopback
 from .upload import ImageUpload
+from .video import add_video_page
 
 __all__ = [
     "mount_ui",
@@ -445,10 +451,11 @@ def _demo_png() -> bytes:
     return _encode(render(1920, 1080).image, ".png")
 
 
-def _option_controls() -> list:
-    """The page's option controls, one per call option (`host.CallOptions`): what app.js builds its form from."""
+def _option_controls(record: type = CallOptions) -> list:
+    """The page's option controls, one per option of `record` (the call options, `host.CallOptions`; the clip
+    options, `video.VideoOptions`): what app.js builds its form from."""
     controls = []
-    for info in options_of(CallOptions):
+    for info in options_of(record):
         spec = info.spec
         kind = (
             "bool"
@@ -481,6 +488,7 @@ def mount_ui(app: MoGeApp, store: Optional[ResultStore] = None) -> ResultStore:
     page = (_STATIC / "index.html").read_text()
     static = {name: (_STATIC / name).read_bytes() for name in _STATIC_FILES}
     controls = _option_controls()
+    video_controls = _option_controls(VideoOptions)
     demo: dict = {}
     demo_lock = threading.Lock()
 
@@ -512,7 +520,12 @@ def mount_ui(app: MoGeApp, store: Optional[ResultStore] = None) -> ResultStore:
 
     @router.get("/ui/api/config")
     async def config() -> dict:  # no key needed: it says whether the page must ask for one, and what it can send
-        return {"auth": settings.api_key is not None, "version": __version__, "options": controls}
+        return {
+            "auth": settings.api_key is not None,
+            "version": __version__,
+            "options": controls,
+            "video_options": video_controls,
+        }
 
     @router.get("/ui/demo.png")
     async def demo_image() -> Response:
@@ -572,5 +585,6 @@ def mount_ui(app: MoGeApp, store: Optional[ResultStore] = None) -> ResultStore:
             if held:
                 store.release(entry)
 
+    add_video_page(router, serving, store)
     app.include_router(router)
     return store

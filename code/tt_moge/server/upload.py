@@ -18,7 +18,7 @@ from ..constants import MIN_IMAGE_SIDE
 from .errors import ApiError
 from .settings import ServerSettings
 
-__all__ = ["IMAGE_MEDIA_TYPES", "MULTIPART_FIELD", "ImageUpload", "receive_image"]
+__all__ = ["IMAGE_MEDIA_TYPES", "MULTIPART_FIELD", "ImageUpload", "receive_image", "read_body", "media_type"]
 
 # Content-Type of a raw body -> the image format its bytes must have. image/jpg is a common misspelling.
 IMAGE_MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG"}
@@ -56,7 +56,8 @@ def check_media_type(request: Request) -> str:
     return kind
 
 
-async def _read_body(request: Request, settings: ServerSettings, reserve: Callable[[int], None]) -> bytes:
+async def read_body(request: Request, settings: ServerSettings, reserve: Callable[[int], None]) -> bytes:
+    """The whole body, within max_body_bytes (413) and read_timeout_s (408), each chunk reserved as it arrives."""
     limit = settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None:
@@ -165,7 +166,7 @@ async def receive_image(request: Request, settings: ServerSettings, reserve: Cal
     loop = asyncio.get_running_loop()
     start = loop.time()
     kind = check_media_type(request)
-    body = await _read_body(request, settings, reserve)
+    body = await read_body(request, settings, reserve)
     if kind == MULTIPART:
         reserve(len(body))  # the file's bytes, copied out of the form
         data = await _multipart_file(request, body)

@@ -1,7 +1,9 @@
 // The page of `tt-moge serve` (tt_moge/server/ui.py): pick or drop a photo, POST it to /ui/api/predict (the
 // same auth, limits and admission as POST /predict), then show the maps, the numbers and the 3D view, and
-// fetch the downloads on request. Errors are the API's JSON {code, detail}, shown as they come.
-import { MeshViewer, parseGLB } from "./viewer.js";
+// fetch the downloads on request. A short video clip goes to /ui/api/predict_video (as POST /predict/video,
+// tt_moge/server/video.py): the numbers, the fused scene with the camera path, the clip's files.
+// Errors are the API's JSON {code, detail}, shown as they come.
+import { MeshViewer, parseGLB, parseSceneGLB } from "./viewer.js";
 
 const $ = (id) => document.getElementById(id);
 const state = { file: null, config: null, viewer: null, result: null, busy: false };
@@ -44,13 +46,19 @@ function authHeaders() {
 }
 
 // ------------------------------------------------------------------------------------------------ input
+const VIDEO_NAME = /\.(mp4|mov|mkv|webm|avi|m4v|mpe?g)$/i;
+function isVideo(file) { return (file.type || "").startsWith("video/") || VIDEO_NAME.test(file.name || ""); }
+
 function choose(file) {
   if (!file) return;
   state.file = file;
   const preview = $("preview");
   if (preview.src.startsWith("blob:")) URL.revokeObjectURL(preview.src);
-  preview.src = URL.createObjectURL(file);
-  preview.hidden = false;
+  const video = isVideo(file);
+  document.body.dataset.kind = video ? "video" : "photo";
+  $("video-options").hidden = !video;
+  if (video) { preview.removeAttribute("src"); preview.hidden = true; }
+  else { preview.src = URL.createObjectURL(file); preview.hidden = false; }
   $("drop-text").textContent = `${file.name} (${(file.size / 1024).toFixed(0)} KiB): drop or click for another`;
   $("run").disabled = false;
   run();
@@ -85,7 +93,8 @@ function post(url, file, onUploaded) {  // XMLHttpRequest: it reports upload pro
     xhr.open("POST", url);
     // The file's own type (from its name when the system gave none); the server answers an unsupported
     // one with its 415 message.
-    const byName = /\.png$/i.test(file.name) ? "image/png" : /\.jpe?g$/i.test(file.name) ? "image/jpeg" : "application/octet-stream";
+    const byName = /\.png$/i.test(file.name) ? "image/png" : /\.jpe?g$/i.test(file.name) ? "image/jpeg"
+      : VIDEO_NAME.test(file.name) ? "video/mp4" : "application/octet-stream";
     xhr.setRequestHeader("Content-Type", file.type || byName);
     for (const [k, v] of Object.entries(authHeaders())) xhr.setRequestHeader(k, v);
     xhr.upload.onprogress = (e) => {
@@ -118,8 +127,10 @@ async function run() {
   }, 1000);
   progress(stage);
   try {
-    const query = optionQuery();
-    const r = await post(`/ui/api/predict?${query}`, state.file, () => { stage = "running the model…"; });
+    const video = isVideo(state.file);
+    const query = optionQuery(video);
+    const route = video ? "/ui/api/predict_video" : "/ui/api/predict";
+    const r = await post(`${route}?${query}`, state.file, () => { stage = video ? "running the clip…" : "running the model…"; });
     marks.response = performance.now();
     if (r.status !== 200) {
       const d = await describe(r.status, r.text);
@@ -131,6 +142,15 @@ async function run() {
     const result = JSON.parse(r.text);
     state.result = result;
     marks.server = { timing_ms: result.summary.timing_ms, page_ms: result.page_ms, view: result.view };
+    if (video) {
+      showClipNumbers(result);
+      showDownloads(result);
+      stage = "loading the 3D scene…";
+      await showScene(result, marks);
+      marks.done = performance.now();
+      setState("done");
+      return;
+    }
     showMaps(result);
     showNumbers(result);
     showDownloads(result);
@@ -164,6 +184,49 @@ function clearResult() {
   $("view-message").textContent = "The 3D scene appears here";
   delete document.body.dataset.errorCode;
   if (state.viewer) state.viewer.clear();
+}
+
+function showClipNumbers(result) {
+  const s = result.summary, body = $("numbers-table").tBodies[0];
+  body.replaceChildren();
+  for (const id of ["depth", "normal", "mask"]) $(id).closest("figure").hidden = true;
+  const t = s.timing_ms || {};
+  const rows = [
+    ["size", "Frames", `${s.frames} of ${s.width} × ${s.height} px${s.fps ? ` at ${s.fps.toFixed(2)} fps` : ""}`, [s.width, s.height]],
+    ["registered", "Registered", `${s.registered} of ${s.frames}${s.failed.length ? " (the others are flagged)" : ""}`, s.registered],
+    ["fov_x_deg", "Horizontal field of view (the clip's)", fmt(1, "°")(s.fov_x_deg), s.fov_x_deg],
+    ["path_length_m", "Camera path", fmt(2, " m")(s.path_length_m), s.path_length_m],
+    ["scale", "Metric scale (median, min – max)", s.scale.median === null ? "n/a" : `${s.scale.median.toFixed(3)} (${s.scale.min.toFixed(3)} – ${s.scale.max.toFixed(3)})`, s.scale],
+    ["cloud_points", "Fused cloud", `${s.cloud_points.toLocaleString()} points (voxel ${fmt(3, " m")(s.voxel_size_m)})`, s.cloud_points],
+    ["timing", "Server time", t.total ? `${(t.total / 1000).toFixed(2)} s` : "n/a", t],
+  ];
+  for (const [key, label, text, value] of rows) {
+    const row = body.insertRow();
+    row.dataset.key = key;
+    row.dataset.value = JSON.stringify(value);
+    row.insertCell().textContent = label;
+    row.insertCell().textContent = text;
+  }
+  $("summary-json").textContent = JSON.stringify(s, null, 2);
+  $("numbers").hidden = false;
+}
+
+async function showScene(result, marks) {
+  const message = $("view-message");
+  if (!state.viewer) {
+    try { state.viewer = new MeshViewer($("view")); } catch (err) { message.textContent = String(err.message); return; }
+  }
+  const r = await fetch(result.view.url);
+  if (!r.ok) { const d = await describe(r.status, await r.text()); message.textContent = `${d.title} ${d.detail}`; return; }
+  const glb = await r.arrayBuffer();
+  marks.viewBytes = glb.byteLength;
+  const s = result.summary;
+  const fovY = 2 * Math.atan(s.height / 2 / s.intrinsics_pixels[1][1]) * 180 / Math.PI;
+  state.viewer.loadScene(parseSceneGLB(glb), { fovYDeg: fovY, distance: result.view.distance });
+  await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));  // drawn
+  marks.view = performance.now();
+  message.hidden = true;
+  $("view-info").textContent = `· ${result.view.points.toLocaleString()} points, ${result.view.cameras} cameras (red: the path and frusta), ${(glb.byteLength / 1048576).toFixed(1)} MB`;
 }
 
 function showMaps(result) {
@@ -214,6 +277,11 @@ function showNumbers(result) {
 
 // ---------------------------------------------------------------------------------------------- downloads
 const DOWNLOAD_LABELS = {
+  "clip.npz": ["npz", "every array of the clip (the POST /predict/video layout)"],
+  "poses.json": ["poses", "per frame: pose, scales, intrinsics, registration"],
+  "trajectory.txt": ["TUM", "the registered frames' poses, TUM format"],
+  "scene.ply": ["PLY", "the fused cloud and the camera path"],
+  "scene.glb": ["GLB", "the fused cloud, the camera path and frusta"],
   "result.npz": ["npz", "every array (the POST /predict layout)"],
   "mesh.glb": ["GLB", "textured mesh, full resolution"],
   "points.ply": ["PLY", "coloured point cloud with normals"],
@@ -223,7 +291,7 @@ const DOWNLOAD_LABELS = {
 
 function downloadName(name) {
   const stem = (state.file && state.file.name ? state.file.name.replace(/\.[^.]*$/, "") : "moge") || "moge";
-  return name === "result.npz" ? `${stem}.npz` : `${stem}_${name}`;
+  return name === "result.npz" || name === "clip.npz" ? `${stem}.npz` : `${stem}_${name}`;
 }
 
 function showDownloads(result) {
@@ -311,8 +379,7 @@ async function watchServer() {
 
 // One control per call option of the server (GET /ui/api/config: name, kind, default, help, choices, bounds),
 // with the option's name as its id; optionQuery() sends what they show.
-function buildOptions(options) {
-  const box = $("options");
+function buildOptions(options, box = $("options")) {
   for (const o of options) {
     const label = document.createElement("label");
     let input;
@@ -341,9 +408,10 @@ function buildOptions(options) {
   }
 }
 
-function optionQuery() {
+function optionQuery(video) {
   const query = new URLSearchParams();
-  for (const o of (state.config && state.config.options) || []) {
+  const config = state.config || {};
+  for (const o of [...(config.options || []), ...(video ? config.video_options || [] : [])]) {
     const input = $(o.name);
     if (o.kind === "bool") query.set(o.name, input.checked ? "true" : "false");
     else if (input.value.trim() !== "") query.set(o.name, input.value.trim());
@@ -357,6 +425,7 @@ async function start() {
     state.config = await (await fetch("/ui/api/config")).json();
     if (state.config.auth) $("key-row").hidden = false;
     buildOptions(state.config.options || []);
+    buildOptions(state.config.video_options || [], $("video-options"));
   } catch { /* the page still works with the server's defaults; a 401 shows the key field */ }
   try { state.viewer = new MeshViewer($("view")); } catch (err) { $("view-message").textContent = String(err.message); }
   watchServer();

@@ -1,4 +1,5 @@
-// The page's 3D view: a textured triangle mesh from a GLB file, drawn with WebGL 2, orbit / pan / zoom.
+// The page's 3D view: a textured triangle mesh from a GLB file, drawn with WebGL 2, orbit / pan / zoom; or,
+// for a clip, its fused point cloud and camera path (parseSceneGLB: POINTS and LINES with vertex colours).
 // Reads the GLB the server writes for the view (tt_moge.server.ui.view_mesh): one mesh, one primitive with
 // POSITION, TEXCOORD_0 and uint32 indices, a base colour texture (JPEG or PNG) embedded in the binary chunk.
 // Drawn unlit: the texture is the photo, so the first frame, from the camera's own position and field of
@@ -43,6 +44,40 @@ export function parseGLB(buffer) {
   return mesh;
 }
 
+// A clip's scene GLB (tt_moge.video.files.scene_glb_bytes, as trimesh writes it): every primitive with its mode
+// (0 POINTS: the fused cloud; 1 LINES: the camera path and frusta), POSITION (float VEC3) and COLOR_0 (uint8
+// normalised VEC4). Node transforms are the identity there.
+export function parseSceneGLB(buffer) {
+  const view = new DataView(buffer);
+  if (buffer.byteLength < 20 || view.getUint32(0, true) !== GLB_MAGIC) throw new Error("not a GLB file");
+  let offset = 12, json = null, bin = null;
+  while (offset + 8 <= buffer.byteLength) {
+    const length = view.getUint32(offset, true), type = view.getUint32(offset + 4, true);
+    const body = buffer.slice(offset + 8, offset + 8 + length);
+    if (type === CHUNK_JSON) json = JSON.parse(new TextDecoder().decode(body));
+    else if (type === CHUNK_BIN) bin = body;
+    offset += 8 + length;
+  }
+  if (!json || !bin) throw new Error("GLB without its JSON or binary chunk");
+  const accessor = (index) => {
+    const a = json.accessors[index], bv = json.bufferViews[a.bufferView];
+    const start = (bv.byteOffset || 0) + (a.byteOffset || 0);
+    return { data: new ARRAYS[a.componentType](bin, start, a.count * COMPONENTS[a.type]), min: a.min, max: a.max, count: a.count };
+  };
+  const parts = [], lo = [Infinity, Infinity, Infinity], hi = [-Infinity, -Infinity, -Infinity];
+  for (const mesh of json.meshes || []) {
+    for (const primitive of mesh.primitives) {
+      const position = accessor(primitive.attributes.POSITION);
+      const color = primitive.attributes.COLOR_0 === undefined ? null : accessor(primitive.attributes.COLOR_0);
+      const mode = primitive.mode === undefined ? 4 : primitive.mode;
+      if (mode !== 0 && mode !== 1) continue;
+      parts.push({ mode, position, color });
+      if (mode === 0) for (let i = 0; i < 3; i++) { lo[i] = Math.min(lo[i], position.min[i]); hi[i] = Math.max(hi[i], position.max[i]); }
+    }
+  }
+  return { parts, min: lo, max: hi };
+}
+
 // ---------------------------------------------------------------------------------------- 4x4 matrices
 function perspective(fovY, aspect, near, far) {
   const f = 1 / Math.tan(fovY / 2), nf = 1 / (near - far);
@@ -73,6 +108,13 @@ const FRAGMENT_SHADER = `#version 300 es
 precision mediump float; in vec2 v_uv; uniform sampler2D tex; out vec4 color;
 void main() { color = vec4(texture(tex, v_uv).rgb, 1.0); }`;
 
+const POINT_VERTEX_SHADER = `#version 300 es
+in vec3 position; in vec4 color; uniform mat4 mvp; uniform float size; out vec4 v_color;
+void main() { v_color = color; gl_Position = mvp * vec4(position, 1.0); gl_PointSize = size; }`;
+const POINT_FRAGMENT_SHADER = `#version 300 es
+precision mediump float; in vec4 v_color; out vec4 color;
+void main() { color = vec4(v_color.rgb, 1.0); }`;
+
 export class MeshViewer {
   constructor(canvas) {
     this.canvas = canvas;
@@ -80,7 +122,9 @@ export class MeshViewer {
     if (!gl) throw new Error("this browser has no WebGL 2: the 3D view cannot be shown (the maps and downloads still work)");
     this.gl = gl;
     this.program = this.#program(VERTEX_SHADER, FRAGMENT_SHADER);
+    this.pointProgram = this.#program(POINT_VERTEX_SHADER, POINT_FRAGMENT_SHADER);
     this.mesh = null;
+    this.scene = null;
     this.frames = 0;
     this.#bindInput();
     new ResizeObserver(() => this.draw()).observe(canvas);
@@ -147,6 +191,46 @@ export class MeshViewer {
     this.reset();
   }
 
+  // Show a clip's scene (parseSceneGLB): the cloud as points, the path and frusta as lines. camera: as for
+  // load (the first frame's field of view and median depth): the first view is from the first camera.
+  loadScene(scene, camera) {
+    const gl = this.gl;
+    this.clear();
+    const parts = [];
+    for (const part of scene.parts) {
+      const vao = gl.createVertexArray();
+      gl.bindVertexArray(vao);
+      const buffers = [];
+      const position = gl.createBuffer();
+      gl.bindBuffer(gl.ARRAY_BUFFER, position);
+      gl.bufferData(gl.ARRAY_BUFFER, part.position.data, gl.STATIC_DRAW);
+      let location = gl.getAttribLocation(this.pointProgram, "position");
+      gl.enableVertexAttribArray(location);
+      gl.vertexAttribPointer(location, 3, gl.FLOAT, false, 0, 0);
+      buffers.push(position);
+      location = gl.getAttribLocation(this.pointProgram, "color");
+      if (part.color) {
+        const color = gl.createBuffer();
+        gl.bindBuffer(gl.ARRAY_BUFFER, color);
+        gl.bufferData(gl.ARRAY_BUFFER, part.color.data, gl.STATIC_DRAW);
+        gl.enableVertexAttribArray(location);
+        gl.vertexAttribPointer(location, 4, gl.UNSIGNED_BYTE, true, 0, 0);
+        buffers.push(color);
+      } else {
+        gl.vertexAttrib4f(location, 0.6, 0.6, 0.6, 1);
+      }
+      gl.bindVertexArray(null);
+      parts.push({ vao, buffers, mode: part.mode === 0 ? gl.POINTS : gl.LINES, count: part.position.count });
+    }
+    const lo = scene.min, hi = scene.max;
+    const extent = isFinite(lo[0]) ? Math.hypot(hi[0] - lo[0], hi[1] - lo[1], hi[2] - lo[2]) || 1 : 1;
+    const distance = camera.distance > 0 && isFinite(camera.distance) ? camera.distance : Math.max(extent / 2, 1e-3);
+    this.scene = { parts, extent };
+    this.home = { fovY: (camera.fovYDeg > 0 ? camera.fovYDeg : 50) * Math.PI / 180, distance,
+                  target: [0, 0, -distance], yaw: 0, pitch: 0 };
+    this.reset();
+  }
+
   clear() {
     const gl = this.gl;
     if (this.mesh) {
@@ -154,7 +238,14 @@ export class MeshViewer {
       this.mesh.buffers.forEach((b) => gl.deleteBuffer(b));
       gl.deleteTexture(this.mesh.texture);
     }
+    if (this.scene) {
+      for (const part of this.scene.parts) {
+        gl.deleteVertexArray(part.vao);
+        part.buffers.forEach((b) => gl.deleteBuffer(b));
+      }
+    }
     this.mesh = null;
+    this.scene = null;
     this.draw();
   }
 
@@ -176,14 +267,28 @@ export class MeshViewer {
     gl.viewport(0, 0, width, height);
     gl.clearColor(0.94, 0.94, 0.95, 1);
     gl.clear(gl.COLOR_BUFFER_BIT | gl.DEPTH_BUFFER_BIT);
-    if (!this.mesh) return;
+    const shown = this.mesh || this.scene;
+    if (!shown) return;
     const o = this.orbit, cp = Math.cos(o.pitch);
     const eye = [o.target[0] + o.distance * Math.sin(o.yaw) * cp, o.target[1] + o.distance * Math.sin(o.pitch),
                  o.target[2] + o.distance * Math.cos(o.yaw) * cp];
-    const near = Math.max(o.distance * 0.01, 1e-4), far = (o.distance + this.mesh.extent) * 4;
+    const near = Math.max(o.distance * 0.01, 1e-4), far = (o.distance + shown.extent) * 4;
     const mvp = multiply(perspective(this.home.fovY, width / height, near, far), lookAt(eye, o.target, [0, 1, 0]));
     gl.enable(gl.DEPTH_TEST);
     gl.disable(gl.CULL_FACE);
+    if (this.scene) {
+      gl.useProgram(this.pointProgram);
+      gl.uniformMatrix4fv(gl.getUniformLocation(this.pointProgram, "mvp"), false, new Float32Array(mvp));
+      gl.uniform1f(gl.getUniformLocation(this.pointProgram, "size"), Math.max(1, Math.round(2 * ratio)));
+      for (const part of this.scene.parts) {
+        gl.bindVertexArray(part.vao);
+        gl.drawArrays(part.mode, 0, part.count);
+      }
+      gl.bindVertexArray(null);
+      this.frames += 1;
+      this.canvas.dataset.frames = String(this.frames);
+      return;
+    }
     gl.useProgram(this.program);
     gl.uniformMatrix4fv(gl.getUniformLocation(this.program, "mvp"), false, new Float32Array(mvp));
     gl.activeTexture(gl.TEXTURE0);
@@ -218,7 +323,7 @@ export class MeshViewer {
     });
     canvas.addEventListener("pointermove", (e) => {
       const p = pointers.get(e.pointerId);
-      if (!p || !this.mesh) return;
+      if (!p || !(this.mesh || this.scene)) return;
       const dx = e.clientX - p.x, dy = e.clientY - p.y;
       p.x = e.clientX; p.y = e.clientY;
       if (pointers.size === 2) {
@@ -237,7 +342,7 @@ export class MeshViewer {
     canvas.addEventListener("pointerup", up);
     canvas.addEventListener("pointercancel", up);
     canvas.addEventListener("wheel", (e) => {
-      if (!this.mesh) return;
+      if (!(this.mesh || this.scene)) return;
       e.preventDefault();
       this.#zoom(Math.exp(e.deltaY * 0.001));
       this.draw();

@@ -1,0 +1,336 @@
+"""The video path against exact truth: a camera walking through the analytic scene (`testing.scene.camera_path`,
+`render_path`: exact depth, intrinsics and camera-to-world poses per frame) and a stand-in model
+(`testing.video.VideoOracle`) whose per-frame metric scale is off by up to +-15 %, its focal by up to +-10 %,
+with pixel noise, holes and an arbitrary shift per frame. The pipeline (calibration, registration, fusion)
+must bring them back to one camera and one scale: focal within 1 %, the spread of depth / truth over the frames
+within 1 %, the trajectory within 1 % of its length (ATE after a similarity alignment) and 0.5 degrees.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import weakref
+
+import numpy as np
+import pytest
+
+from tt_moge.testing.scene import camera_path, intrinsics_for, render_path
+from tt_moge.testing.video import VideoOracle, symmetric_errors
+from tt_moge.video import iter_video, predict_video
+from tt_moge.video.registration import umeyama
+
+FRAMES, SIZE = 24, (320, 240)
+SCALE_ERROR, FOCAL_ERROR = 0.15, 0.10
+
+
+@pytest.fixture(scope="module")
+def walk():
+    poses = camera_path(FRAMES)
+    return poses, render_path(poses, *SIZE)
+
+
+def oracle(renders, **overrides):
+    n = len(renders)
+    errors = dict(
+        scale_errors=symmetric_errors(n, SCALE_ERROR, 1),
+        focal_errors=symmetric_errors(n, FOCAL_ERROR, 2),
+        shifts=np.linspace(-0.3, 0.3, n),
+        noise=0.005,
+        holes=0.05,
+    )
+    return VideoOracle(renders, **{**errors, **overrides})
+
+
+def scale_spread(frames, renders) -> np.ndarray:
+    """Per frame: the median of depth / true depth over the pixels valid in both."""
+    ratios = []
+    for out, truth in zip(frames, renders):
+        both = out.mask & truth.mask & np.isfinite(out.depth)
+        ratios.append(np.median(out.depth[both] / truth.depth[both]))
+    return np.array(ratios)
+
+
+def trajectory_errors(poses, truth) -> tuple:
+    """(ATE / path length, worst rotation error in degrees) after a similarity alignment of the positions."""
+    s, r, t = umeyama(poses[:, :3, 3], truth[:, :3, 3])
+    aligned = (s * (r @ poses[:, :3, 3].T)).T + t
+    ate = math.sqrt(np.mean(np.sum((aligned - truth[:, :3, 3]) ** 2, axis=1)))
+    length = np.linalg.norm(np.diff(truth[:, :3, 3], axis=0), axis=1).sum()
+    angles = [
+        math.degrees(math.acos(np.clip((np.trace(b[:3, :3].T @ a[:3, :3]) - 1) / 2, -1, 1)))
+        for a, b in zip(poses, truth)
+    ]
+    return ate / length, max(angles)
+
+
+def test_one_camera_one_scale_and_the_true_trajectory(walk):
+    """The issue's bounds, from per-frame errors that are really there (checked first, so the test is not
+    trivially met): focal within 1 %, scale spread within 1 %, ATE within 1 % of the path, rotation 0.5 deg."""
+    poses, renders = walk
+    model = oracle(renders)
+    truth_k = renders[0].intrinsics
+
+    alone = model.predict_many([r.image for r in renders])  # what per-frame MoGe gives
+    own_focal = np.array([o.intrinsics_pixels[0, 0] for o in alone]) / truth_k[0, 0]
+    assert own_focal.min() < 0.91 and own_focal.max() > 1.09
+    alone_ratio = scale_spread(alone, renders)
+    assert alone_ratio.std() / alone_ratio.mean() > 0.05
+
+    clip = predict_video(model, [r.image for r in renders], calibration_frames=FRAMES)
+    assert len(clip) == FRAMES and clip.registered.all(), clip.failures
+    assert clip.intrinsics_pixels[0, 0] / truth_k[0, 0] == pytest.approx(1.0, abs=0.01)
+    assert clip.intrinsics_pixels[1, 1] / truth_k[1, 1] == pytest.approx(1.0, abs=0.01)
+    assert all(np.array_equal(f.intrinsics, clip.intrinsics) for f in clip.frames)  # one camera
+    ratio = scale_spread(clip.frames, renders)
+    assert ratio.std() / ratio.mean() <= 0.01, ratio
+    assert np.allclose(clip.poses[0], np.eye(4))
+    ate, rotation = trajectory_errors(clip.poses, poses)
+    assert ate <= 0.01 and rotation <= 0.5, (ate, rotation)
+    # the applied scale is the model's corrected: scale / model_scale undoes each frame's metric error
+    np.testing.assert_allclose(clip.scale, [f.metric_scale for f in clip.frames])
+    assert np.ptp(clip.scale / clip.model_scale) > 0.2
+    for out in clip.frames:
+        assert 0.3 < out.valid_fraction < 0.95 and np.isfinite(out.depth[out.mask]).all()
+
+
+def test_given_intrinsics_come_out_exactly_and_the_bounds_hold(walk):
+    """With the camera's intrinsics given (pixels), every frame's intrinsics are exactly those, the model is
+    asked with them (shift-only solves) and the scale and trajectory bounds hold."""
+    poses, renders = walk
+    model = oracle(renders)
+    k = renders[0].intrinsics
+    clip = predict_video(model, [r.image for r in renders], intrinsics=k)
+    assert np.array_equal(clip.intrinsics_pixels, k.astype(np.float32))
+    assert all(np.array_equal(f.intrinsics_pixels, k.astype(np.float32)) for f in clip.frames)
+    assert all(call.intrinsics is not None for _, call in model.calls)
+    ratio = scale_spread(clip.frames, renders)
+    assert ratio.std() / ratio.mean() <= 0.01
+    ate, rotation = trajectory_errors(clip.poses, poses)
+    assert ate <= 0.01 and rotation <= 0.5
+    assert clip.calibrations[0]["intrinsics"] == "given"
+
+
+def test_the_bounds_are_sharp(walk):
+    """Each bound fails when its part of the pipeline is left out: the model's own per-frame metric scales
+    (no registration chain), the model's per-frame focals, and poses from the frames' true motion scaled by
+    the per-frame scale errors."""
+    poses, renders = walk
+    model = oracle(renders)
+    clip = predict_video(model, [r.image for r in renders], calibration_frames=FRAMES)
+    unchained = [
+        np.where(f.mask, f.depth * (m / s), np.inf) for f, m, s in zip(clip.frames, clip.model_scale, clip.scale)
+    ]
+    ratios = [
+        np.median(d[r.mask & np.isfinite(d)] / r.depth[r.mask & np.isfinite(d)]) for d, r in zip(unchained, renders)
+    ]
+    assert np.std(ratios) / np.mean(ratios) > 0.05
+    fov = np.array(clip.calibrations[0]["frame_fov_x_deg"])
+    truth = math.degrees(2 * math.atan(SIZE[0] / 2 / renders[0].intrinsics[0, 0]))
+    assert np.abs(fov - truth).max() > 3.0  # per-frame fields of view several degrees off
+    wrong = clip.poses.copy()
+    wrong[:, :3, 3] *= (clip.model_scale / clip.scale)[:, None]
+    assert trajectory_errors(wrong, poses)[0] > 0.01
+
+
+def test_streaming_keeps_no_frame(walk):
+    """iter_video yields the frames in order and does not hold them: a frame's maps are freed once the caller
+    drops it; the result has the trajectory and the cloud but no frames."""
+    _, renders = walk
+    model = oracle(renders[:8])
+    stream = iter_video(model, [r.image for r in renders[:8]], calibration_frames=4)
+    seen, refs = [], []
+    for frame in stream:
+        seen.append(frame.index)
+        refs.append(weakref.ref(frame.output.depth))
+        del frame
+    assert seen == list(range(8))
+    assert sum(r() is not None for r in refs[:-2]) == 0  # only what is still in flight may be alive
+    result = stream.result
+    assert result.frames is None and len(result) == 8 and len(result.cloud_points) > 1000
+
+
+def test_fused_cloud_lies_on_the_scene(walk):
+    """The fused cloud, seen from the first camera, lies on the first frame's true surfaces (the clip's scale
+    aligned by its median first-frame depth ratio)."""
+    _, renders = walk
+    clip = predict_video(oracle(renders[:12]), [r.image for r in renders[:12]], calibration_frames=12)
+    first = renders[0]
+    level = np.median(
+        clip.frames[0].depth[first.mask & clip.frames[0].mask] / first.depth[first.mask & clip.frames[0].mask]
+    )
+    points = clip.cloud_points / level
+    k = first.intrinsics
+    ahead = points[:, 2] > 0.5
+    u = np.floor(points[ahead, 0] / points[ahead, 2] * k[0, 0] + k[0, 2]).astype(int)
+    v = np.floor(points[ahead, 1] / points[ahead, 2] * k[1, 1] + k[1, 2]).astype(int)
+    inside = (u >= 0) & (u < SIZE[0]) & (v >= 0) & (v < SIZE[1])
+    z = points[ahead, 2][inside]
+    truth = first.depth[v[inside], u[inside]]
+    seen = np.isfinite(truth) & (z <= truth * 1.02)  # occluded points are behind the first frame's surface
+    assert seen.sum() > 2000
+    assert np.median(np.abs(z[seen] / truth[seen] - 1)) < 0.01
+
+
+def test_a_zoom_is_followed_with_a_window(walk):
+    """A zoom (the field of view narrows from 70 to 55 degrees over 16 frames): one focal for the clip misses
+    the later frames by a fifth and more; `window` re-estimates it per window of 8 (on its first 4 frames), within 2 %
+    there."""
+    poses, _ = walk
+    n = 16
+    fovs = np.linspace(70.0, 55.0, n)
+    renders = [render_path(poses[i : i + 1], *SIZE, intrinsics_for(*SIZE, fov))[0] for i, fov in enumerate(fovs)]
+    model = oracle(renders, focal_errors=None)
+    images = [r.image for r in renders]
+    once = predict_video(model, images, calibration_frames=4)
+    windowed = predict_video(model, images, calibration_frames=4, window=8)
+    truth = np.array([r.intrinsics[0, 0] for r in renders])
+    once_error = np.abs(once.frame_intrinsics[:, 0, 0] * SIZE[0] / truth - 1)
+    windowed_error = np.abs(windowed.frame_intrinsics[:, 0, 0] * SIZE[0] / truth - 1)
+    assert once_error[-1] > 0.2
+    assert [c["start_frame"] for c in windowed.calibrations] == [0, 8]
+    assert windowed_error[[1, 2, 9, 10]].max() < 0.02, windowed_error
+    assert windowed.registered.all()
+
+
+def test_textureless_frames_are_flagged_and_the_clip_comes_back(walk):
+    """Frames without texture (flat grey, their geometry known) fail registration: flagged with a reason, no
+    pose, out of the trajectory and the cloud; the frames after them register again."""
+    from dataclasses import replace
+
+    poses, renders = walk
+    renders = list(renders[:12])
+    for i in (5, 6):
+        renders[i] = replace(renders[i], image=np.full_like(renders[i].image, 90 + 10 * i))
+    clip = predict_video(oracle(renders), [r.image for r in renders], calibration_frames=4)
+    assert not clip.registered[5] and not clip.registered[6]
+    assert clip.failures[5] and clip.failures[6]
+    assert np.isnan(clip.poses[5]).all()
+    assert clip.registered[[0, 1, 2, 3, 4, 7, 8, 9, 10, 11]].all(), clip.failures
+    ok = clip.registered
+    ate, rotation = trajectory_errors(clip.poses[ok], poses[:12][ok])
+    assert ate <= 0.01 and rotation <= 0.5
+    assert len(clip.trajectory_tum().splitlines()) == 1 + ok.sum()
+
+
+def test_a_video_file_through_opencv(walk, tmp_path):
+    """The frames written to an mp4 by OpenCV (lossy) come back through the same path, in order, with the
+    file's frame rate in the times."""
+    import cv2
+
+    poses, renders = walk
+    path = tmp_path / "walk.mp4"
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 12.0, SIZE)
+    for r in renders:
+        writer.write(np.ascontiguousarray(r.image[..., ::-1]))
+    writer.release()
+    model = oracle(renders)
+    clip = predict_video(model, path, stride=2)
+    assert len(clip) == FRAMES // 2 and clip.name == "walk" and clip.fps == pytest.approx(12.0)
+    np.testing.assert_allclose(clip.times, np.arange(0, FRAMES, 2) / 12.0)
+    ok = clip.registered
+    assert ok.sum() >= len(clip) - 1
+    ate, rotation = trajectory_errors(clip.poses[ok], poses[::2][ok])
+    assert ate <= 0.02 and rotation <= 1.0
+
+
+def test_save_writes_the_clip_folder(walk, tmp_path):
+    import cv2
+
+    _, renders = walk
+    clip = predict_video(oracle(renders[:6]), [r.image for r in renders[:6]], calibration_frames=6)
+    record = clip.save(tmp_path / "clip")
+    folder = tmp_path / "clip"
+    for name in ("poses.json", "trajectory.txt", "scene.ply", "scene.glb", "depth.mp4", "result.json"):
+        assert (folder / name).is_file(), name
+    assert record["files"][-1] == "result.json" and record["frames"] == 6
+    assert sorted(p.name for p in (folder / "frames").iterdir()) == [f"{i:06d}" for i in range(6)]
+    frame = json.loads((folder / "frames" / "000003" / "result.json").read_text())
+    assert frame["video"]["frame"] == 3 and "depth.exr" in frame["files"]
+    poses = json.loads((folder / "poses.json").read_text())["frames"]
+    np.testing.assert_allclose(np.array(poses[4]["pose"]), clip.poses[4], atol=1e-8)
+    video = cv2.VideoCapture(str(folder / "depth.mp4"))
+    assert int(video.get(cv2.CAP_PROP_FRAME_COUNT)) == 6
+    video.release()
+    ply = (folder / "scene.ply").read_bytes()
+    assert f"element vertex {len(clip.cloud_points) + 6}".encode() in ply and b"element edge 5" in ply
+    import trimesh
+
+    scene = trimesh.load(folder / "scene.glb")
+    assert sum(len(g.vertices) for g in scene.geometry.values()) >= len(clip.cloud_points)
+
+
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        ([], "no frames"),
+        ("does-not-exist.mp4", "no such file"),
+        (np.zeros((4, 8, 3)), "must be (N, H, W, 3)"),
+        ({"a": 1}, "expected a video file"),
+    ],
+)
+def test_bad_sources_say_what_was_expected(walk, source, message):
+    _, renders = walk
+    with pytest.raises(ValueError, match=re.escape(message)):
+        predict_video(oracle(renders[:2]), source)
+
+
+def test_bad_clips_give_clear_errors(walk, tmp_path):
+    _, renders = walk
+    model = oracle(renders[:4])
+    images = [r.image for r in renders[:4]]
+    with pytest.raises(ValueError, match="1 frame"):
+        predict_video(model, images[:1])
+    small = images[2][:120, :160]
+    with pytest.raises(ValueError, match="frame 2 is 160x120; the clip's frames are 320x240"):
+        predict_video(model, [images[0], images[1], small, images[3]])
+    garbage = tmp_path / "broken.mp4"
+    garbage.write_bytes(b"not a video at all" * 100)
+    with pytest.raises(ValueError, match="cannot read"):
+        predict_video(model, garbage)
+    empty = tmp_path / "frames"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no PNG or JPEG frames"):
+        predict_video(model, empty)
+    (tmp_path / "x.png").write_bytes(b"x")
+    with pytest.raises(ValueError, match="one image"):
+        predict_video(model, tmp_path / "x.png")
+    with pytest.raises(TypeError, match="unexpected option"):
+        predict_video(model, images, strides=2)
+    with pytest.raises(ValueError, match="stride must be an integer >= 1"):
+        predict_video(model, images, stride=0)
+    with pytest.raises(ValueError, match="window .* must be at least calibration_frames"):
+        predict_video(model, images, window=4, calibration_frames=8)
+    with pytest.raises(ValueError, match="principal point"):
+        predict_video(model, images, intrinsics=(300, 300, 900, 100))
+
+
+def test_a_folder_of_frames_in_name_order(walk, tmp_path):
+    import cv2
+
+    poses, renders = walk
+    folder = tmp_path / "seq"
+    folder.mkdir()
+    for i, r in enumerate(renders[:6]):  # frame2 must come before frame10: numbers compare as numbers
+        cv2.imwrite(str(folder / f"frame{i * 4}.png"), r.image[..., ::-1])
+    clip = predict_video(oracle(renders[:6]), folder)
+    assert clip.name == "seq" and clip.registered.all()
+    ate, rotation = trajectory_errors(clip.poses, poses[:6])
+    assert ate <= 0.01 and rotation <= 0.5
+
+
+def test_fov_x_and_the_other_call_options_reach_every_frame(walk):
+    """fov_x given: every frame is asked with it (no focal solved), the clip's intrinsics are its; apply_mask=False
+    keeps the values under the mask, and the registration still reads the mask."""
+    poses, renders = walk
+    model = oracle(renders[:8])
+    fov = math.degrees(2 * math.atan(SIZE[0] / 2 / renders[0].intrinsics[0, 0]))
+    clip = predict_video(model, [r.image for r in renders[:8]], fov_x=fov, apply_mask=False, calibration_frames=4)
+    assert all(call.fov_x == fov and not call.apply_mask for _, call in model.calls)
+    assert clip.calibrations[0]["intrinsics"] == "fov_x"
+    assert clip.intrinsics_pixels[0, 0] == pytest.approx(renders[0].intrinsics[0, 0], rel=1e-4)
+    assert all(np.isfinite(f.depth).all() and not f.mask.all() for f in clip.frames)
+    assert clip.registered.all()
+    ate, rotation = trajectory_errors(clip.poses, poses[:8])
+    assert ate <= 0.01 and rotation <= 0.5

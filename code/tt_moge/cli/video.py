@@ -1,0 +1,192 @@
+"""`tt-moge predict clip.mp4` and `tt-moge predict --sequence frames/`: each clip -> one folder of consistent frames,
+its trajectory and its fused scene (`tt_moge.video`; docs/video.md).
+
+    OUT/run.json                 the run: options, model, every clip with its folder, status, frames, registered
+    OUT/NAME/frames/000000/...   each frame's files, as for a photo (the format flags; --maps by default)
+    OUT/NAME/depth.mp4 poses.json trajectory.txt scene.ply scene.glb result.json (written last)
+
+NAME is the clip's output name (`inputs.output_name`: a video file's stem, a folder's name), made unique in the
+run. A clip whose model call or files fail is reported and the run goes on; frames whose registration fails
+are flagged in the clip's files, not failures of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .. import __version__
+from ..runs import RUN_FILE
+from .common import (
+    EXIT_IMAGES_FAILED,
+    EXIT_OK,
+    EXIT_START,
+    add_options,
+    call_options,
+    chosen_formats,
+    load_model,
+    option_values,
+    say,
+)
+
+__all__ = ["add_video_arguments", "wants_video", "run_videos", "VIDEO_EPILOG"]
+
+VIDEO_EPILOG = """\
+videos (a video file as INPUT, or --sequence with folders of frames):
+  Each clip runs with one set of intrinsics (--intrinsics, --fov-x, or solved on its first --calibration-frames
+  frames) and one metric scale; the frames are registered one to the next. OUT/NAME/ holds frames/NNNNNN/ (each
+  frame's files: the format flags, --maps by default), depth.mp4 (one colour range for the whole clip),
+  poses.json, trajectory.txt (TUM), scene.ply and scene.glb (the fused cloud and the camera path), result.json.
+  docs/video.md says what each holds.
+"""
+
+
+def add_video_arguments(parser: argparse.ArgumentParser) -> None:
+    """--sequence and the clip options (`video.VideoOptions`, generated) of `tt-moge predict`."""
+    from ..video import VideoOptions
+
+    group = parser.add_argument_group("video (a video file as INPUT, or --sequence; docs/video.md)")
+    group.add_argument(
+        "--sequence",
+        action="store_true",
+        help="each folder INPUT is one clip: its PNG/JPEG frames in name order (numbers compared as numbers)",
+    )
+    add_options(group, VideoOptions)
+
+
+def wants_video(args: argparse.Namespace) -> bool:
+    """The run is a video run: --sequence, or an input that is a video file (by its suffix)."""
+    from ..video import is_video_file
+
+    return bool(args.sequence) or any(is_video_file(i) for i in args.inputs)
+
+
+def _clips(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list:
+    """[(input path, output name)] of the run's clips, names unique; usage errors for anything else."""
+    from ..inputs import output_name
+    from ..video import is_video_file
+
+    clips = []
+    for text in args.inputs:
+        path = Path(text).expanduser()
+        if args.sequence:
+            if not path.is_dir():
+                parser.error(f"input {text!r}: --sequence takes folders of frames, and this is not one")
+            clips.append((path, output_name(path.resolve().name)[0]))
+        elif not is_video_file(path):
+            parser.error(f"input {text!r} is not a video file: give photos and videos in separate runs")
+        elif not path.is_file():
+            parser.error(f"input {text!r}: no such file")
+        else:
+            clips.append((path, output_name(path)[0]))
+    taken: dict = {}
+    unique = []
+    for path, name in clips:
+        key, count = name.casefold(), taken.get(name.casefold(), 0) + 1
+        taken[key] = count
+        unique.append((path, name if count == 1 else f"{name}-{count}"))
+    return unique
+
+
+def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`tt-moge predict` on clips -> exit code."""
+    from tqdm import tqdm
+
+    from ..export import missing_format_library, to_json, write_text_atomic
+    from ..host import InputError
+    from ..video import VideoOptions, VideoStream
+    from ..video.files import VIDEO_FRAME_FORMATS, ClipWriter
+
+    if args.panorama:
+        parser.error("--panorama does not apply to videos")
+    try:
+        call = call_options(args)
+        video = VideoOptions.make(**option_values(args, VideoOptions))
+    except InputError as exc:
+        parser.error(str(exc))
+    clips = _clips(args, parser)
+    formats = chosen_formats(args) or list(VIDEO_FRAME_FORMATS)
+    out_root = Path(args.output)
+    try:
+        out_root.mkdir(parents=True, exist_ok=True)
+        (out_root / RUN_FILE).unlink(missing_ok=True)
+    except OSError as exc:
+        parser.error(f"cannot prepare the output folder {str(out_root)!r}: {exc}")
+    missing = missing_format_library(list(formats) + ["glb"])  # scene.glb needs trimesh
+    if missing:
+        say(missing)
+        return EXIT_START
+    t_start = time.perf_counter()
+    model = load_model(args)
+    if model is None:
+        return EXIT_START
+    t_loaded = time.perf_counter()
+    rows, frames_done = [], 0
+    with model:
+        for path, name in clips:
+            row: dict = {"input": str(path), "output": name, "status": "failed", "error": None}
+            rows.append(row)
+            writer = None
+            try:
+                with VideoStream(model, path, call, video) as stream:
+                    fps = None if stream.fps is None else stream.fps / video.stride
+                    writer = ClipWriter(
+                        out_root / name, formats, mesh_step=args.mesh_step, fps=fps, writers=args.writers
+                    )
+                    bar = tqdm(
+                        total=stream.expected_frames,
+                        unit="frame",
+                        desc=name,
+                        file=sys.stderr,
+                        dynamic_ncols=True,
+                        disable=args.quiet,
+                    )
+                    with bar:
+                        for frame in stream:
+                            writer.add(frame.index, frame.output, frame.image, frame.record(), frame.depth_range)
+                            bar.update(1)
+                    record = writer.finish(stream.result)
+                row.update(status="done", frames=record["frames"], registered=record["registered"])
+                frames_done += record["frames"]
+                if record["failed"] and not args.quiet:
+                    say(f"{name}: {len(record['failed'])} frame(s) not registered (flagged in {name}/poses.json)")
+            except (InputError, OSError, RuntimeError, ValueError) as exc:
+                if writer is not None:
+                    writer.abort()
+                row["error"] = f"{path}: {exc}"
+                say(f"failed: {row['error']}")
+        info = model.info()
+    seconds = time.perf_counter() - t_loaded
+    failed = [r for r in rows if r["status"] != "done"]
+    record = {
+        "tt_moge": __version__,
+        "model": info,
+        "kind": "video",
+        "formats": list(formats),
+        "options": {
+            **call.kwargs(),
+            **video.kwargs(),
+            "intrinsics": None if call.intrinsics is None else str(call.intrinsics),
+        },
+        "done": len(rows) - len(failed),
+        "failed": len(failed),
+        "load_seconds": round(t_loaded - t_start, 3),
+        "seconds": round(seconds, 3),
+        "clips": rows,
+    }
+    indexed = True
+    try:
+        write_text_atomic(out_root / RUN_FILE, to_json(record))
+    except OSError as exc:
+        say(f"could not write {out_root / RUN_FILE}: {exc}")
+        indexed = False
+    if not args.quiet:
+        rate = f", {frames_done / seconds:.2f} frames/s" if seconds > 0 and frames_done else ""
+        print(
+            f"tt-moge predict: {len(rows) - len(failed)} of {len(rows)} clips done ({frames_done} frames), "
+            f"{len(failed)} failed, in {seconds:.1f} s{rate} (model load {t_loaded - t_start:.1f} s); outputs in "
+            f"{out_root}/"
+        )
+    return EXIT_IMAGES_FAILED if failed or not indexed else EXIT_OK

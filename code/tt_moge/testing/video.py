@@ -1,0 +1,182 @@
+"""A stand-in model for the video path: the frames of a camera moving through the analytic scene, answered the way
+an imperfect MoGe-2 would, with every error known.
+
+`VideoOracle(renders)` has the one method the video path calls, `predict_many(images, **call options)` (and
+`predict`), and returns real `MoGeOutput`s: for each image it builds the raw maps a network would give and runs
+tt_moge's own host code on them (`host.postprocess`: the camera solve, or the shift alone when `intrinsics` or
+`fov_x` are given, and the finish), on a canvas of the frame's own size. So every call option means what it means
+for the model. The raw maps of frame i are its exact geometry (`testing.scene.render_path`) with:
+
+* an arbitrary scale and z-shift (affine-invariant points): the points are divided by the frame's median depth
+  and shifted along z by `shifts[i]` (raw units);
+* a metric scale off by `scale_errors[i]`: metric_scale = median depth x (1 + scale_errors[i]), so the frame's
+  metric depth is off by that factor;
+* a focal off by `focal_errors[i]`: the lateral coordinates are distorted so that the free camera solve finds a
+  focal (1 + focal_errors[i]) x the truth, by a depth-dependent lateral scale x y * (1 + a (1 + m / z)) with m
+  chosen so that the distortion is orthogonal (on the solve's samples) to the direction in which the shift moves
+  the residuals: to first order it leaves the shift solved with the true focal unchanged. This is the near
+  degeneracy of MoGe's focal and shift, and what a known or jointly solved focal removes;
+* multiplicative noise along each pixel's ray (`noise`, standard deviation) and holes: random discs covering
+  about `holes` of the frame, where the mask probability is 0 (as on the sky).
+
+Each image is matched to its frame by its 16x12 thumbnail (the nearest in mean absolute difference), so frames
+that went through a lossy video file are still recognised. `calls` records (number of images, options) per call.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["VideoOracle", "symmetric_errors"]
+
+_THUMB = (16, 12)
+
+
+def symmetric_errors(count: int, spread: float, seed: int = 0) -> np.ndarray:
+    """`count` per-frame relative errors spread evenly over [-spread, +spread] in a random order: errors of up to
+    +-spread that average to zero over the clip (an unbiased model)."""
+    rng = np.random.default_rng(seed)
+    return rng.permutation(np.linspace(-spread, spread, count)) if count > 1 else np.zeros(count)
+
+
+def _thumb(rgb: np.ndarray) -> np.ndarray:
+    import cv2
+
+    return cv2.resize(np.ascontiguousarray(rgb), _THUMB, interpolation=cv2.INTER_AREA).astype(np.float32)
+
+
+def _holes(shape: tuple, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """(H, W) bool: random discs until about `fraction` of the pixels are covered."""
+    h, w = shape
+    holes = np.zeros(shape, bool)
+    if fraction <= 0:
+        return holes
+    rows, cols = np.ogrid[:h, :w]
+    while holes.mean() < fraction:
+        r = rng.uniform(0.03, 0.08) * w
+        cy, cx = rng.uniform(0, h), rng.uniform(0, w)
+        holes |= (rows - cy) ** 2 + (cols - cx) ** 2 < r * r
+    return holes
+
+
+class VideoOracle:
+    """A stand-in for MoGeModel over the frames of `renders` (a list of `testing.scene.SceneRender`, one camera)."""
+
+    def __init__(
+        self,
+        renders: Sequence,
+        *,
+        scale_errors: Optional[Sequence[float]] = None,
+        focal_errors: Optional[Sequence[float]] = None,
+        shifts: Optional[Sequence[float]] = None,
+        noise: float = 0.0,
+        holes: float = 0.0,
+        seed: int = 0,
+        has_normal: bool = True,
+    ):
+        n = len(renders)
+        self.renders = list(renders)
+        self.scale_errors = np.zeros(n) if scale_errors is None else np.asarray(scale_errors, np.float64)
+        self.focal_errors = np.zeros(n) if focal_errors is None else np.asarray(focal_errors, np.float64)
+        self.shifts = np.zeros(n) if shifts is None else np.asarray(shifts, np.float64)
+        self.noise, self.holes, self.seed, self.has_normal = noise, holes, seed, has_normal
+        self._thumbs = np.stack([_thumb(r.image) for r in self.renders])
+        self._raw: dict = {}
+        self.calls: list = []
+
+    # --------------------------------------------------------------------------------- the model
+    def frame_of(self, rgb: np.ndarray) -> int:
+        """The index of the frame whose thumbnail is nearest to the image's."""
+        return int(np.abs(self._thumbs - _thumb(rgb)[None]).mean(axis=(1, 2, 3)).argmin())
+
+    def predict_many(self, images: Any, **options: Any) -> list:
+        from ..host import CallOptions, to_rgb_array
+
+        images = list(images)
+        call = CallOptions.make(**options)
+        self.calls.append((len(images), call))
+        return [self._predict(to_rgb_array(image, f"images[{i}]"), call) for i, image in enumerate(images)]
+
+    def predict(self, image: Any, **options: Any) -> Any:
+        return self.predict_many([image], **options)[0]
+
+    def _predict(self, rgb: np.ndarray, call: Any) -> Any:
+        from ..host import plan_canvas, postprocess
+
+        h, w = rgb.shape[:2]
+        index = self.frame_of(rgb)
+        if self.renders[index].image.shape[:2] != (h, w):
+            raise ValueError(f"the stand-in knows frames of {self.renders[index].image.shape[1::-1]}, got {w}x{h}")
+        if call.intrinsics is not None:
+            call.intrinsics.check_image((w, h))
+        return postprocess(self.raw_maps(index), plan_canvas((w, h), (w, h), call.fit), call)
+
+    # -------------------------------------------------------------------------------- raw maps
+    def raw_maps(self, index: int) -> Any:
+        """The raw maps (`runners.base.RawMaps`, at the frame's size) of frame `index`, made once."""
+        if index not in self._raw:
+            self._raw[index] = self._make_raw(index)
+        return self._raw[index]
+
+    def _make_raw(self, index: int) -> Any:
+        import torch
+
+        from ..runners.base import RawMaps
+
+        truth = self.renders[index]
+        rng = np.random.default_rng((self.seed, index))
+        h, w = truth.depth.shape
+        valid = truth.mask & ~_holes((h, w), self.holes, rng)
+        scale = float(np.median(truth.depth[valid]))
+        points = truth.points * (1.0 + self.noise * rng.standard_normal((h, w)))[..., None] / scale
+        if self.focal_errors[index] != 0:
+            points[..., :2] *= self._lateral_factor(points, valid, self.focal_errors[index])[..., None]
+        points[..., 2] += self.shifts[index]
+        points[~valid] = (0.0, 0.0, 1.0)  # whatever a network says there is masked out
+        normal = torch.from_numpy(truth.normal.astype(np.float32)) if self.has_normal else None
+        return RawMaps(
+            torch.from_numpy(points.astype(np.float32)),
+            normal,
+            torch.from_numpy(valid.astype(np.float32)),
+            scale * (1.0 + self.scale_errors[index]),
+        )
+
+    @staticmethod
+    def _lateral_factor(points: np.ndarray, valid: np.ndarray, focal_error: float) -> np.ndarray:
+        """(H, W) factors 1 + a (1 + m / z) for the lateral coordinates: m makes the distortion orthogonal to the
+        shift's direction on the valid pixels; a is found (secant steps on the free solve's focal) so that the
+        free solve lands at (1 + focal_error) x the undistorted focal."""
+        from .. import native
+        from ..host.solve import native_solve, solve_focal_shift
+
+        solve = native_solve if native.library() is not None else solve_focal_shift  # the same solver, faster
+
+        z = points[..., 2]
+        ray2 = np.where(valid, (points[..., 0] ** 2 + points[..., 1] ** 2) / np.where(valid, z * z, 1.0), 0.0)
+        inv = np.where(valid, 1.0 / np.where(valid, z, 1.0), 0.0)
+        m = -float((ray2 * inv).sum() / (ray2 * inv * inv).sum())
+        shape = 1.0 + m * inv
+        step = max(1, int(math.sqrt(valid.sum() / 4096)))  # about the solve's 64x64 samples
+        sub = valid[::step, ::step]
+        xyz = points[::step, ::step][sub]
+        uv_true = xyz[:, :2] / xyz[:, 2:3]  # the view plane of focal 1 (the undistorted solve's focal is 1)
+
+        def focal(a: float) -> float:
+            distorted = xyz.copy()
+            distorted[:, :2] *= (1.0 + a * shape[::step, ::step][sub])[:, None]
+            return solve(uv_true, distorted)[0]
+
+        target, f0 = 1.0 + focal_error, focal(0.0)
+        a0, a1 = 0.0, -focal_error
+        f_a0, f_a1 = f0, focal(a1)
+        for _ in range(6):  # secant steps on focal(a) = target * f0
+            if f_a1 == f_a0:
+                break
+            a0, a1, f_a0 = a1, a1 + (target * f0 - f_a1) * (a1 - a0) / (f_a1 - f_a0), f_a1
+            f_a1 = focal(a1)
+            if abs(f_a1 / f0 - target) < 1e-5:
+                break
+        return 1.0 + a1 * shape

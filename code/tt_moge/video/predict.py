@@ -1,0 +1,394 @@
+"""`predict_video` / `iter_video`: a clip through the model, consistent over its frames, registered and fused.
+
+What is called and read on `model` (so that anything that does the same can stand in, e.g.
+`tt_moge.testing.video.VideoOracle`): only `model.predict_many(list of (H, W, 3) uint8 RGB arrays, **options)`,
+where options are the call options of `model(image, ...)` (`host.CallOptions.kwargs()`), which must return one
+`MoGeOutput` per image, in order. Read from each output: depth, mask, points, intrinsics, intrinsics_pixels,
+metric_scale (and, for the files, normal). The outputs are changed in place (depth and points scaled).
+
+Steps (threads: a reader decodes frames ahead, a producer runs the model, the caller's thread registers):
+1. calibration pass on the first `calibration_frames` frames (`calibrate.calibrate`): the clip's intrinsics
+   (given, from fov_x, or one focal solved over the frames) and the metric level;
+2. the real pass, `DEFAULT_CHUNK` frames per `predict_many` call, with the clip's intrinsics (the model solves
+   only each frame's shift); the next chunk runs on the model while this one is registered;
+3. per frame: registration against the last registered frame (`registration.Tracker`), which gives its scale
+   relative to the clip (depth and points are multiplied by it) and its pose; a frame whose fit fails its
+   checks is flagged (pose NaN), keeps the segment's level and stays out of the fused cloud;
+4. the fused cloud (`fusion.VoxelCloud`) of the registered frames.
+With `window`, steps 1-3 restart every `window` frames (new intrinsics, the level re-anchored); the registration
+chain continues across.
+
+Memory: the reader holds 2 chunks of decoded frames, the producer at most one chunk of outputs ahead of the one
+being registered, the calibration its frames' RGB; `iter_video` keeps nothing else per frame but a few numbers
+(pose, scales, registration), so an hour-long video streams. `predict_video` keeps every frame's output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from ..fields import bind, options_of, signature
+from ..host import CallOptions, InputError, Stopwatch
+from .calibrate import Calibration, calibrate
+from .fusion import VoxelCloud, frame_points
+from .options import VideoOptions
+from .output import VideoFrame, VideoOutput
+from .registration import Registration, Tracker
+from .source import open_source
+
+__all__ = [
+    "predict_video",
+    "iter_video",
+    "VideoStream",
+    "ClipChain",
+    "DEFAULT_CHUNK",
+    "split_options",
+    "video_signature",
+]
+
+DEFAULT_CHUNK = 4  # frames per predict_many call of the real pass (its outputs are in memory at once)
+_END = object()
+
+
+def split_options(where: str, options: dict) -> tuple:
+    """(CallOptions, VideoOptions) of a video call's keyword arguments; unknown ones are a TypeError naming
+    `where`, bad values an InputError naming the option."""
+    given = bind(_SIGNATURE, where, (), options)
+    call_names = {info.argument for info in options_of(CallOptions)}
+    call = CallOptions.make(**{k: v for k, v in given.items() if k in call_names})
+    video = VideoOptions.make(**{k: v for k, v in given.items() if k not in call_names})
+    return call, video
+
+
+def video_signature(leading: tuple, returns: Any = inspect.Signature.empty) -> inspect.Signature:
+    """A video call's signature: the `leading` parameters, then the options of CallOptions and VideoOptions
+    (keyword-only), as `predict_video`, `iter_video` and `MoGeModel.predict_video` have it."""
+    call, video = signature(CallOptions), signature(VideoOptions)
+    return inspect.Signature(
+        [*leading, *call.parameters.values(), *video.parameters.values()], return_annotation=returns
+    )
+
+
+_SIGNATURE = video_signature(())
+
+
+class VideoStream:
+    """The frames of a clip as they are done (`VideoFrame`s, in order); after the last, `result` is the
+    `VideoOutput` (with the frames' outputs and images only when `keep_frames`). The source is opened (and
+    checked) here; iterate once. `close()` (or leaving a `with` block) stops early and releases everything."""
+
+    def __init__(
+        self,
+        model: Any,
+        source: Any,
+        call: Optional[CallOptions] = None,
+        video: Optional[VideoOptions] = None,
+        *,
+        keep_frames: bool = False,
+        chunk: int = DEFAULT_CHUNK,
+        seed: int = 0,
+    ):
+        call = CallOptions() if call is None else call
+        video = VideoOptions() if video is None else video
+        self.model, self.call, self.video = model, call, video
+        self.keep_frames, self.chunk, self.seed = keep_frames, chunk, seed
+        self.source = open_source(source, stride=video.stride, max_frames=video.max_frames)
+        self.name, self.fps = self.source.name, self.source.fps
+        self.result: Optional[VideoOutput] = None
+        self._stop = threading.Event()
+        self._iterated = False
+
+    @property
+    def expected_frames(self) -> Optional[int]:
+        """Frames the stream will yield, when the source says (else None)."""
+        return self.source.expected
+
+    def __iter__(self) -> Iterator[VideoFrame]:
+        if self._iterated:
+            raise RuntimeError("a VideoStream iterates once")
+        self._iterated = True
+        return self._run()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.source.close()
+
+    def __enter__(self) -> "VideoStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------- threads
+    def _put(self, q: queue.Queue, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self, frames: queue.Queue) -> None:
+        """Reader thread: (source index, RGB) into `frames`, then _END; an error goes in as the exception."""
+        try:
+            size = None
+            for index, rgb in self.source:
+                if size is None:
+                    size = rgb.shape[:2]
+                elif rgb.shape[:2] != size:
+                    raise InputError(
+                        f"source: frame {index} is {rgb.shape[1]}x{rgb.shape[0]}; the clip's frames are "
+                        f"{size[1]}x{size[0]} (every frame of a clip must have the same size)"
+                    )
+                if not self._put(frames, (index, rgb)):
+                    return
+            self._put(frames, _END)
+        except BaseException as exc:
+            self._put(frames, exc)
+
+    def _produce(self, frames: queue.Queue, results: queue.Queue) -> None:
+        """Producer thread: calibration passes and the real pass on the model, chunk by chunk, into `results` as
+        (Calibration or None, [(source index, RGB)], [MoGeOutput]), then _END."""
+        try:
+            ahead: deque = deque()
+            done = [False]
+
+            def fill(n: int) -> None:
+                while len(ahead) < n and not done[0]:
+                    item = frames.get()
+                    if item is _END:
+                        done[0] = True
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        ahead.append(item)
+
+            video, position, options = self.video, 0, None
+            while not self._stop.is_set():
+                calibration = None
+                if position == 0 or (video.window is not None and position % video.window == 0):
+                    fill(video.calibration_frames)
+                    if not ahead:
+                        if position == 0:
+                            raise InputError(f"source: {self.source.label()} has no frames")
+                        break
+                    if position == 0 and len(ahead) < 2:
+                        raise InputError(
+                            f"source: {self.source.label()} has 1 frame (after the stride); a clip needs at least 2 "
+                            "to register"
+                        )
+                    segment = list(ahead)[: video.calibration_frames]
+                    calibration = calibrate(self.model, segment, self.call, start=position, seed=self.seed)
+                    given = calibration.source != "solved"
+                    options = (
+                        self.call.kwargs() if given else dict(self.call.kwargs(), intrinsics=calibration.intrinsics)
+                    )
+                n = self.chunk
+                if video.window is not None:
+                    n = min(n, video.window - position % video.window)
+                fill(n)
+                batch = [ahead.popleft() for _ in range(min(n, len(ahead)))]
+                if not batch:
+                    break
+                outputs = self.model.predict_many([rgb for _, rgb in batch], **options)
+                if len(outputs) != len(batch):
+                    raise RuntimeError(f"model.predict_many returned {len(outputs)} outputs for {len(batch)} images")
+                if not self._put(results, (calibration, batch, outputs)):
+                    return
+                position += len(batch)
+            self._put(results, _END)
+        except BaseException as exc:
+            self._put(results, exc)
+
+    # ---------------------------------------------------------------------------------- the caller
+    def _run(self) -> Iterator[VideoFrame]:
+        t0 = time.perf_counter()
+        frames: queue.Queue = queue.Queue(maxsize=2 * self.chunk)
+        results: queue.Queue = queue.Queue(maxsize=1)
+        threads = [
+            threading.Thread(target=self._read, args=(frames,), name="tt_moge-video-read", daemon=True),
+            threading.Thread(target=self._produce, args=(frames, results), name="tt_moge-video-model", daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
+        state = ClipChain(self.video.voxel_size, self.seed)
+        register_s = 0.0
+        try:
+            while True:
+                item = results.get()
+                if item is _END:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                calibration, batch, outputs = item
+                for k, ((source_index, rgb), out) in enumerate(zip(batch, outputs)):
+                    t = time.perf_counter()
+                    frame = state.step(source_index, rgb, out, calibration if k == 0 else None, self.fps)
+                    register_s += time.perf_counter() - t
+                    if self.keep_frames:
+                        state.kept.append((frame.output, rgb))
+                    yield frame
+        finally:
+            self._stop.set()
+            for q in (frames, results):  # unblock a thread waiting to put
+                try:
+                    while True:
+                        q.get_nowait()
+                except queue.Empty:
+                    pass
+            for thread in threads:
+                thread.join(timeout=30)
+            self.source.close()
+        self.result = state.output(self.name, self.fps, {"total": time.perf_counter() - t0, "registration": register_s})
+
+
+class ClipChain:
+    """The registration chain of a clip, frame by frame (`step`: register, scale, fuse one model output), and
+    what the result keeps of each frame (`output`). The caller's thread of `VideoStream` runs it; the benchmark
+    (perf/video) times it alone."""
+
+    def __init__(self, voxel_size: Optional[float], seed: int):
+        self.tracker = Tracker(seed=seed)
+        self.cloud = VoxelCloud(voxel_size)
+        self.level = math.nan
+        self.reference_pose = np.eye(4)
+        self.depth_range = (math.nan, math.nan)
+        self.calibrations: list = []
+        self.rows: list = []  # per frame: (source index, time, pose, scale, model scale, registration, (K, K pixels))
+        self.records: list = []
+        self.kept: list = []
+        self.size: Optional[tuple] = None
+
+    def step(
+        self,
+        source_index: int,
+        rgb: np.ndarray,
+        out: Any,
+        calibration: Optional[Calibration],
+        fps: Optional[float],
+        timing: Optional[dict] = None,
+    ) -> VideoFrame:
+        """One frame (the model's output for it, changed in place) -> its VideoFrame. `timing`, if a dict,
+        receives milliseconds: "register" (features, fit, the chain), "scale" (depth and points x the
+        frame's scale), "fuse" (its points into the cloud), "record"."""
+        watch = Stopwatch(timing)
+        index = len(self.rows)
+        if calibration is not None:
+            self.calibrations.append(calibration.record())
+            self.level = calibration.level
+            if index == 0:
+                self.depth_range = calibration.depth_range
+        if index == 0:
+            self.size = out.size
+            correction, pose = self.level, np.eye(4)
+            self.tracker.start(rgb, out.depth, out.mask, out.intrinsics_pixels, 0.0, correction)
+            registration = Registration(True, scale=1.0, reason=None)
+        else:
+            registration = self.tracker.register(rgb, out.depth, out.mask, out.intrinsics_pixels)
+            if registration.ok:
+                motion = np.eye(4)
+                motion[:3, :3] = registration.rotation
+                motion[:3, 3] = registration.translation / registration.scale
+                pose = self.reference_pose @ np.linalg.inv(motion)
+                # a new window's first frame is re-anchored at its calibrated level
+                correction = self.level if calibration is not None else 1.0 / registration.scale
+                self.tracker.advance(correction)
+            else:
+                pose, correction = np.full((4, 4), np.nan), self.level
+        if registration.ok:
+            self.reference_pose = pose
+        watch.lap("register")
+        model_scale = float(out.metric_scale)
+        out.depth *= np.float32(correction)
+        out.points *= np.float32(correction)
+        out = dataclasses.replace(out, metric_scale=model_scale * correction)
+        watch.lap("scale")
+        if registration.ok:
+            if self.cloud.voxel_size is None:
+                self.cloud.auto(out.median_depth)
+            if self.cloud.voxel_size is not None:
+                self.cloud.add(*frame_points(out, rgb, pose))
+        watch.lap("fuse")
+        time_s = source_index / fps if fps else float(source_index)
+        frame = VideoFrame(
+            index, source_index, time_s, rgb, out, pose, out.metric_scale, model_scale, registration, self.depth_range
+        )
+        cameras = (out.intrinsics.copy(), out.intrinsics_pixels.copy())  # not the output: its maps must not stay
+        self.rows.append((source_index, time_s, pose, out.metric_scale, model_scale, registration, cameras))
+        self.records.append(frame.record())
+        watch.lap("record")
+        return frame
+
+    def output(self, name: str, fps: Optional[float], seconds: dict) -> VideoOutput:
+        if not self.rows:
+            raise InputError("source: no frames")
+        source_frames, times, poses, scale, model_scale, regs, cameras = zip(*self.rows)
+        points, colours, _ = self.cloud.result()
+        kept = self.kept or None
+        return VideoOutput(
+            name=name,
+            size=self.size,
+            fps=fps,
+            frame_intrinsics=np.stack([c[0] for c in cameras]).astype(np.float32),
+            frame_intrinsics_pixels=np.stack([c[1] for c in cameras]).astype(np.float32),
+            poses=np.stack(poses),
+            scale=np.array(scale),
+            model_scale=np.array(model_scale),
+            registered=np.array([r.ok for r in regs]),
+            inliers=np.array([r.inliers for r in regs]),
+            residual=np.array([r.residual for r in regs]),
+            failures=[r.reason for r in regs],
+            source_frames=np.array(source_frames),
+            times=np.array(times),
+            cloud_points=points,
+            cloud_colors=colours,
+            voxel_size=math.nan if self.cloud.voxel_size is None else float(self.cloud.voxel_size),
+            depth_range=self.depth_range,
+            calibrations=self.calibrations,
+            records=self.records,
+            seconds=seconds,
+            frames=None if kept is None else [o for o, _ in kept],
+            images=None if kept is None else [i for _, i in kept],
+        )
+
+
+def iter_video(model: Any, source: Any, **options: Any) -> VideoStream:
+    """The frames of a clip as they are done (a `VideoStream` of `VideoFrame`s; `.result` afterwards): for clips
+    that do not fit in memory. Options: those of `predict_video`."""
+    call, video = split_options("iter_video", options)
+    return VideoStream(model, source, call, video)
+
+
+def predict_video(model: Any, source: Any, **options: Any) -> VideoOutput:
+    """A clip -> VideoOutput with every frame's consistent MoGeOutput (`frames`), the clip's intrinsics, poses,
+    per-frame scales and registration, and the fused cloud (see the module docstring).
+
+    `source`: a video file (what OpenCV's FFmpeg reads), a folder of frames (name order), video bytes, an
+    (N, H, W, 3) array or an iterable of images. Options: the call options of `model(image, ...)` (fit, fov_x,
+    intrinsics, apply_mask, force_projection) and `VideoOptions` (stride, max_frames, calibration_frames,
+    window, voxel_size). `model`: anything with `predict_many` (see the module docstring)."""
+    call, video = split_options("predict_video", options)
+    with VideoStream(model, source, call, video, keep_frames=True) as stream:
+        for _ in stream:
+            pass
+        return stream.result
+
+
+param = inspect.Parameter
+predict_video.__signature__ = video_signature(
+    (param("model", param.POSITIONAL_OR_KEYWORD), param("source", param.POSITIONAL_OR_KEYWORD)), VideoOutput
+)
+iter_video.__signature__ = video_signature(
+    (param("model", param.POSITIONAL_OR_KEYWORD), param("source", param.POSITIONAL_OR_KEYWORD)), VideoStream
+)
+del param

@@ -1,0 +1,331 @@
+"""Frame-to-frame registration: image features matched between frames, lifted to 3D through each frame's depth,
+and a robust similarity fit between the two point sets.
+
+Features and matches (OpenCV): Shi-Tomasi corners (`goodFeaturesToTrack`) of the reference frame, followed into
+the current frame by pyramidal Lucas-Kanade (`calcOpticalFlowPyrLK`), which matches each corner to a sub-pixel
+position; both frames are grey and shrunk so that their longer side is TRACK_SIDE pixels (the cost stays flat
+from 720p to 4K). A brute-force descriptor matcher (ORB + Hamming) measured several times slower here for the
+same number of matches, with pixel-quantised positions (docs/video.md).
+
+Lifting (`lift`): a feature's depth is read bilinearly from the frame's depth map where its 3x3 neighbourhood is
+valid and spans at most DEPTH_EDGE_RTOL of the depth (not on a depth edge, where a neighbour may belong to the
+other surface); the 3D point is depth x K^-1 [u, v, 1] (OpenCV camera axes).
+
+Fit (`fit_similarity`): X_current = s R X_reference + t by RANSAC over random triples (Umeyama's closed form, all
+hypotheses at once), inliers by the 3D residual relative to the depth, then a weighted Umeyama refit on the
+inliers (weights 1 / depth^2: a monocular model's depth error grows with the depth), repeated until the inlier
+set is stable. The reference's points are already consistent (the clip's scale), so s is the current frame's
+scale relative to the clip (1 / s makes it consistent) and (R, t / s) the rigid motion.
+
+Checks (`Registration.ok`): at least MIN_INLIERS inliers, an inlier share of at least MIN_INLIER_RATIO, a scale
+inside SCALE_RANGE and a residual (root mean square of the inliers' residuals / depth) of at most MAX_RESIDUAL.
+A frame that fails them is flagged; the reference stays, and the next frame is tracked from it.
+
+`Tracker` keeps the reference: its shrunk grey image and its features with their consistent 3D points. After a
+good fit the current frame becomes the reference: its inlier tracks are kept and new corners fill the image
+where tracks are missing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..constants import DEPTH_EDGE_RTOL
+
+__all__ = [
+    "TRACK_SIDE",
+    "TRACK_POINTS",
+    "MIN_INLIERS",
+    "MIN_INLIER_RATIO",
+    "SCALE_RANGE",
+    "MAX_RESIDUAL",
+    "Registration",
+    "Tracker",
+    "shrink_grey",
+    "lift",
+    "umeyama",
+    "fit_similarity",
+]
+
+TRACK_SIDE = 640  # features are found and followed on the frame shrunk to this longer side (pixels)
+TRACK_POINTS = 300  # features kept per reference frame
+_REFILL = 0.4  # new corners are looked for when fewer than this share of TRACK_POINTS are left
+_MIN_DISTANCE = 8  # pixels (shrunk image) between features
+_LK = dict(winSize=(15, 15), maxLevel=3, criteria=(3, 20, 0.03))  # cv2.TERM_CRITERIA_COUNT | EPS
+INLIER_RTOL = 0.03  # RANSAC: a match is an inlier when its 3D residual is below this share of its depth
+INLIER_SIGMAS = 3.0  # the refit's threshold: this many robust standard deviations of the inliers' residuals,
+MIN_INLIER_RTOL = 0.002  # but at least this share of the depth (and at most INLIER_RTOL)
+RANSAC_TRIALS = 64
+MIN_INLIERS = 20
+MIN_INLIER_RATIO = 0.3
+SCALE_RANGE = (0.5, 2.0)  # a frame-to-frame scale change outside this is a failed fit, not a real one
+MAX_RESIDUAL = 0.02  # root mean square of the inliers' residuals / depth
+
+
+@dataclass
+class Registration:
+    """The fit of one frame against its reference: X_this = scale * rotation @ X_reference + translation (metres
+    of the clip). ok: the fit passed the checks (else `reason` says which failed); matches: features followed
+    into this frame with a depth in both; inliers, inlier_ratio = inliers / matches; residual: root mean square
+    of the inliers' residuals / depth."""
+
+    ok: bool
+    scale: float = math.nan
+    rotation: Optional[np.ndarray] = None
+    translation: Optional[np.ndarray] = None
+    matches: int = 0
+    inliers: int = 0
+    inlier_ratio: float = 0.0
+    residual: float = math.nan
+    reason: Optional[str] = None
+
+    def record(self) -> dict:
+        """The JSON-ready numbers of this fit."""
+
+        def finite(x: float) -> Optional[float]:
+            return round(float(x), 6) if math.isfinite(x) else None
+
+        return {
+            "registered": bool(self.ok),
+            "matches": int(self.matches),
+            "inliers": int(self.inliers),
+            "inlier_ratio": round(float(self.inlier_ratio), 4),
+            "residual": finite(self.residual),
+            "relative_scale": finite(self.scale),
+            "error": self.reason,
+        }
+
+
+def shrink_grey(rgb: np.ndarray, side: int = TRACK_SIDE) -> np.ndarray:
+    """(h, w) uint8 grey image of an (H, W, 3) RGB frame, its longer side shrunk to at most `side`."""
+    import cv2
+
+    if rgb.dtype != np.uint8:
+        rgb = np.rint(np.clip(rgb, 0.0, 1.0) * 255.0).astype(np.uint8)
+    grey = cv2.cvtColor(np.ascontiguousarray(rgb), cv2.COLOR_RGB2GRAY)
+    h, w = grey.shape
+    shrink = side / max(h, w)
+    if shrink >= 1.0:
+        return grey
+    return cv2.resize(grey, (max(1, round(w * shrink)), max(1, round(h * shrink))), interpolation=cv2.INTER_AREA)
+
+
+_TAPS = np.arange(-1, 3)  # the 4x4 pixels around a position: floor(x) - 1 ... floor(x) + 2
+_PLANE = np.stack(  # [1, dx, dy] of those 16 pixels, from the middle of the four inner ones
+    [np.ones(16), np.tile(_TAPS - 0.5, 4), np.repeat(_TAPS - 0.5, 4)], axis=1
+)
+_PLANE_FIT = np.linalg.pinv(_PLANE)  # (3, 16): least-squares plane coefficients of 16 values
+
+
+def lift(
+    pixels: np.ndarray, depth: np.ndarray, mask: np.ndarray, intrinsics_pixels: np.ndarray, offset: float = 0.0
+) -> np.ndarray:
+    """(N, 3) camera-space points of full-resolution pixel positions (N, 2) (centres at +0.5) through the depth
+    map (+ `offset` metres), NaN where there is no usable depth. `intrinsics_pixels` (3, 3) in pixels of the
+    depth map.
+
+    A plane is fitted (least squares) to the inverse depth of the 4x4 pixels around the position, and the depth
+    is the plane's at the position: inverse depth is linear across a planar surface, so a plane's depth is exact,
+    and pixel noise averages out. The position has no usable depth unless those 16 pixels are valid and finite
+    and none is off the plane by more than DEPTH_EDGE_RTOL of the inverse depth: on a depth edge the 16 pixels
+    hold two surfaces, and the feature may belong to either."""
+    n = len(pixels)
+    out = np.full((n, 3), np.nan)
+    h, w = depth.shape
+    if n == 0 or h < 4 or w < 4:
+        return out
+    x, y = pixels[:, 0] - 0.5, pixels[:, 1] - 0.5  # in pixel-centre coordinates
+    x0 = np.clip(np.floor(x).astype(np.intp), 1, w - 3)
+    y0 = np.clip(np.floor(y).astype(np.intp), 1, h - 3)
+    rows, cols = (y0[:, None] + _TAPS)[:, :, None], (x0[:, None] + _TAPS)[:, None, :]
+    patch = (depth[rows, cols].astype(np.float64) + offset).reshape(n, 16)
+    good = mask[rows, cols].reshape(n, 16).all(axis=1) & np.isfinite(patch).all(axis=1) & (patch > 0).all(axis=1)
+    inverse = 1.0 / np.where(good[:, None], patch, 1.0)
+    plane = inverse @ _PLANE_FIT.T  # (n, 3): inverse depth at the middle, per pixel across, per pixel down
+    off_plane = np.abs(inverse - plane @ _PLANE.T).max(axis=1)
+    good &= off_plane <= DEPTH_EDGE_RTOL * plane[:, 0]
+    q = plane[:, 0] + plane[:, 1] * (x - x0 - 0.5) + plane[:, 2] * (y - y0 - 0.5)
+    good &= q > 0
+    fx, fy, cx, cy = (float(intrinsics_pixels[i, j]) for i, j in ((0, 0), (1, 1), (0, 2), (1, 2)))
+    u, v, z = pixels[good, 0], pixels[good, 1], 1.0 / q[good]
+    out[good] = np.stack([(u - cx) / fx * z, (v - cy) / fy * z, z], axis=1)
+    return out
+
+
+def umeyama(src: np.ndarray, dst: np.ndarray, weights: Optional[np.ndarray] = None) -> tuple:
+    """The similarity (s, R, t) minimising sum w |dst - (s R src + t)|^2 (Umeyama 1991). src, dst (..., N, 3):
+    leading dimensions are separate problems (RANSAC's hypotheses), solved at once."""
+    w = np.ones(src.shape[:-1]) if weights is None else np.broadcast_to(weights, src.shape[:-1])
+    w = w / w.sum(axis=-1, keepdims=True)
+    mu_s = (w[..., None] * src).sum(axis=-2)
+    mu_d = (w[..., None] * dst).sum(axis=-2)
+    a, b = src - mu_s[..., None, :], dst - mu_d[..., None, :]
+    cov = np.einsum("...n,...ni,...nj->...ij", w, b, a)
+    u, sigma, vt = np.linalg.svd(cov)
+    d = np.ones(sigma.shape)
+    d[..., 2] = np.sign(np.linalg.det(u) * np.linalg.det(vt))
+    rotation = u @ (d[..., :, None] * vt)
+    var = (w * (a * a).sum(axis=-1)).sum(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = (sigma * d).sum(axis=-1) / var
+    translation = mu_d - scale[..., None] * np.einsum("...ij,...j->...i", rotation, mu_s)
+    return scale, rotation, translation
+
+
+def _residual(src: np.ndarray, dst: np.ndarray, scale, rotation, translation) -> np.ndarray:
+    """|dst - (s R src + t)| / dst's depth, per hypothesis and point: (K, N) for K hypotheses."""
+    moved = scale[:, None, None] * (rotation @ src.T) + translation[:, :, None]  # (K, 3, N)
+    diff = dst.T[None] - moved
+    return np.sqrt((diff * diff).sum(axis=1)) / dst[None, :, 2]
+
+
+def fit_similarity(src: np.ndarray, dst: np.ndarray, seed: int = 0) -> tuple:
+    """RANSAC + weighted refit of X_dst = s R X_src + t on matched 3D points (N, 3) (dst's z > 0).
+    Returns (scale, rotation, translation, inlier mask); scale is NaN when there is no fit."""
+    n = len(src)
+    none = (math.nan, None, None, np.zeros(n, bool))
+    if n < 3:
+        return none
+    rng = np.random.default_rng(seed)
+    triples = rng.integers(0, n, (RANSAC_TRIALS, 3))
+    distinct = (triples[:, 0] != triples[:, 1]) & (triples[:, 0] != triples[:, 2]) & (triples[:, 1] != triples[:, 2])
+    scale, rotation, translation = umeyama(src[triples[distinct]], dst[triples[distinct]])
+    usable = np.isfinite(scale) & (scale > 0)
+    if not usable.any():
+        return none
+    scale, rotation, translation = scale[usable], rotation[usable], translation[usable]
+    best = int((_residual(src, dst, scale, rotation, translation) < INLIER_RTOL).sum(axis=1).argmax())
+    fit = (scale[best : best + 1], rotation[best : best + 1], translation[best : best + 1])
+    residual = _residual(src, dst, *fit)[0]
+    inliers = residual < INLIER_RTOL
+    for _ in range(4):  # refit on the inliers, with a threshold from their own spread, until they stop changing
+        if inliers.sum() < 3:
+            break
+        s, r, t = umeyama(src[inliers], dst[inliers], 1.0 / dst[inliers, 2] ** 2)
+        if not (np.isfinite(s) and s > 0):
+            break
+        fit = (np.array([s]), r[None], t[None])
+        residual = _residual(src, dst, *fit)[0]
+        spread = 1.4826 * float(np.median(residual[inliers]))  # a robust standard deviation of the inliers
+        again = residual < min(INLIER_RTOL, max(MIN_INLIER_RTOL, INLIER_SIGMAS * spread))
+        if np.array_equal(again, inliers):
+            break
+        inliers = again
+    return float(fit[0][0]), fit[1][0], fit[2][0], inliers
+
+
+def _check(src: np.ndarray, dst: np.ndarray, seed: int) -> tuple:
+    """(Registration, inlier mask) of the fit of matched points, with the checks applied."""
+    matches = len(src)
+    if matches < MIN_INLIERS:
+        reason = f"too few features followed into this frame with a depth ({matches} < {MIN_INLIERS})"
+        return Registration(False, matches=matches, reason=reason), np.zeros(matches, bool)
+    scale, rotation, translation, inliers = fit_similarity(src, dst, seed)
+    count = int(inliers.sum())
+    residual = math.nan
+    if count >= 3 and rotation is not None:
+        res = _residual(src[inliers], dst[inliers], np.array([scale]), rotation[None], translation[None])[0]
+        residual = float(np.sqrt(np.mean(res * res)))
+    reg = Registration(True, scale, rotation, translation, matches, count, count / matches, residual)
+    if count < MIN_INLIERS:
+        reg.ok, reg.reason = False, f"too few inliers ({count} < {MIN_INLIERS})"
+    elif reg.inlier_ratio < MIN_INLIER_RATIO:
+        reg.ok, reg.reason = False, f"inlier share {reg.inlier_ratio:.2f} < {MIN_INLIER_RATIO}"
+    elif not SCALE_RANGE[0] <= scale <= SCALE_RANGE[1]:
+        reg.ok, reg.reason = False, f"scale change {scale:.3f} outside {SCALE_RANGE}"
+    elif not residual <= MAX_RESIDUAL:
+        reg.ok, reg.reason = False, f"residual {residual:.4f} of the depth > {MAX_RESIDUAL}"
+    return reg, inliers
+
+
+class Tracker:
+    """The reference frame of the registration chain and the features followed from it.
+
+    `start` makes a frame the reference (the first frame of a clip); `register` fits a frame against the
+    reference; `advance` makes the registered frame the new reference. Geometry comes in as each frame's depth,
+    mask and pixel intrinsics (its own, or the clip's), with `offset` metres added to the depth."""
+
+    def __init__(self, side: int = TRACK_SIDE, points: int = TRACK_POINTS, seed: int = 0):
+        self.side, self.points, self.seed = side, points, seed
+        self.grey: Optional[np.ndarray] = None  # the reference's shrunk grey image
+        self.tracks = np.zeros((0, 2), np.float32)  # its features, shrunk-image pixels (OpenCV: centres at 0, 1, ...)
+        self.xyz = np.zeros((0, 3))  # their consistent 3D points, the reference's camera axes
+        self._pending: Optional[tuple] = None  # what `register` found, for `advance`
+
+    @property
+    def started(self) -> bool:
+        return self.grey is not None
+
+    def _full(self, tracks: np.ndarray, shape: tuple) -> np.ndarray:
+        """Shrunk-image positions -> full-resolution pixel positions (centres at +0.5)."""
+        sy, sx = shape[0] / self.grey.shape[0], shape[1] / self.grey.shape[1]
+        return np.stack([(tracks[:, 0] + 0.5) * sx, (tracks[:, 1] + 0.5) * sy], axis=1).astype(np.float64)
+
+    def _fill(self, grey: np.ndarray, tracks: np.ndarray) -> np.ndarray:
+        """`tracks` plus new corners of `grey` away from them, up to `self.points` in all."""
+        import cv2
+
+        want = self.points - len(tracks)
+        if len(tracks) >= _REFILL * self.points:
+            return tracks
+        # no new corner in a cell of _MIN_DISTANCE pixels that holds a track, nor in the cells around it
+        h, w = grey.shape
+        cells = np.ones((h // _MIN_DISTANCE + 3, w // _MIN_DISTANCE + 3), bool)
+        if len(tracks):
+            cx = np.clip(tracks[:, 0] // _MIN_DISTANCE, 0, cells.shape[1] - 3).astype(np.intp)
+            cy = np.clip(tracks[:, 1] // _MIN_DISTANCE, 0, cells.shape[0] - 3).astype(np.intp)
+            for dy in (0, 1, 2):
+                for dx in (0, 1, 2):
+                    cells[cy + dy, cx + dx] = False
+        free = np.repeat(np.repeat(cells[1:-1, 1:-1], _MIN_DISTANCE, 0), _MIN_DISTANCE, 1)[:h, :w]
+        free = np.ascontiguousarray(np.pad(free, ((0, max(0, h - free.shape[0])), (0, max(0, w - free.shape[1])))))
+        corners = cv2.goodFeaturesToTrack(grey, want, 0.01, _MIN_DISTANCE, mask=free.astype(np.uint8), blockSize=5)
+        if corners is None:
+            return tracks
+        return np.concatenate([tracks, corners.reshape(-1, 2).astype(np.float32)])
+
+    def start(self, rgb: np.ndarray, depth: np.ndarray, mask: np.ndarray, k_pixels: np.ndarray, offset=0.0, scale=1.0):
+        """Make this frame the reference; its points are its depth's x `scale` (the clip's scale)."""
+        self.grey = shrink_grey(rgb, self.side)
+        tracks = self._fill(self.grey, np.zeros((0, 2), np.float32))
+        xyz = lift(self._full(tracks, depth.shape), depth, mask, k_pixels, offset) * scale
+        keep = np.isfinite(xyz).all(axis=1)
+        self.tracks, self.xyz, self._pending = tracks[keep], xyz[keep], None
+
+    def register(self, rgb: np.ndarray, depth: np.ndarray, mask: np.ndarray, k_pixels: np.ndarray, offset=0.0):
+        """The fit of this frame (its depth as the model gave it, + offset) against the reference."""
+        import cv2
+
+        grey = shrink_grey(rgb, self.side)
+        if grey.shape != self.grey.shape:
+            raise ValueError(f"frame of {grey.shape[::-1]} (shrunk) against a reference of {self.grey.shape[::-1]}")
+        self._pending = None
+        if len(self.tracks) == 0:
+            return Registration(False, reason="the reference frame has no feature with a depth")
+        moved, status, _ = cv2.calcOpticalFlowPyrLK(self.grey, grey, self.tracks.reshape(-1, 1, 2), None, **_LK)
+        moved = moved.reshape(-1, 2)
+        h, w = grey.shape
+        ok = (status.ravel() == 1) & (moved[:, 0] >= 0) & (moved[:, 0] <= w - 1)
+        ok &= (moved[:, 1] >= 0) & (moved[:, 1] <= h - 1)
+        xyz = np.full((len(moved), 3), np.nan)
+        xyz[ok] = lift(self._full(moved[ok], depth.shape), depth, mask, k_pixels, offset)
+        ok &= np.isfinite(xyz).all(axis=1)
+        reg, inliers = _check(self.xyz[ok], xyz[ok], self.seed)
+        self._pending = (grey, moved[ok][inliers], xyz[ok][inliers], depth.shape, depth, mask, k_pixels, offset)
+        return reg
+
+    def advance(self, correction: float) -> None:
+        """After a good `register`: that frame becomes the reference, its points x `correction` (1 / the fit's
+        scale: consistent with the clip), its inlier tracks kept and new corners added."""
+        grey, tracks, xyz, shape, depth, mask, k_pixels, offset = self._pending
+        self.grey, self._pending = grey, None
+        kept = len(tracks)
+        tracks = self._fill(grey, tracks.astype(np.float32))
+        new_xyz = lift(self._full(tracks[kept:], shape), depth, mask, k_pixels, offset)
+        xyz = np.concatenate([xyz, new_xyz]) * correction
+        keep = np.isfinite(xyz).all(axis=1)
+        self.tracks, self.xyz = tracks[keep], xyz[keep]

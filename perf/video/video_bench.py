@@ -1,0 +1,165 @@
+"""The video path's cost: the host work it adds per frame (registration, consistency, fusion), and frames/s of a
+whole clip beside plain `predict_many` on the same frames.
+
+1. host: the analytic walk (`tt_moge.testing.scene.camera_path`) rendered at --size (1920x1080 by default), its
+   frames' outputs made by the stand-in model (`tt_moge.testing.video.VideoOracle`, the camera given, so no
+   time goes to a network), then `video.predict.ClipChain.step` on each frame, timed alone: what the video
+   path adds to every frame on top of the model's own call (`tt_moge.video.registration`: shrink to 640 px,
+   KLT, lift, RANSAC; the scale applied to depth and points; the voxel cloud). Alternated, frame by frame, with
+   the model's own host post-processing of the same frame (`host.postprocess`: solve + finish at that size),
+   for scale. Wall and CPU milliseconds (of the process, OpenCV's and the native library's threads included;
+   nothing else runs in it meanwhile), median over the frames (the first, which only starts the chain, left
+   out), with the split into register / scale / fuse (wall).
+2. clip: a random-weight checkpoint (tiny-vits-normal) on the CPU over --clip-frames frames of the walk at
+   --clip-size: `model.predict_many(frames)` against `model.predict_video(frames)` (its calibration frames run
+   twice) and `predict_video(frames, intrinsics=K)`, calls alternated --repeats times; frames/s (wall) and frames
+   per CPU second of the process (which moves less with other jobs' load on a shared machine) and their ratios.
+   On the CPU the forward dominates; on a Tenstorrent chip or a GPU the host work of part 1 is what must stay
+   below the device's time per frame.
+
+    python -m perf.video.video_bench                        # both parts, defaults
+    python -m perf.video.video_bench --part host --frames 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+from ..common import cpu_line, finish_report, median, timed_both
+
+
+def _size(text: str) -> tuple:
+    w, h = text.lower().split("x")
+    return int(w), int(h)
+
+
+def host_part(size: tuple, frames: int) -> dict:
+    from tt_moge.host import CallOptions, plan_canvas, postprocess
+    from tt_moge.testing.scene import camera_path, render_path
+    from tt_moge.testing.video import VideoOracle, symmetric_errors
+    from tt_moge.video.calibrate import Calibration
+    from tt_moge.video.predict import ClipChain
+
+    t = time.perf_counter()
+    renders = render_path(camera_path(frames, length=0.1 * frames), *size)
+    print(f"rendered {frames} frames of {size[0]}x{size[1]} in {time.perf_counter() - t:.1f} s", flush=True)
+    k = renders[0].intrinsics
+    oracle = VideoOracle(renders, scale_errors=symmetric_errors(frames, 0.15, 1), noise=0.005, holes=0.05)
+    call = CallOptions.make(intrinsics=k)
+    plan = plan_canvas(size, size, "pad")
+    chain = ClipChain(None, 0)
+    start = Calibration(0, frames, None, 1.0, (1.0, 50.0))
+    ours = {"wall": [], "cpu": [], "register": [], "scale": [], "fuse": []}
+    model = {"wall": [], "cpu": []}
+    registered = 0
+    for i, r in enumerate(renders):
+        raw = oracle.raw_maps(i)
+        w0, c0 = time.perf_counter(), time.process_time()
+        out = postprocess(raw, plan, call)  # the model's own host work on this frame, for scale
+        model["wall"].append((time.perf_counter() - w0) * 1e3)
+        model["cpu"].append((time.process_time() - c0) * 1e3)
+        timing: dict = {}
+        w0, c0 = time.perf_counter(), time.process_time()
+        frame = chain.step(i, r.image, out, start if i == 0 else None, 30.0, timing)
+        wall, cpu = (time.perf_counter() - w0) * 1e3, (time.process_time() - c0) * 1e3
+        registered += frame.registered
+        if i == 0:
+            continue  # it only starts the chain
+        ours["wall"].append(wall)
+        ours["cpu"].append(cpu)
+        for key in ("register", "scale", "fuse"):
+            ours[key].append(timing[key])
+    result = {
+        "size": list(size),
+        "frames": frames,
+        "registered": registered,
+        "video_ms": {k: round(median(v), 2) for k, v in ours.items()},
+        "postprocess_ms": {k: round(median(v), 2) for k, v in model.items()},
+    }
+    result["ratio_wall"] = round(result["video_ms"]["wall"] / result["postprocess_ms"]["wall"], 3)
+    result["ratio_cpu"] = round(result["video_ms"]["cpu"] / result["postprocess_ms"]["cpu"], 3)
+    v, p = result["video_ms"], result["postprocess_ms"]
+    print(
+        f"host per {size[0]}x{size[1]} frame, median of {frames - 1} ({registered}/{frames} registered):\n"
+        f"  video path (ClipChain.step): {v['wall']:.2f} ms wall, {v['cpu']:.2f} ms CPU "
+        f"(register {v['register']:.2f}, scale {v['scale']:.2f}, fuse {v['fuse']:.2f} ms wall)\n"
+        f"  the model's own post-processing (solve + finish): {p['wall']:.2f} ms wall, {p['cpu']:.2f} ms CPU\n"
+        f"  ratio video / post-processing: {result['ratio_wall']:.2f} wall, {result['ratio_cpu']:.2f} CPU"
+    )
+    return result
+
+
+def clip_part(size: tuple, frames: int, repeats: int, canvas: tuple) -> dict:
+    from tt_moge import MoGeModel
+    from tt_moge.testing import make_checkpoint
+    from tt_moge.testing.scene import camera_path, render_path
+
+    renders = render_path(camera_path(frames, length=0.1 * frames), *size)
+    images = [r.image for r in renders]
+    k = renders[0].intrinsics
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_checkpoint(tmp, "tiny-vits-normal")
+        with MoGeModel.from_pretrained(
+            ckpt, device="cpu", resolution=canvas, num_tokens=1200, warmup=1, warmup_variants="none", precision="fp32"
+        ) as model:
+            calls = {
+                "predict_many": lambda: model.predict_many(images),
+                "predict_video": lambda: model.predict_video(images),
+                "predict_video_given_k": lambda: model.predict_video(images, intrinsics=k),
+            }
+            wall: dict = {name: [] for name in calls}
+            cpu: dict = {name: [] for name in calls}
+            for _ in range(repeats):
+                for name, call in calls.items():
+                    w, c = timed_both(call)
+                    wall[name].append(w)
+                    cpu[name].append(c)
+    fps = {name: round(frames / median(s), 3) for name, s in wall.items()}
+    fpcs = {name: round(frames / median(s), 3) for name, s in cpu.items()}  # frames per CPU second of the process
+    result = {
+        "size": list(size),
+        "frames": frames,
+        "canvas": list(canvas),
+        "repeats": repeats,
+        "frames_per_second": fps,
+        "frames_per_cpu_second": fpcs,
+        "ratio_to_predict_many": {n: round(fps[n] / fps["predict_many"], 3) for n in fps},
+        "cpu_ratio_to_predict_many": {n: round(fpcs[n] / fpcs["predict_many"], 3) for n in fpcs},
+    }
+    print(f"clip of {frames} frames {size[0]}x{size[1]}, tiny model on a {canvas[0]}x{canvas[1]} canvas (CPU):")
+    for name in calls:
+        print(
+            f"  {name:24s} {fps[name]:7.3f} frames/s ({result['ratio_to_predict_many'][name]:.2f} x predict_many), "
+            f"{fpcs[name]:7.3f} frames per CPU second ({result['cpu_ratio_to_predict_many'][name]:.2f} x)"
+        )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("host", "clip", "both"), default="both")
+    parser.add_argument("--size", type=_size, default=(1920, 1080), help="host part: frame size (default 1920x1080)")
+    parser.add_argument("--frames", type=int, default=16, help="host part: frames (default 16)")
+    parser.add_argument("--clip-size", type=_size, default=(640, 360), help="clip part: frame size (default 640x360)")
+    parser.add_argument("--clip-frames", type=int, default=32, help="clip part: frames (default 32)")
+    parser.add_argument("--canvas", type=_size, default=(448, 252), help="clip part: the model's canvas")
+    parser.add_argument("--repeats", type=int, default=2, help="clip part: alternated calls of each (default 2)")
+    parser.add_argument("--json", help="also write the numbers to this JSON file")
+    args = parser.parse_args()
+    print(cpu_line())
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the start", flush=True)
+    result: dict = {"cpu": cpu_line()}
+    if args.part in ("host", "both"):
+        result["host"] = host_part(args.size, args.frames)
+    if args.part in ("clip", "both"):
+        result["clip"] = clip_part(args.clip_size, args.clip_frames, args.repeats, args.canvas)
+    result["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
+    finish_report(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
