@@ -101,11 +101,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..export import DEFAULT_FORMATS, missing_format_library
     from ..inputs import InputPathError
 
+    # Every option reaches the job from its definition: the model flags as from_pretrained's arguments, and each
+    # field of BatchJob that is an option (the call and clip options it includes, its own settings) by name.
+    options = option_values(args, BatchJob)
     formats = chosen_formats(args)
-    if args.output_format == "parquet" and formats:
+    if options["output_format"] == "parquet" and formats:
         parser.error("--maps/--npz/--ply/--glb choose the files of --format files; parquet rows always hold the npz")
     formats = formats or list(DEFAULT_FORMATS)
-    missing = missing_format_library(formats if args.output_format == "files" else [])
+    missing = missing_format_library(formats if options["output_format"] == "files" else [])
     if missing:
         say(missing)
         return EXIT_START
@@ -113,15 +116,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     def on_failure(path: str, error: str) -> None:  # errors print with -q too
         print(f"tt-moge: failed: {error}", file=sys.stderr, flush=True)
 
-    # Every option reaches the job from its definition: the model flags as from_pretrained's arguments, and each
-    # field of BatchJob that is an option (the call and clip options it includes, its own settings) by name.
     job = BatchJob(
-        args.inputs,
-        args.output,
-        model=model_kwargs(args),
-        formats=formats,
-        mesh_step=args.mesh_step,
-        **option_values(args, BatchJob),
+        args.inputs, args.output, model=model_kwargs(args), formats=formats, mesh_step=args.mesh_step, **options
     )
     try:  # options that are wrong together (fov_x and intrinsics; window < calibration_frames) are usage errors
         job.call_options()
