@@ -231,3 +231,34 @@ def test_a_field_added_in_one_place_reaches_every_surface(tmp_path, checkpoint):
     assert done.returncode == 0, done.stderr[-3000:]
     failures = json.loads(done.stdout.strip().splitlines()[-1])
     assert failures == [], f"surfaces that did not get the new fields: {failures}"
+
+
+def test_tt_prepare_takes_its_model_flags_from_load_options(monkeypatch, tmp_path):
+    """`python -m tt_moge.cli.tt_prepare` prepares what a model loaded with the same flags runs: LoadOptions' canvas,
+    token budget and revision (the pinned one, not the default branch) unless its flags say otherwise."""
+    import tt_moge.runners.ttnn.runner as runner
+    import tt_moge.weights
+    from tt_moge.cli import tt_prepare
+    from tt_moge.fields import options_of
+    from tt_moge.options import LoadOptions
+
+    seen: dict = {}
+    monkeypatch.setattr(tt_moge.weights, "load_network", lambda w, r: seen.update(weights=w, revision=r) or (0, 0))
+    monkeypatch.setattr(
+        runner,
+        "prepared_weights",
+        lambda net, canvas, tokens, cache: seen.update(canvas=canvas, tokens=tokens) or (0, 1),
+    )
+    defaults = {info.name: info.default for info in options_of(LoadOptions)}
+    assert tt_prepare.main(["--weights", "someone/repo", "--cache", str(tmp_path)]) == 0
+    assert seen == dict(
+        weights="someone/repo",
+        revision=defaults["revision"],
+        canvas=defaults["resolution"],
+        tokens=defaults["num_tokens"],
+    )
+    assert (
+        tt_prepare.main(["--weights", "w", "--revision", "main", "--resolution", "640x480", "--num-tokens", "1200"])
+        == 0
+    )
+    assert seen == dict(weights="w", revision=None, canvas=(640, 480), tokens=1200)

@@ -167,9 +167,14 @@ def chosen_formats(args: argparse.Namespace) -> list:
     return [f for f in FORMATS if getattr(args, f)]
 
 
-def model_kwargs(args: argparse.Namespace) -> dict:
-    """The keyword arguments of `MoGeModel.from_pretrained` that the model flags stand for."""
-    return {info.argument: getattr(args, _dest(info)) for info in options_of(LoadOptions)}
+def model_kwargs(args: argparse.Namespace, only: Optional[tuple] = None) -> dict:
+    """The keyword arguments of `MoGeModel.from_pretrained` that the model flags stand for (`only`: those of a
+    command that added only these, as `add_model_arguments(only=...)`; the others keep their defaults)."""
+    return {
+        info.argument: getattr(args, _dest(info))
+        for info in options_of(LoadOptions)
+        if only is None or info.name in only
+    }
 
 
 def call_options(args: argparse.Namespace) -> CallOptions:
