@@ -129,6 +129,15 @@ CHECKS = textwrap.dedent("""
     check("from_npz", lambda: tt_moge.MoGeOutput.from_npz(out.to_npz_bytes()).sharpness == 0.25)
     check("summary", lambda: out.summary().get("sharpness") == 0.25)
     check("predict_many", lambda: model.predict_many([rgb], sharpen=True)[0].sharpness == 0.25)
+    import torch
+    chw = torch.from_numpy(rgb).permute(2, 0, 1).float() / 255
+    check("infer signature", lambda: "sharpen" in inspect.signature(MoGeModel.infer).parameters)
+    check("infer(image, sharpen=True)", lambda: model.infer(chw, sharpen=True)["depth"].shape == (60, 80))
+    infer_calls, real_infer = [], MoGeModel.infer
+    MoGeModel.infer = lambda self, image, **kwargs: infer_calls.append(kwargs) or real_infer(self, image, **kwargs)
+    check("warm-up of infer passes the option", lambda: model.warmup(call="infer", sharpen=True) > 0
+          and infer_calls[-1].get("sharpen") is True)
+    MoGeModel.infer = real_infer
 
     # --- the server and its web page
     from PIL import Image
