@@ -160,6 +160,7 @@ CHECKS = textwrap.dedent("""
         check("POST /predict npz", lambda: "sharpness" in np.load(io.BytesIO(
             client.post("/predict", params={"sharpen": "true"}, **body).content)).files)
         check("page controls", lambda: "sharpen" in [o["name"] for o in client.get("/ui/api/config").json()["options"]])
+        check("page numbers", lambda: "sharpness" in [n["key"] for n in client.get("/ui/api/config").json()["numbers"]])
         page = {}
         check("page result", lambda: page.update(client.post("/ui/api/predict", params={"sharpen": "true"},
                                                              **body).json()) or page["summary"]["sharpness"] == 0.25)
