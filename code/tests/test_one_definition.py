@@ -272,3 +272,20 @@ def test_tt_prepare_takes_its_model_flags_from_load_options(monkeypatch, tmp_pat
         == 0
     )
     assert seen == dict(weights="w", revision=None, canvas=(640, 480), tokens=1200)
+
+
+@pytest.mark.parametrize("page, record", [("server.md", "ServerSettings"), ("batch.md", "BatchJob")])
+def test_the_docs_list_every_generated_flag_with_its_default(page, record):
+    """docs/server.md and docs/batch.md have a row per flag generated from ServerSettings / BatchJob, with the
+    default that --help shows (a new setting without its row, or a default changed in one place only, fails)."""
+    from tt_moge.batch import BatchJob
+    from tt_moge.fields import own_options
+    from tt_moge.server.settings import ServerSettings
+
+    rows = [line for line in (PACKAGE.parents[1] / "docs" / page).read_text().splitlines() if line.startswith("| `")]
+    for info in own_options({"ServerSettings": ServerSettings, "BatchJob": BatchJob}[record]):
+        names = [f"| `{info.flag}`", f"| `{info.flag} "] + ([f"| `{info.spec.short}`"] if info.spec.short else [])
+        row = next((line for line in rows if line.startswith(tuple(names))), None)
+        assert row is not None, f"docs/{page} has no row for {info.flag}"
+        if info.default is not None and info.type is not bool:
+            assert f" {info.shown_default()} |" in row or f"`{info.shown_default()}` |" in row, (info.flag, row)
