@@ -140,10 +140,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"  images finished so far are kept; rerun the same command to do the rest"
         )
         return EXIT_START
-    if not args.quiet:
-        print(f"tt-moge batch: {summary.line()}; outputs in {Path(args.output)}/")
+    if not job.quiet:
+        print(f"tt-moge batch: {summary.line()}; outputs in {Path(job.out)}/")
         if summary.failed:
-            print(f"  failed: {summary.failed} (see {Path(args.output) / FAILURES_FILE})")
+            print(f"  failed: {summary.failed} (see {Path(job.out) / FAILURES_FILE})")
     return EXIT_IMAGES_FAILED if summary.failed else EXIT_OK
 
 
