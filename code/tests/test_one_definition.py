@@ -212,7 +212,7 @@ CHECKS = textwrap.dedent("""
     MoGeModel.load = lambda options: served.update(options=options) or model  # the app closes it at the end
     code = cli_main(["serve", "--weights", sys.argv[1], "--device", "cpu", "--resolution", "128x96",
                      "--num-tokens", "1200", "--precision", "fp32", "--warmup", "0", "--warmup-variants", "none",
-                     "--port", "0", "--no-access-log", "--log-level", "warning", "--cache-tag", "t",
+                     "--port", "0", "--no-access-log", "--log-level", "warning", "--no-ui", "--cache-tag", "t",
                      "--banner", "b"])
     check("tt-moge serve ran", lambda: code == 0 and "summary" in served)
     check("tt-moge serve: the load option reaches the model it loads", lambda: served["options"].cache_tag == "t")
