@@ -4,6 +4,9 @@ whose PredictionService returns a fixed, well-formed MoGeOutput at each image's 
 
     python -m tests.stand_in predict photos/ -o out/      # from code/: the tt-moge command with the stand-in
     with stand_in(monkeypatch): main(["predict", ...])    # in a test's own process
+
+`in_process_ray()` stands in for Ray the same way, for a batch job whose Ray is not the point: the driver
+(`run_batch`) and the replicas (`batch.replica`) run as they are, in this process, one batch after the other.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import contextlib
 import os
 import sys
 import time
+import types
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -83,6 +87,50 @@ def stand_in(monkeypatch: Any, model: Optional[StandInModel] = None) -> Iterator
     model = model or StandInModel()
     monkeypatch.setattr(predict_cli, "load_model", lambda args: model)
     yield model
+
+
+class _Dataset:
+    """What a batch job uses of a Ray Data dataset, run in this process: each map_batches stage in turn (a class
+    is made once with its fn_constructor_kwargs, as Ray makes an actor), batches of `batch_size` rows."""
+
+    def __init__(self, rows: list, stages: tuple = ()):
+        self.rows, self.stages = rows, stages
+
+    def map_batches(self, fn: Any, batch_size: Optional[int] = None, fn_constructor_kwargs: Any = None, **_: Any):
+        return _Dataset(self.rows, self.stages + ((fn, batch_size or len(self.rows) or 1, fn_constructor_kwargs),))
+
+    def iter_batches(self, batch_size: Any = None, batch_format: str = "numpy") -> Iterator[dict]:
+        batches = [{k: [r[k] for r in self.rows[i : i + 1]] for k in self.rows[0]} for i in range(len(self.rows))]
+        for fn, size, kwargs in self.stages:
+            fn = fn(**(kwargs or {})) if isinstance(fn, type) else fn
+            rows = [{k: batch[k][i] for k in batch} for batch in batches for i in range(len(batch["name"]))]
+            batches = [fn({k: [r[k] for r in rows[i : i + size]] for k in rows[0]}) for i in range(0, len(rows), size)]
+        yield from batches
+
+
+@contextlib.contextmanager
+def in_process_ray() -> Iterator[types.ModuleType]:
+    """`import ray` (and `ray.data`) give a stand-in that runs a batch job's stages in this process, as a Ray that
+    this process already started (so `run_batch` neither starts nor stops one). Restores the real modules after."""
+    ray = types.ModuleType("ray")
+    data = types.ModuleType("ray.data")
+    context = types.SimpleNamespace(enable_progress_bars=True)
+    data.DataContext = types.SimpleNamespace(get_current=lambda: context)
+    data.ActorPoolStrategy = lambda size=1, **_: types.SimpleNamespace(size=size)
+    data.from_items = lambda items, **_: _Dataset(list(items))
+    ray.data = data
+    ray.is_initialized = lambda: True
+    ray.cluster_resources = lambda: {"CPU": 1024.0, "GPU": 1024.0}
+    saved = {name: sys.modules.get(name) for name in ("ray", "ray.data")}
+    sys.modules.update({"ray": ray, "ray.data": data})
+    try:
+        yield ray
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
 
 
 def main(argv: list) -> int:

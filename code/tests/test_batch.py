@@ -359,6 +359,8 @@ def test_the_package_imports_without_ray():
         (["--cpus-per-replica", "0"], "argument --cpus-per-replica: expected a finite number > 0"),
         (["--object-store-mb", "1"], "argument --object-store-mb: expected an integer >= 80"),
         (["--format", "csv"], "invalid choice"),
+        (["--fov-x", "60", "--intrinsics", "100,100,50,50"], "give one of them"),
+        (["--calibration-frames", "8", "--window", "4"], "must be at least calibration_frames"),
     ],
 )
 def test_bad_command_lines_exit_2(photos, tmp_path, args, message):

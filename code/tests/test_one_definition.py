@@ -1,10 +1,15 @@
-"""One definition per option and per output field: a load option, a call option and an output field, each added
-in one place only (its dataclass field), reach every surface.
+"""One definition per option and per output field: a load option, a call option, an output field, a server setting
+and a batch job setting, each added in one place only (its dataclass field), reach every surface.
 
-The test copies the package, adds the three fields to the copy's sources (`LoadOptions` in options.py,
-`CallOptions` in host/pipeline.py, `MoGeOutput` in output.py), and checks in a fresh process that the copy's
-command line, Python signatures, BatchJob, warm-up keys, HTTP query parameters and OpenAPI schema, npz,
-summary and web page all carry them. A surface that keeps its own list of names misses them and fails here."""
+The test copies the package, adds the five fields to the copy's sources (`LoadOptions` in options.py,
+`CallOptions` in host/pipeline.py, `MoGeOutput` in output.py, `ServerSettings` in server/settings.py, `BatchJob`
+in batch/job.py), and checks in a fresh process that the copy's command line, Python signatures, BatchJob,
+warm-up keys, HTTP query parameters and OpenAPI schema, npz, summary and web page all carry them; then that what
+the commands are given reaches what they run: `tt-moge serve` (its uvicorn stood in for by a TestClient) hands the
+load option to the model it loads and the setting to the server, and `tt-moge batch` (Ray and the replicas'
+model stood in for, in this process: tests/stand_in.py) hands the load option to the replicas' model, the call
+option to every call of it and the job setting to its BatchJob. A surface that keeps its own list of names, or
+forwards options by hand, misses them and fails here."""
 
 from __future__ import annotations
 
@@ -31,6 +36,12 @@ NEW_FIELDS = [
     ),
     ("host/pipeline.py", "CallOptions", 'sharpen: bool = option(False, "sharpen the image first (test)")'),
     (
+        "server/settings.py",
+        "ServerSettings",
+        'banner: Optional[str] = option(None, "a line for the log (test)", metavar="TEXT")',
+    ),
+    ("batch/job.py", "BatchJob", 'note: Optional[str] = option(None, "a note on the job (test)", metavar="TEXT")'),
+    (
         "output.py",
         "MoGeOutput",
         'sharpness: float = output_field("how sharp the image is (test)", ("float32", "()"), summary="sharpness", '
@@ -52,7 +63,8 @@ def add_field(path: Path, class_name: str, source: str) -> None:
 
 
 CHECKS = textwrap.dedent("""
-    import dataclasses, inspect, io, json, sys, warnings
+    import dataclasses, inspect, io, json, sys, time, warnings
+    from pathlib import Path
     import numpy as np
 
     import tt_moge
@@ -117,6 +129,15 @@ CHECKS = textwrap.dedent("""
     check("from_npz", lambda: tt_moge.MoGeOutput.from_npz(out.to_npz_bytes()).sharpness == 0.25)
     check("summary", lambda: out.summary().get("sharpness") == 0.25)
     check("predict_many", lambda: model.predict_many([rgb], sharpen=True)[0].sharpness == 0.25)
+    import torch
+    chw = torch.from_numpy(rgb).permute(2, 0, 1).float() / 255
+    check("infer signature", lambda: "sharpen" in inspect.signature(MoGeModel.infer).parameters)
+    check("infer(image, sharpen=True)", lambda: model.infer(chw, sharpen=True)["depth"].shape == (60, 80))
+    infer_calls, real_infer = [], MoGeModel.infer
+    MoGeModel.infer = lambda self, image, **kwargs: infer_calls.append(kwargs) or real_infer(self, image, **kwargs)
+    check("warm-up of infer passes the option", lambda: model.warmup(call="infer", sharpen=True) > 0
+          and infer_calls[-1].get("sharpen") is True)
+    MoGeModel.infer = real_infer
 
     # --- the server and its web page
     from PIL import Image
@@ -139,11 +160,65 @@ CHECKS = textwrap.dedent("""
         check("POST /predict npz", lambda: "sharpness" in np.load(io.BytesIO(
             client.post("/predict", params={"sharpen": "true"}, **body).content)).files)
         check("page controls", lambda: "sharpen" in [o["name"] for o in client.get("/ui/api/config").json()["options"]])
+        check("page numbers", lambda: "sharpness" in [n["key"] for n in client.get("/ui/api/config").json()["numbers"]])
         page = {}
         check("page result", lambda: page.update(client.post("/ui/api/predict", params={"sharpen": "true"},
                                                              **body).json()) or page["summary"]["sharpness"] == 0.25)
         check("page download", lambda: "sharpness" in np.load(io.BytesIO(
             client.get(page["downloads"]["result.npz"]).content)).files)
+
+    # --- what reaches the model: tt-moge batch, with Ray and the replicas' model stood in for (in this process)
+    sys.path.append(sys.argv[3])  # code/, for the tests' stand-ins; tt_moge is still the copy
+    from tests.stand_in import StandInModel, in_process_ray
+    import tt_moge.batch as batch_package
+    from tt_moge.cli import main as cli_main
+    tmp = Path.cwd()
+    (tmp / "photos").mkdir()
+    Image.fromarray(rgb).save(tmp / "photos" / "a.png")
+    loads, jobs, replica_model = [], [], StandInModel()
+    real_from_pretrained, real_run_batch = MoGeModel.from_pretrained, batch_package.run_batch
+    MoGeModel.from_pretrained = lambda *args, **kwargs: loads.append(kwargs) or replica_model
+    batch_package.run_batch = lambda job, **kwargs: jobs.append(job) or real_run_batch(job, **kwargs)
+    with in_process_ray():
+        code = cli_main(["batch", str(tmp / "photos"), "-o", str(tmp / "batch"), "--npz", "-q", "--weights",
+                         sys.argv[1], "--device", "cpu", "--cache-tag", "t", "--sharpen", "--note", "n"])
+    MoGeModel.from_pretrained, batch_package.run_batch = real_from_pretrained, real_run_batch
+    check("tt-moge batch ran", lambda: code == 0 and (tmp / "batch" / "a" / "result.npz").is_file())
+    check("tt-moge batch: the load option reaches the replicas' model", lambda: loads[0]["cache_tag"] == "t")
+    check("tt-moge batch: the call option reaches each call of the model",
+          lambda: replica_model.calls and all(o.sharpen is True for o in replica_model.calls))
+    check("tt-moge batch: the job setting reaches BatchJob", lambda: jobs[0].note == "n")
+
+    # --- what reaches the model and the server: tt-moge serve, its uvicorn stood in for by a TestClient
+    import tt_moge.cli.serve as serve_cli
+    served = {}
+
+    class Server:  # what run() starts: here the app runs in a TestClient; the CLI's own socket is closed
+        def __init__(self, config):
+            self.config = config
+
+        def run(self, sockets):
+            for sock in sockets:
+                sock.close()
+            with TestClient(self.config.app) as client:
+                deadline = time.monotonic() + 120
+                while client.get("/ready").status_code != 200 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                served["settings"] = self.config.app.serving.settings
+                served["info"] = client.get("/info").json()
+                served["summary"] = client.post("/predict/summary", params={"sharpen": "true"}, **body).json()
+
+    serve_cli._make_server = lambda uvicorn, config, on_stop: Server(config)
+    MoGeModel.load = lambda options: served.update(options=options) or model  # the app closes it at the end
+    code = cli_main(["serve", "--weights", sys.argv[1], "--device", "cpu", "--resolution", "128x96",
+                     "--num-tokens", "1200", "--precision", "fp32", "--warmup", "0", "--warmup-variants", "none",
+                     "--port", "0", "--no-access-log", "--log-level", "warning", "--no-ui", "--cache-tag", "t",
+                     "--banner", "b"])
+    check("tt-moge serve ran", lambda: code == 0 and "summary" in served)
+    check("tt-moge serve: the load option reaches the model it loads", lambda: served["options"].cache_tag == "t")
+    check("tt-moge serve: the setting reaches the server", lambda: served["settings"].banner == "b")
+    check("tt-moge serve: /info lists the setting", lambda: served["info"]["server"]["limits"]["banner"] == "b")
+    check("tt-moge serve: the call option reaches the model", lambda: served["summary"]["sharpness"] == 0.25)
     model.close()
     print(json.dumps(failures))
 """)
@@ -156,7 +231,7 @@ def test_a_field_added_in_one_place_reaches_every_surface(tmp_path, checkpoint):
         add_field(copy / relative, class_name, source)
     env = {**os.environ, "PYTHONPATH": str(copy.parent), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-c", CHECKS, str(checkpoint("tiny-vits-normal")), str(copy)],
+        [sys.executable, "-c", CHECKS, str(checkpoint("tiny-vits-normal")), str(copy), str(PACKAGE.parent)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -166,3 +241,51 @@ def test_a_field_added_in_one_place_reaches_every_surface(tmp_path, checkpoint):
     assert done.returncode == 0, done.stderr[-3000:]
     failures = json.loads(done.stdout.strip().splitlines()[-1])
     assert failures == [], f"surfaces that did not get the new fields: {failures}"
+
+
+def test_tt_prepare_takes_its_model_flags_from_load_options(monkeypatch, tmp_path):
+    """`python -m tt_moge.cli.tt_prepare` prepares what a model loaded with the same flags runs: LoadOptions' canvas,
+    token budget and revision (the pinned one, not the default branch) unless its flags say otherwise."""
+    import tt_moge.runners.ttnn.runner as runner
+    import tt_moge.weights
+    from tt_moge.cli import tt_prepare
+    from tt_moge.fields import options_of
+    from tt_moge.options import LoadOptions
+
+    seen: dict = {}
+    monkeypatch.setattr(tt_moge.weights, "load_network", lambda w, r: seen.update(weights=w, revision=r) or (0, 0))
+    monkeypatch.setattr(
+        runner,
+        "prepared_weights",
+        lambda net, canvas, tokens, cache: seen.update(canvas=canvas, tokens=tokens) or (0, 1),
+    )
+    defaults = {info.name: info.default for info in options_of(LoadOptions)}
+    assert tt_prepare.main(["--weights", "someone/repo", "--cache", str(tmp_path)]) == 0
+    assert seen == dict(
+        weights="someone/repo",
+        revision=defaults["revision"],
+        canvas=defaults["resolution"],
+        tokens=defaults["num_tokens"],
+    )
+    assert (
+        tt_prepare.main(["--weights", "w", "--revision", "main", "--resolution", "640x480", "--num-tokens", "1200"])
+        == 0
+    )
+    assert seen == dict(weights="w", revision=None, canvas=(640, 480), tokens=1200)
+
+
+@pytest.mark.parametrize("page, record", [("server.md", "ServerSettings"), ("batch.md", "BatchJob")])
+def test_the_docs_list_every_generated_flag_with_its_default(page, record):
+    """docs/server.md and docs/batch.md have a row per flag generated from ServerSettings / BatchJob, with the
+    default that --help shows (a new setting without its row, or a default changed in one place only, fails)."""
+    from tt_moge.batch import BatchJob
+    from tt_moge.fields import own_options
+    from tt_moge.server.settings import ServerSettings
+
+    rows = [line for line in (PACKAGE.parents[1] / "docs" / page).read_text().splitlines() if line.startswith("| `")]
+    for info in own_options({"ServerSettings": ServerSettings, "BatchJob": BatchJob}[record]):
+        names = [f"| `{info.flag}`", f"| `{info.flag} "] + ([f"| `{info.spec.short}`"] if info.spec.short else [])
+        row = next((line for line in rows if line.startswith(tuple(names))), None)
+        assert row is not None, f"docs/{page} has no row for {info.flag}"
+        if info.default is not None and info.type is not bool:
+            assert f" {info.shown_default()} |" in row or f"`{info.shown_default()}` |" in row, (info.flag, row)

@@ -5,9 +5,11 @@ how each surface spells it.
 `model(image, ...)`) are made of such fields. Everything else is generated from them: the signatures of
 `from_pretrained`, `model(...)`, `predict`, `predict_many` and `CallOptions.make`, the command-line flags
 (`cli/common.py`), the HTTP query parameters and the web page's controls (`server/serving.py`, `server/ui.py`),
-the fields of `batch.BatchJob` and the keys of a warm-up variant (`warmup.py`). A new option is one new field;
-no surface keeps a list of names (tests/test_one_definition.py checks it). The output fields have their own
-definitions, in `output.py`.
+the fields of `batch.BatchJob` and the keys of a warm-up variant (`warmup.py`). The server's limits
+(`server.settings.ServerSettings`) and a batch job's own settings (`batch.BatchJob`) are such fields too: their
+flags, checks and forwarding are generated the same way. A new option is one new field; no surface keeps a list
+of names (tests/test_one_definition.py checks it, down to what reaches the model). The output fields have their
+own definitions, in `output.py`.
 
 This module is the machinery only; it imports nothing of tt_moge.
 """
@@ -24,6 +26,7 @@ from typing import Any, Callable, Optional
 
 __all__ = [
     "Spec",
+    "Limit",
     "OptionInfo",
     "option",
     "options_of",
@@ -31,6 +34,7 @@ __all__ = [
     "bind",
     "checked",
     "include_options",
+    "own_options",
     "non_negative_int",
     "FIELD_KEY",
 ]
@@ -53,6 +57,12 @@ class Spec:
               into a usage error).
     check     value -> checked value; raises a ValueError / TypeError naming the argument.
     bounds    (low, high): a number strictly between them, finite (the API's query limits too).
+    limit     a `Limit`: a number at least (or above) a minimum; it gives the check and, without `parse`, the
+              command-line parser too.
+    show      value -> its command-line text, where the flag's unit differs from the field's (bytes given in MiB):
+              the flag's default in --help; `parse` is its inverse.
+    group     the --help group of the flag, where a command puts the options of one record in more than one
+              (`cli.common.add_options`); None: the record's main group.
     warm      for a warm-up variant: None, the value is part of the variant's key; else only "given or not"
               matters, and a given one warms with the value `warm`.
     argtype   the type the argument accepts, where it differs from the field's (a resolved record's) type.
@@ -70,6 +80,51 @@ class Spec:
     bounds: Optional[tuple] = None
     warm: Any = None
     argtype: Any = None
+    limit: Optional["Limit"] = None
+    show: Optional[Callable[[Any], str]] = None
+    group: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A number option's range: at least `low` (above it, with `strict`), finite, an int when `integer`, None
+    allowed when `optional`. The same words say it on every surface: "a positive integer", "a number >= 0"."""
+
+    low: float
+    integer: bool = True
+    strict: bool = False
+    optional: bool = False
+
+    def expected(self) -> str:
+        if self.integer:
+            return "a positive integer" if self.low == 1 and not self.strict else f"an integer >= {self.low:g}"
+        return f"a finite number > {self.low:g}" if self.strict else f"a number >= {self.low:g}"
+
+    def _inside(self, value: float) -> bool:
+        return math.isfinite(value) and (value > self.low if self.strict else value >= self.low)
+
+    def parse(self, text: str) -> Any:
+        """Command-line text -> the number; a ValueError saying what was expected."""
+        if self.integer:
+            ok = text.strip().isdigit()
+            value: Any = int(text) if ok else None
+        else:
+            try:
+                value, ok = float(text), True
+            except ValueError:
+                value, ok = None, False
+        if not ok or not self._inside(value):
+            raise ValueError(f"expected {self.expected()}, got {text!r}")
+        return value
+
+    def check(self, name: str, value: Any, error: type = ValueError) -> Any:
+        """`value` checked (an int stays an int, a float a float); `error` names the option."""
+        if value is None and self.optional:
+            return None
+        kinds = (int,) if self.integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not self._inside(value):
+            raise error(f"{name} must be {self.expected()}{' or None' * self.optional}, got {value!r}")
+        return int(value) if self.integer else value
 
 
 @dataclass(frozen=True)
@@ -86,9 +141,18 @@ class OptionInfo:
     def flag(self) -> str:
         return self.spec.flag or "--" + self.argument.replace("_", "-")
 
+    @property
+    def parse(self) -> Optional[Callable[[str], Any]]:
+        """Command-line text -> value: the definition's `parse`, else its limit's (None: the text itself)."""
+        return self.spec.parse or (self.spec.limit.parse if self.spec.limit is not None else None)
+
+    def shown_default(self) -> Any:
+        """The default as the flag says it: `show(default)` where the flag has its own unit, else the default."""
+        return self.spec.show(self.default) if self.spec.show is not None and self.default is not None else self.default
+
     def describe(self) -> str:
         """The help text with its default filled in (for surfaces other than argparse)."""
-        return self.spec.help.replace("%(default)s", str(self.default)).replace("%%", "%")
+        return self.spec.help.replace("%(default)s", str(self.shown_default())).replace("%%", "%")
 
 
 def option(default: Any, help: str, *, required: bool = False, **spec: Any) -> Any:
@@ -154,6 +218,8 @@ def checked(info: OptionInfo, value: Any, error: type = ValueError, type_error: 
             raise error(f"{name} must be one of {spec.choices}, got {value!r}")
     if spec.check is not None:
         return spec.check(value)
+    if spec.limit is not None:
+        return spec.limit.check(name, value, error)
     if spec.bounds is not None and value is not None:
         low, high = spec.bounds
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -163,22 +229,27 @@ def checked(info: OptionInfo, value: Any, error: type = ValueError, type_error: 
     return value
 
 
+_INCLUDED = "__tt_moge_included__"  # a class attribute: the names of the fields that include_options copied
+
+
 def include_options(source: type, *, after: str) -> Callable[[type], type]:
     """A class decorator, applied before @dataclass: the option fields of the dataclass `source` become fields
-    of the decorated class too, right after its field `after` (same names, types, defaults and metadata)."""
+    of the decorated class too, right after its field `after` (same names, types, defaults and metadata).
+    `own_options` leaves them out."""
 
     def decorate(cls: type) -> type:
         own = dict(cls.__dict__.get("__annotations__", {}))
         if after not in own:
             raise TypeError(f"{cls.__name__} has no field {after!r} to put the options of {source.__name__} after")
         annotations: dict = {}
+        resolved = typing.get_type_hints(source)  # its names resolve in its own module, not in cls's
         for name, annotation in own.items():
             annotations[name] = annotation
             if name == after:
                 for f in dataclasses.fields(source):
                     if f.name in own:
                         raise TypeError(f"{cls.__name__}.{f.name} would shadow the option of {source.__name__}")
-                    annotations[f.name] = f.type
+                    annotations[f.name] = resolved.get(f.name, f.type)
                     default = (
                         {"default": f.default}
                         if f.default is not dataclasses.MISSING
@@ -186,9 +257,17 @@ def include_options(source: type, *, after: str) -> Callable[[type], type]:
                     )
                     setattr(cls, f.name, dataclasses.field(**default, metadata=f.metadata))
         cls.__annotations__ = annotations
+        setattr(cls, _INCLUDED, cls.__dict__.get(_INCLUDED, ()) + tuple(f.name for f in dataclasses.fields(source)))
         return cls
 
     return decorate
+
+
+def own_options(cls: type) -> tuple:
+    """The options of `cls` that it defines itself: those of `options_of(cls)` that `include_options` did not copy
+    from another record (a BatchJob's own settings, without the call and clip options)."""
+    included = set(cls.__dict__.get(_INCLUDED, ()))
+    return tuple(info for info in options_of(cls) if info.name not in included)
 
 
 def non_negative_int(text: str) -> int:

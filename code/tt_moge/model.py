@@ -215,11 +215,14 @@ class MoGeModel:
         num_tokens: Optional[int] = None,
         resolution_level: int = 9,
         use_fp16: bool = True,
+        **options: Any,
     ) -> dict:
         """Drop-in for upstream `MoGeModel.infer`: (3, H, W) or (B, 3, H, W) float in [0, 1] -> dict of torch
         tensors points, intrinsics, depth, mask, normal (batched for a batched input). Images are fitted with
-        fit="pad". `num_tokens` must be None or the load-time budget; `resolution_level` and `use_fp16` are
-        ignored (the precision is chosen at load)."""
+        fit="pad" unless `fit` says otherwise. `num_tokens` must be None or the load-time budget;
+        `resolution_level` and `use_fp16` are ignored (the precision is chosen at load). The named arguments are
+        upstream's; `options` are the other options of `model(image, ...)` (the fields of `host.CallOptions`,
+        e.g. fit, intrinsics), as there."""
         self.service.check_open()
         if num_tokens is not None and num_tokens != self.num_tokens:
             raise ValueError(
@@ -233,10 +236,9 @@ class MoGeModel:
             fovs = [float(f) for f in fov_x]
         else:
             fovs = [fov_x] * len(items)
-        outs = [
-            self.predict(img, fov_x=f, apply_mask=apply_mask, force_projection=force_projection).to_torch()
-            for img, f in zip(items, fovs)
-        ]
+        given = {**options, "force_projection": force_projection, "apply_mask": apply_mask}
+        calls = [_call_options("infer", {**given, "fov_x": f}) for f in fovs]  # checked before any forward
+        outs = [self.service.predict(img, call).to_torch() for img, call in zip(items, calls)]
         result = {k: torch.stack([o[k] for o in outs]) if batched else outs[0][k] for k in outs[0]}
         return {k: v.to(device) for k, v in result.items()}
 
@@ -313,6 +315,14 @@ def _generated_signatures() -> None:
                 ]
             )
         method.__signature__ = sig
+    upstream = [p for p in inspect.signature(MoGeModel.infer).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    MoGeModel.infer.__signature__ = inspect.Signature(
+        [
+            *upstream,
+            *(p for p in signature(CallOptions).parameters.values() if p.name not in {q.name for q in upstream}),
+        ],
+        return_annotation=dict,
+    )
     from .video.predict import video_signature
 
     MoGeModel.predict_video.__signature__ = video_signature(

@@ -4,8 +4,8 @@ Each field of `MoGeOutput` is the one definition of an output (`output_field`): 
 shape in the npz, its dtype in memory and its key in the summary. Generated from these definitions: the npz
 layout (`NPZ_LAYOUT`: `save_npz`, the server's `/predict` response, the CLI and batch jobs), `from_npz`, the
 summary record (`summary()` and `SUMMARY_FIELDS`: the server's /predict/summary, result.json, Parquet rows, the
-web page) and `sliced` (every map cut to a grid). A new output is one new field here, and its producer in
-`host/finish.py`.
+web page's numbers, `SUMMARY_SHOWN`) and `sliced` (every map cut to a grid). A new output is one new field here,
+and its producer in `host/finish.py`.
 
 | key                 | dtype   | shape     | content                                                     |
 |---------------------|---------|-----------|-------------------------------------------------------------|
@@ -35,6 +35,8 @@ __all__ = [
     "MoGeOutput",
     "NPZ_LAYOUT",
     "SUMMARY_FIELDS",
+    "SUMMARY_SHOWN",
+    "Shown",
     "INFER_KEYS",
     "OutputField",
     "output_field",
@@ -46,6 +48,17 @@ _KEY = "tt_moge.output"  # the key of a field's OutputField in its dataclass met
 
 
 @dataclass(frozen=True)
+class Shown:
+    """How the web page shows a number of the summary: `label`, then `value * scale` with `digits` decimals and
+    `unit` (e.g. a fraction as a percentage: scale 100, unit " %")."""
+
+    label: str
+    digits: int = 4
+    unit: str = ""
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class OutputField:
     """One output, for people and for each surface.
 
@@ -54,6 +67,7 @@ class OutputField:
     memory    its numpy dtype in memory, where it differs from the npz dtype (scalars are Python floats).
     summary   its key in the summary record (None: not in it; maps are summarised by derived numbers).
     optional  it may be None (then it is absent from the npz), e.g. the normal of a model without that head.
+    shown     how the web page shows its summary number (`Shown`; default: its content, 4 decimals).
     """
 
     content: str
@@ -61,6 +75,7 @@ class OutputField:
     memory: Optional[str] = None
     summary: Optional[str] = None
     optional: bool = False
+    shown: Optional[Shown] = None
 
     @property
     def is_map(self) -> bool:
@@ -78,10 +93,11 @@ def output_field(
     memory: Optional[str] = None,
     summary: Optional[str] = None,
     optional: bool = False,
+    shown: Optional[Shown] = None,
     **default: Any,
 ) -> Any:
     """A dataclass field of MoGeOutput that is an output (see `OutputField`); `default=...` gives it a default."""
-    return dataclasses.field(**default, metadata={_KEY: OutputField(content, npz, memory, summary, optional)})
+    return dataclasses.field(**default, metadata={_KEY: OutputField(content, npz, memory, summary, optional, shown)})
 
 
 def finite_or_none(x: Any) -> Optional[float]:
@@ -122,10 +138,20 @@ class MoGeOutput:
     )
     intrinsics_pixels: np.ndarray = output_field("in pixels", ("float32", "(3, 3)"), summary="intrinsics_pixels")
     metric_scale: float = output_field(
-        "the predicted scale, already applied", ("float32", "()"), summary="metric_scale"
+        "the predicted scale, already applied", ("float32", "()"), summary="metric_scale", shown=Shown("Metric scale")
     )
-    fov_x: float = output_field("horizontal field of view, degrees", ("float32", "()"), summary="fov_x_deg")
-    fov_y: float = output_field("vertical field of view, degrees", ("float32", "()"), summary="fov_y_deg")
+    fov_x: float = output_field(
+        "horizontal field of view, degrees",
+        ("float32", "()"),
+        summary="fov_x_deg",
+        shown=Shown("Horizontal field of view", 1, "°"),
+    )
+    fov_y: float = output_field(
+        "vertical field of view, degrees",
+        ("float32", "()"),
+        summary="fov_y_deg",
+        shown=Shown("Vertical field of view", 1, "°"),
+    )
 
     @property
     def size(self) -> tuple:
@@ -279,6 +305,16 @@ class MoGeOutput:
 
 _FIELDS: dict = {f.name: f.metadata[_KEY] for f in fields(MoGeOutput)}  # {name: OutputField}, in field order
 NPZ_LAYOUT: dict = {name: spec.npz for name, spec in _FIELDS.items()}  # {key: (dtype, shape)}
+# The numbers the summary derives from the maps: {key: (type, what it is, how the web page shows it or None)}.
+_DERIVED: dict = {
+    "valid_fraction": (float, "share of pixels with mask == 1", Shown("Valid pixels", 1, " %", 100.0)),
+    "median_depth_m": (
+        Optional[float],
+        "median depth of the valid pixels, metres; null when none is valid",
+        Shown("Median depth", 2, " m"),
+    ),
+    "has_normal": (bool, "whether there is a normal map (the model has a normal head)", None),
+}
 # The summary record: {key: (type, what it is)}, in its order (the server's Summary is generated from it).
 SUMMARY_FIELDS: dict = {
     "width": (int, "image width, pixels"),
@@ -288,9 +324,17 @@ SUMMARY_FIELDS: dict = {
         for name, spec in _FIELDS.items()
         if spec.summary is not None
     },
-    "valid_fraction": (float, "share of pixels with mask == 1"),
-    "median_depth_m": (Optional[float], "median depth of the valid pixels, metres; null when none is valid"),
-    "has_normal": (bool, "whether there is a normal map (the model has a normal head)"),
+    **{key: (kind, what) for key, (kind, what, _) in _DERIVED.items()},
+}
+# The numbers of the summary the web page shows, {key: Shown}, in the summary's order: every scalar output's,
+# then the derived ones that say how (the page's numbers table is built from this, served by /ui/api/config).
+SUMMARY_SHOWN: dict = {
+    **{
+        spec.summary: spec.shown or Shown(spec.content)
+        for spec in _FIELDS.values()
+        if spec.summary is not None and spec.is_scalar
+    },
+    **{key: shown for key, (_, _, shown) in _DERIVED.items() if shown is not None},
 }
 # The keys of upstream MoGe's `infer()` dict, in its order.
 INFER_KEYS = ("points", "intrinsics", "depth", "mask", "normal")

@@ -176,14 +176,9 @@ def run_variant(model: Any, key: tuple, photos: dict) -> None:
         inputs = [_input(v["input"], photo, Path(tmp), i) for i in range(2 if v["call"] == "predict_many" else 1)]
         if v["call"] == "forward":
             model.forward(inputs[0])
-        elif v["call"] == "infer":
+        elif v["call"] == "infer":  # upstream's (3, H, W) float input, with every call option
             image = inputs[0]
-            model.infer(
-                image[0] if hasattr(image, "dim") else image,
-                fov_x=options["fov_x"],
-                apply_mask=options["apply_mask"],
-                force_projection=options["force_projection"],
-            )
+            model.infer(image[0] if hasattr(image, "dim") else image, **options)
         elif v["call"] == "predict_many":
             model.predict_many(inputs, **options)
         else:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ..export import DEFAULT_FORMATS, DEFAULT_MESH_STEP, FORMATS, check_formats
-from ..fields import include_options, options_of
+from ..fields import Limit, checked, include_options, option, options_of, own_options
 from ..host import CallOptions
 from ..options import LoadOptions
 from ..video import VideoOptions
@@ -46,6 +46,15 @@ __all__ = [
 
 DEFAULT_BATCH_SIZE = 4  # images per actor call (one predict_many); also images per read task
 DEFAULT_MAX_RETRIES = 3  # restarts of a dead replica, and retries of the batch it was running
+_ONE = Limit(1)
+
+
+def _check_address(address: Optional[str]) -> Optional[str]:
+    if address is not None and (not isinstance(address, str) or not address.strip()):
+        raise ValueError(f"address must be a Ray address such as ray://head:10001, or None, got {address!r}")
+    return address
+
+
 # Passed on to the replicas (they may run on other machines, where the driver's environment is not inherited).
 FORWARDED_ENV = ("MOGE_WEIGHTS_DIR", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE")
 
@@ -123,20 +132,58 @@ class BatchJob:
     inputs: Sequence[Union[str, os.PathLike]]
     out: Union[str, os.PathLike]
     model: dict = field(default_factory=dict)
-    # + the fields of CallOptions (include_options)
-    formats: Sequence[str] = DEFAULT_FORMATS
+    # + the fields of CallOptions and VideoOptions (include_options)
+    formats: Sequence[str] = DEFAULT_FORMATS  # the format flags of tt-moge predict / batch (cli.common)
     mesh_step: int = DEFAULT_MESH_STEP
-    output_format: str = "files"
-    replicas: int = 1
-    cpus_per_replica: Optional[float] = None
-    gpus_per_replica: Optional[float] = None
-    batch_size: int = DEFAULT_BATCH_SIZE
-    writers: int = 2
-    max_retries: int = DEFAULT_MAX_RETRIES
-    address: Optional[str] = None
-    object_store_mb: int = DEFAULT_OBJECT_STORE_MB
-    quiet: bool = False
-    progress: bool = True
+    # The job's own settings: each is the one definition of its `tt-moge batch` flag (cli.common.add_options).
+    output_format: str = option(
+        "files",
+        "files: a folder per image, as tt-moge predict (default); parquet: sharded Parquet rows",
+        flag="--format",
+        choices=OUTPUT_FORMATS,
+        group="output",
+    )
+    address: Optional[str] = option(
+        None,
+        "a Ray cluster, e.g. ray://head:10001 or auto (default: $RAY_ADDRESS, else a local Ray)",
+        metavar="ADDR",
+        check=_check_address,
+    )
+    replicas: int = option(1, "model replicas (actors), one model each (default %(default)s)", metavar="N", limit=_ONE)
+    cpus_per_replica: Optional[float] = option(
+        None,
+        "CPUs per replica, also its torch threads (default: local CPU runs, the cores / replicas; else 1)",
+        metavar="X",
+        limit=Limit(0, integer=False, strict=True, optional=True),
+    )
+    gpus_per_replica: Optional[float] = option(
+        None,
+        "GPUs per replica, fractions share a GPU (default: 1 when the replicas run on CUDA: --device cuda, or no "
+        "--device where torch sees a GPU and Ray is local; else 0)",
+        metavar="X",
+        limit=Limit(0, integer=False, optional=True),
+    )
+    batch_size: int = option(
+        DEFAULT_BATCH_SIZE,
+        "images per replica call, one predict_many (default %(default)s)",
+        metavar="N",
+        limit=_ONE,
+    )
+    writers: int = option(2, "file-writing threads per replica (default %(default)s)", metavar="N", limit=_ONE)
+    max_retries: int = option(
+        DEFAULT_MAX_RETRIES,
+        "restarts of a replica that died, and retries of its batch (default %(default)s)",
+        metavar="N",
+        limit=Limit(0),
+    )
+    object_store_mb: int = option(
+        DEFAULT_OBJECT_STORE_MB,
+        f"object store of a local Ray, at least {MIN_OBJECT_STORE_MB} (Ray's minimum; default %(default)s)",
+        metavar="MB",
+        limit=Limit(MIN_OBJECT_STORE_MB),
+    )
+    quiet: bool = option(False, "no progress output and no summary; errors still print", short="-q")
+    progress: bool = True  # a progress bar on stderr (unless quiet); the API's own, no flag
 
     def call_options(self) -> CallOptions:
         """The options applied to every image, validated (a ValueError naming the option)."""
@@ -155,30 +202,13 @@ class BatchJob:
 
     def checked_formats(self) -> tuple:
         """Validate the job's own options (a ValueError naming the field); returns the format groups."""
-        if self.output_format not in OUTPUT_FORMATS:
-            raise ValueError(f"output_format must be one of {OUTPUT_FORMATS}, got {self.output_format!r}")
+        for info in own_options(type(self)):  # each setting's own check (a ValueError naming it)
+            checked(info, getattr(self, info.name))
         formats = check_formats(self.formats)
         if not formats:
             raise ValueError(f"formats: expected at least one of {', '.join(FORMATS)}")
-        for name, low in (
-            ("replicas", 1),
-            ("batch_size", 1),
-            ("max_retries", 0),
-            ("object_store_mb", MIN_OBJECT_STORE_MB),
-            ("writers", 1),
-            ("mesh_step", 1),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        for name in ("cpus_per_replica", "gpus_per_replica"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
-            ):
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        if self.cpus_per_replica == 0:
-            raise ValueError("cpus_per_replica must be > 0 (a replica runs the host steps on the CPU)")
+        if isinstance(self.mesh_step, bool) or not isinstance(self.mesh_step, int) or self.mesh_step < 1:
+            raise ValueError(f"mesh_step must be an integer >= 1, got {self.mesh_step!r}")
         return formats
 
 

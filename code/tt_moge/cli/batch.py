@@ -9,18 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..batch import (
-    DEFAULT_BATCH_SIZE,
-    DEFAULT_MAX_RETRIES,
-    DEFAULT_OBJECT_STORE_MB,
-    FAILURES_FILE,
-    MIN_OBJECT_STORE_MB,
-    OUTPUT_FORMATS,
-    RECORD_FILE,
-    SHARDS_DIR,
-)
+from ..batch import FAILURES_FILE, RECORD_FILE, SHARDS_DIR, BatchJob
 from ..video.options import VideoOptions
-from . import argtypes
 from .common import (
     DEFAULT_OUTPUT,
     EXIT_CODES,
@@ -32,7 +22,6 @@ from .common import (
     add_format_arguments,
     add_model_arguments,
     add_options,
-    call_options,
     chosen_formats,
     format_group_title,
     model_kwargs,
@@ -94,13 +83,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT", help=f"output folder (default ./{DEFAULT_OUTPUT})"
     )
-    parser.add_argument(
-        "--format",
-        choices=OUTPUT_FORMATS,
-        default="files",
-        dest="output_format",
-        help="files: a folder per image, as tt-moge predict (default); parquet: sharded Parquet rows",
-    )
+    add_options(parser, BatchJob, section="output")  # --format
     add_format_arguments(parser.add_argument_group("files of --format files: " + format_group_title()))
     add_call_arguments(parser)
     add_options(
@@ -108,79 +91,24 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         VideoOptions,
     )
     add_model_arguments(parser)
-    ray = parser.add_argument_group("Ray")
-    ray.add_argument(
-        "--address",
-        default=None,
-        metavar="ADDR",
-        help="a Ray cluster, e.g. ray://head:10001 or auto (default: $RAY_ADDRESS, else a local Ray)",
-    )
-    ray.add_argument(
-        "--replicas",
-        type=argtypes.positive_int,
-        default=1,
-        metavar="N",
-        help="model replicas (actors), one model each (default 1)",
-    )
-    ray.add_argument(
-        "--cpus-per-replica",
-        type=argtypes.positive_float,
-        default=None,
-        metavar="X",
-        help="CPUs per replica, also its torch threads (default: local CPU runs, the cores / replicas; else 1)",
-    )
-    ray.add_argument(
-        "--gpus-per-replica",
-        type=argtypes.non_negative_float,
-        default=None,
-        metavar="X",
-        help="GPUs per replica, fractions share a GPU (default: 1 when the replicas run on CUDA: --device "
-        "cuda, or no --device where torch sees a GPU and Ray is local; else 0)",
-    )
-    ray.add_argument(
-        "--batch-size",
-        type=argtypes.positive_int,
-        default=DEFAULT_BATCH_SIZE,
-        metavar="N",
-        help=f"images per replica call, one predict_many (default {DEFAULT_BATCH_SIZE})",
-    )
-    ray.add_argument(
-        "--writers",
-        type=argtypes.positive_int,
-        default=2,
-        metavar="N",
-        help="file-writing threads per replica (default 2)",
-    )
-    ray.add_argument(
-        "--max-retries",
-        type=argtypes.non_negative_int,
-        default=DEFAULT_MAX_RETRIES,
-        metavar="N",
-        help=f"restarts of a replica that died, and retries of its batch (default {DEFAULT_MAX_RETRIES})",
-    )
-    ray.add_argument(
-        "--object-store-mb",
-        type=argtypes.int_at_least(MIN_OBJECT_STORE_MB),
-        default=DEFAULT_OBJECT_STORE_MB,
-        metavar="MB",
-        help=f"object store of a local Ray, at least {MIN_OBJECT_STORE_MB} (Ray's minimum; "
-        f"default {DEFAULT_OBJECT_STORE_MB})",
-    )
-    ray.add_argument("-q", "--quiet", action="store_true", help="no progress output and no summary; errors still print")
+    add_options(parser.add_argument_group("Ray"), BatchJob)  # the job's own settings, one flag each
     return parser
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`tt-moge batch` with parsed arguments -> exit code."""
-    from ..batch import BatchJob, RayMissingError, run_batch
+    from ..batch import RayMissingError, run_batch
     from ..export import DEFAULT_FORMATS, missing_format_library
     from ..inputs import InputPathError
 
+    # Every option reaches the job from its definition: the model flags as from_pretrained's arguments, and each
+    # field of BatchJob that is an option (the call and clip options it includes, its own settings) by name.
+    options = option_values(args, BatchJob)
     formats = chosen_formats(args)
-    if args.output_format == "parquet" and formats:
+    if options["output_format"] == "parquet" and formats:
         parser.error("--maps/--npz/--ply/--glb choose the files of --format files; parquet rows always hold the npz")
     formats = formats or list(DEFAULT_FORMATS)
-    missing = missing_format_library(formats if args.output_format == "files" else [])
+    missing = missing_format_library(formats if options["output_format"] == "files" else [])
     if missing:
         say(missing)
         return EXIT_START
@@ -189,24 +117,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"tt-moge: failed: {error}", file=sys.stderr, flush=True)
 
     job = BatchJob(
-        args.inputs,
-        args.output,
-        model=model_kwargs(args),
-        **call_options(args).kwargs(),
-        **option_values(args, VideoOptions),
-        formats=formats,
-        mesh_step=args.mesh_step,
-        output_format=args.output_format,
-        replicas=args.replicas,
-        cpus_per_replica=args.cpus_per_replica,
-        gpus_per_replica=args.gpus_per_replica,
-        batch_size=args.batch_size,
-        writers=args.writers,
-        max_retries=args.max_retries,
-        address=args.address,
-        object_store_mb=args.object_store_mb,
-        quiet=args.quiet,
+        args.inputs, args.output, model=model_kwargs(args), formats=formats, mesh_step=args.mesh_step, **options
     )
+    try:  # options that are wrong together (fov_x and intrinsics; window < calibration_frames) are usage errors
+        job.call_options()
+        job.video_options()
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         summary = run_batch(job, on_failure=on_failure)
     except RayMissingError as exc:
@@ -223,10 +140,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"  images finished so far are kept; rerun the same command to do the rest"
         )
         return EXIT_START
-    if not args.quiet:
-        print(f"tt-moge batch: {summary.line()}; outputs in {Path(args.output)}/")
+    if not job.quiet:
+        print(f"tt-moge batch: {summary.line()}; outputs in {Path(job.out)}/")
         if summary.failed:
-            print(f"  failed: {summary.failed} (see {Path(args.output) / FAILURES_FILE})")
+            print(f"  failed: {summary.failed} (see {Path(job.out) / FAILURES_FILE})")
     return EXIT_IMAGES_FAILED if summary.failed else EXIT_OK
 
 

@@ -11,7 +11,7 @@ import warnings
 from typing import Any, Optional
 
 from ..export import DEFAULT_FORMATS, DEFAULT_MESH_STEP, FORMATS
-from ..fields import OptionInfo, options_of
+from ..fields import OptionInfo, options_of, own_options
 from ..host import CallOptions
 from ..options import LoadOptions
 from . import argtypes
@@ -73,6 +73,8 @@ def _add_option(group: Any, info: OptionInfo, default: Any) -> None:
     """One flag of an option, as its definition says (tt_moge.fields.Spec)."""
     spec = info.spec
     flags = ([spec.short] if spec.short else []) + [info.flag]
+    if spec.show is not None and default is not None:
+        default = spec.show(default)  # argparse parses a text default with the flag's type: --help shows the text
     kwargs: dict = dict(default=default, help=spec.help)
     if info.type is bool:
         if default:  # --x / --no-x
@@ -81,8 +83,9 @@ def _add_option(group: Any, info: OptionInfo, default: Any) -> None:
             kwargs.update(action="store_true")
         group.add_argument(*flags, **kwargs)
         return
-    if spec.parse is not None:  # builtins (int, float) keep argparse's own "invalid int value" message
-        kwargs["type"] = spec.parse if spec.parse in (int, float, str) else argtypes.usage(spec.parse)
+    parse = info.parse
+    if parse is not None:  # builtins (int, float) keep argparse's own "invalid int value" message
+        kwargs["type"] = parse if parse in (int, float, str) else argtypes.usage(parse)
     if spec.choices is not None:
         kwargs["choices"] = [c for c in spec.choices if c is not None]
     if spec.metavar:
@@ -119,15 +122,21 @@ def add_call_arguments(parser: argparse.ArgumentParser) -> Any:
     return group
 
 
-def add_options(group: Any, record: type) -> None:
-    """One flag per option of `record` (a dataclass of `tt_moge.fields` options, e.g. `video.VideoOptions`),
-    as its definition says; `option_values` maps them back."""
-    for info in options_of(record):
-        _add_option(group, info, info.default)
+def add_options(group: Any, record: type, section: Optional[str] = None) -> None:
+    """One flag per option that `record` defines itself (a dataclass of `tt_moge.fields` options, e.g.
+    `video.VideoOptions`, `server.ServerSettings`; those it includes from another record have their own flags),
+    as its definition says; `option_values` maps them back. `section`: only the options whose `Spec.group` is
+    that name (a command that spreads one record's flags over several --help groups calls this once per group;
+    None: those without a group)."""
+    for info in own_options(record):
+        if info.spec.group == section:
+            _add_option(group, info, info.default)
 
 
 def option_values(args: argparse.Namespace, record: type) -> dict:
-    """{argument: value} of the flags that `add_options` made for `record`."""
+    """{argument: value} of every option of `record`, from the flags that `add_options` (or, for the options it
+    includes, `add_call_arguments` / `add_model_arguments`) made: the one way the command line hands a record's
+    options on. A flag that was never added is an AttributeError here, not a silently dropped option."""
     return {info.argument: getattr(args, _dest(info)) for info in options_of(record)}
 
 
@@ -158,9 +167,14 @@ def chosen_formats(args: argparse.Namespace) -> list:
     return [f for f in FORMATS if getattr(args, f)]
 
 
-def model_kwargs(args: argparse.Namespace) -> dict:
-    """The keyword arguments of `MoGeModel.from_pretrained` that the model flags stand for."""
-    return {info.argument: getattr(args, _dest(info)) for info in options_of(LoadOptions)}
+def model_kwargs(args: argparse.Namespace, only: Optional[tuple] = None) -> dict:
+    """The keyword arguments of `MoGeModel.from_pretrained` that the model flags stand for (`only`: those of a
+    command that added only these, as `add_model_arguments(only=...)`; the others keep their defaults)."""
+    return {
+        info.argument: getattr(args, _dest(info))
+        for info in options_of(LoadOptions)
+        if only is None or info.name in only
+    }
 
 
 def call_options(args: argparse.Namespace) -> CallOptions:

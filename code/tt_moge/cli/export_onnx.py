@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from .common import EXIT_OK, EXIT_START, EXIT_USAGE, Formatter, add_model_arguments, say
+from .common import EXIT_OK, EXIT_START, EXIT_USAGE, Formatter, add_model_arguments, model_kwargs, say
 
 __all__ = ["add_parser", "run", "EXPORT_FLAGS", "EXIT_MISMATCH", "POINTS_TOLERANCE"]
 
@@ -54,14 +54,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     t0 = time.perf_counter()
     try:
-        options = LoadOptions.resolve(
-            args.weights,
-            revision=args.revision,
-            resolution=args.resolution,
-            num_tokens=args.num_tokens,
-            device="cpu",
-            warmup_variants="none",
-        )
+        options = LoadOptions.resolve(**model_kwargs(args, only=EXPORT_FLAGS), device="cpu", warmup_variants="none")
         network, checkpoint = load_network(options.weights, options.revision)
     except (ValueError, TypeError, OSError, RuntimeError) as exc:
         say(f"could not load the model: {exc}")

@@ -21,14 +21,12 @@ import sys
 import threading
 from typing import Any, Callable, Iterator
 
-from ..server.settings import API_KEY_ENV, BYTES_PER_PIXEL, DEFAULT_HOST, DEFAULT_PORT, ServerSettings
+from ..server.settings import DEFAULT_HOST, DEFAULT_PORT, ServerSettings
 from . import argtypes
-from .common import EXIT_START, Formatter, add_model_arguments, model_kwargs, say
+from .common import EXIT_START, Formatter, add_model_arguments, add_options, model_kwargs, option_values, say
 
 __all__ = ["add_parser", "build_parser", "add_arguments", "run", "EXIT_CODES"]
 
-_DEFAULTS = ServerSettings()
-_MB = 1024 * 1024
 DESCRIPTION = "Serve MoGe-2 over HTTP (POST /predict); one model, loaded at start-up."
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -64,6 +62,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model flags (LoadOptions), then the server's: where to listen, one flag per field of `ServerSettings`
+    (generated), logging and the web page."""
     add_model_arguments(parser, warmup=2, warmup_variants="default")
 
     server = parser.add_argument_group("server")
@@ -73,77 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--port", type=argtypes.port, default=DEFAULT_PORT, help=f"port; 0 = any free port (default: {DEFAULT_PORT})"
     )
-    server.add_argument(
-        "--api-key",
-        default=None,
-        help=f"require 'Authorization: Bearer KEY' on /predict, /predict/summary and /info (default: ${API_KEY_ENV}, "
-        "else no key; prefer the variable: a flag shows in the process list)",
-    )
-    server.add_argument(
-        "--max-body-mb",
-        type=argtypes.positive_float,
-        default=_DEFAULTS.max_body_bytes / _MB,
-        help=f"largest request body in MiB (default: {_DEFAULTS.max_body_bytes / _MB:g})",
-    )
-    server.add_argument(
-        "--max-pixels",
-        type=argtypes.positive_int,
-        default=_DEFAULTS.max_pixels,
-        help=f"largest image, width*height, checked before decoding (default: {_DEFAULTS.max_pixels})",
-    )
-    server.add_argument(
-        "--max-video-frames",
-        type=argtypes.positive_int,
-        default=_DEFAULTS.max_video_frames,
-        help="most frames of a clip sent to /predict/video, after its stride and max_frames (default: "
-        f"{_DEFAULTS.max_video_frames})",
-    )
-    server.add_argument(
-        "--queue-size",
-        type=argtypes.positive_int,
-        default=_DEFAULTS.queue_size,
-        help=f"requests admitted at once; one more gets 503 + Retry-After (default: {_DEFAULTS.queue_size})",
-    )
-    server.add_argument(
-        "--host-threads",
-        type=argtypes.positive_int,
-        default=_DEFAULTS.host_threads,
-        help=f"threads that decode / post-process / encode admitted requests (default: {_DEFAULTS.host_threads})",
-    )
-    server.add_argument(
-        "--max-connections",
-        type=argtypes.positive_int,
-        default=_DEFAULTS.max_connections,
-        help=f"open connections before uvicorn answers 503 (default: {_DEFAULTS.max_connections})",
-    )
-    server.add_argument(
-        "--read-timeout",
-        type=argtypes.positive_float,
-        default=_DEFAULTS.read_timeout_s,
-        help=f"seconds for a request body to arrive, else 408 (default: {_DEFAULTS.read_timeout_s:g})",
-    )
-    server.add_argument(
-        "--send-timeout",
-        type=argtypes.positive_float,
-        default=_DEFAULTS.send_timeout_s,
-        help="seconds an answer may wait for the client to read more of it; then the connection is cut "
-        f"and its slot and memory freed (default: {_DEFAULTS.send_timeout_s:g})",
-    )
-    server.add_argument(
-        "--memory-budget-mb",
-        type=argtypes.positive_float,
-        default=_DEFAULTS.memory_budget_bytes / _MB,
-        help="MiB that bodies being received, admitted requests and unsent answers may hold together; an "
-        f"admitted request counts {BYTES_PER_PIXEL} bytes per pixel + its body until its answer is encoded; over "
-        f"it, 503 + Retry-After (default: {_DEFAULTS.memory_budget_bytes / _MB:g})",
-    )
-    server.add_argument(
-        "--shutdown-grace",
-        type=argtypes.positive_float,
-        default=_DEFAULTS.shutdown_grace_s,
-        help="seconds that admitted requests and slow clients get after SIGTERM / SIGINT before they "
-        f"are cut (default: {_DEFAULTS.shutdown_grace_s:g})",
-    )
+    add_options(server, ServerSettings)  # one flag per setting, as its definition says
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     server.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
     server.add_argument(
@@ -218,19 +148,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="[tt_moge] %(levelname)s %(message)s", stream=sys.stderr)
     try:
-        settings = ServerSettings(
-            max_body_bytes=int(args.max_body_mb * _MB),
-            max_pixels=args.max_pixels,
-            max_video_frames=args.max_video_frames,
-            queue_size=args.queue_size,
-            host_threads=args.host_threads,
-            max_connections=args.max_connections,
-            read_timeout_s=args.read_timeout,
-            send_timeout_s=args.send_timeout,
-            memory_budget_bytes=int(args.memory_budget_mb * _MB),
-            shutdown_grace_s=args.shutdown_grace,
-            api_key=args.api_key or ServerSettings.api_key_from_env(),
-        )
+        settings = ServerSettings.from_arguments(**option_values(args, ServerSettings))
         options = LoadOptions.resolve(**model_kwargs(args))  # bad model options fail now (exit 2), not after binding
         sock = _bind(args.host, args.port)
     except (ValueError, TypeError, OSError) as exc:

@@ -275,19 +275,7 @@ def create_app(
                 "the model is not loaded yet; see GET /ready",
                 {"Retry-After": str(settings.retry_after_s)},
             )
-        limits = {
-            "max_body_bytes": settings.max_body_bytes,
-            "max_pixels": settings.max_pixels,
-            "queue_size": settings.queue_size,
-            "host_threads": settings.host_threads,
-            "max_connections": settings.max_connections,
-            "read_timeout_s": settings.read_timeout_s,
-            "send_timeout_s": settings.send_timeout_s,
-            "memory_budget_bytes": settings.memory_budget_bytes,
-            "shutdown_grace_s": settings.shutdown_grace_s,
-            "max_video_frames": settings.max_video_frames,
-            "auth": settings.api_key is not None,
-        }
+        limits = settings.limits()  # every setting (generated from ServerSettings), not the key itself
         return {
             **serving.model.info(),
             "server": {

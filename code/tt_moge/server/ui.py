@@ -7,7 +7,8 @@ Routes (none is in the OpenAPI schema: the API is /predict and /predict/summary)
 
     GET  /, /ui                     the page (HTML, our own JS and CSS from tt_moge/server/static/, nothing else)
     GET  /ui/static/<file>          its script, viewer and style sheet
-    GET  /ui/api/config             whether an API key is needed, and the call options (the page's controls)
+    GET  /ui/api/config             whether an API key is needed, the call options (the page's controls) and the
+                                    summary's numbers (the rows of the page's numbers table)
     GET  /ui/demo.png               the demo image: the pixels of media/source.png (tt_moge.testing.scene)
     POST /ui/api/predict            the image and the call options, as for POST /predict/summary -> JSON: the
                                     same summary, plus the URLs of the maps, the 3D view and the downloads
@@ -60,7 +61,7 @@ from ..constants import DEPTH_EDGE_RTOL
 from ..fields import options_of
 from ..host import CallOptions
 from ..host.decode import decode_bytes
-from ..output import MoGeOutput
+from ..output import SUMMARY_FIELDS, SUMMARY_SHOWN, MoGeOutput
 from ..video import VideoOptions
 from .app import MoGeApp, Summary
 from .errors import ApiError
@@ -479,6 +480,15 @@ def _option_controls(record: type = CallOptions) -> list:
     return controls
 
 
+def _summary_numbers() -> list:
+    """The rows of the page's numbers table, one per number of the summary that `output.SUMMARY_SHOWN` says how
+    to show (generated from the output definitions): key, label, digits, unit, scale, and what it is."""
+    return [
+        {"key": key, **dataclasses.asdict(shown), "help": SUMMARY_FIELDS[key][1]}
+        for key, shown in SUMMARY_SHOWN.items()
+    ]
+
+
 def mount_ui(app: MoGeApp, store: Optional[ResultStore] = None) -> ResultStore:
     """Add the web page to an app made by `tt_moge.server.app.create_app`; returns its result store (whose
     folder is removed when the app stops, after the app's host threads have ended)."""
@@ -489,6 +499,7 @@ def mount_ui(app: MoGeApp, store: Optional[ResultStore] = None) -> ResultStore:
     static = {name: (_STATIC / name).read_bytes() for name in _STATIC_FILES}
     controls = _option_controls()
     video_controls = _option_controls(VideoOptions)
+    numbers = _summary_numbers()
     demo: dict = {}
     demo_lock = threading.Lock()
 
@@ -525,6 +536,7 @@ def mount_ui(app: MoGeApp, store: Optional[ResultStore] = None) -> ResultStore:
             "version": __version__,
             "options": controls,
             "video_options": video_controls,
+            "numbers": numbers,
         }
 
     @router.get("/ui/demo.png")

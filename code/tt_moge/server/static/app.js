@@ -240,21 +240,23 @@ function showMaps(result) {
 
 // ------------------------------------------------------------------------------------------------ numbers
 const fmt = (digits, unit = "") => (v) => (v === null || v === undefined ? "n/a" : `${Number(v).toFixed(digits)}${unit}`);
-const ROWS = [
-  ["size", "Image", (s) => `${s.width} × ${s.height} px`],
-  ["fov_x_deg", "Horizontal field of view", fmt(1, "°")],
-  ["fov_y_deg", "Vertical field of view", fmt(1, "°")],
-  ["metric_scale", "Metric scale", fmt(4)],
-  ["median_depth_m", "Median depth", fmt(2, " m")],
-  ["valid_fraction", "Valid pixels", (v) => `${(100 * v).toFixed(1)} %`],
-  ["depth_range", "Depth colour range", null],
-  ["timing", "Server time", null],
-];
+// The rows of the numbers table: the image size, one row per number of the summary that the output definitions
+// say how to show (GET /ui/api/config: numbers, from tt_moge.output.SUMMARY_SHOWN), the depth colour range and
+// the server time.
+function numberRows() {
+  const numbers = (state.config && state.config.numbers) || [];
+  return [
+    ["size", "Image", (s) => `${s.width} × ${s.height} px`],
+    ...numbers.map((n) => [n.key, n.label, (v) => (v === null || v === undefined ? "n/a" : `${(n.scale * Number(v)).toFixed(n.digits)}${n.unit}`)]),
+    ["depth_range", "Depth colour range", null],
+    ["timing", "Server time", null],
+  ];
+}
 
 function showNumbers(result) {
   const s = result.summary, body = $("numbers-table").tBodies[0];
   body.replaceChildren();
-  for (const [key, label, format] of ROWS) {
+  for (const [key, label, format] of numberRows()) {
     let text, value;
     if (key === "size") { value = [s.width, s.height]; text = format(s); }
     else if (key === "depth_range") {
