@@ -255,6 +255,9 @@ class Tracker:
         self.tracks = np.zeros((0, 2), np.float32)  # its features, shrunk-image pixels (OpenCV: centres at 0, 1, ...)
         self.xyz = np.zeros((0, 3))  # their consistent 3D points, the reference's camera axes
         self._pending: Optional[tuple] = None  # what `register` found, for `advance`
+        # the last `register`'s inlier matches: (reference pixels (N, 2), this frame's pixels (N, 2)), full
+        # resolution, centres at +0.5: the feature tracks the calibration's focal search reads (calibrate.py)
+        self.matched = (np.zeros((0, 2)), np.zeros((0, 2)))
 
     @property
     def started(self) -> bool:
@@ -304,6 +307,7 @@ class Tracker:
         if grey.shape != self.grey.shape:
             raise ValueError(f"frame of {grey.shape[::-1]} (shrunk) against a reference of {self.grey.shape[::-1]}")
         self._pending = None
+        self.matched = (np.zeros((0, 2)), np.zeros((0, 2)))
         if len(self.tracks) == 0:
             return Registration(False, reason="the reference frame has no feature with a depth")
         moved, status, _ = cv2.calcOpticalFlowPyrLK(self.grey, grey, self.tracks.reshape(-1, 1, 2), None, **_LK)
@@ -315,6 +319,7 @@ class Tracker:
         xyz[ok] = lift(self._full(moved[ok], depth.shape), depth, mask, k_pixels, offset)
         ok &= np.isfinite(xyz).all(axis=1)
         reg, inliers = _check(self.xyz[ok], xyz[ok], self.seed)
+        self.matched = (self._full(self.tracks[ok][inliers], depth.shape), self._full(moved[ok][inliers], depth.shape))
         self._pending = (grey, moved[ok][inliers], xyz[ok][inliers], depth.shape, depth, mask, k_pixels, offset)
         return reg
 
