@@ -29,7 +29,7 @@ from ..host import CallOptions
 from ..host.intrinsics import Intrinsics
 from ..host.solve import fast_solve_shift, objective, solve_focal_shift
 from .registration import TRACK_SIDE, Tracker, lift
-from .selfcal import FocalFit, TrackPair, focal_from_tracks
+from .selfcal import FocalFit, focal_from_tracks, track_pairs
 
 __all__ = ["Calibration", "calibrate", "clip_focal", "frame_samples", "shared_intrinsics"]
 
@@ -174,27 +174,29 @@ class _SharedCamera:
         return own
 
 
-def _register(frames: list, outputs: list, k_pixels: np.ndarray, offsets: list, seed: int, pairs=None) -> list:
+def _register(frames: list, outputs: list, k_pixels: np.ndarray, offsets: list, seed: int, features=None) -> list:
     """Each frame's metric scale relative to the first (NaN where its registration failed), registering the frames
-    one after the other on their depth + `offsets` with `k_pixels`. `pairs`, a list, receives the `TrackPair` of
-    every registered frame (the tracks the focal search reads)."""
+    one after the other on their depth + `offsets` with `k_pixels`. `features`, a dict, receives for the first
+    and every registered frame (its index) its features as a reference: (ids, pixel positions, depth), the
+    tracks the focal search reads (`selfcal.track_pairs`)."""
     tracker = Tracker(seed=seed)
     relative = [1.0] + [math.nan] * (len(outputs) - 1)
+
+    def keep(i: int) -> None:
+        if features is not None:
+            out = outputs[i]
+            ids, pixels = tracker.features(out.depth.shape)
+            features[i] = (ids, pixels, lift(pixels, out.depth, out.mask, k_pixels, offsets[i])[:, 2])
+
     tracker.start(frames[0][1], outputs[0].depth, outputs[0].mask, k_pixels, offsets[0], 1.0)
-    reference = 0
+    keep(0)
     for i in range(1, len(outputs)):
         out = outputs[i]
         reg = tracker.register(frames[i][1], out.depth, out.mask, k_pixels, offsets[i])
-        if not reg.ok:
-            continue
-        relative[i] = 1.0 / reg.scale
-        if pairs is not None:
-            ref_px, cur_px = tracker.matched
-            ref = outputs[reference]
-            depth = lift(ref_px, ref.depth, ref.mask, k_pixels, offsets[reference])[:, 2]
-            pairs.append(TrackPair(reference, i, ref_px, cur_px, depth))
-        tracker.advance(relative[i])
-        reference = i
+        if reg.ok:
+            relative[i] = 1.0 / reg.scale
+            tracker.advance(relative[i])
+            keep(i)
     return relative
 
 
@@ -219,11 +221,10 @@ def calibrate(model: Any, frames: list, call: CallOptions, start: int = 0, seed:
         camera = _SharedCamera(outputs)
         fov_x = camera.own_fov_x()
         offsets = camera.offsets(camera.median)
-        pairs: list = []
-        relative = _register(
-            frames, outputs, camera.intrinsics(camera.median).pixel_matrix((w, h)), offsets, seed, pairs
-        )
-        focal_fit = _focal_from_motion(camera, pairs, offsets, frames[0][1].shape[:2])
+        features: dict = {}
+        k_median = camera.intrinsics(camera.median).pixel_matrix((w, h))
+        relative = _register(frames, outputs, k_median, offsets, seed, features)
+        focal_fit = _focal_from_motion(camera, track_pairs(features), offsets, frames[0][1].shape[:2])
         if focal_fit.source == "geometry":  # the frames' depth and scales again, with the geometry's focal
             offsets = camera.offsets(focal_fit.focal)
             relative = _register(

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-__all__ = ["TrackPair", "FocalFit", "focal_from_tracks", "MAX_UNCERTAINTY", "SPAN"]
+__all__ = ["TrackPair", "FocalFit", "track_pairs", "focal_from_tracks", "GAPS", "MAX_UNCERTAINTY", "SPAN"]
 
 SPAN = 0.25  # the search covers log f within +-SPAN of the starting focal (about -22 % ... +28 %)
 _GRID = 11  # focals of the coarse search over that span
@@ -62,15 +62,39 @@ class TrackPair:
     depth: np.ndarray
 
 
+GAPS = (1, 2, 4, 8, 16)  # frames between the two frames of a pair: the longer, the more rotation to read
+
+
+def track_pairs(features: dict, gaps: tuple = GAPS) -> list:
+    """`TrackPair`s of the frames' features (`features`: frame index -> (ids, pixels (N, 2), depth (N,)), as the
+    registration's references, `calibrate._register`): for each frame c and gap g of `gaps`, the pair (c - g, c)
+    over the tracks seen in both (a track is one feature id followed from frame to frame). Longer gaps see more
+    rotation, which is what fixes the focal, while a track's error grows slowly along it."""
+    pairs = []
+    for current in sorted(features):
+        ids_c, pixels_c, _ = features[current]
+        for gap in gaps:
+            if current - gap not in features:
+                continue
+            ids_r, pixels_r, depth_r = features[current - gap]
+            _, r, c = np.intersect1d(ids_r, ids_c, assume_unique=True, return_indices=True)
+            if len(r) >= _MIN_POINTS:
+                pairs.append(TrackPair(current - gap, current, pixels_r[r], pixels_c[c], depth_r[r]))
+    return pairs
+
+
 @dataclass
 class FocalFit:
-    """What `focal_from_tracks` found. focal: the one to use (the geometry's or `start`); source: "geometry" or
-    "median"; geometry: the minimiser of the reprojection error (NaN when there was none); curvature: d^2 C /
-    d(log f)^2 at the minimum, C the mean squared reprojection error (pixels^2); uncertainty: the relative
-    standard error of the geometry's focal; pairs, points: the tracks used; reason: why the median was kept."""
+    """What `focal_from_tracks` found (focals in pixels, fx). focal: the one to use; source: "geometry" or
+    "median"; median: the frames' median focal it started from; geometry: the minimiser of the reprojection
+    error (NaN when the search found none); curvature: d^2 C / d(log f)^2 at the minimum (over the
+    whole span when the motion does not fix the focal), C the mean squared reprojection error per track
+    (pixels^2); uncertainty: the relative standard error of the geometry's focal; pairs, points: the pairs and
+    tracks used; iterations: searches (the depth re-solved between them); reason: why the median was kept."""
 
     focal: float
     source: str
+    median: float = math.nan
     geometry: float = math.nan
     curvature: float = math.nan
     uncertainty: float = math.nan
@@ -85,6 +109,8 @@ class FocalFit:
 
         return {
             "source": self.source,
+            "median_fx": finite(self.median, 4),
+            "geometry_fx": finite(self.geometry, 4),
             "curvature": finite(self.curvature, 4),
             "uncertainty": finite(self.uncertainty, 6),
             "pairs": self.pairs,
@@ -180,7 +206,7 @@ def focal_from_tracks(
     pair, its reference depths (N,) with the frame's depth re-solved at focal f (pixels); start: the focal to start
     from and to keep when the motion does not fix one (the frames' median); track_px: full-resolution pixels per
     pixel of the tracked (shrunk) image."""
-    median = FocalFit(focal=start, source="median")
+    median = FocalFit(focal=start, source="median", median=start)
     focal, depth, grid = start, depth_at(start), np.linspace(-SPAN, SPAN, _GRID)
     for iterations in range(1, _ITERATIONS + 1):
         tracks = _Pairs(pairs, base, depth, focal, track_px)  # inliers and motions at this focal and depth
@@ -196,10 +222,7 @@ def focal_from_tracks(
         uncertainty = _uncertainty(float(np.min(costs)), curvature, dof)
         if not uncertainty <= MAX_UNCERTAINTY:
             median.curvature, median.uncertainty = curvature, uncertainty
-            median.reason = (
-                f"the tracked motion does not fix the focal (standard error {_percent(uncertainty)} > "
-                f"{MAX_UNCERTAINTY:.0%}: a camera that translates without turning)"
-            )
+            median.reason = f"the tracked motion does not fix the focal ({_spread(uncertainty)}: {_TRANSLATES})"
             return median
         i = int(np.argmin(costs))
         x, curvature, best = (math.nan,) * 3
@@ -216,10 +239,12 @@ def focal_from_tracks(
             break
         depth = depth_at(focal)
     uncertainty = _uncertainty(best, curvature, dof)
-    fit = FocalFit(focal, "geometry", focal, curvature, uncertainty, len(tracks.items), tracks.points, iterations)
+    fit = FocalFit(
+        focal, "geometry", start, focal, curvature, uncertainty, len(tracks.items), tracks.points, iterations
+    )
     if not uncertainty <= MAX_UNCERTAINTY:
         fit.focal, fit.source = start, "median"
-        fit.reason = f"the tracked motion does not fix the focal (standard error {_percent(uncertainty)})"
+        fit.reason = f"the tracked motion does not fix the focal ({_spread(uncertainty)})"
     return fit
 
 
@@ -232,5 +257,10 @@ def _uncertainty(best: float, curvature: float, dof: int) -> float:
     return math.sqrt(2.0 * best / (dof * curvature))
 
 
-def _percent(x: float) -> str:
-    return f"{x:.2%}" if math.isfinite(x) else "unbounded: the error does not curve up around a focal"
+_TRANSLATES = "a camera that translates without turning"
+
+
+def _spread(uncertainty: float) -> str:
+    if math.isfinite(uncertainty):
+        return f"standard error {uncertainty:.2%} > {MAX_UNCERTAINTY:.0%}"
+    return "the reprojection error does not curve up around any focal"
