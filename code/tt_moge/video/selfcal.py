@@ -215,23 +215,21 @@ def focal_from_tracks(
             median.reason = "no registered pair of calibration frames with enough tracks"
             return median
         dof = 2 * tracks.points - 6 * len(tracks.items) - 1
-        around = focal
-        costs = np.array([tracks.cost(around * math.exp(x), depth) for x in grid])
-        # does the motion fix the focal at all: the parabola over the whole span (flat for a pure translation)
-        _, curvature, _ = _parabola(grid, costs)
-        uncertainty = _uncertainty(float(np.min(costs)), curvature, dof)
-        if not uncertainty <= MAX_UNCERTAINTY:
-            median.curvature, median.uncertainty = curvature, uncertainty
-            median.reason = f"the tracked motion does not fix the focal ({_spread(uncertainty)}: {_TRANSLATES})"
-            return median
-        i = int(np.argmin(costs))
-        x, curvature, best = (math.nan,) * 3
-        if 0 < i < len(grid) - 1:
-            x, curvature, best = _parabola(grid[i - 1 : i + 2], costs[i - 1 : i + 2])
-        if math.isfinite(x):
+        around, x = focal, 0.0
+        if iterations == 1:  # the whole span: does the motion fix the focal at all, and where is the minimum
+            costs = np.array([tracks.cost(around * math.exp(v), depth) for v in grid])
+            _, curvature, _ = _parabola(grid, costs)  # flat for a pure translation
+            uncertainty = _uncertainty(float(np.min(costs)), curvature, dof)
+            if not uncertainty <= MAX_UNCERTAINTY:
+                median.curvature, median.uncertainty = curvature, uncertainty
+                median.reason = f"the tracked motion does not fix the focal ({_spread(uncertainty)}: {_TRANSLATES})"
+                return median
+            i = int(np.argmin(costs))
+            x = _parabola(grid[i - 1 : i + 2], costs[i - 1 : i + 2])[0] if 0 < i < len(grid) - 1 else math.nan
+        if math.isfinite(x):  # then a parabola through three focals close to the minimum
             fine = x + np.array([-_FINE, 0.0, _FINE])
             x, curvature, best = _parabola(fine, np.array([tracks.cost(around * math.exp(v), depth) for v in fine]))
-        if not (math.isfinite(x) and abs(x) <= SPAN):
+        if not (math.isfinite(x) and abs(math.log(around / start) + x) <= SPAN):
             median.reason = f"the reprojection error has no minimum within {SPAN} of the log focal"
             return median
         focal = around * math.exp(x)
