@@ -3,12 +3,18 @@
 The calibration pass of a segment (the whole clip, or each `window` of it) runs its first `calibration_frames`
 frames through the model once with `force_projection=False` (so the outputs keep the network's own lateral
 geometry) and
-1. unless intrinsics (or fov_x) are given, finds one focal for all of them (`clip_focal`): each frame's own
-   focal (the camera solve on its 64x64 samples, in its pixels), weighted by how well its geometry fixes the
-   focal, combined by a weighted median; then each frame's shift is re-solved with it. The clip's intrinsics
-   keep the model's principal point and pixel aspect;
-2. registers the frames one after the other (`registration.Tracker`) on their depth re-solved with those
-   intrinsics, which gives each frame's metric scale relative to the first, c_i;
+1. unless intrinsics (or fov_x) are given, finds one focal for all of them: first the frames' median
+   (`clip_focal`: each frame's own focal, the camera solve on its 64x64 samples, in its pixels; frames whose
+   geometry does not fix a focal left out), with which each frame's shift is re-solved and the frames are
+   registered one after the other (`registration.Tracker`); then the focal from the clip's geometry
+   (`selfcal.focal_from_tracks`: the focal at which the features tracked over the frames and the frames' depth
+   agree, which the camera's rotation fixes). When the motion fixes it (its standard error is at most 1 %), it
+   is the clip's focal, the shifts are re-solved with it and the frames registered again; else (a camera that
+   only translates) the median stays. The record says which (`focal`: source "geometry" / "median", the
+   curvature and standard error, why the median was kept). The clip's intrinsics keep the model's principal
+   point and pixel aspect;
+2. from the registration on the depth re-solved with those intrinsics: each frame's metric scale relative to the
+   first, c_i;
 3. sets the metric level so that the median of the frames' scales is the model's own: level = 1 / median(c_i).
    The model's metric scale is then trusted on average over the frames, not frame by frame;
 4. takes the colour range of depth.mp4 (1st and 99th percentile of the consistent depth of these frames).
@@ -42,7 +48,8 @@ class Calibration:
     many it used; intrinsics: the clip's (None: `fov_x` was given and the model's own are used); level: the
     metric scale of the segment's first frame relative to the model's; depth_range: (near, far) metres for
     depth.mp4; fov_x: each frame's own field of view (the free solve, degrees; given ones when given); focal
-    source: "solved", "given" or "fov_x"; registered: frames whose registration passed."""
+    source: "solved", "given" or "fov_x"; registered: frames whose registration passed; focal: how the solved
+    focal was found (`selfcal.FocalFit`; None when given)."""
 
     start: int
     frames: int
