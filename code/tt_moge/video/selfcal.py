@@ -27,8 +27,8 @@ the depth agree.
   above MAX_UNCERTAINTY over the whole span (a camera that only translates: C is flat), at the minimum (too few
   or too poor tracks), or C has no minimum inside the span, the frames' median focal (`calibrate.clip_focal`) is
   kept and `FocalFit.reason` says why. The standard error counts the tracks' errors as independent; they are
-  not quite (the same texture, the same depth), so the real error is larger: on the test clips 0.1-0.3 % with a
-  claimed 0.2 % over 24 frames, up to 1.5 % with a claimed 0.4 % over 12 frames of small rotation at 320x240.
+  not quite (the same texture, the same depth), so the real error is larger: on the test clips up to 0.3 % with
+  a claimed 0.2 % over 24 frames, up to 1.5 % with a claimed 0.4 % over 12 frames of less rotation (320x240).
 * The tracks: per pair, those whose reprojection error at the search's starting focal is within
   MAX_RESIDUAL_SIGMAS robust standard deviations (at least MIN_RESIDUAL_PX pixels of the tracked image) are kept
   for that search, so that C is a smooth function of f; they are chosen again after each depth re-solve.
@@ -264,7 +264,7 @@ def _uncertainty(best: float, curvature: float, dof: int) -> float:
     return math.sqrt(2.0 * best / (dof * curvature))
 
 
-_TRANSLATES = "a camera that translates without turning"
+_TRANSLATES = "too little rotation over the calibration frames, as of a camera that translates without turning"
 
 
 def _spread(uncertainty: float) -> str:
