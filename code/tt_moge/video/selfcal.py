@@ -165,16 +165,19 @@ class _Pairs:
                 continue
             ref, cur = pair.reference_pixels[good], pair.current_pixels[good]
             points = _lift(ref, depth[good], k)
-            ok, rvec, tvec = cv2.solvePnP(points, cur, k, None, flags=cv2.SOLVEPNP_SQPNP)
-            if not ok:
+            try:
+                ok, rvec, tvec = cv2.solvePnP(points, cur, k, None, flags=cv2.SOLVEPNP_SQPNP)
+                if not ok:
+                    continue
+                rvec, tvec = cv2.solvePnPRefineLM(points, cur, k, None, rvec, tvec)
+                error = np.linalg.norm(_residuals(points, cur, rvec, tvec, k), axis=1)
+                spread = 1.4826 * float(np.nanmedian(error))
+                keep = error <= max(MAX_RESIDUAL_SIGMAS * spread, MIN_RESIDUAL_PX * track_px)  # NaN: not kept
+                if keep.sum() < _MIN_POINTS:
+                    continue
+                rvec, tvec = cv2.solvePnPRefineLM(points[keep], cur[keep], k, None, rvec, tvec)
+            except cv2.error:  # degenerate tracks (all on a line, ...): the pair is left out
                 continue
-            rvec, tvec = cv2.solvePnPRefineLM(points, cur, k, None, rvec, tvec)
-            error = np.linalg.norm(_residuals(points, cur, rvec, tvec, k), axis=1)
-            spread = 1.4826 * float(np.nanmedian(error))
-            keep = error <= max(MAX_RESIDUAL_SIGMAS * spread, MIN_RESIDUAL_PX * track_px)
-            if keep.sum() < _MIN_POINTS:
-                continue
-            rvec, tvec = cv2.solvePnPRefineLM(points[keep], cur[keep], k, None, rvec, tvec)
             self.items.append((n, pair, np.flatnonzero(good)[keep], rvec, tvec))
         self.points = int(sum(len(item[2]) for item in self.items))
 
@@ -188,13 +191,18 @@ class _Pairs:
         for n, pair, index, rvec, tvec in self.items:
             points = _lift(pair.reference_pixels[index], depths[n][index], k)
             pixels = pair.current_pixels[index]
-            r, t = cv2.solvePnPRefineLM(points, pixels, k, None, rvec.copy(), tvec.copy())
+            try:
+                r, t = cv2.solvePnPRefineLM(points, pixels, k, None, rvec.copy(), tvec.copy())
+            except cv2.error:
+                return math.nan
             total += float(np.square(_residuals(points, pixels, r, t, k)).sum())
-        return total / max(self.points, 1)
+        return total / max(self.points, 1)  # NaN when a track went behind the camera: no minimum here
 
 
 def _parabola(x: np.ndarray, y: np.ndarray) -> tuple:
-    """(argmin, curvature, minimum) of the least-squares parabola through the points."""
+    """(argmin, curvature, minimum) of the least-squares parabola through the points (NaN where it has none)."""
+    if not np.isfinite(y).all():
+        return math.nan, math.nan, math.nan
     c2, c1, c0 = np.polyfit(x, y, 2)
     if not c2 > 0:
         return math.nan, 2.0 * c2, math.nan
@@ -227,6 +235,9 @@ def focal_from_tracks(
         around, x = focal, 0.0
         if iterations == 1:  # the whole span: does the motion fix the focal at all, and where is the minimum
             costs = np.array([tracks.cost(around * math.exp(v), depth) for v in grid])
+            if not np.isfinite(costs).all():
+                median.reason = "the reprojection error is not defined over the whole span (degenerate tracks)"
+                return median
             _, curvature, _ = _parabola(grid, costs)  # flat for a pure translation
             uncertainty = _uncertainty(float(np.min(costs)), curvature, dof)
             if not uncertainty <= MAX_UNCERTAINTY:
