@@ -61,8 +61,8 @@ _MIN_POINTS = 8  # tracks per pair for the pair to count
 class TrackPair:
     """Features of frame `reference` followed into frame `current` (indices of the calibration frames):
     reference_pixels, current_pixels (N, 2) full-resolution pixel positions (centres at +0.5); depth (N,) the
-    reference frame's depth (metres of its output) at its features, with the depth offset of the focal the
-    registration used (`offset_focal`)."""
+    reference frame's depth (metres of its output) at its features as the registration lifted it, with the
+    frame's shift solved at the focal it used (the `depth_at` of `focal_from_tracks` moves it to other focals)."""
 
     reference: int
     current: int
@@ -253,7 +253,7 @@ def focal_from_tracks(
             median.reason = f"the reprojection error has no minimum within {SPAN} of the log focal"
             return median
         focal = around * math.exp(x)
-        if abs(x) < _CONVERGED:
+        if abs(x) < _CONVERGED or iterations == _ITERATIONS:
             break
         depth = depth_at(focal)
     uncertainty = _uncertainty(best, curvature, dof)
