@@ -23,7 +23,9 @@ A frame that fails them is flagged; the reference stays, and the next frame is t
 
 `Tracker` keeps the reference: its shrunk grey image and its features with their consistent 3D points. After a
 good fit the current frame becomes the reference: its inlier tracks are kept and new corners fill the image
-where tracks are missing.
+where tracks are missing. Each feature has an id it keeps while it is followed (`Tracker.features`), so a feature
+seen in several references is one track: the calibration's focal search (selfcal.py) reads tracks over several
+frames.
 """
 
 from __future__ import annotations
