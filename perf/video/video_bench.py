@@ -10,15 +10,22 @@ whole clip beside plain `predict_many` on the same frames.
    for scale. Wall and CPU milliseconds (of the process, OpenCV's and the native library's threads included;
    nothing else runs in it meanwhile), median over the frames (the first, which only starts the chain, left
    out), with the split into register / scale / fuse (wall).
-2. clip: a random-weight checkpoint (tiny-vits-normal) on the CPU over --clip-frames frames of the walk at
+2. calibration: what the calibration pass costs once per clip (per `window`), on --calibration-frames frames of
+   the walk at --size with the stand-in's per-frame focal errors (uniform +-10 %): `calibrate.calibrate` timed
+   whole, less the model's `predict_many` (timed inside it), with the focal search from the tracked motion
+   (`selfcal.focal_from_tracks`: the part added by the self-calibration, with the second registration pass of
+   the calibration frames that it triggers when the geometry's focal is used) timed alone; the focal found
+   against the truth. It runs only on the calibration frames; part 1 is unchanged by it.
+3. clip: a random-weight checkpoint (tiny-vits-normal) on the CPU over --clip-frames frames of the walk at
    --clip-size: `model.predict_many(frames)` against `model.predict_video(frames)` (its calibration frames run
    twice) and `predict_video(frames, intrinsics=K)`, calls alternated --repeats times; frames/s (wall) and frames
    per CPU second of the process (which moves less with other jobs' load on a shared machine) and their ratios.
    On the CPU the forward dominates; on a Tenstorrent chip or a GPU the host work of part 1 is what must stay
    below the device's time per frame.
 
-    python -m perf.video.video_bench                        # both parts, defaults
+    python -m perf.video.video_bench                        # all three parts, defaults
     python -m perf.video.video_bench --part host --frames 24
+    python -m perf.video.video_bench --part calibration --calibration-frames 16
 """
 
 from __future__ import annotations
@@ -92,6 +99,76 @@ def host_part(size: tuple, frames: int) -> dict:
     return result
 
 
+def calibration_part(size: tuple, frames: int) -> dict:
+    import numpy as np
+
+    import tt_moge.video.calibrate as calibrate_module
+    from tt_moge.host import CallOptions
+    from tt_moge.testing.scene import camera_path, render_path
+    from tt_moge.testing.video import VideoOracle, symmetric_errors
+
+    t = time.perf_counter()
+    renders = render_path(camera_path(frames, length=0.1 * frames), *size)
+    print(f"rendered {frames} frames of {size[0]}x{size[1]} in {time.perf_counter() - t:.1f} s", flush=True)
+    errors = np.random.default_rng(4).uniform(-0.1, 0.1, frames)
+    oracle = VideoOracle(
+        renders, scale_errors=symmetric_errors(frames, 0.15, 1), focal_errors=errors, noise=0.005, holes=0.05
+    )
+    images = [(i, r.image) for i, r in enumerate(renders)]
+    oracle.predict_many([r.image for r in renders])  # the stand-in makes each frame's raw maps once: not timed
+    spent = {"model": [0.0, 0.0], "search": [0.0, 0.0], "register": [0.0, 0.0]}
+
+    def timing(key, fn):
+        def call(*args, **kwargs):
+            w, c = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key][0] += time.perf_counter() - w
+                spent[key][1] += time.process_time() - c
+
+        return call
+
+    model = type("Timed", (), {"predict_many": staticmethod(timing("model", oracle.predict_many))})()
+    search, register = calibrate_module.focal_from_tracks, calibrate_module._register
+    calibrate_module.focal_from_tracks = timing("search", search)
+    calibrate_module._register = timing("register", register)
+    try:
+        w0, c0 = time.perf_counter(), time.process_time()
+        calibration = calibrate_module.calibrate(model, images, CallOptions())
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    finally:
+        calibrate_module.focal_from_tracks, calibrate_module._register = search, register
+    record = calibration.record()["focal"]
+    truth = renders[0].intrinsics[0, 0]
+    k = calibration.intrinsics.pixel_matrix(size)
+    ms = {key: [round(v * 1e3, 1) for v in value] for key, value in spent.items()}
+    result = {
+        "size": list(size),
+        "frames": frames,
+        "host_ms": [round((wall - spent["model"][0]) * 1e3, 1), round((cpu - spent["model"][1]) * 1e3, 1)],
+        "focal_search_ms": ms["search"],
+        "registration_ms": ms["register"],
+        "registration_passes": 2 if record["source"] == "geometry" else 1,
+        "model_ms": ms["model"],
+        "focal": record,
+        "focal_error": round(float(k[0, 0] / truth - 1), 5),
+        "median_focal_error": round(float(record["median_fx"] / truth - 1), 5),
+    }
+    print(
+        f"calibration of {frames} frames {size[0]}x{size[1]} (once per clip or window), wall / CPU ms:\n"
+        f"  host work (calibrate less the model's predict_many): {result['host_ms'][0]:.0f} / "
+        f"{result['host_ms'][1]:.0f}\n"
+        f"  of which the focal search from the tracks: {ms['search'][0]:.0f} / {ms['search'][1]:.0f}; "
+        f"registration of the frames ({result['registration_passes']} passes): {ms['register'][0]:.0f} / "
+        f"{ms['register'][1]:.0f}\n"
+        f"  focal: {record['source']} ({record['pairs']} pairs, {record['points']} tracks, standard error "
+        f"{record['uncertainty']}), {result['focal_error']:+.2%} from the truth; the frames' median "
+        f"{result['median_focal_error']:+.2%}"
+    )
+    return result
+
+
 def clip_part(size: tuple, frames: int, repeats: int, canvas: tuple) -> dict:
     from tt_moge import MoGeModel
     from tt_moge.testing import make_checkpoint
@@ -140,9 +217,14 @@ def clip_part(size: tuple, frames: int, repeats: int, canvas: tuple) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("host", "clip", "both"), default="both")
+    parser.add_argument(
+        "--part", choices=("host", "calibration", "clip", "both"), default="both", help="both: all three parts"
+    )
     parser.add_argument("--size", type=_size, default=(1920, 1080), help="host part: frame size (default 1920x1080)")
     parser.add_argument("--frames", type=int, default=16, help="host part: frames (default 16)")
+    parser.add_argument(
+        "--calibration-frames", type=int, default=16, help="calibration part: frames (default 16, the default)"
+    )
     parser.add_argument("--clip-size", type=_size, default=(640, 360), help="clip part: frame size (default 640x360)")
     parser.add_argument("--clip-frames", type=int, default=32, help="clip part: frames (default 32)")
     parser.add_argument("--canvas", type=_size, default=(448, 252), help="clip part: the model's canvas")
@@ -154,6 +236,8 @@ def main() -> None:
     result: dict = {"cpu": cpu_line()}
     if args.part in ("host", "both"):
         result["host"] = host_part(args.size, args.frames)
+    if args.part in ("calibration", "both"):
+        result["calibration"] = calibration_part(args.size, args.calibration_frames)
     if args.part in ("clip", "both"):
         result["clip"] = clip_part(args.clip_size, args.clip_frames, args.repeats, args.canvas)
     result["load_average_end"] = [round(x, 2) for x in os.getloadavg()]

@@ -177,10 +177,11 @@ def _rotation(yaw: float, pitch: float, roll: float) -> np.ndarray:
     return ry @ rx @ rz
 
 
-def camera_path(frames: int, length: float = 2.4, yaw_deg: float = 12.0) -> np.ndarray:
+def camera_path(frames: int, length: float = 2.4, yaw_deg: float = 12.0, turn: bool = True) -> np.ndarray:
     """(frames, 4, 4) camera-to-world poses (metres) of a walk into the scene: `length` metres forward along z,
     swaying 0.4 m sideways and 0.1 m up and down, panning up to `yaw_deg` degrees, tilting up to 3 degrees and
-    rolling up to 1.5 degrees. The first pose is the identity (the demo camera); every frame sees the scene."""
+    rolling up to 1.5 degrees. The first pose is the identity (the demo camera); every frame sees the scene.
+    `turn=False`: the same positions without any rotation (a pure translation, which does not fix the focal)."""
     if frames < 1:
         raise ValueError(f"frames must be >= 1, got {frames}")
     poses = np.zeros((frames, 4, 4))
@@ -188,7 +189,7 @@ def camera_path(frames: int, length: float = 2.4, yaw_deg: float = 12.0) -> np.n
         yaw = math.radians(yaw_deg) * math.sin(1.5 * math.pi * s)
         pitch = math.radians(3.0) * math.sin(math.pi * s)
         roll = math.radians(1.5) * math.sin(2 * math.pi * s)
-        poses[i, :3, :3] = _rotation(yaw, pitch, roll)
+        poses[i, :3, :3] = _rotation(yaw, pitch, roll) if turn else np.eye(3)
         poses[i, :3, 3] = (0.4 * math.sin(2 * math.pi * s), -0.1 * math.sin(math.pi * s), length * s)
         poses[i, 3, 3] = 1.0
     return poses

@@ -3,12 +3,18 @@
 The calibration pass of a segment (the whole clip, or each `window` of it) runs its first `calibration_frames`
 frames through the model once with `force_projection=False` (so the outputs keep the network's own lateral
 geometry) and
-1. unless intrinsics (or fov_x) are given, finds one focal for all of them (`clip_focal`): each frame's own
-   focal (the camera solve on its 64x64 samples, in its pixels), weighted by how well its geometry fixes the
-   focal, combined by a weighted median; then each frame's shift is re-solved with it. The clip's intrinsics
-   keep the model's principal point and pixel aspect;
-2. registers the frames one after the other (`registration.Tracker`) on their depth re-solved with those
-   intrinsics, which gives each frame's metric scale relative to the first, c_i;
+1. unless intrinsics (or fov_x) are given, finds one focal for all of them: first the frames' median
+   (`clip_focal`: each frame's own focal, the camera solve on its 64x64 samples, in its pixels; frames whose
+   geometry does not fix a focal left out), with which each frame's shift is re-solved and the frames are
+   registered one after the other (`registration.Tracker`); then the focal from the clip's geometry
+   (`selfcal.focal_from_tracks`: the focal at which the features tracked over the frames and the frames' depth
+   agree, which the camera's rotation fixes). When the motion fixes it (its standard error is at most 1 %), it
+   is the clip's focal, the shifts are re-solved with it and the frames registered again; else (a camera that
+   only translates) the median stays. The record says which (`focal`: source "geometry" / "median", the
+   curvature and standard error, why the median was kept). The clip's intrinsics keep the model's principal
+   point and pixel aspect;
+2. from the registration on the depth re-solved with those intrinsics: each frame's metric scale relative to the
+   first, c_i;
 3. sets the metric level so that the median of the frames' scales is the model's own: level = 1 / median(c_i).
    The model's metric scale is then trusted on average over the frames, not frame by frame;
 4. takes the colour range of depth.mp4 (1st and 99th percentile of the consistent depth of these frames).
@@ -28,7 +34,8 @@ from ..constants import SOLVE_GRID
 from ..host import CallOptions
 from ..host.intrinsics import Intrinsics
 from ..host.solve import fast_solve_shift, objective, solve_focal_shift
-from .registration import Tracker
+from .registration import TRACK_SIDE, Tracker, lift
+from .selfcal import FocalFit, focal_from_tracks, track_pairs
 
 __all__ = ["Calibration", "calibrate", "clip_focal", "frame_samples", "shared_intrinsics"]
 
@@ -41,7 +48,8 @@ class Calibration:
     many it used; intrinsics: the clip's (None: `fov_x` was given and the model's own are used); level: the
     metric scale of the segment's first frame relative to the model's; depth_range: (near, far) metres for
     depth.mp4; fov_x: each frame's own field of view (the free solve, degrees; given ones when given); focal
-    source: "solved", "given" or "fov_x"; registered: frames whose registration passed."""
+    source: "solved", "given" or "fov_x"; registered: frames whose registration passed; focal: how the solved
+    focal was found (`selfcal.FocalFit`; None when given)."""
 
     start: int
     frames: int
@@ -51,6 +59,7 @@ class Calibration:
     fov_x: list = field(default_factory=list)
     source: str = "solved"
     registered: int = 0
+    focal: Optional[FocalFit] = None
 
     def record(self) -> dict:
         def finite(x: Any) -> Optional[float]:
@@ -64,6 +73,7 @@ class Calibration:
             "fx_fy_cx_cy": None if k is None else [round(v, 8) for v in (k.fx, k.fy, k.cx, k.cy)],
             "level": finite(self.level),
             "registered": self.registered,
+            "focal": None if self.focal is None else self.focal.record(),
             "frame_fov_x_deg": [finite(f) for f in self.fov_x],
             "depth_range_m": [finite(v) for v in self.depth_range],
         }
@@ -127,22 +137,74 @@ def clip_focal(samples: list) -> tuple:
 
 def shared_intrinsics(outputs: list) -> tuple:
     """(Intrinsics (normalised), [shift of each output (raw units)], [own fov_x of each, degrees]): one focal for
-    outputs of one camera made with `force_projection=False` (`clip_focal` on their `frame_samples`); the
-    principal point and pixel aspect are those of the first output (the model's: the centre, square pixels
-    with fit="pad")."""
-    w, h = outputs[0].size
-    half = math.hypot(w, h) / 2
-    samples = [frame_samples(out) for out in outputs]
-    focal, _, _ = clip_focal([(uv, xyz) for uv, xyz, _ in samples])
-    shifts = [fast_solve_shift(uv, xyz, focal) if len(uv) >= 2 else 0.0 for uv, xyz, _ in samples]
-    own = []
-    for uv, xyz, _ in samples:
-        f = solve_focal_shift(uv, xyz)[0] if len(uv) >= 2 else math.nan
-        own.append(math.degrees(2 * math.atan(w / 2 / (f * half))) if f > 0 else math.nan)
-    k = outputs[0].intrinsics.astype(np.float64)
-    a = samples[0][2]
-    intrinsics = Intrinsics(focal * half / w, focal * a * half / h, k[0, 2], k[1, 2], normalised=True)
-    return intrinsics, shifts, own
+    outputs of one camera made with `force_projection=False` (`clip_focal` on their `frame_samples`, the frames'
+    median); the principal point and pixel aspect are those of the first output (the model's: the centre, square
+    pixels with fit="pad")."""
+    camera = _SharedCamera(outputs)
+    return camera.intrinsics(camera.median), camera.shifts(camera.median), camera.own_fov_x()
+
+
+class _SharedCamera:
+    """One focal for the calibration outputs: the frames' samples, the median focal, and for any focal (fx,
+    pixels) the clip's intrinsics and each frame's shift re-solved with it."""
+
+    def __init__(self, outputs: list):
+        self.outputs = outputs
+        w, h = self.size = outputs[0].size
+        self.half = math.hypot(w, h) / 2
+        self.samples = [frame_samples(out) for out in outputs]
+        self.aspect = self.samples[0][2]
+        focal, _, _ = clip_focal([(uv, xyz) for uv, xyz, _ in self.samples])
+        self.median = focal * self.half  # fx, pixels
+        self.principal = outputs[0].intrinsics.astype(np.float64)[:2, 2]
+
+    def intrinsics(self, fx: float) -> Intrinsics:
+        w, h = self.size
+        cx, cy = self.principal
+        return Intrinsics(fx / w, fx * self.aspect / h, cx, cy, normalised=True)
+
+    def shifts(self, fx: float) -> list:
+        """Each frame's shift (raw units) re-solved with the focal fx (pixels)."""
+        focal = fx / self.half
+        return [fast_solve_shift(uv, xyz, focal) if len(uv) >= 2 else 0.0 for uv, xyz, _ in self.samples]
+
+    def offsets(self, fx: float) -> list:
+        """Each frame's depth offset (metres of its output) with the focal fx: its shift x its metric scale."""
+        return [s * out.metric_scale for s, out in zip(self.shifts(fx), self.outputs)]
+
+    def own_fov_x(self) -> list:
+        w, _ = self.size
+        own = []
+        for uv, xyz, _ in self.samples:
+            f = solve_focal_shift(uv, xyz)[0] if len(uv) >= 2 else math.nan
+            own.append(math.degrees(2 * math.atan(w / 2 / (f * self.half))) if f > 0 else math.nan)
+        return own
+
+
+def _register(frames: list, outputs: list, k_pixels: np.ndarray, offsets: list, seed: int, features=None) -> list:
+    """Each frame's metric scale relative to the first (NaN where its registration failed), registering the frames
+    one after the other on their depth + `offsets` with `k_pixels`. `features`, a dict, receives for the first
+    and every registered frame (its index) its features as a reference: (ids, pixel positions, depth), the
+    tracks the focal search reads (`selfcal.track_pairs`)."""
+    tracker = Tracker(seed=seed)
+    relative = [1.0] + [math.nan] * (len(outputs) - 1)
+
+    def keep(i: int) -> None:
+        if features is not None:
+            out = outputs[i]
+            ids, pixels = tracker.features(out.depth.shape)
+            features[i] = (ids, pixels, lift(pixels, out.depth, out.mask, k_pixels, offsets[i])[:, 2])
+
+    tracker.start(frames[0][1], outputs[0].depth, outputs[0].mask, k_pixels, offsets[0], 1.0)
+    keep(0)
+    for i in range(1, len(outputs)):
+        out = outputs[i]
+        reg = tracker.register(frames[i][1], out.depth, out.mask, k_pixels, offsets[i])
+        if reg.ok:
+            relative[i] = 1.0 / reg.scale
+            tracker.advance(relative[i])
+            keep(i)
+    return relative
 
 
 def calibrate(model: Any, frames: list, call: CallOptions, start: int = 0, seed: int = 0) -> Calibration:
@@ -151,29 +213,32 @@ def calibrate(model: Any, frames: list, call: CallOptions, start: int = 0, seed:
     options = dict(call.kwargs(), apply_mask=False, force_projection=False)
     outputs = model.predict_many([rgb for _, rgb in frames], **options)
     w, h = outputs[0].size
+    focal_fit = None
     if call.intrinsics is not None:
-        intrinsics, shifts, source = call.intrinsics, [0.0] * len(outputs), "given"
+        intrinsics, offsets, source = call.intrinsics, [0.0] * len(outputs), "given"
         fov_x = [out.fov_x for out in outputs]
+        relative = _register(frames, outputs, intrinsics.pixel_matrix((w, h)), offsets, seed)
     elif call.fov_x is not None:
         k = outputs[0].intrinsics.astype(np.float64)
         intrinsics = Intrinsics(k[0, 0], k[1, 1], k[0, 2], k[1, 2], normalised=True)
-        shifts, source, fov_x = [0.0] * len(outputs), "fov_x", [out.fov_x for out in outputs]
+        offsets, source, fov_x = [0.0] * len(outputs), "fov_x", [out.fov_x for out in outputs]
+        relative = _register(frames, outputs, intrinsics.pixel_matrix((w, h)), offsets, seed)
     else:
-        intrinsics, shifts, fov_x = shared_intrinsics(outputs)
         source = "solved"
-    k_pixels = intrinsics.pixel_matrix((w, h))
+        camera = _SharedCamera(outputs)
+        fov_x = camera.own_fov_x()
+        offsets = camera.offsets(camera.median)
+        features: dict = {}
+        k_median = camera.intrinsics(camera.median).pixel_matrix((w, h))
+        relative = _register(frames, outputs, k_median, offsets, seed, features)
+        focal_fit = _focal_from_motion(camera, track_pairs(features), offsets, frames[0][1].shape[:2])
+        if focal_fit.source == "geometry":  # the frames' depth and scales again, with the geometry's focal
+            offsets = camera.offsets(focal_fit.focal)
+            relative = _register(
+                frames, outputs, camera.intrinsics(focal_fit.focal).pixel_matrix((w, h)), offsets, seed
+            )
+        intrinsics = camera.intrinsics(focal_fit.focal)
 
-    tracker = Tracker(seed=seed)
-    relative = [1.0] + [math.nan] * (len(outputs) - 1)  # each frame's metric scale relative to the first
-    offsets = [s * out.metric_scale for s, out in zip(shifts, outputs)]  # metres added to the depth
-    first = outputs[0]
-    tracker.start(frames[0][1], first.depth, first.mask, k_pixels, offsets[0], 1.0)
-    for i in range(1, len(outputs)):
-        out = outputs[i]
-        reg = tracker.register(frames[i][1], out.depth, out.mask, k_pixels, offsets[i])
-        if reg.ok:
-            relative[i] = 1.0 / reg.scale
-            tracker.advance(relative[i])
     found = np.array([c for c in relative if math.isfinite(c)])
     level = 1.0 / float(np.median(found))
 
@@ -196,4 +261,18 @@ def calibrate(model: Any, frames: list, call: CallOptions, start: int = 0, seed:
         fov_x=[float(f) for f in fov_x],
         source=source,
         registered=int(len(found) - 1),
+        focal=focal_fit,
     )
+
+
+def _focal_from_motion(camera: _SharedCamera, pairs: list, offsets: list, image_shape: tuple) -> FocalFit:
+    """`selfcal.focal_from_tracks` on the registered pairs, starting from (and falling back to) the median."""
+    w, h = camera.size
+    base = camera.intrinsics(camera.median).pixel_matrix((w, h))
+
+    def depth_at(fx: float) -> list:
+        moved = camera.offsets(fx)
+        return [p.depth + (moved[p.reference] - offsets[p.reference]) for p in pairs]
+
+    track_px = max(image_shape) / min(TRACK_SIDE, max(image_shape))
+    return focal_from_tracks(pairs, base, depth_at, camera.median, track_px)

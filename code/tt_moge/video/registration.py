@@ -23,7 +23,9 @@ A frame that fails them is flagged; the reference stays, and the next frame is t
 
 `Tracker` keeps the reference: its shrunk grey image and its features with their consistent 3D points. After a
 good fit the current frame becomes the reference: its inlier tracks are kept and new corners fill the image
-where tracks are missing.
+where tracks are missing. Each feature has an id it keeps while it is followed (`Tracker.features`), so a feature
+seen in several references is one track: the calibration's focal search (selfcal.py) reads tracks over several
+frames.
 """
 
 from __future__ import annotations
@@ -255,6 +257,8 @@ class Tracker:
         self.tracks = np.zeros((0, 2), np.float32)  # its features, shrunk-image pixels (OpenCV: centres at 0, 1, ...)
         self.xyz = np.zeros((0, 3))  # their consistent 3D points, the reference's camera axes
         self._pending: Optional[tuple] = None  # what `register` found, for `advance`
+        self.ids = np.zeros(0, np.int64)  # a number per feature, kept while it is followed from frame to frame
+        self._next_id = 0
 
     @property
     def started(self) -> bool:
@@ -294,7 +298,17 @@ class Tracker:
         tracks = self._fill(self.grey, np.zeros((0, 2), np.float32))
         xyz = lift(self._full(tracks, depth.shape), depth, mask, k_pixels, offset) * scale
         keep = np.isfinite(xyz).all(axis=1)
-        self.tracks, self.xyz, self._pending = tracks[keep], xyz[keep], None
+        self.tracks, self.xyz, self.ids, self._pending = tracks[keep], xyz[keep], self._new_ids(len(tracks))[keep], None
+
+    def _new_ids(self, count: int) -> np.ndarray:
+        self._next_id += count
+        return np.arange(self._next_id - count, self._next_id)
+
+    def features(self, shape: tuple) -> tuple:
+        """(ids (N,), full-resolution pixel positions (N, 2), centres at +0.5) of the reference's features, for a
+        frame of `shape` (H, W): a feature keeps its id while it is followed, so the positions of one id in
+        successive references are one track (the calibration's focal search reads them, calibrate.py)."""
+        return self.ids, self._full(self.tracks, shape)
 
     def register(self, rgb: np.ndarray, depth: np.ndarray, mask: np.ndarray, k_pixels: np.ndarray, offset=0.0):
         """The fit of this frame (its depth as the model gave it, + offset) against the reference."""
@@ -315,17 +329,19 @@ class Tracker:
         xyz[ok] = lift(self._full(moved[ok], depth.shape), depth, mask, k_pixels, offset)
         ok &= np.isfinite(xyz).all(axis=1)
         reg, inliers = _check(self.xyz[ok], xyz[ok], self.seed)
-        self._pending = (grey, moved[ok][inliers], xyz[ok][inliers], depth.shape, depth, mask, k_pixels, offset)
+        kept = (moved[ok][inliers], xyz[ok][inliers], self.ids[ok][inliers])
+        self._pending = (grey, *kept, depth.shape, depth, mask, k_pixels, offset)
         return reg
 
     def advance(self, correction: float) -> None:
         """After a good `register`: that frame becomes the reference, its points x `correction` (1 / the fit's
         scale: consistent with the clip), its inlier tracks kept and new corners added."""
-        grey, tracks, xyz, shape, depth, mask, k_pixels, offset = self._pending
+        grey, tracks, xyz, ids, shape, depth, mask, k_pixels, offset = self._pending
         self.grey, self._pending = grey, None
         kept = len(tracks)
         tracks = self._fill(grey, tracks.astype(np.float32))
         new_xyz = lift(self._full(tracks[kept:], shape), depth, mask, k_pixels, offset)
         xyz = np.concatenate([xyz, new_xyz]) * correction
+        ids = np.concatenate([ids, self._new_ids(len(tracks) - kept)])
         keep = np.isfinite(xyz).all(axis=1)
-        self.tracks, self.xyz = tracks[keep], xyz[keep]
+        self.tracks, self.xyz, self.ids = tracks[keep], xyz[keep], ids[keep]
