@@ -67,7 +67,7 @@ def parse_fov_degrees(text: str) -> float:
         raise ValueError(f"expected degrees, e.g. 60, got {text!r}") from None
     low, high = FOV_X_RANGE
     if not (math.isfinite(value) and low < value < high):
-        raise ValueError(f"the horizontal field of view must be in ({low:g}, {high:g}) degrees, got {text}")
+        raise ValueError(f"the horizontal field of view must be in degrees, {low:g} < fov_x < {high:g}, got {text}")
     return value
 
 
