@@ -21,7 +21,15 @@ import sys
 import threading
 from typing import Any, Callable, Iterator
 
-from ..server.settings import API_KEY_ENV, BYTES_PER_PIXEL, DEFAULT_HOST, DEFAULT_PORT, ServerSettings
+from ..server.settings import (
+    ACCEPT_BACKLOG,
+    API_KEY_ENV,
+    BYTES_PER_PIXEL,
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    ServerSettings,
+    fd_limit,
+)
 from . import argtypes
 from .common import EXIT_START, Formatter, add_model_arguments, model_kwargs, say
 
@@ -114,7 +122,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-connections",
         type=argtypes.positive_int,
         default=_DEFAULTS.max_connections,
-        help=f"open connections before uvicorn answers 503 (default: {_DEFAULTS.max_connections})",
+        help="open connections at most; a new one closes the connection idle the longest, or gets 503 when none "
+        "is idle; lowered to fit the file-descriptor limit (ulimit -n), with a warning "
+        f"(default: {_DEFAULTS.max_connections})",
+    )
+    server.add_argument(
+        "--idle-timeout",
+        type=argtypes.positive_float,
+        default=_DEFAULTS.idle_timeout_s,
+        help="seconds a connection may stay open with no request in progress (before its first request, "
+        f"between keep-alive requests) before it is closed (default: {_DEFAULTS.idle_timeout_s:g})",
     )
     server.add_argument(
         "--read-timeout",
@@ -225,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
             queue_size=args.queue_size,
             host_threads=args.host_threads,
             max_connections=args.max_connections,
+            idle_timeout_s=args.idle_timeout,
             read_timeout_s=args.read_timeout,
             send_timeout_s=args.send_timeout,
             memory_budget_bytes=int(args.memory_budget_mb * _MB),
@@ -236,6 +254,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as exc:
         print(f"tt-moge serve: error: {exc}", file=sys.stderr)
         return 2
+    settings, lowered = settings.within_fd_limit(fd_limit())  # so that accept() never fails with EMFILE
+    if lowered:
+        logging.getLogger("tt_moge.server").warning("%s", lowered)
     # Our own header check (--max-pixels) is the decompression-bomb limit; Pillow's must not be lower.
     if Image.MAX_IMAGE_PIXELS is not None:
         Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS, settings.max_pixels)
@@ -267,7 +288,8 @@ def run(args: argparse.Namespace) -> int:
         access_log=not args.no_access_log,
         lifespan="on",
         limit_concurrency=settings.max_connections,
-        timeout_keep_alive=5,
+        timeout_keep_alive=settings.idle_timeout_s,  # JsonH11Protocol: also before a connection's first request
+        backlog=ACCEPT_BACKLOG,
         timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
     server = _make_server(uvicorn, config, on_stop)
