@@ -114,7 +114,8 @@ def log_accept_errors(loop: asyncio.AbstractEventLoop, interval_s: float = LOG_I
     loop.set_exception_handler(handle)
 
 
-_IDLE_CLOSED = ThrottledLog(logging.INFO)
+_IDLE_CLOSED = ThrottledLog(logging.DEBUG)  # routine (keep-alive connections end so); the others are overload
+_REFUSED = ThrottledLog(logging.WARNING)
 _EVICTED = ThrottledLog(logging.WARNING)
 _CUT = ThrottledLog(logging.WARNING)
 
@@ -167,7 +168,7 @@ class _ConnectionLimit:
         busy = self.protocol.over_limit or len(self.protocol.tasks) - 1 >= self.limit
         if scope["type"] != "http" or not busy:
             return await self.app(scope, receive, send)
-        log.warning(
+        _REFUSED(
             "refused a request: %d connections open (--max-connections %d)", len(self.protocol.connections), self.limit
         )
         try:  # read the body first: closing with unread bytes would reset the connection before the answer
