@@ -258,7 +258,7 @@ def _decode_jpeg_fast(data: bytes, name: str = "image") -> Optional[np.ndarray]:
         except ValueError as exc:
             if any(sign in str(exc).lower() for sign in _JPEG_TRUNCATED):
                 raise InputError(
-                    f"{name}: truncated JPEG data ({exc}): the data ends before the image its header declares"
+                    f"{name}: corrupt or truncated JPEG data ({exc}): the data ends before the image it declares"
                 ) from None
             return None  # another complaint (e.g. extraneous bytes) or unsupported: Pillow decodes it or says why
         return arr if components in (1, 3) else None  # CMYK/YCCK: Pillow's conversion is the reference
