@@ -76,7 +76,7 @@ def photo(width: int, height: int, seed: int = 0) -> np.ndarray:
 class ServerProcess:
     """`python -m tt_moge.server` in a subprocess on 127.0.0.1 with port 0 (the OS picks a free port)."""
 
-    def __init__(self, weights: Path, extra_args: list, env: Optional[dict] = None):
+    def __init__(self, weights: Path, extra_args: list, env: Optional[dict] = None, preexec_fn=None):
         self.stderr_lines: list = []
         self.ready_statuses: list = []  # /ready answers seen while waiting: (status, json body, Retry-After)
         cmd = [
@@ -120,6 +120,7 @@ class ServerProcess:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=preexec_fn,  # e.g. a lower file-descriptor limit (test_server_edges.py)
         )
         self._port = threading.Event()
         self.port: Optional[int] = None

@@ -364,10 +364,20 @@ def test_fov_x(tiny_model, photo):
     assert out.fov_x == pytest.approx(63.0, rel=1e-5)
     assert out.intrinsics_pixels[0, 0] == pytest.approx(160 / math.tan(math.radians(31.5)), rel=1e-5)
     assert 0.05 < out.mask.mean() < 0.95
-    for bad in [0, 180, -5, float("nan"), float("inf"), "60", True]:
-        with pytest.raises(ValueError, match="fov_x"):
+    for bad in [0, 180, -5, float("nan"), float("inf"), "60", True, 1e-300, 5e-4, 179.9995, 180 - 1e-12]:
+        with pytest.raises(ValueError, match=r"fov_x.* 0\.001 < fov_x < 179\.999|fov_x must be a number"):
             tiny_model(photo, fov_x=bad)
     assert tiny_model(photo, fov_x=np.float32(63.0)).fov_x == pytest.approx(63.0, rel=1e-5)
+
+
+@pytest.mark.parametrize("fov_x", [0.0011, 179.9989])
+def test_fov_x_at_the_ends_of_its_range_gives_finite_geometry(tiny_model, photo, fov_x):
+    """Inside the documented margin (constants.FOV_X_MARGIN) the intrinsics, points and fov_x stay finite and
+    give back the fov_x asked for (issue 28: fov_x=1e-300 gave inf intrinsics and fov_x_deg 0)."""
+    out = tiny_model(photo, fov_x=fov_x)
+    assert np.isfinite(out.intrinsics).all() and np.isfinite(out.intrinsics_pixels).all()
+    assert np.isfinite(out.points[out.mask]).all() and out.mask.any()
+    assert out.fov_x == pytest.approx(fov_x, rel=1e-3) and math.isfinite(out.fov_y) and out.fov_y > 0
 
 
 def test_apply_mask_and_force_projection(tiny_model, photo, photo_out):

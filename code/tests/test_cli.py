@@ -355,7 +355,7 @@ def test_one_image_with_format_flag_and_call_options(ckpt, photos, api, tmp_path
         (["predict", "{photo}", "--num-tokens", "99"], "argument --num-tokens: num_tokens must be in [1200, 3600]"),
         (
             ["predict", "{photo}", "--fov-x", "200"],
-            "argument --fov-x: the horizontal field of view must be in (0, 180) degrees",
+            "argument --fov-x: the horizontal field of view must be in degrees, 0.001 < fov_x < 179.999, got 200",
         ),
         (["predict", "{photo}", "--fit", "crop"], "argument --fit: invalid choice: 'crop'"),
         (["predict", "/no/such/photo.jpg"], "input '/no/such/photo.jpg': no such file or folder"),

@@ -1,4 +1,5 @@
-"""The fast PNG/JPEG decoders give Pillow's pixels, ignore EXIF orientation and report bad data clearly."""
+"""The fast PNG/JPEG decoders give Pillow's pixels, ignore EXIF orientation unless asked (then turn like
+`PIL.ImageOps.exif_transpose`) and report bad data clearly, truncated JPEGs included."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import zlib
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageOps
 
 from tt_moge import native
 from tt_moge.host import decode as dec
@@ -125,6 +126,53 @@ def test_exif_orientation_is_not_applied(photo, tmp_path):
         got = to_rgb_array(str(path))
         assert got.shape == (217, 331, 3)  # stored order, not the 331-row display order
         assert np.array_equal(got, decode_with_pillow(path.read_bytes()))
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_is_applied_when_asked(photo, tmp_path, orientation):
+    """exif=True turns bytes, files and PIL images as Pillow's exif_transpose does (what viewers show)."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    for fmt in ("JPEG", "PNG"):
+        data = _encode(Image.fromarray(photo), fmt, exif=exif.tobytes(), **({"quality": 95} if fmt == "JPEG" else {}))
+        with Image.open(io.BytesIO(data)) as img:
+            shown = np.asarray(ImageOps.exif_transpose(img).convert("RGB"))
+        path = tmp_path / f"o{orientation}.{fmt.lower()}"
+        path.write_bytes(data)
+        with Image.open(path) as img:
+            pil = to_rgb_array(img, exif=True)
+        for got in (decode_bytes(data, exif=True), to_rgb_array(str(path), exif=True), pil):
+            assert got.shape == shown.shape and np.array_equal(got, shown), (fmt, orientation)
+        assert decode_bytes(data).shape == (217, 331, 3)  # not asked: the stored order
+    with pytest.raises(TypeError, match="exif must be True or False"):
+        to_rgb_array(photo, exif="yes")
+
+
+def _big_jpeg(width: int = 6000, height: int = 4000, mode: str = "RGB") -> bytes:
+    """A 6000x4000 photo-like JPEG (a gradient with texture: about 1 MB), quickly made."""
+    y, x = np.mgrid[0:height, 0:width].astype(np.uint16)
+    rgb = np.dstack([(x * 7 + y) % 256, (y * 5) % 256, ((x ^ y) & 0xFF)]).astype(np.uint8)
+    return _encode(Image.fromarray(rgb).convert(mode), "JPEG", quality=90)
+
+
+@pytest.mark.parametrize("jpeg_mode", ["RGB", "CMYK"])
+def test_a_truncated_jpeg_is_an_input_error(tmp_path, jpeg_mode):
+    """A JPEG cut to 69 KB whose header still declares 6000x4000 pixels, as is and with an end-of-image marker put
+    back after the cut: libjpeg fills the missing part gray and only warns; here it is an InputError, never a
+    gray 6000x4000 image (issue 28)."""
+    whole = _big_jpeg(mode=jpeg_mode)
+    assert len(whole) > 200_000
+    cut = whole[:69_000]
+    for data in (cut, cut + b"\xff\xd9", cut + b"\xff\xd9" + bytes(100)):
+        with Image.open(io.BytesIO(data)) as img:
+            assert img.size == (6000, 4000)  # the header is intact
+        with pytest.raises(InputError, match=r"^image: .*truncated"):
+            decode_bytes(data)
+        path = tmp_path / "cut.jpg"
+        path.write_bytes(data)
+        with pytest.raises(InputError, match="cut.jpg.*truncated"):
+            to_rgb_array(str(path))
+    assert decode_bytes(whole).shape == (4000, 6000, 3)  # and whole data still decodes
 
 
 def _chunk(kind: bytes, body: bytes) -> bytes:

@@ -5,7 +5,8 @@
   until the send timeout cuts them; a normal request is then served; a second round peaks within 0.5 GB of the
   first, and the first stays within the documented memory formula.
 - Shutdown: SIGTERM with a client that does not read its answer exits 0 within --shutdown-grace + 5 s; a
-  second signal exits at once. Before that, a request over --max-connections gets a JSON 503.
+  second signal exits at once. Before that, a request over --max-connections (every connection busy) gets a JSON
+  503.
 - Protocol errors (garbage request line, Content-Length -1, 20,000 headers, a 1 MB URL) get JSON answers the
   client can read, on the shared test server.
 
@@ -255,10 +256,18 @@ def test_sigterm_with_a_client_that_does_not_read_exits_0_within_the_grace_perio
     try:
         with httpx.Client(base_url=server.url, timeout=60) as client:
             sock = stuck_answer(server, client)
-            # the stuck client, one idle connection and the client's own: the limit (3) answers in JSON
-            with socket.create_connection(("127.0.0.1", server.port)):
-                with httpx.Client(base_url=server.url, timeout=60) as third:
-                    refused = third.get("/health")
+            # the stuck client and two requests whose bodies are still arriving: every connection of the limit (3)
+            # has a request in progress (an idle one would be closed to make room), so a fourth gets a JSON 503
+            receiving = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2)]
+            for other in receiving:
+                other.sendall(
+                    b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: 99\r\n\r\n"
+                )
+            time.sleep(0.5)
+            with httpx.Client(base_url=server.url, timeout=60) as fourth:
+                refused = fourth.get("/health")
+            for other in receiving:
+                other.close()
             assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
             assert (
                 refused.json()["code"] == "too_many_connections" and "--max-connections 3" in refused.json()["detail"]

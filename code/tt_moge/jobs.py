@@ -23,18 +23,18 @@ DEFAULT_CHUNK = (
 )
 
 
-def _decode(path: Path) -> Any:
-    return to_rgb_array(path)  # its errors name the file: "image file '<path>': ..."
+def _decode(path: Path, exif: bool = False) -> Any:
+    return to_rgb_array(path, exif=exif)  # its errors name the file: "image file '<path>': ..."
 
 
-def _decoded_chunks(images: Sequence, size: int, reader: ThreadPoolExecutor) -> Iterator[list]:
+def _decoded_chunks(images: Sequence, size: int, reader: ThreadPoolExecutor, exif: bool = False) -> Iterator[list]:
     """Yield [(ImageInput, Future of its RGB array)] per chunk, with the next chunk already decoding."""
     chunks = [images[i : i + size] for i in range(0, len(images), size)]
-    pending = [reader.submit(_decode, image.path) for image in chunks[0]] if chunks else []
+    pending = [reader.submit(_decode, image.path, exif) for image in chunks[0]] if chunks else []
     for k, chunk in enumerate(chunks):
         current = pending
         if k + 1 < len(chunks):
-            pending = [reader.submit(_decode, image.path) for image in chunks[k + 1]]
+            pending = [reader.submit(_decode, image.path, exif) for image in chunks[k + 1]]
         yield list(zip(chunk, current))
 
 
@@ -58,9 +58,10 @@ def predict_images(
     writers: int = 2,
     on_done: Optional[Callable[[Any, Optional[str]], None]] = None,
     mesh_step: int = DEFAULT_MESH_STEP,
+    exif: bool = False,
 ) -> dict:
     """Run `service` (a `PredictionService`) over [ImageInput] with `options` and write each result to
-    out_root / image.name with `write_outputs`.
+    out_root / image.name with `write_outputs`. `exif`: turn each file by its EXIF orientation when decoding.
 
     Decoding of the next chunk, the model on this chunk (`predict_many`) and the writing of finished images
     overlap. An image that fails (unreadable, or its writing fails, e.g. on a full disk) is recorded and the
@@ -88,7 +89,7 @@ def predict_images(
 
     try:
         index = 0
-        for chunk in _decoded_chunks(images, chunk_size, reader):
+        for chunk in _decoded_chunks(images, chunk_size, reader, exif):
             decoded = []
             for image, future in chunk:
                 exc = future.exception()
@@ -145,6 +146,7 @@ def predict_panoramas(
     *,
     on_done: Optional[Callable[[Any, Optional[str]], None]] = None,
     mesh_step: int = DEFAULT_MESH_STEP,
+    exif: bool = False,
 ) -> dict:
     """`predict_images` for 360-degree equirectangular panoramas: per image, `model.predict_panorama` (whose 12
     views already keep the device busy through predict_many) and `write_outputs`; the writing of one panorama
@@ -166,7 +168,7 @@ def predict_panoramas(
     try:
         for index, image in enumerate(images):
             try:
-                rgb = _decode(image.path)
+                rgb = _decode(image.path, exif)
                 output = model.predict_panorama(rgb)
             except Exception as exc:
                 settle()

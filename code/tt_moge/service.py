@@ -68,10 +68,13 @@ class PredictionService:
         return raw
 
     # ------------------------------------------------------------------------------------------ images
-    def predict(self, image: Any, options: CallOptions = CallOptions(), timing: Optional[dict] = None) -> MoGeOutput:
-        """One image -> MoGeOutput at its own resolution. `timing`, if a dict, receives STAGES in ms."""
+    def predict(
+        self, image: Any, options: CallOptions = CallOptions(), timing: Optional[dict] = None, *, exif: bool = False
+    ) -> MoGeOutput:
+        """One image -> MoGeOutput at its own resolution. `timing`, if a dict, receives STAGES in ms. `exif`: an
+        encoded image or file is turned by its EXIF orientation first (the server's uploads; `to_rgb_array`)."""
         self.check_open()
-        prepared = prepare(image, self.canvas_size, options, timing)
+        prepared = prepare(image, self.canvas_size, options, timing, exif=exif)
         raw = self.forward_raw(prepared.canvas, timing)
         return postprocess(raw, prepared.plan, options, timing)
 

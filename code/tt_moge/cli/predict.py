@@ -130,6 +130,14 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "--writers", type=argtypes.positive_int, default=2, metavar="N", help="threads writing files (default 2)"
     )
     group.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary; errors still print")
+    group.add_argument(
+        "--exif",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="turn each photo by its EXIF orientation tag, as image viewers show it (a phone photo taken upright "
+        "is stored sideways); the outputs then have the displayed width and height. --no-exif: the stored pixel "
+        "order, as the Python API reads photos (default: on)",
+    )
     return predict
 
 
@@ -202,7 +210,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 todo_images = [images[i] for i in todo]
                 if args.panorama:
                     done_status = predict_panoramas(
-                        model, todo_images, out_root, formats, on_done=on_done, mesh_step=args.mesh_step
+                        model, todo_images, out_root, formats, on_done=on_done, mesh_step=args.mesh_step, exif=args.exif
                     )
                 else:
                     done_status = predict_images(
@@ -215,6 +223,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         writers=args.writers,
                         on_done=on_done,
                         mesh_step=args.mesh_step,
+                        exif=args.exif,
                     )
                 info = model.info()
             status.update({todo[j]: error for j, error in done_status.items()})
@@ -232,6 +241,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "bytes_written": nbytes,
         "options": {
             "panorama": args.panorama,
+            "exif": args.exif,
             **options.kwargs(),
             "resolution": list(args.resolution),
             "num_tokens": args.num_tokens,

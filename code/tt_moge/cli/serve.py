@@ -21,7 +21,7 @@ import sys
 import threading
 from typing import Any, Callable, Iterator
 
-from ..server.settings import DEFAULT_HOST, DEFAULT_PORT, ServerSettings
+from ..server.settings import ACCEPT_BACKLOG, DEFAULT_HOST, DEFAULT_PORT, ServerSettings, fd_limit
 from . import argtypes
 from .common import EXIT_START, Formatter, add_model_arguments, add_options, model_kwargs, option_values, say
 
@@ -154,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as exc:
         print(f"tt-moge serve: error: {exc}", file=sys.stderr)
         return 2
+    settings, lowered = settings.within_fd_limit(fd_limit())  # so that accept() never fails with EMFILE
+    if lowered:
+        logging.getLogger("tt_moge.server").warning("%s", lowered)
     # Our own header check (--max-pixels) is the decompression-bomb limit; Pillow's must not be lower.
     if Image.MAX_IMAGE_PIXELS is not None:
         Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS, settings.max_pixels)
@@ -185,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
         access_log=not args.no_access_log,
         lifespan="on",
         limit_concurrency=settings.max_connections,
-        timeout_keep_alive=5,
+        timeout_keep_alive=settings.idle_timeout_s,  # JsonH11Protocol: also before a connection's first request
+        backlog=ACCEPT_BACKLOG,
         timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
     server = _make_server(uvicorn, config, on_stop)

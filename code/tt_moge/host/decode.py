@@ -5,7 +5,9 @@ Accepted inputs (the spec's list, plus encoded bytes, which the server uses):
   * a PIL image (any mode; alpha is dropped);
   * a numpy array (H, W, 3) / (3, H, W) / (H, W), uint8 or float in [0, 1];
   * a torch tensor (3, H, W) / (1, 3, H, W) float in [0, 1], or (H, W, 3) uint8.
-EXIF orientation is not applied (as upstream MoGe reads pixels: in stored order).
+EXIF orientation is not applied by default (as upstream MoGe reads pixels: in stored order); `exif=True` applies
+it (`apply_orientation`), as image viewers do: the CLI and the server ask for it, the Python API when its caller
+does (`tt_moge.load_image(path, exif=True)`).
 
 Encoded PNG and JPEG data take a fast path when it applies (see `python -m perf.host.decode_bench` for the
 measurements behind the choice), and Pillow otherwise; both give the same pixels:
@@ -17,6 +19,10 @@ measurements behind the choice), and Pillow otherwise; both give the same pixels
     else OpenCV's (IMREAD_IGNORE_ORIENTATION: no EXIF rotation); the same library and settings (accurate
     integer IDCT, fancy upsampling) as Pillow's, so the same pixels. Data that does not end with the EOI
     marker (truncated) and CMYK/YCCK files go to Pillow, which reports the error or converts.
+    Truncated data: libjpeg-turbo only warns when the entropy-coded data ends early (a file cut short, with or
+    without an EOI marker after the cut) and fills the rest of the image with gray, and so do Pillow and OpenCV.
+    simplejpeg's strict mode turns that warning into an error, so such data is an InputError here, never a
+    gray-filled image at the declared size (without simplejpeg, only data that lacks its EOI marker is caught).
 """
 
 from __future__ import annotations
@@ -40,7 +46,11 @@ __all__ = [
     "read_image_file",
     "read_image_header",
     "float_to_uint8",
+    "apply_orientation",
+    "EXIF_ORIENTATION_TAG",
 ]
+
+EXIF_ORIENTATION_TAG = 0x0112  # 1-8: how the stored pixels must be turned to be shown upright
 
 
 class InputError(ValueError):
@@ -51,34 +61,69 @@ class ImageNotFoundError(InputError, FileNotFoundError):
     """An image path that does not exist (a ValueError and a FileNotFoundError)."""
 
 
-def decode_bytes(data: bytes, name: str = "image") -> np.ndarray:
-    """Encoded image bytes -> (H, W, 3) uint8 RGB, EXIF orientation not applied."""
+def decode_bytes(data: bytes, name: str = "image", exif: bool = False) -> np.ndarray:
+    """Encoded image bytes -> (H, W, 3) uint8 RGB; with `exif=True` turned by its EXIF orientation tag (the
+    displayed order), else in stored order."""
     if not data:
         raise InputError(f"{name}: empty image data")
-    _check_pixel_count(data, name)
+    orientation = _check_header(data, name, exif)
+    arr = None
     if data.startswith(_PNG_SIGNATURE):
         arr = _decode_png_fast(data, name)
-        if arr is not None:
-            return arr
     elif data.startswith(b"\xff\xd8\xff"):
-        arr = _decode_jpeg_fast(data)
-        if arr is not None:
-            return arr
-    return decode_with_pillow(data, name)
+        arr = _decode_jpeg_fast(data, name)
+    if arr is None:
+        arr = decode_with_pillow(data, name)
+    return apply_orientation(arr, orientation)
 
 
-def _check_pixel_count(data: bytes, name: str) -> None:
+def _check_header(data: bytes, name: str, exif: bool) -> int:
     """Pillow's decompression-bomb limit (`PIL.Image.MAX_IMAGE_PIXELS`) for every decoder, checked from the header
-    before anything is inflated or allocated (the fast decoders would otherwise skip it)."""
+    before anything is inflated or allocated (the fast decoders would otherwise skip it). Returns the EXIF
+    orientation (1-8) when `exif`, else 1."""
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)):
-            pass
+        with Image.open(io.BytesIO(data)) as img:
+            return _orientation_of(img.info.get("exif")) if exif else 1
     except Image.DecompressionBombError as exc:
         raise InputError(f"{name}: {exc}") from None
     except Exception:  # noqa: BLE001 - damaged or unknown data: the decoders below name the error
-        pass
+        return 1
+
+
+def _orientation_of(raw: Any) -> int:
+    """The orientation tag of raw EXIF data (a JPEG's APP1 payload, a PNG's eXIf chunk), 1 when there is none.
+    Read from the header alone: Pillow's `getexif()` would decode a whole PNG to look for a late eXIf chunk."""
+    if not raw:
+        return 1
+    from PIL import Image
+
+    try:
+        exif = Image.Exif()
+        exif.load(raw)
+        value = int(exif.get(EXIF_ORIENTATION_TAG, 1))
+    except Exception:  # noqa: BLE001 - unreadable EXIF: the pixels are still the image, in stored order
+        return 1
+    return value if 1 <= value <= 8 else 1
+
+
+def apply_orientation(arr: np.ndarray, orientation: int) -> np.ndarray:
+    """(H, W, C) pixels in stored order -> as shown upright, for an EXIF orientation 1-8 (the same turns as
+    `PIL.ImageOps.exif_transpose`); 6 and 8 (a phone held upright) swap width and height."""
+    turned = {
+        1: lambda a: a,
+        2: lambda a: a[:, ::-1],  # mirrored
+        3: lambda a: a[::-1, ::-1],  # upside down
+        4: lambda a: a[::-1],  # mirrored vertically
+        5: lambda a: a.transpose(1, 0, 2),  # transposed
+        6: lambda a: a[::-1].transpose(1, 0, 2),  # turn 90 degrees clockwise to show
+        7: lambda a: a[::-1, ::-1].transpose(1, 0, 2),  # transversed
+        8: lambda a: a[:, ::-1].transpose(1, 0, 2),  # turn 90 degrees counter-clockwise to show
+    }.get(orientation)
+    if turned is None:
+        raise ValueError(f"orientation must be an EXIF orientation 1-8, got {orientation!r}")
+    return arr if orientation == 1 else np.ascontiguousarray(turned(arr))
 
 
 def decode_with_pillow(data: bytes, name: str = "image") -> np.ndarray:
@@ -199,17 +244,27 @@ def _jpeg_decoder():
 _simplejpeg = None
 
 
-def _decode_jpeg_fast(data: bytes) -> Optional[np.ndarray]:
-    """1- or 3-component complete JPEG -> (H, W, 3) uint8 (libjpeg-turbo), or None when Pillow must decode it."""
-    # EOI in the last bytes (0xFF 0xD9 cannot occur inside entropy-coded data, where 0xFF is stuffed)
-    if data.rfind(b"\xff\xd9", max(0, len(data) - 64)) < 0 or _jpeg_components(data) not in (1, 3):
-        return None  # truncated (Pillow raises the error) or CMYK/YCCK (Pillow's conversion is the reference)
+_JPEG_TRUNCATED = ("premature end",)  # libjpeg's warnings when the data ends before the image it declares
+
+
+def _decode_jpeg_fast(data: bytes, name: str = "image") -> Optional[np.ndarray]:
+    """1- or 3-component complete JPEG -> (H, W, 3) uint8 (libjpeg-turbo), or None when Pillow must decode it.
+    Truncated data is an InputError (with simplejpeg; see the module docstring)."""
+    components = _jpeg_components(data)
     decode = _jpeg_decoder()
     if decode:
-        try:
-            return decode(data, colorspace="RGB")
-        except ValueError:
-            return None  # let Pillow decode it or name the error
+        try:  # strict: libjpeg's warnings are errors; CMYK/YCCK data is decoded once only to check it
+            arr = decode(data, colorspace="CMYK" if components == 4 else "RGB")
+        except ValueError as exc:
+            if any(sign in str(exc).lower() for sign in _JPEG_TRUNCATED):
+                raise InputError(
+                    f"{name}: corrupt or truncated JPEG data ({exc}): the data ends before the image it declares"
+                ) from None
+            return None  # another complaint (e.g. extraneous bytes) or unsupported: Pillow decodes it or says why
+        return arr if components in (1, 3) else None  # CMYK/YCCK: Pillow's conversion is the reference
+    # EOI in the last bytes (0xFF 0xD9 cannot occur inside entropy-coded data, where 0xFF is stuffed)
+    if data.rfind(b"\xff\xd9", max(0, len(data) - 64)) < 0 or components not in (1, 3):
+        return None  # truncated (Pillow raises the error) or CMYK/YCCK (Pillow's conversion is the reference)
     import cv2
 
     flags = getattr(cv2, "IMREAD_COLOR_RGB", None)
@@ -222,8 +277,9 @@ def _decode_jpeg_fast(data: bytes) -> Optional[np.ndarray]:
     return arr if flags is not None else cv2.cvtColor(arr, cv2.COLOR_BGR2RGB)
 
 
-def read_image_file(path: "str | os.PathLike", name: str = "image") -> np.ndarray:
-    """The decoded file; errors begin with `name` (the argument, e.g. "images[3]" in predict_many)."""
+def read_image_file(path: "str | os.PathLike", name: str = "image", exif: bool = False) -> np.ndarray:
+    """The decoded file (turned by its EXIF orientation when `exif`); errors begin with `name` (the argument,
+    e.g. "images[3]" in predict_many)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -231,7 +287,7 @@ def read_image_file(path: "str | os.PathLike", name: str = "image") -> np.ndarra
         raise ImageNotFoundError(f"{name}: no such file {os.fspath(path)!r}") from None
     except IsADirectoryError:
         raise InputError(f"{name}: {os.fspath(path)!r} is a directory, expected an image file") from None
-    return decode_bytes(data, name=f"{name} file {os.fspath(path)!r}")
+    return decode_bytes(data, name=f"{name} file {os.fspath(path)!r}", exif=exif)
 
 
 def read_image_header(path: "str | os.PathLike") -> tuple:
@@ -341,19 +397,27 @@ def _from_torch(t: Any, name: str) -> np.ndarray:
     )
 
 
-def to_rgb_array(image: Any, name: str = "image", min_side: int = MIN_IMAGE_SIDE) -> np.ndarray:
+def to_rgb_array(image: Any, name: str = "image", min_side: int = MIN_IMAGE_SIDE, *, exif: bool = False) -> np.ndarray:
     """Any supported input -> (H, W, 3) RGB array: uint8, or float32 in [0, 1] for float inputs. Smaller than
-    `min_side` on a side is an InputError (a caller with its own size rule, as panoramas, passes 1)."""
+    `min_side` on a side is an InputError (a caller with its own size rule, as panoramas, passes 1).
+
+    exif: turn a file, encoded bytes or PIL image by its EXIF orientation tag, as image viewers show it (a phone
+      photo taken upright has its width and height swapped in storage). Off by default, as the spec says: the
+      model reads the stored pixel order, as upstream MoGe does. Arrays and tensors carry no EXIF."""
+    if not isinstance(exif, bool):
+        raise TypeError(f"exif must be True or False, got {exif!r}")
     if isinstance(image, (str, os.PathLike)):
-        arr = read_image_file(image, name)
+        arr = read_image_file(image, name, exif=exif)
     elif isinstance(image, (bytes, bytearray, memoryview)):
-        arr = decode_bytes(bytes(image), name)
+        arr = decode_bytes(bytes(image), name, exif=exif)
     elif isinstance(image, np.ndarray):
         arr = _from_numpy(image, name)
     elif type(image).__module__.startswith("torch") and hasattr(image, "detach"):
         arr = _from_torch(image, name)
     elif hasattr(image, "mode") and hasattr(image, "convert") and hasattr(image, "size"):
         arr = _pil_to_array(image, name)
+        if exif:
+            arr = apply_orientation(arr, _orientation_of(image.info.get("exif")))
     elif image is None:
         raise InputError(f"{name}: got None; expected a file path, PIL image, numpy array or torch tensor")
     else:

@@ -67,7 +67,7 @@ def parse_fov_degrees(text: str) -> float:
         raise ValueError(f"expected degrees, e.g. 60, got {text!r}") from None
     low, high = FOV_X_RANGE
     if not (math.isfinite(value) and low < value < high):
-        raise ValueError(f"the horizontal field of view must be in ({low:g}, {high:g}) degrees, got {text}")
+        raise ValueError(f"the horizontal field of view must be in degrees, {low:g} < fov_x < {high:g}, got {text}")
     return value
 
 
@@ -143,11 +143,17 @@ class Prepared:
 
 
 def prepare(
-    image: Any, canvas_size: tuple, options: CallOptions, timing: Optional[dict] = None, name: str = "image"
+    image: Any,
+    canvas_size: tuple,
+    options: CallOptions,
+    timing: Optional[dict] = None,
+    name: str = "image",
+    *,
+    exif: bool = False,
 ) -> Prepared:
-    """Decode and fit one image onto the canvas."""
+    """Decode and fit one image onto the canvas; `exif`: turn it by its EXIF orientation first (`to_rgb_array`)."""
     watch = Stopwatch(timing)
-    rgb = to_rgb_array(image, name)
+    rgb = to_rgb_array(image, name, exif=exif)
     if options.intrinsics is not None:  # before the device: a principal point outside this image is impossible
         options.intrinsics.check_image((rgb.shape[1], rgb.shape[0]))
     watch.lap("decode")

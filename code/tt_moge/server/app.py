@@ -13,6 +13,7 @@ those of `model(<same bytes>, <same options>)`.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from contextlib import asynccontextmanager
 from typing import Any, Callable, Literal, Optional, Union
@@ -28,6 +29,7 @@ from ..npzio import DEFLATE_BACKEND, npz_parts
 from ..output import SUMMARY_FIELDS
 from .docs import install_docs
 from .errors import ERROR_RESPONSES, ApiError, ErrorBody, install_error_handlers
+from .protocol import log_accept_errors
 from .sending import ABORT_KEY, connection_aborter
 from .serving import (
     CALL_OPTION_NAMES,
@@ -43,7 +45,7 @@ from .serving import (
     timing_headers,
 )
 from .settings import ServerSettings
-from .upload import IMAGE_MEDIA_TYPES, MULTIPART_FIELD
+from .upload import EXIF_QUERY, IMAGE_MEDIA_TYPES, MULTIPART_FIELD, exif_query
 from .video import VIDEO_MEDIA_TYPES, add_video_routes
 
 __all__ = [
@@ -161,6 +163,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        log_accept_errors(asyncio.get_running_loop())  # once per interval, never per attempt
         if loader is not None:
             threading.Thread(
                 target=serving.load, args=(loader, on_load_error), name="tt_moge-load", daemon=True
@@ -211,10 +214,13 @@ def create_app(
                 "Server). auto: deflate unless the client is on this machine (loopback)"
             ),
         ),
+        exif: bool = Depends(exif_query),
     ) -> Response:
-        check_query(request, (*CALL_OPTION_NAMES, "compress"))
+        check_query(request, (*CALL_OPTION_NAMES, "compress", EXIF_QUERY))
         deflate = compress == "true" or (compress == "auto" and not client_is_loopback(request))
-        done = await serving.predict(request, options, lambda out, _: npz_parts(out.npz_arrays(), compress=deflate))
+        done = await serving.predict(
+            request, options, lambda out, _: npz_parts(out.npz_arrays(), compress=deflate), exif
+        )
         return serving.answer(done.payload, NPZ_MEDIA_TYPE, timing_headers(done.timing), done.ticket)
 
     @app.post(
@@ -225,9 +231,11 @@ def create_app(
         summary="Predict: image in, a small JSON summary out (no maps)",
         responses={200: {"headers": _TIMING_HEADERS}, **responses},
     )
-    async def predict_summary(request: Request, options: CallOptions = Depends(call_query)) -> Response:
-        check_query(request, CALL_OPTION_NAMES)
-        done = await serving.predict(request, options, lambda out, _: out.summary())
+    async def predict_summary(
+        request: Request, options: CallOptions = Depends(call_query), exif: bool = Depends(exif_query)
+    ) -> Response:
+        check_query(request, (*CALL_OPTION_NAMES, EXIF_QUERY))
+        done = await serving.predict(request, options, lambda out, _: out.summary(), exif)
         try:
             record = Summary(**done.payload, timing_ms=done.timing).model_dump()
         except BaseException:

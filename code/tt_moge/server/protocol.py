@@ -8,10 +8,22 @@ uvicorn answers some requests itself, before the app sees them, in plain text:
   the kernel then resets the connection and the client usually sees the reset, not the answer;
 - at `--max-connections` it answers 503 itself.
 
+And it never closes a connection that sends nothing, nor one that has sent part of a request head and stalls
+(its keep-alive timeout starts only after a first answer), so such connections could hold every connection slot
+and, under a low `ulimit -n`, drive accept() into EMFILE (logged once per attempt by asyncio: tens of MB a minute).
+
 `JsonH11Protocol` answers the first with `{"code", "detail"}`: 400 `bad_request` naming what h11 found wrong,
 or 431 `headers_too_large`, then half-closes the connection and reads and drops what the client still sends
 (at most LINGER_S seconds and LINGER_BYTES bytes) so that the client gets to read the answer. The second gets a
-JSON 503 `too_many_connections` with Retry-After, by the same rule as uvicorn's.
+JSON 503 `too_many_connections` with Retry-After.
+
+Idle connections (no request in progress: nothing sent yet, an incomplete request head, a keep-alive
+connection between requests) are closed after `--idle-timeout` seconds, and at `--max-connections` a new
+connection first closes the connection idle the longest: only when every open connection has a request in
+progress does the new one get the 503 (and beyond OVER_LIMIT_SLOTS more such, it is closed at once). Together
+with the listen backlog (ACCEPT_BACKLOG) and the limit kept below the file-descriptor limit
+(`ServerSettings.within_fd_limit`), accept() never runs out of descriptors; should it fail all the same,
+`log_accept_errors` logs that once per LOG_INTERVAL_S, with a count, never once per attempt.
 
 What no server can answer (a client that closes before its request line is complete, a TLS or HTTP/2 client
 on this plain HTTP/1.1 port, an answer cut after its status line was sent) is listed in docs/server-limits.md.
@@ -20,15 +32,27 @@ on this plain HTTP/1.1 port, an answer cut after its status line was sent) is li
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import time
 from http import HTTPStatus
 from typing import Any, Optional
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["JsonH11Protocol", "LINGER_S", "LINGER_BYTES", "CONNECTION_LIMIT_RETRY_AFTER_S"]
+from .settings import OVER_LIMIT_SLOTS
+
+__all__ = [
+    "JsonH11Protocol",
+    "LINGER_S",
+    "LINGER_BYTES",
+    "CONNECTION_LIMIT_RETRY_AFTER_S",
+    "LOG_INTERVAL_S",
+    "log_accept_errors",
+    "ThrottledLog",
+]
 
 log = logging.getLogger("tt_moge.server")
 
@@ -37,6 +61,63 @@ LINGER_BYTES = 16 * 1024 * 1024  # ... and how much of it
 CONNECTION_LIMIT_RETRY_AFTER_S = 1
 _BODY_DRAIN_S = 2.0  # a request refused at the connection limit: how long its body is read and dropped first
 _H11_DEFAULT_LIMIT = 16 * 1024  # h11's default max_incomplete_event_size (uvicorn passes None for it)
+LOG_INTERVAL_S = 10.0  # events that may come by the thousand (accept errors, idle connections closed) are logged
+# at most once per this many seconds, with their count
+
+
+class ThrottledLog:
+    """Counts events and logs them at most once per `interval_s`: the first at once, the rest as a count with the
+    next line (or the next one after the interval). One per kind of event; used on the event loop only."""
+
+    def __init__(self, level: int, interval_s: float = LOG_INTERVAL_S):
+        self.level, self.interval_s = level, interval_s
+        self._last = float("-inf")
+        self._since = 0  # events not logged since the last line
+
+    def __call__(self, message: str, *args: Any) -> bool:
+        """Count one event; log `message % args` (plus how many were not logged) when the interval has passed.
+        Returns whether a line was written."""
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            self._since += 1
+            return False
+        more = f" (and {self._since} more like it in the last {now - self._last:.0f} s)" if self._since else ""
+        log.log(self.level, message + more, *args)
+        self._last, self._since = now, 0
+        return True
+
+
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def log_accept_errors(loop: asyncio.AbstractEventLoop, interval_s: float = LOG_INTERVAL_S) -> None:
+    """Make the loop log a failing accept() once per `interval_s` with a count, not once per attempt (asyncio logs
+    each, with a traceback); other errors go to the handler the loop had."""
+    previous = loop.get_exception_handler()
+    throttled = ThrottledLog(logging.ERROR, interval_s)
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        exc = context.get("exception")
+        accepting = str(context.get("message", "")).startswith("socket.accept()")
+        if accepting or (isinstance(exc, OSError) and exc.errno in _OUT_OF_RESOURCES and "socket" in context):
+            reason = f"{type(exc).__name__}: {exc}" if exc is not None else context.get("message")
+            throttled(
+                "accept() failed: %s; new connections wait in the listen backlog (see --max-connections, ulimit -n)",
+                reason,
+            )
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handle)
+
+
+_IDLE_CLOSED = ThrottledLog(logging.DEBUG)  # routine (keep-alive connections end so); the others are overload
+_REFUSED = ThrottledLog(logging.WARNING)
+_EVICTED = ThrottledLog(logging.WARNING)
+_CUT = ThrottledLog(logging.WARNING)
 
 
 def _json_head(status: int, body: bytes, extra: tuple = ()) -> bytes:
@@ -82,11 +163,12 @@ class _ConnectionLimit:
         self.app, self.protocol, self.limit = app, protocol, limit
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        # uvicorn counts open connections (this one included) and running requests (this one not yet added)
-        busy = len(self.protocol.connections) >= self.limit or len(self.protocol.tasks) - 1 >= self.limit
+        # over the limit when it was accepted (no idle connection to close), or running requests (this one
+        # included) over the limit
+        busy = self.protocol.over_limit or len(self.protocol.tasks) - 1 >= self.limit
         if scope["type"] != "http" or not busy:
             return await self.app(scope, receive, send)
-        log.warning(
+        _REFUSED(
             "refused a request: %d connections open (--max-connections %d)", len(self.protocol.connections), self.limit
         )
         try:  # read the body first: closing with unread bytes would reset the connection before the answer
@@ -121,17 +203,79 @@ class _ConnectionLimit:
 
 
 class JsonH11Protocol(H11Protocol):
-    """uvicorn's H11Protocol with JSON answers to unparsable requests and at the connection limit (see the
-    module docstring). Pass it as `uvicorn.Config(http=JsonH11Protocol, ...)`."""
+    """uvicorn's H11Protocol with JSON answers to unparsable requests and at the connection limit, and idle
+    connections bounded (see the module docstring). Pass it as `uvicorn.Config(http=JsonH11Protocol, ...)`: the
+    config's `timeout_keep_alive` is the idle timeout, its `limit_concurrency` the connection limit."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.conn = _RecordingConnection(self.conn)
         self._linger_timer: Optional[asyncio.TimerHandle] = None
         self._dropped = 0
-        if self.limit_concurrency is not None:  # our wrapper checks it (in JSON); uvicorn's own check is off
-            self.app = _ConnectionLimit(self.app, self, self.limit_concurrency)
+        self.limit = self.limit_concurrency
+        self.over_limit = False  # accepted over the limit with no idle connection to close: its request gets 503
+        self.idle_since: Optional[float] = None  # loop time since when no request is in progress; None while one is
+        self._idle_timer: Optional[asyncio.TimerHandle] = None
+        if self.limit is not None:  # our wrapper checks it (in JSON); uvicorn's own check is off
+            self.app = _ConnectionLimit(self.app, self, self.limit)
             self.limit_concurrency = None
+
+    # ------------------------------------------------------------------------------------- idle connections
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._became_idle()
+        if self.limit is None:
+            return
+        open_now = [c for c in self.connections if not c.transport.is_closing()]
+        if len(open_now) <= self.limit:
+            return
+        idle = [c for c in open_now if c is not self and getattr(c, "idle_since", None) is not None]
+        if idle:
+            min(idle, key=lambda c: c.idle_since).close_idle()
+            _EVICTED(
+                "%d connections open (--max-connections %d): closed the one idle the longest to make room",
+                len(open_now),
+                self.limit,
+            )
+            return
+        self.over_limit = True
+        if len(open_now) > self.limit + OVER_LIMIT_SLOTS:
+            _CUT(
+                "%d connections open, each with a request in progress (--max-connections %d): closed a new one at once",
+                len(open_now),
+                self.limit,
+            )
+            self.transport.abort()
+
+    def _became_idle(self) -> None:
+        """No request in progress from now: close the connection if that lasts the idle timeout."""
+        self.idle_since = self.loop.time()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._idle_timer = self.loop.call_later(self.timeout_keep_alive, self._idle_timeout)
+
+    def _idle_timeout(self) -> None:
+        self._idle_timer = None
+        if self.idle_since is not None and not self.transport.is_closing():
+            _IDLE_CLOSED("closed a connection idle for %g s (--idle-timeout)", self.timeout_keep_alive)
+            self.close_idle()
+
+    def close_idle(self) -> None:
+        """Close this connection, which has no request in progress (as uvicorn's keep-alive timeout does)."""
+        try:
+            self.conn.send(h11.ConnectionClosed())
+        except h11.LocalProtocolError:  # a request head half received: nothing to tell the peer
+            pass
+        self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.idle_since = None  # a request head arrived: its body has --read-timeout, its answer --send-timeout
+
+    def on_response_complete(self) -> None:
+        self._became_idle()  # before uvicorn's, which may start a pipelined request (handle_events)
+        super().on_response_complete()
 
     def send_400_response(self, msg: str) -> None:
         error = self.conn.error
@@ -177,4 +321,6 @@ class JsonH11Protocol(H11Protocol):
     def connection_lost(self, exc: Optional[Exception]) -> None:
         if self._linger_timer is not None:
             self._linger_timer.cancel()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         super().connection_lost(exc)

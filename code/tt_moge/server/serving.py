@@ -284,14 +284,18 @@ class Serving:
 
     # --------------------------------------------------------------------------------------- auth
     def authorize(self, credentials: Optional[HTTPAuthorizationCredentials] = Depends(_BEARER)) -> None:
-        """A route dependency: 401 unless the request carries the API key (when the server has one)."""
+        """A route dependency: 401 unless the request carries the API key (when the server has one).
+
+        Compared as bytes, in constant time: the header as it arrived (HTTP headers are bytes; Starlette hands
+        them over decoded as latin-1, which `encode("latin-1")` undoes exactly) against the key's UTF-8 bytes, so
+        a non-ASCII key sent as UTF-8 (what curl and httpx send) matches."""
         api_key = self.settings.api_key
         if api_key is None:
             return
         if (
             credentials is None
             or credentials.scheme.lower() != "bearer"
-            or not hmac.compare_digest(credentials.credentials.encode(), api_key.encode())
+            or not hmac.compare_digest(credentials.credentials.encode("latin-1"), api_key.encode("utf-8"))
         ):
             raise ApiError(
                 401,
@@ -302,15 +306,15 @@ class Serving:
 
     # -------------------------------------------------------------------------------------- work
     async def predict(
-        self, request: Request, options: CallOptions, encode: Callable[[Any, ImageUpload], Any]
+        self, request: Request, options: CallOptions, encode: Callable[[Any, ImageUpload], Any], exif: bool = False
     ) -> Prediction:
-        """Receive the image, admit it, run the PredictionService with `options` and `encode(output, upload)` on
-        a host thread. On any error here the ticket's answer part ends at once, and its slot frees when the work
-        has ended too."""
+        """Receive the image, admit it, run the PredictionService with `options` (the image turned by its EXIF
+        orientation when `exif`) and `encode(output, upload)` on a host thread. On any error here the ticket's
+        answer part ends at once, and its slot frees when the work has ended too."""
         start = time.perf_counter()
         reservation = self.budget.reservation()
         try:
-            upload: ImageUpload = await receive_image(request, self.settings, self.reserver(reservation))
+            upload: ImageUpload = await receive_image(request, self.settings, self.reserver(reservation), exif)
             width, height = upload.size
             ticket = self.admit(reservation, self.settings.request_cost(width * height, len(upload.data)))
         except BaseException:
@@ -323,7 +327,7 @@ class Serving:
         def job() -> Any:
             timing["queue"] = (time.perf_counter() - admitted) * 1e3
             try:
-                out = service.predict(upload.data, options, timing)
+                out = service.predict(upload.data, options, timing, exif=upload.exif)
             except InputError as exc:
                 raise ApiError(400, "bad_image", str(exc)) from None
             except Exception as exc:

@@ -3,6 +3,7 @@ flags from `ServerSettings`; docs/server.md lists them)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -18,6 +19,11 @@ __all__ = [
     "BYTES_PER_PIXEL",
     "CLIP_BYTES_PER_PIXEL",
     "CLIP_FRAMES_IN_FLIGHT",
+    "ACCEPT_BACKLOG",
+    "FD_RESERVE",
+    "OVER_LIMIT_SLOTS",
+    "fd_limit",
+    "connections_within",
 ]
 
 API_KEY_ENV = "MOGE_API_KEY"  # the bearer token clients must send, when set
@@ -33,6 +39,33 @@ BYTES_PER_PIXEL = 64
 # BYTES_PER_PIXEL (the reader's decoded frames, the model's chunks, the frame being registered).
 CLIP_BYTES_PER_PIXEL = 5
 CLIP_FRAMES_IN_FLIGHT = 16
+# File descriptors. Every open connection is one; the process needs others too. So the connection limit is kept
+# below the process's limit (RLIMIT_NOFILE, read at start) by:
+ACCEPT_BACKLOG = 128  # the listen backlog, which is also the most connections accepted in one go (before the
+# protocol can close idle ones to make room), and as many again that are closing after such a burst
+FD_RESERVE = 128  # everything but connections: the listening socket, the event loop, the model's and the page's
+# files, pipes, logs, the libraries' own
+OVER_LIMIT_SLOTS = 16  # connections beyond max_connections kept long enough to read their JSON 503; more are cut
+
+
+def fd_limit() -> Optional[int]:
+    """The process's file-descriptor limit (the soft RLIMIT_NOFILE), or None where there is none or it cannot be
+    read."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
+        return None
+    return None if soft == resource.RLIM_INFINITY or soft <= 0 else int(soft)
+
+
+def connections_within(limit: Optional[int]) -> Optional[int]:
+    """The most connections a process with `limit` file descriptors can hold open without accept() ever failing
+    with EMFILE: the limit less FD_RESERVE, twice ACCEPT_BACKLOG and OVER_LIMIT_SLOTS (at least 1)."""
+    if limit is None:
+        return None
+    return max(1, limit - FD_RESERVE - 2 * ACCEPT_BACKLOG - OVER_LIMIT_SLOTS)
 
 
 MIB = 1024 * 1024
@@ -77,8 +110,13 @@ class ServerSettings:
       one more gets 503 with Retry-After. Bounds the memory and the latency of a burst.
     host_threads: threads that run admitted requests (decode, post-process and encode in parallel while the
       device runs one canvas at a time). More than queue_size would never be used.
-    max_connections: open connections (uvicorn's limit_concurrency) beyond which uvicorn answers 503 itself;
-      bounds the bodies being received at once (slow uploads).
+    max_connections: open connections at most. A new connection beyond it closes the connection that has been
+      idle the longest (see idle_timeout_s); when none is idle it is answered 503 too_many_connections (JSON).
+      Bounds the bodies being received at once (slow uploads) and the file descriptors: kept below the
+      process's limit (`within_fd_limit`), so accept() never fails with EMFILE.
+    idle_timeout_s: a connection with no request in progress (nothing sent yet, an incomplete request line and
+      headers, a keep-alive connection between requests) is closed after this many seconds. So idle
+      connections cannot hold the server's connections (a request whose body is arriving has read_timeout_s).
     read_timeout_s: a request body must arrive within this many seconds, else 408 (slow or stalled clients).
     send_timeout_s: an answer being sent must make progress (the client reads) within this many seconds, else
       the connection is cut and its queue slot and memory are freed (clients that stop reading).
@@ -120,7 +158,18 @@ class ServerSettings:
         4, "threads that decode / post-process / encode admitted requests (default: %(default)s)", limit=_POSITIVE
     )
     max_connections: int = option(
-        128, "open connections before uvicorn answers 503 (default: %(default)s)", limit=_POSITIVE
+        128,
+        "open connections at most; a new one closes the connection idle the longest, or gets 503 when none is "
+        "idle; lowered to fit the file-descriptor limit (ulimit -n), with a warning (default: %(default)s)",
+        limit=_POSITIVE,
+    )
+    idle_timeout_s: float = option(
+        5.0,
+        "seconds a connection may stay open with no request in progress (before its first request, between "
+        "keep-alive requests) before it is closed (default: %(default)s)",
+        flag="--idle-timeout",
+        show=_seconds,
+        limit=_SECONDS,
     )
     read_timeout_s: float = option(
         60.0,
@@ -179,9 +228,23 @@ class ServerSettings:
         return cls(**{**arguments, "api_key": arguments.get("api_key") or cls.api_key_from_env()})
 
     def limits(self) -> dict:
-        """Every setting for `/info`, but the key itself: `auth` says whether one is needed."""
+        """Every setting for `/info`, but the key itself: `auth` says whether one is needed; `fd_limit` is the
+        process's file-descriptor limit that max_connections is kept below (`within_fd_limit`)."""
         record = {info.name: getattr(self, info.name) for info in options_of(type(self)) if info.name != "api_key"}
-        return {**record, "auth": self.api_key is not None}
+        return {**record, "fd_limit": fd_limit(), "auth": self.api_key is not None}
+
+    def within_fd_limit(self, limit: Optional[int]) -> tuple:
+        """(settings, warning): these settings with max_connections lowered to what `limit` file descriptors
+        allow (`connections_within`), and a warning naming both numbers when it had to be lowered (else None)."""
+        cap = connections_within(limit)
+        if cap is None or self.max_connections <= cap:
+            return self, None
+        warning = (
+            f"--max-connections {self.max_connections} lowered to {cap}: the process may open {limit} files "
+            f"(ulimit -n), and keeps {limit - cap} of them for its own files and for connections being accepted "
+            "or closed; raise ulimit -n to allow more connections"
+        )
+        return dataclasses.replace(self, max_connections=cap), warning
 
     @staticmethod
     def request_cost(pixels: int, body_bytes: int) -> int:

@@ -66,7 +66,7 @@ from ..video import VideoOptions
 from .app import MoGeApp, Summary
 from .errors import ApiError
 from .serving import CALL_OPTION_NAMES, NPZ_MEDIA_TYPE, Serving, call_options_query, check_query, client_is_loopback
-from .upload import ImageUpload
+from .upload import EXIF_QUERY, ImageUpload, exif_query
 from .video import add_video_page
 
 __all__ = [
@@ -330,7 +330,7 @@ def make_page_result(out: MoGeOutput, upload: ImageUpload, store: ResultStore) -
     t = time.perf_counter()
     entry = store.create()
     try:
-        rgb = decode_bytes(upload.data)  # the pixels the model saw (the same decoder)
+        rgb = decode_bytes(upload.data, exif=upload.exif)  # the pixels the model saw (the same decoder)
         summary = out.summary(depth_percentiles=True)
         known = (summary.pop("depth_p1_m"), summary.pop("depth_p99_m"))
         depth_picture, (near, far) = colorize_depth(out.depth, out.mask, None if None in known else known)
@@ -551,9 +551,11 @@ def mount_ui(app: MoGeApp, store: Optional[ResultStore] = None) -> ResultStore:
         return Response(data, media_type="image/png", headers={"Cache-Control": "max-age=86400"})
 
     @router.post("/ui/api/predict", dependencies=[Depends(serving.authorize)])
-    async def predict(request: Request, options: CallOptions = Depends(call_options_query())) -> Response:
-        check_query(request, CALL_OPTION_NAMES)
-        done = await serving.predict(request, options, lambda out, upload: make_page_result(out, upload, store))
+    async def predict(
+        request: Request, options: CallOptions = Depends(call_options_query()), exif: bool = Depends(exif_query)
+    ) -> Response:
+        check_query(request, (*CALL_OPTION_NAMES, EXIF_QUERY))
+        done = await serving.predict(request, options, lambda out, upload: make_page_result(out, upload, store), exif)
         record = done.payload
         try:
             record["summary"] = Summary(**record["summary"], timing_ms=done.timing).model_dump()

@@ -12,18 +12,41 @@ import io
 from dataclasses import dataclass
 from typing import Callable
 
+from fastapi import Query
 from starlette.requests import ClientDisconnect, Request
 
 from ..constants import MIN_IMAGE_SIDE
 from .errors import ApiError
 from .settings import ServerSettings
 
-__all__ = ["IMAGE_MEDIA_TYPES", "MULTIPART_FIELD", "ImageUpload", "receive_image", "read_body", "media_type"]
+__all__ = [
+    "IMAGE_MEDIA_TYPES",
+    "MULTIPART_FIELD",
+    "EXIF_QUERY",
+    "exif_query",
+    "ImageUpload",
+    "receive_image",
+    "read_body",
+    "media_type",
+]
 
 # Content-Type of a raw body -> the image format its bytes must have. image/jpg is a common misspelling.
 IMAGE_MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG"}
 MULTIPART = "multipart/form-data"
 MULTIPART_FIELD = "image"  # the form field that carries the file
+EXIF_QUERY = "exif"  # the query parameter: apply the upload's EXIF orientation (default true)
+_EXIF_HELP = (
+    "Turn the image by its EXIF orientation tag first, as image viewers show it (a phone photo taken upright is "
+    "stored sideways); the results then have the displayed width and height. false: the stored pixel order, "
+    "as the Python API reads images by default"
+)
+
+
+def exif_query(exif: bool = Query(True, description=_EXIF_HELP)) -> bool:
+    """A FastAPI dependency: the `exif` query parameter of the routes that take an image upload."""
+    return exif
+
+
 _MAGIC = {"PNG": b"\x89PNG\r\n\x1a\n", "JPEG": b"\xff\xd8\xff"}
 _HEADER_EXPECTED = {
     "PNG": "an IHDR chunk of 13 bytes with a sound CRC and a width and height of at least 1 right after the signature",
@@ -37,6 +60,7 @@ class ImageUpload:
     format: str  # "PNG" or "JPEG"
     size: tuple  # (width, height) from the header
     read_ms: float  # time spent receiving the body
+    exif: bool = False  # decode it turned by its EXIF orientation (the query parameter `exif`, EXIF_QUERY)
 
 
 def media_type(request: Request) -> str:
@@ -116,6 +140,16 @@ async def _multipart_file(request: Request, body: bytes) -> bytes:
         await form.close()
 
 
+def _declared_size(data: bytes, fmt: str) -> tuple:
+    """(width, height) from the header, read by Pillow's format plugin directly, without the decompression-bomb
+    check of `Image.open` (whose limit is Pillow's, not this server's: the caller compares with --max-pixels)."""
+    from PIL import JpegImagePlugin, PngImagePlugin
+
+    plugin = {"PNG": PngImagePlugin.PngImageFile, "JPEG": JpegImagePlugin.JpegImageFile}[fmt]
+    with plugin(io.BytesIO(data)) as img:
+        return img.size
+
+
 def inspect_image(data: bytes, declared_format: str, settings: ServerSettings) -> tuple:
     """(format, (width, height)) from the header of PNG/JPEG bytes; the pixels are not decoded.
 
@@ -133,8 +167,8 @@ def inspect_image(data: bytes, declared_format: str, settings: ServerSettings) -
     try:
         with Image.open(io.BytesIO(data), formats=[found]) as img:
             width, height = img.size
-    except Image.DecompressionBombError as exc:
-        raise ApiError(413, "too_many_pixels", f"the image declares too many pixels ({exc})") from None
+    except Image.DecompressionBombError:  # Pillow's own limit; the answer quotes the server's (--max-pixels)
+        width, height = _declared_size(data, found)
     except UnidentifiedImageError:  # Pillow's message names only its stream object
         raise ApiError(
             400,
@@ -157,7 +191,9 @@ def inspect_image(data: bytes, declared_format: str, settings: ServerSettings) -
     return found, (width, height)
 
 
-async def receive_image(request: Request, settings: ServerSettings, reserve: Callable[[int], None]) -> ImageUpload:
+async def receive_image(
+    request: Request, settings: ServerSettings, reserve: Callable[[int], None], exif: bool = False
+) -> ImageUpload:
     """Read and check the image of a /predict request (raw body or multipart), or raise ApiError (4xx).
 
     reserve(n): called before n more bytes are kept (body chunks as they arrive; the body once more while a
@@ -174,4 +210,4 @@ async def receive_image(request: Request, settings: ServerSettings, reserve: Cal
         data = body
     read_ms = (loop.time() - start) * 1e3
     fmt, size = inspect_image(data, IMAGE_MEDIA_TYPES.get(kind, ""), settings)
-    return ImageUpload(data, fmt, size, read_ms)
+    return ImageUpload(data, fmt, size, read_ms, exif)
