@@ -20,6 +20,7 @@ from ..export import DEFAULT_FORMATS, DEFAULT_MESH_STEP, FORMATS, check_formats
 from ..fields import include_options, options_of
 from ..host import CallOptions
 from ..options import LoadOptions
+from ..runs import OutputLock
 from ..video import VideoOptions
 from .replica import ClipReplica, Replica, read_images
 from .session import (
@@ -126,6 +127,7 @@ class BatchJob:
     # + the fields of CallOptions (include_options)
     formats: Sequence[str] = DEFAULT_FORMATS
     mesh_step: int = DEFAULT_MESH_STEP
+    mesh_faces: Optional[int] = None  # at most this many faces per mesh.glb: a coarser step where needed (None: any)
     output_format: str = "files"
     replicas: int = 1
     cpus_per_replica: Optional[float] = None
@@ -137,6 +139,7 @@ class BatchJob:
     object_store_mb: int = DEFAULT_OBJECT_STORE_MB
     quiet: bool = False
     progress: bool = True
+    wait: bool = False  # OUT in use by another run (its lock, runs.OutputLock): wait for it, instead of OutputBusy
 
     def call_options(self) -> CallOptions:
         """The options applied to every image, validated (a ValueError naming the option)."""
@@ -177,6 +180,10 @@ class BatchJob:
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
             ):
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.mesh_faces is not None and (
+            isinstance(self.mesh_faces, bool) or not isinstance(self.mesh_faces, int) or self.mesh_faces < 2
+        ):
+            raise ValueError(f"mesh_faces must be an integer >= 2 or None, got {self.mesh_faces!r}")
         if self.cpus_per_replica == 0:
             raise ValueError("cpus_per_replica must be > 0 (a replica runs the host steps on the CPU)")
         return formats
@@ -217,12 +224,13 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     and write the results into `job.out`; returns a BatchSummary.
 
     Images already complete in OUT are skipped. Failed images go to OUT/failures.jsonl (rewritten by each run);
-    `on_failure(path, error)` is called for each as it arrives.
+    `on_failure(path, error)` is called for each as it arrives. OUT is locked while the job writes it
+    (`runs.OutputLock`): another run into it raises OutputBusy, or is waited for with `job.wait`.
 
     Raises RayMissingError without Ray, InputPathError for inputs that name nothing, ValueError for bad options,
-    CheckpointError / OSError / RuntimeError when the weights or the device are unusable.
+    OutputBusy when OUT is in use, CheckpointError / OSError / RuntimeError when the weights or the device are
+    unusable.
     """
-    from .. import env
     from ..inputs import InputPathError, collect_images
     from ..video import is_video_file
     from ..video.files import VIDEO_FRAME_FORMATS
@@ -244,6 +252,30 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     video = job.video_options() if clips else None
     ray = import_ray()
     out.mkdir(parents=True, exist_ok=True)
+    lock = OutputLock(out).acquire(
+        wait=job.wait, on_wait=lambda message: print(f"tt-moge batch: {message}", file=sys.stderr, flush=True)
+    )
+    try:
+        return _run_locked(job, ray, out, images, clips, formats, call, video, model_kwargs, on_failure)
+    finally:
+        lock.release()
+
+
+def _run_locked(
+    job: BatchJob,
+    ray: Any,
+    out: Path,
+    images: list,
+    clips: list,
+    formats: tuple,
+    call: CallOptions,
+    video: Optional[VideoOptions],
+    model_kwargs: dict,
+    on_failure: Optional[Callable[[str, str], None]],
+) -> BatchSummary:
+    """run_batch, once OUT is locked."""
+    from .. import env
+
     if job.output_format == "parquet":
         (out / SHARDS_DIR).mkdir(exist_ok=True)
     done_before = completed_names(out, [im.name for im in images], job.output_format)
@@ -272,6 +304,7 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
         "output_format": job.output_format,
         "formats": list(formats) if files else None,
         "mesh_step": job.mesh_step if files and "glb" in formats else None,
+        "mesh_faces": job.mesh_faces if files and "glb" in formats else None,
         **call.kwargs(),
         **(video.kwargs() if video is not None else {}),
         "batch_size": job.batch_size,
@@ -306,7 +339,10 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     if address is not None and weights_dir:  # the replicas resolve it, and it wins over a repo id
         model_record["MOGE_WEIGHTS_DIR"] = weights_dir
 
-    with ray_session(ray, address, local_ray_cpus(replicas, cpus), job.object_store_mb, job.quiet) as (where, start_s):
+    # Ray's own INFO lines, its workers' output and Ray Data's progress bars only with the model's verbose flag
+    # (tt-moge batch -v): the job's own progress bar and messages say what a user needs
+    ray_quiet = job.quiet or not job.model.get("verbose")
+    with ray_session(ray, address, local_ray_cpus(replicas, cpus), job.object_store_mb, ray_quiet) as (where, start_s):
         summary.ray_start_seconds = start_s
         check_resources(ray, replicas, cpus, gpus, strict=address is None)
         if not job.quiet:
@@ -317,7 +353,7 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
                 flush=True,
             )
         t0 = time.perf_counter()
-        with ray_data_output(ray, job.quiet):
+        with ray_data_output(ray, ray_quiet):
             if clips:
                 dataset = _clip_dataset(
                     ray, job, todo, out, formats, call, video, model_kwargs, replicas, cpus, gpus, address is None
@@ -427,6 +463,7 @@ def _build_dataset(
                 writers=job.writers,
                 threads=int(cpus),
                 mesh_step=job.mesh_step,
+                mesh_faces=job.mesh_faces,
             ),
             num_cpus=cpus,
             num_gpus=gpus or None,

@@ -27,6 +27,7 @@ from .common import (
     EXIT_IMAGES_FAILED,
     EXIT_OK,
     EXIT_START,
+    EXIT_USAGE,
     Formatter,
     add_call_arguments,
     add_format_arguments,
@@ -35,6 +36,7 @@ from .common import (
     call_options,
     chosen_formats,
     format_group_title,
+    mesh_choice,
     model_kwargs,
     option_values,
     say,
@@ -167,6 +169,11 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         f"default {DEFAULT_OBJECT_STORE_MB})",
     )
     ray.add_argument("-q", "--quiet", action="store_true", help="no progress output and no summary; errors still print")
+    ray.add_argument(
+        "--wait",
+        action="store_true",
+        help="OUT is in use by another run: wait for it to end (default: stop at once, exit code 2)",
+    )
     return parser
 
 
@@ -175,6 +182,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..batch import BatchJob, RayMissingError, run_batch
     from ..export import DEFAULT_FORMATS, missing_format_library
     from ..inputs import InputPathError
+    from ..runs import OutputBusy
 
     formats = chosen_formats(args)
     if args.output_format == "parquet" and formats:
@@ -195,7 +203,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         **call_options(args).kwargs(),
         **option_values(args, VideoOptions),
         formats=formats,
-        mesh_step=args.mesh_step,
+        **dict(zip(("mesh_step", "mesh_faces"), mesh_choice(args))),
         output_format=args.output_format,
         replicas=args.replicas,
         cpus_per_replica=args.cpus_per_replica,
@@ -206,6 +214,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         address=args.address,
         object_store_mb=args.object_store_mb,
         quiet=args.quiet,
+        wait=args.wait,
     )
     try:
         summary = run_batch(job, on_failure=on_failure)
@@ -214,6 +223,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return EXIT_START
     except InputPathError as exc:
         parser.error(str(exc))
+    except OutputBusy as exc:
+        say(str(exc))
+        return EXIT_USAGE
     except (ValueError, TypeError) as exc:  # options; weights not found (CheckpointError is a ValueError)
         say(f"could not start: {exc}")
         return EXIT_START

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -12,7 +13,7 @@ from .. import __version__
 from ..constants import DEFAULT_CANVAS, DEPTH_EDGE_RTOL
 from ..jobs import DEFAULT_CHUNK
 from ..panorama.predict import PANORAMA_CANVAS
-from ..runs import RUN_FILE
+from ..runs import RUN_FILE, OutputBusy, OutputLock
 from . import argtypes
 from .common import (
     DEFAULT_OUTPUT,
@@ -20,9 +21,12 @@ from .common import (
     EXIT_IMAGES_FAILED,
     EXIT_OK,
     EXIT_START,
+    EXIT_USAGE,
     FORMAT_MB,
     FULL_MESH_MB,
     Formatter,
+    Interrupted,
+    SignalGuard,
     add_call_arguments,
     add_format_arguments,
     add_model_arguments,
@@ -30,6 +34,7 @@ from .common import (
     chosen_formats,
     format_group_title,
     load_model,
+    mesh_choice,
     say,
 )
 from .video import VIDEO_EPILOG, add_video_arguments, run_videos, wants_video
@@ -130,14 +135,18 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "--writers", type=argtypes.positive_int, default=2, metavar="N", help="threads writing files (default 2)"
     )
     group.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary; errors still print")
+    group.add_argument(
+        "--wait",
+        action="store_true",
+        help="OUT is in use by another run: wait for it to end (default: stop at once, exit code 2)",
+    )
     return predict
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`tt-moge predict` with parsed arguments -> exit code."""
-    from ..export import DEFAULT_FORMATS, missing_format_library, to_json, write_text_atomic
-    from ..inputs import InputPathError, collect_images, unreadable_images
-    from ..jobs import predict_images, predict_panoramas, written_bytes
+    from ..export import DEFAULT_FORMATS
+    from ..inputs import InputPathError, collect_images
 
     if args.resolution is None:
         args.resolution = PANORAMA_CANVAS if args.panorama else DEFAULT_CANVAS
@@ -158,6 +167,39 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         out_root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         parser.error(f"cannot create the output folder {str(out_root)!r}: {exc}")
+    lock = OutputLock(out_root)
+    with SignalGuard() as guard:
+        try:
+            lock.acquire(wait=args.wait, on_wait=say)
+        except OutputBusy as exc:
+            say(str(exc))
+            return EXIT_USAGE
+        except OSError as exc:
+            parser.error(f"cannot lock the output folder {str(out_root)!r}: {exc}")
+        except Interrupted as exc:  # while waiting for the other run
+            say(f"{exc}: nothing was done")
+            return 128 + exc.signum
+        try:
+            return _run_locked(args, parser, images, options, formats, out_root, guard)
+        finally:
+            lock.release()
+
+
+def _run_locked(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    images: list,
+    options: Any,
+    formats: list,
+    out_root: Path,
+    guard: SignalGuard,
+) -> int:
+    """The run, once OUT is locked. SIGINT / SIGTERM (`guard`) stop it between steps: the files being
+    written are finished, run.json lists the images not reached as "not done", and the exit code is 130 / 143."""
+    from ..export import missing_format_library, to_json, write_text_atomic
+    from ..inputs import unreadable_images
+    from ..jobs import predict_images, predict_panoramas, written_bytes
+
     run_json = out_root / RUN_FILE
     try:  # it describes the last run: an earlier one's must not stand for this run if this one cannot write its own
         run_json.unlink()
@@ -169,43 +211,59 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if missing:
         say(missing)
         return EXIT_START
-
-    unreadable = unreadable_images(images)  # found by their headers, before the model loads
-    for reason in unreadable.values():
-        say(f"failed: {reason}")
-    todo = [i for i in range(len(images)) if i not in unreadable]
-    t_start = time.perf_counter()
-    model = load_model(args) if todo else None
-    if todo and model is None:
-        return EXIT_START
-    t_loaded = time.perf_counter()
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=len(todo),
-        unit="img",
-        desc="tt-moge predict",
-        file=sys.stderr,
-        dynamic_ncols=True,
-        disable=args.quiet or len(todo) < 2,
-    )
-
-    def on_done(image: Any, error: Optional[str]) -> None:
-        if error is not None:
-            bar.write(f"tt-moge: failed: {error}", file=sys.stderr)
-        bar.update(1)
-
-    status, info = dict(unreadable), None
+    mesh_step, mesh_faces = mesh_choice(args)
+    status: dict = {}  # image index -> error message or None (done); absent: not done
+    index_of = {id(image): i for i, image in enumerate(images)}
+    t_start = t_loaded = time.perf_counter()
+    info, interrupted = None, None
+    bar: Any = None
     try:
+        unreadable = unreadable_images(images)  # found by their headers, before the model loads
+        for i, reason in unreadable.items():
+            status[i] = reason
+            say(f"failed: {reason}")
+        todo = [i for i in range(len(images)) if i not in unreadable]
+        model = load_model(args) if todo else None
+        if todo and model is None:
+            return EXIT_START
+        t_loaded = time.perf_counter()
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=len(todo),
+            unit="img",
+            desc="tt-moge predict",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=args.quiet or len(todo) < 2,
+        )
+        ticker = _Ticker(bar)
+
+        def on_done(image: Any, error: Optional[str]) -> None:
+            status[index_of[id(image)]] = error
+            if error is not None:
+                bar.write(f"tt-moge: failed: {error}", file=sys.stderr)
+            bar.update(1)
+
+        def on_stage(text: str) -> None:
+            bar.set_postfix_str(text)
+
         if model is not None:
-            with model:
+            with model, ticker:
                 todo_images = [images[i] for i in todo]
                 if args.panorama:
-                    done_status = predict_panoramas(
-                        model, todo_images, out_root, formats, on_done=on_done, mesh_step=args.mesh_step
+                    predict_panoramas(
+                        model,
+                        todo_images,
+                        out_root,
+                        formats,
+                        on_done=on_done,
+                        mesh_step=mesh_step,
+                        mesh_faces=mesh_faces,
+                        on_stage=on_stage,
                     )
                 else:
-                    done_status = predict_images(
+                    predict_images(
                         model.service,
                         todo_images,
                         out_root,
@@ -214,21 +272,35 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         chunk_size=args.chunk_size,
                         writers=args.writers,
                         on_done=on_done,
-                        mesh_step=args.mesh_step,
+                        mesh_step=mesh_step,
+                        mesh_faces=mesh_faces,
+                        on_stage=on_stage,
                     )
                 info = model.info()
-            status.update({todo[j]: error for j, error in done_status.items()})
+    except Interrupted as exc:
+        interrupted = exc
     finally:
-        bar.close()
+        guard.raising = False  # from here on a signal only sets the exit code: the record gets written
+        if bar is not None:
+            bar.close()
+    if interrupted is not None:
+        t_loaded = min(t_loaded, time.perf_counter())
+        say(f"{interrupted}: the files being written were finished; writing {run_json}")
     seconds = time.perf_counter() - t_loaded
     failed = [(images[i], err) for i, err in sorted(status.items()) if err is not None]
-    done = len(images) - len(failed)
+    done = sum(1 for err in status.values() if err is None)
+    not_done = len(images) - len(status)
     nbytes = written_bytes(out_root, [images[i].name for i, err in status.items() if err is None])
+
+    def state(i: int) -> str:
+        return "not done" if i not in status else "failed" if status[i] else "done"
+
     record = {
         "tt_moge": __version__,
         "model": info,
         "formats": formats,
-        "mesh_step": args.mesh_step if "glb" in formats else None,
+        "mesh_step": (mesh_step if mesh_faces is None else "auto") if "glb" in formats else None,
+        "mesh_faces": mesh_faces if "glb" in formats else None,
         "bytes_written": nbytes,
         "options": {
             "panorama": args.panorama,
@@ -238,13 +310,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         },
         "done": done,
         "failed": len(failed),
+        "not_done": not_done,
+        "interrupted": None if interrupted is None else interrupted.name,
         "load_seconds": round(t_loaded - t_start, 3),
         "seconds": round(seconds, 3),
         "images": [
             {
                 "input": str(img.path),
                 "output": img.name,
-                "status": "failed" if status.get(i) else "done",
+                "status": state(i),
                 "error": status.get(i),
                 **({"renamed": {"asked": img.wanted, "why": img.renamed}} if img.renamed else {}),
             }
@@ -257,18 +331,48 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except OSError as exc:
         say(f"could not write {run_json}: {exc}")
         index, indexed = f"no index: {RUN_FILE} could not be written", False
-    if not args.quiet:
+    if not args.quiet or interrupted is not None:
         rate = f", {done / seconds:.2f} images/s" if seconds > 0 and done else ""
+        stopped = f", {not_done} not done ({interrupted.name})" if interrupted is not None else ""
         print(
-            f"tt-moge predict: {done} of {len(images)} images done, {len(failed)} failed, in {seconds:.1f} s{rate} "
-            f"(model load {t_loaded - t_start:.1f} s); outputs in {out_root}/ ({index})"
+            f"tt-moge predict: {done} of {len(images)} images done, {len(failed)} failed{stopped}, in {seconds:.1f} s"
+            f"{rate} (model load {t_loaded - t_start:.1f} s); outputs in {out_root}/ ({index})"
         )
         if done:
-            mesh = f" (mesh every {args.mesh_step} px)" if "glb" in formats and args.mesh_step > 1 else ""
+            mesh = ""
+            if "glb" in formats:
+                mesh = " (mesh: step 2, coarser past ~1 M faces)" if mesh_faces else f" (mesh every {mesh_step} px)"
             print(
                 f"  wrote {' '.join('--' + f for f in formats)}{mesh}: {nbytes / 1e6:.1f} MB, "
                 f"{nbytes / 1e6 / done:.1f} MB per image (each format's size: tt-moge predict --help)"
             )
         for _image, error in failed:
             print(f"  failed: {error}")
+    if guard.exit_code is not None:
+        return guard.exit_code
     return EXIT_IMAGES_FAILED if failed or not indexed else EXIT_OK
+
+
+class _Ticker:
+    """Redraws a progress bar once a second while the model runs (a context manager), so that its elapsed time
+    and stage move before the first image is done: on a CPU, the first chunk can take minutes."""
+
+    def __init__(self, bar: Any, every_s: float = 1.0) -> None:
+        self.bar, self.every_s = bar, every_s
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.bar.refresh()
+
+    def __enter__(self) -> "_Ticker":
+        if not self.bar.disable:
+            self._thread = threading.Thread(target=self._run, name="tt_moge-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()

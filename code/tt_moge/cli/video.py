@@ -133,7 +133,11 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                 with VideoStream(model, path, call, video) as stream:
                     fps = None if stream.fps is None else stream.fps / video.stride
                     writer = ClipWriter(
-                        out_root / name, formats, mesh_step=args.mesh_step, fps=fps, writers=args.writers
+                        out_root / name,
+                        formats,
+                        mesh_step=1 if args.mesh_full else args.mesh_step,
+                        fps=fps,
+                        writers=args.writers,
                     )
                     bar = tqdm(
                         total=stream.expected_frames,
