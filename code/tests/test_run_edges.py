@@ -298,3 +298,27 @@ def test_the_default_mesh_of_a_24_mp_photo_is_bounded(tmp_path, monkeypatch):
     assert result["mesh_step"] == 7 and 0 < result["mesh_faces"] <= MESH_FACE_BUDGET, result
     run = json.loads((out / "run.json").read_text())
     assert (run["mesh_step"], run["mesh_faces"]) == ("auto", MESH_FACE_BUDGET)
+
+
+def test_help_and_a_misspelt_command_answer_without_importing_torch():
+    """`tt-moge --help` took 4.4 s: every command's module, and torch with them, was imported to build the
+    parser. Only the command given is imported now; the top level, its help and its errors import none."""
+    probe = (
+        "import sys, contextlib, io\n"
+        "from tt_moge.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:\n"
+        "    codes = [main(['--help']), main([]), main(['predcit', 'x']), main(['--version'])]\n"
+        "assert codes == [0, 2, 2, 0], codes\n"
+        "assert 'predict' in out.getvalue() and 'invalid choice' in err.getvalue()\n"
+        "heavy = sorted(m for m in ('torch', 'tt_moge.cli.predict', 'tt_moge.cli.common') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=CODE_DIR,
+        env={**os.environ, "PYTHONPATH": str(CODE_DIR)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr

@@ -21,6 +21,7 @@ from ..batch import (
 )
 from ..video.options import VideoOptions
 from . import argtypes
+from .commands import summary as command_summary
 from .common import (
     DEFAULT_OUTPUT,
     EXIT_CODES,
@@ -89,7 +90,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "batch",
         formatter_class=Formatter,
         description=DESCRIPTION,
-        help="many photos as a Ray Data job: replicas, cluster, resume, failures file",
+        help=command_summary("batch"),
         epilog=_epilog(EXIT_CODES, DEFAULT_OUTPUT),
     )
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders (recursive) or glob patterns")

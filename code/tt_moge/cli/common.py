@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import threading
 import time
 import warnings
@@ -18,6 +17,17 @@ from ..fields import OptionInfo, options_of
 from ..host import CallOptions
 from ..options import LoadOptions
 from . import argtypes
+from .commands import (  # noqa: F401  (every command takes them from here)
+    EXIT_CODES,
+    EXIT_IMAGES_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_START,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    Formatter,
+    say,
+)
 
 __all__ = [
     "EXIT_OK",
@@ -47,17 +57,6 @@ __all__ = [
     "load_model",
 ]
 
-EXIT_OK, EXIT_IMAGES_FAILED, EXIT_USAGE, EXIT_START = 0, 1, 2, 3
-EXIT_INTERRUPTED, EXIT_TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143: the shells' convention
-EXIT_CODES = f"""\
-exit codes:
-  {EXIT_OK}    every image done: its files and the run's record written
-  {EXIT_IMAGES_FAILED}    some images failed (each one named on stderr and in OUT/run.json), or the run's record
-       could not be written; all others are done
-  {EXIT_USAGE}    bad command line: unknown option, bad value, an input that does not exist, no images; or OUT
-       is in use by another run (see --wait)
-  {EXIT_START}    could not start: weights not found or unreadable, device unavailable, a library missing
-  {EXIT_INTERRUPTED}  interrupted (Ctrl-C, SIGINT); {EXIT_TERMINATED}: terminated (SIGTERM)"""
 DEFAULT_OUTPUT = "moge_output"
 # What each format group writes for one 1920x1080 photo with 3/4 of its pixels valid, in MB (10^6 bytes), as
 # `python -m perf.cli.export_bench --image <a 1920x1080 photo>` measures it (docs/performance.md); the 3D files
@@ -112,15 +111,6 @@ class SignalGuard:
         for signum, handler in self._saved.items():
             signal.signal(signum, handler)
         self._saved = {}
-
-
-class Formatter(argparse.RawDescriptionHelpFormatter):
-    def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=30, width=110)
-
-
-def say(message: str) -> None:
-    print(f"tt-moge: {message}", file=sys.stderr, flush=True)
 
 
 def _dest(info: OptionInfo) -> str:

@@ -15,6 +15,7 @@ from ..jobs import DEFAULT_CHUNK
 from ..panorama.predict import PANORAMA_CANVAS
 from ..runs import RUN_FILE, OutputBusy, OutputLock
 from . import argtypes
+from .commands import summary as command_summary
 from .common import (
     DEFAULT_OUTPUT,
     EXIT_CODES,
@@ -62,7 +63,10 @@ photo with 3/4 of its pixels valid (the 3D files grow with that share):
                        metric_scale, fov_x, fov_y, deflated: MoGeOutput.from_npz reads it back ({_MB["npz"]})
   --ply   points.ply   one vertex per kept pixel: xyz (metres), normal, RGBA from the image ({_MB["ply"]})
   --glb   mesh.glb     the kept pixels of every Nth row and column (--mesh-step N, default 2) joined into
-                       triangles, the full image as texture ({_MB["glb"]}; {FULL_MESH_MB} MB with --mesh-step 1)
+                       triangles, the full image as texture ({_MB["glb"]}; {FULL_MESH_MB} MB with --mesh-step 1).
+                       By default a larger photo gets a coarser step: at most about 1 M faces (24 MP: step 7);
+                       a --mesh-step given, or --mesh-full (every pixel), is kept. A photo too small for a
+                       triangle (e.g. 16x16) gets no mesh.glb; its result.json says so in "note".
   Kept pixels: valid, and not on a depth edge (their 3x3 neighbourhood spans more than {_EDGE} of their depth).
   3D files use glTF/OpenGL axes: x right, y up, z towards the viewer (camera at the origin, looking down -z).
 
@@ -82,6 +86,15 @@ output layout:
   OUT is ever removed). run.json is written last and atomically (a run that could not write it says so in
   one line and exits 1).
 
+while it runs:
+  The progress bar names the images the model is on and its clock moves from the start (the first chunk of
+  photos can take minutes on a CPU). OUT is locked while a run writes it (OUT/.tt-moge.lock, removed at the
+  end): a second run into the same OUT stops at once with exit code 2, or waits for the first with --wait.
+  The lock dies with its process, so a killed run (kill -9) never blocks the next one.
+  SIGTERM or Ctrl-C (SIGINT): the files being written are finished, the images not reached have no folder
+  and are "not done" in run.json, the summary and run.json are written, and the exit code is 143 or 130. A
+  second signal stops at once, without clean-up.
+
 examples:
   tt-moge predict photo.jpg                          # -> ./{DEFAULT_OUTPUT}/photo/: the maps and mesh.glb
   tt-moge predict photos/ -o results/                # every PNG/JPEG below photos/
@@ -99,7 +112,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     predict = commands.add_parser(
         "predict",
         formatter_class=Formatter,
-        help="photos or videos -> depth, normal and mask pictures, npz, PLY, GLB; trajectories and fused scenes",
+        help=command_summary("predict"),
         description="Run MoGe-2 on PNG/JPEG photos and write, per photo, the chosen formats into its own folder "
         "(or on video clips: one folder per clip, see 'videos' below). Images that cannot be read or written are "
         "reported as failed; the run goes on.",

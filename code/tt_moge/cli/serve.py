@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 
 from ..server.settings import API_KEY_ENV, BYTES_PER_PIXEL, DEFAULT_HOST, DEFAULT_PORT, ServerSettings
 from . import argtypes
+from .commands import summary as command_summary
 from .common import EXIT_START, Formatter, add_model_arguments, model_kwargs, say
 
 __all__ = ["add_parser", "build_parser", "add_arguments", "run", "EXIT_CODES"]
@@ -48,7 +49,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     parser = commands.add_parser(
         "serve",
         formatter_class=Formatter,
-        help="the HTTP server (POST /predict)",
+        help=command_summary("serve"),
         description=DESCRIPTION,
         epilog=EXIT_CODES,
     )
