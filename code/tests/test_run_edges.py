@@ -297,7 +297,8 @@ def test_the_default_mesh_of_a_24_mp_photo_is_bounded(tmp_path, monkeypatch):
     result = json.loads((out / "big" / "result.json").read_text())
     assert result["mesh_step"] == 7 and 0 < result["mesh_faces"] <= MESH_FACE_BUDGET, result
     run = json.loads((out / "run.json").read_text())
-    assert (run["mesh_step"], run["mesh_faces"]) == ("auto", MESH_FACE_BUDGET)
+    assert (run["mesh_step"], run["mesh_faces"]) == (DEFAULT_MESH_STEP, MESH_FACE_BUDGET)
+    assert "(mesh every 7 px)" in stdout, stdout
 
 
 def test_help_and_a_misspelt_command_answer_without_importing_torch():

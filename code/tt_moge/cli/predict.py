@@ -312,8 +312,8 @@ def _run_locked(
         "tt_moge": __version__,
         "model": info,
         "formats": formats,
-        "mesh_step": (mesh_step if mesh_faces is None else "auto") if "glb" in formats else None,
-        "mesh_faces": mesh_faces if "glb" in formats else None,
+        "mesh_step": mesh_step if "glb" in formats else None,  # the step asked for; each result.json: the one used
+        "mesh_faces": mesh_faces if "glb" in formats else None,  # the bound that made a step coarser (None: none)
         "bytes_written": nbytes,
         "options": {
             "panorama": args.panorama,
@@ -354,7 +354,11 @@ def _run_locked(
         if done:
             mesh = ""
             if "glb" in formats:
-                mesh = " (mesh: step 2, coarser past ~1 M faces)" if mesh_faces else f" (mesh every {mesh_step} px)"
+                steps = _mesh_steps(out_root, [images[i].name for i, err in status.items() if err is None])
+                if len(steps) > 1:
+                    mesh = f" (mesh every {steps[0]}-{steps[-1]} px: at most ~1 M faces each)"
+                elif steps != [1]:
+                    mesh = f" (mesh every {steps[0] if steps else mesh_step} px)"
             print(
                 f"  wrote {' '.join('--' + f for f in formats)}{mesh}: {nbytes / 1e6:.1f} MB, "
                 f"{nbytes / 1e6 / done:.1f} MB per image (each format's size: tt-moge predict --help)"
@@ -364,6 +368,19 @@ def _run_locked(
     if guard.exit_code is not None:
         return guard.exit_code
     return EXIT_IMAGES_FAILED if failed or not indexed else EXIT_OK
+
+
+def _mesh_steps(out_root: Path, names: list) -> list:
+    """The grid steps the meshes of these output folders were made with (their result.json), sorted."""
+    import json
+
+    steps = set()
+    for name in names:
+        try:
+            steps.add(int(json.loads((out_root / name / "result.json").read_text())["mesh_step"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return sorted(steps)
 
 
 class _Ticker:
