@@ -437,9 +437,12 @@ def _build_dataset(
     gpus: float,
     local: bool,
 ) -> Any:
-    batch_size, max_retries = job.batch_size, job.max_retries
+    max_retries = job.max_retries
     runtime_env = _runtime_env(local)
     items = [{"path": str(im.path.resolve()), "name": im.name} for im in todo]
+    # a short job is split evenly over the replicas (6 photos, 2 replicas: 3 + 3, not 4 + 2), so that each one
+    # gets a batch; with one batch in flight per replica, a replica that is ready first cannot take them all
+    batch_size = max(1, min(job.batch_size, math.ceil(len(items) / replicas)))
     blocks = min(len(items), max(1, math.ceil(len(items) / batch_size)))  # one read task per batch of images
     try:
         dataset = ray.data.from_items(items, override_num_blocks=blocks)
@@ -453,7 +456,7 @@ def _build_dataset(
         return dataset.map_batches(
             Replica,
             batch_size=batch_size,
-            compute=ray.data.ActorPoolStrategy(size=replicas),
+            compute=_actor_pool(ray, replicas),
             fn_constructor_kwargs=dict(
                 model_kwargs=model_kwargs,
                 out=str(out.resolve()),
@@ -471,6 +474,15 @@ def _build_dataset(
             max_restarts=max_retries,
             max_task_retries=max_retries,
         )
+
+
+def _actor_pool(ray: Any, replicas: int) -> Any:
+    """`replicas` actors, each given one batch at a time: queued batches go to whichever replica is free, instead
+    of piling up behind the first one to start (Ray Data's default lets each actor hold several)."""
+    try:
+        return ray.data.ActorPoolStrategy(size=replicas, max_tasks_in_flight_per_actor=1)
+    except TypeError:  # an older Ray without the parameter
+        return ray.data.ActorPoolStrategy(size=replicas)
 
 
 def _collect(
