@@ -195,8 +195,8 @@ def test_a_signal_finishes_the_files_writes_run_json_and_exits_128_plus_it(tmp_p
     """SIGTERM used to kill predict at once: no message, no run.json. Now SIGTERM and SIGINT (Ctrl-C) both stop
     the run after the files being written: every image is done (result.json) or has no folder at all,
     run.json says which is which, a message says what happened, and the exit code is 143 / 130."""
-    photos, out = some_photos(tmp_path / "photos", 12), tmp_path / "out"
-    proc = start_predict(photos, out, 0.4)
+    photos, out = some_photos(tmp_path / "photos", 20), tmp_path / "out"
+    proc = start_predict(photos, out, 0.5)  # 10 s of work: the signal comes long before the end, even under load
     wait_for(lambda: any(out.glob("*/result.json")), proc, "a first result")
     proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=60)
@@ -211,26 +211,34 @@ def test_a_signal_finishes_the_files_writes_run_json_and_exits_128_plus_it(tmp_p
             assert (out / name / "result.json").is_file(), name
         else:
             assert not (out / name).exists(), f"{name}: not done, but its folder is there"
-    assert run["done"] == sum(s == "done" for s in states.values()) and run["not_done"] == 12 - run["done"]
+    assert run["done"] == sum(s == "done" for s in states.values()) and run["not_done"] == 20 - run["done"]
     assert not (out / LOCK_FILE).exists(), "the lock file is removed at the end"
 
 
 # ---------------------------------------------------------------------------------------------- the lock
 def test_a_second_run_into_a_folder_in_use_is_refused_or_waits(tmp_path, monkeypatch):
-    """Two runs into one OUT used to mix silently. The second one is now refused (exit 2, a message naming
-    the folder and --wait), or with --wait runs after the first one ends; both runs' files are then whole."""
+    """Two runs into one OUT used to mix silently. While another process holds OUT (here: this test process),
+    a run is refused (exit 2, a message naming the folder, the holder and --wait), or with --wait it waits,
+    says so, and runs once the holder lets go."""
+    from tt_moge.runs import OutputLock
+
     photos, out = some_photos(tmp_path / "photos", 3), tmp_path / "out"
-    first = start_predict(photos, out, 0.5)
-    wait_for(lambda: (out / LOCK_FILE).exists(), first, "the lock")
-    with stand_in(monkeypatch):
-        code, stdout, stderr = run_cli(["predict", photos, "-o", out, "-q"])
-    assert code == 2 and "is in use by another run" in stderr and "--wait" in stderr, (code, stdout, stderr)
-    assert f"pid {first.pid}" in stderr, "the message names the holder"
-    second = start_predict(photos, out, 0.0, "--wait")
-    stdout2, stderr2 = second.communicate(timeout=120)
-    stdout1, stderr1 = first.communicate(timeout=60)
-    assert first.returncode == 0 and second.returncode == 0, (stderr1, stderr2)
-    assert "waiting for it to end" in stderr2
+    out.mkdir()
+    lock = OutputLock(out).acquire()
+    try:
+        with stand_in(monkeypatch):
+            code, stdout, stderr = run_cli(["predict", photos, "-o", out, "-q"])
+        assert code == 2 and "is in use by another run" in stderr and "--wait" in stderr, (code, stdout, stderr)
+        assert f"pid {os.getpid()}" in stderr, "the message names the holder"
+        assert not (out / "run.json").exists() and not (out / "p00").exists(), "the refused run wrote nothing"
+        waiting = start_predict(photos, out, 0.0, "--wait")
+        line = waiting.stderr.readline()  # its first line, once it is blocked on the lock
+        assert "waiting for it to end" in line, line + waiting.communicate()[1]
+        assert waiting.poll() is None and not (out / "run.json").exists(), "it waits, and writes nothing meanwhile"
+    finally:
+        lock.release()
+    stdout, stderr = waiting.communicate(timeout=120)
+    assert waiting.returncode == 0, stderr
     assert json.loads((out / "run.json").read_text())["done"] == 3
     assert not (out / LOCK_FILE).exists()
 

@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .. import __version__
 from ..constants import DEFAULT_CANVAS, DEPTH_EDGE_RTOL
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.resolution is None:
         args.resolution = PANORAMA_CANVAS if args.panorama else DEFAULT_CANVAS
     if wants_video(args):
-        return run_videos(args, parser)
+        return _locked(args, parser, Path(args.output), lambda: run_videos(args, parser))
     if args.panorama and (args.fov_x is not None or args.intrinsics is not None):
         parser.error("--fov-x and --intrinsics do not apply to --panorama (the views' camera is known: 90 degrees)")
     options = call_options(args)
@@ -176,26 +176,35 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(exc))
     if not images:
         parser.error(f"no PNG or JPEG images found in {', '.join(args.inputs)}")
+    with SignalGuard() as guard:
+        try:
+            return _locked(
+                args, parser, out_root, lambda: _run_locked(args, parser, images, options, formats, out_root, guard)
+            )
+        except Interrupted as exc:  # while waiting for the other run
+            say(f"{exc}: nothing was done")
+            return 128 + exc.signum
+
+
+def _locked(args: argparse.Namespace, parser: argparse.ArgumentParser, out_root: Path, work: Callable[[], int]) -> int:
+    """`work()` with OUT created and locked (runs.OutputLock): exit code 2 when another run has it, unless
+    --wait, which waits for that run to end."""
     try:
         out_root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         parser.error(f"cannot create the output folder {str(out_root)!r}: {exc}")
     lock = OutputLock(out_root)
-    with SignalGuard() as guard:
-        try:
-            lock.acquire(wait=args.wait, on_wait=say)
-        except OutputBusy as exc:
-            say(str(exc))
-            return EXIT_USAGE
-        except OSError as exc:
-            parser.error(f"cannot lock the output folder {str(out_root)!r}: {exc}")
-        except Interrupted as exc:  # while waiting for the other run
-            say(f"{exc}: nothing was done")
-            return 128 + exc.signum
-        try:
-            return _run_locked(args, parser, images, options, formats, out_root, guard)
-        finally:
-            lock.release()
+    try:
+        lock.acquire(wait=args.wait, on_wait=say)
+    except OutputBusy as exc:
+        say(str(exc))
+        return EXIT_USAGE
+    except OSError as exc:
+        parser.error(f"cannot lock the output folder {str(out_root)!r}: {exc}")
+    try:
+        return work()
+    finally:
+        lock.release()
 
 
 def _run_locked(
