@@ -245,6 +245,7 @@ def _run_locked(
             status[i] = reason
             say(f"failed: {reason}")
         todo = [i for i in range(len(images)) if i not in unreadable]
+        t_start = t_loaded = time.perf_counter()
         model = load_model(args) if todo else None
         if todo and model is None:
             return EXIT_START
