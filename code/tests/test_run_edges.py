@@ -331,3 +331,19 @@ def test_help_and_a_misspelt_command_answer_without_importing_torch():
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_progress_moves_before_the_first_photo_is_done(tmp_path, monkeypatch):
+    """The CPU progress bar sat at 0/5 for two minutes on ViT-L: it only moved when an image was written. It now
+    names the images the model is on, and its clock is redrawn while the model runs."""
+    from tests.stand_in import StandInModel
+
+    photos = some_photos(tmp_path / "photos", 2)
+    model = StandInModel()
+    model.seconds = 2.5  # each image: the first chunk (both photos) takes 5 s, the bar is redrawn every second
+    with stand_in(monkeypatch, model):
+        code, stdout, stderr = run_cli(["predict", photos, "-o", tmp_path / "out"])
+    assert code == 0, stderr
+    before_first = [line for line in stderr.replace("\r", "\n").splitlines() if " 0/2 " in line]
+    assert any("model on images 1-2" in line for line in before_first), stderr
+    assert any("[00:0" in line and "[00:00" not in line for line in before_first), f"the clock stood still: {stderr}"
