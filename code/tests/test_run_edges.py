@@ -347,3 +347,20 @@ def test_progress_moves_before_the_first_photo_is_done(tmp_path, monkeypatch):
     before_first = [line for line in stderr.replace("\r", "\n").splitlines() if " 0/2 " in line]
     assert any("model on images 1-2" in line for line in before_first), stderr
     assert any("[00:0" in line and "[00:00" not in line for line in before_first), f"the clock stood still: {stderr}"
+
+
+def test_a_file_system_without_locks_runs_unlocked_and_says_so(tmp_path, monkeypatch):
+    """Some network mounts refuse flock (ENOLCK): the run goes on without the lock, with a note, and leaves
+    no lock file."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    photos, out = some_photos(tmp_path / "photos", 2), tmp_path / "out"
+    with stand_in(monkeypatch):
+        code, stdout, stderr = run_cli(["predict", photos, "-o", out, "-q"])
+    assert code == 0 and "cannot be locked" in stderr, (code, stderr)
+    assert not (out / LOCK_FILE).exists()

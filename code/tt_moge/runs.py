@@ -15,6 +15,7 @@ included): a lock can never be left stale.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 import time
@@ -56,6 +57,9 @@ def inside(path: Union[str, os.PathLike], root: Union[str, os.PathLike]) -> bool
     return os.path.commonpath([path, root]) == root
 
 
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
 class OutputBusy(RuntimeError):
     """Another process holds the lock of the output folder (its pid and command, when known, in the message)."""
 
@@ -68,11 +72,13 @@ class OutputLock:
     `fcntl.flock` on OUT/LOCK_FILE: the OS drops it when its process dies, so a killed run never blocks the
     next one. The file holds the holder's pid and command line (for the message) and is removed on release;
     a run that took the lock on a file another run has just removed takes it again on the new file, so two
-    runs never both hold it. Where flock does not exist (Windows), the lock is not taken."""
+    runs never both hold it. Where flock does not exist (Windows) or the file system refuses it (ENOLCK,
+    EOPNOTSUPP: some network mounts), the run goes on without the lock (`unsupported` says why)."""
 
     def __init__(self, out: Union[str, os.PathLike]) -> None:
         self.path = Path(out) / LOCK_FILE
         self._fd: Optional[int] = None
+        self.unsupported = ""  # why the lock could not be taken where the file system has no locks ("" otherwise)
 
     def holder(self) -> str:
         """Who holds the lock, as its file says ("" when unknown)."""
@@ -92,7 +98,15 @@ class OutputLock:
             try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+                except OSError as exc:
+                    if exc.errno in _NO_LOCKS:  # a file system without locks (some network mounts): run unlocked
+                        os.close(fd)
+                        with contextlib.suppress(OSError):
+                            self.path.unlink()
+                        self.unsupported = f"{self.path.parent} cannot be locked ({exc.strerror})"
+                        return self
+                    if not isinstance(exc, BlockingIOError):
+                        raise
                     holder = self.holder()
                     message = (
                         f"the output folder {str(self.path.parent)!r} is in use by another run"

@@ -255,6 +255,8 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     lock = OutputLock(out).acquire(
         wait=job.wait, on_wait=lambda message: print(f"tt-moge batch: {message}", file=sys.stderr, flush=True)
     )
+    if lock.unsupported:
+        print(f"tt-moge batch: note: {lock.unsupported}; a second run into it would not be stopped", file=sys.stderr)
     try:
         return _run_locked(job, ray, out, images, clips, formats, call, video, model_kwargs, on_failure)
     finally:

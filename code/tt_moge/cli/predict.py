@@ -201,6 +201,8 @@ def _locked(args: argparse.Namespace, parser: argparse.ArgumentParser, out_root:
         return EXIT_USAGE
     except OSError as exc:
         parser.error(f"cannot lock the output folder {str(out_root)!r}: {exc}")
+    if lock.unsupported:
+        say(f"note: {lock.unsupported}; a second run into it would not be stopped")
     try:
         return work()
     finally:
