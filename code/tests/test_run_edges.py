@@ -340,7 +340,7 @@ def test_progress_moves_before_the_first_photo_is_done(tmp_path, monkeypatch):
 
     photos = some_photos(tmp_path / "photos", 2)
     model = StandInModel()
-    model.seconds = 2.5  # each image: the first chunk (both photos) takes 5 s, the bar is redrawn every second
+    model.seconds = 1.3  # each image: the first chunk (both photos) takes 2.6 s, the bar is redrawn every second
     with stand_in(monkeypatch, model):
         code, stdout, stderr = run_cli(["predict", photos, "-o", tmp_path / "out"])
     assert code == 0, stderr
