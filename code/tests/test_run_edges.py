@@ -364,3 +364,28 @@ def test_a_file_system_without_locks_runs_unlocked_and_says_so(tmp_path, monkeyp
         code, stdout, stderr = run_cli(["predict", photos, "-o", out, "-q"])
     assert code == 0 and "cannot be locked" in stderr, (code, stderr)
     assert not (out / LOCK_FILE).exists()
+
+
+def test_batch_stopped_by_sigterm_says_so_and_exits_143(tmp_path, monkeypatch):
+    """SIGTERM killed `tt-moge batch` at once, without a word. It now stops the job (Ray is shut down on the
+    way out), says that the finished images are kept and a rerun does the rest, and exits 143."""
+    pytest.importorskip("ray.data", reason="the batch tests need the ray extra")
+    import tt_moge.batch as batch
+
+    def job_in_progress(job, on_failure=None):
+        os.kill(os.getpid(), signal.SIGTERM)  # a real signal, to this process, while the "job" runs
+        time.sleep(30)
+        raise AssertionError("the signal did not stop the job")
+
+    def not_handled(signum, frame):  # instead of the default, which would end the test process itself
+        raise RuntimeError("SIGTERM reached the test's own handler: the command did not handle it")
+
+    monkeypatch.setattr(batch, "run_batch", job_in_progress)
+    photos = some_photos(tmp_path / "photos", 1)
+    previous = signal.signal(signal.SIGTERM, not_handled)
+    try:
+        code, stdout, stderr = run_cli(["batch", photos, "-o", tmp_path / "out"])
+        assert signal.getsignal(signal.SIGTERM) is not_handled, "the handler before the run is restored after it"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143 and "interrupted by SIGTERM" in stderr and "rerun" in stderr, (code, stderr)

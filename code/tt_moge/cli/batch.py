@@ -30,6 +30,8 @@ from .common import (
     EXIT_START,
     EXIT_USAGE,
     Formatter,
+    Interrupted,
+    SignalGuard,
     add_call_arguments,
     add_format_arguments,
     add_model_arguments,
@@ -218,7 +220,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         wait=args.wait,
     )
     try:
-        summary = run_batch(job, on_failure=on_failure)
+        with SignalGuard():
+            summary = run_batch(job, on_failure=on_failure)
+    except Interrupted as exc:  # SIGTERM / Ctrl-C: Ray is shut down on the way out (ray_session)
+        say(f"{exc}: the images finished so far are kept (OUT/NAME/result.json); rerun the same command to do the rest")
+        return 128 + exc.signum
     except RayMissingError as exc:
         say(str(exc))
         return EXIT_START
