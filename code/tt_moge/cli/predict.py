@@ -164,7 +164,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.resolution is None:
         args.resolution = PANORAMA_CANVAS if args.panorama else DEFAULT_CANVAS
     if wants_video(args):
-        return _locked(args, parser, Path(args.output), lambda: run_videos(args, parser))
+        try:
+            return _locked(args, parser, Path(args.output), lambda: run_videos(args, parser))
+        except Interrupted as exc:  # between two clips' steps, outside run_videos' own handling
+            say(f"{exc}: stopped")
+            return 128 + exc.signum
     if args.panorama and (args.fov_x is not None or args.intrinsics is not None):
         parser.error("--fov-x and --intrinsics do not apply to --panorama (the views' camera is known: 90 degrees)")
     options = call_options(args)
