@@ -28,16 +28,19 @@ SECONDS_ENV = "MOGE_STAND_IN_SECONDS"  # seconds each image takes "on the device
 def tilted_plane(h: int, w: int) -> MoGeOutput:
     """A plane 2-3 m away, seen by a 60-degree camera, every pixel valid: every kept pixel has neighbours, so
     the mesh has triangles."""
-    f = 0.5 * w / np.tan(np.radians(30))
-    v, u = np.mgrid[0:h, 0:w].astype(np.float32)
-    depth = (2.0 + u / max(w - 1, 1)).astype(np.float32)
-    x, y = (u - w / 2) / f * depth, (v - h / 2) / f * depth
+    f = np.float32(0.5 * w / np.tan(np.radians(30)))
+    v, u = np.arange(h, dtype=np.float32)[:, None], np.arange(w, dtype=np.float32)[None, :]  # float32, broadcast:
+    depth = np.broadcast_to(np.float32(2.0) + u / np.float32(max(w - 1, 1)), (h, w))  # cheap at 24 MP too
+    points = np.empty((h, w, 3), np.float32)
+    points[..., 0] = (u - np.float32(w / 2)) / f * depth
+    points[..., 1] = (v - np.float32(h / 2)) / f * depth
+    points[..., 2] = depth
     normal = np.zeros((h, w, 3), np.float32)
     normal[..., 2] = -1.0
     k = np.array([[f / w, 0, 0.5], [0, f / h, 0.5], [0, 0, 1]], np.float32)
     return MoGeOutput(
-        points=np.stack([x, y, depth], -1).astype(np.float32),
-        depth=depth,
+        points=points,
+        depth=np.ascontiguousarray(depth),
         normal=normal,
         mask=np.ones((h, w), bool),
         intrinsics=k,

@@ -250,6 +250,65 @@ def test_photos_named_like_the_runs_own_files_cannot_break_the_folder(local_ray,
     assert json.loads((out / "batch.json").read_text())["skipped"] == 4
 
 
+def pid_recording(folder: Path) -> type:
+    """A Replica that leaves a file named by its process id for each batch it predicts (defined in a function,
+    so that Ray ships the class itself to the replica processes)."""
+    from tt_moge.batch.replica import Replica
+
+    class PidReplica(Replica):
+        def __call__(self, batch: dict) -> dict:
+            (folder / f"{os.getpid()}-{uuid.uuid4().hex}").write_text(str(len(batch["name"])))
+            return super().__call__(batch)
+
+    return PidReplica
+
+
+def test_two_replicas_on_six_photos_both_predict(local_ray, ckpt, tmp_path, monkeypatch):
+    """`batch --replicas 2` on 6 photos ran one actor: batches of 4 + 2, and the replica that was ready first
+    took both. The photos are now split evenly (3 + 3) and each replica holds one batch at a time."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for i in range(6):
+        Image.fromarray(np.random.default_rng(i).integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(
+            photos / f"{i}.png"
+        )
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    monkeypatch.setattr(batch_job, "Replica", pid_recording(seen))
+    code, stdout, stderr = run_cli(
+        ["batch", photos, "-o", tmp_path / "out", "--weights", ckpt, *MODEL_ARGS, "--npz", "--replicas", "2", "-q"]
+    )
+    assert code == 0, stderr
+    calls = {path.name.split("-")[0]: int(path.read_text()) for path in seen.iterdir()}
+    assert len(calls) == 2 and sorted(calls.values()) == [3, 3], calls
+
+
+def test_ray_is_quiet_unless_verbose(tmp_path, monkeypatch):
+    """Ray's INFO lines (35 of them for one job) and its workers' output reach the terminal only with -v."""
+    from tt_moge.batch import session
+
+    assert session._log_options(True) == {"logging_level": "WARNING", "log_to_driver": False}
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(photos / "a.png")
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_session(ray, address, num_cpus, object_store_mb, quiet):
+        asked.append(quiet)
+        raise Stop
+
+    monkeypatch.setattr(batch_job, "ray_session", fake_session)
+    monkeypatch.setattr(batch_job, "replica_resources", lambda *args: ("cpu", 0.0, 1.0))
+    monkeypatch.setattr("tt_moge.weights.resolve_checkpoint", lambda weights, revision: (Path(tmp_path), None))
+    for verbose in (False, True):
+        with pytest.raises(Stop):
+            run_batch(BatchJob([photos], tmp_path / "out", model={"verbose": verbose}))
+    assert asked == [True, False]
+
+
 # ------------------------------------------------------------------------------ Parquet, a replica killed
 def crashing_once(trap: Path) -> type:
     """A Replica whose first batch, in whichever replica takes it, ends its process after the batch's outputs

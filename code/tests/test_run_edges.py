@@ -7,14 +7,20 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from tests.stand_in import stand_in
+from tests.stand_in import SECONDS_ENV, stand_in
 from tt_moge.cli import main
+from tt_moge.runs import LOCK_FILE
 
 # name of the photo file -> what the names of its kind want to do
 HOSTILE = {
@@ -121,3 +127,265 @@ def test_predict_writes_and_cleans_up_only_inside_out(tmp_path, hostile_photos, 
         for record in run["images"]:
             folder = out / record["output"]
             assert (folder / "result.json").is_file() and folder.resolve().parent.is_relative_to(out.resolve())
+
+
+# ---------------------------------------------------------------------------------------------- exit codes
+def test_a_photo_named_run_json_cannot_make_the_run_lie(tmp_path, monkeypatch):
+    """run.json.jpg used to make a folder run.json/: "could not write run.json", exit 0. Its folder is now
+    _run.json/, run.json is written, exit 0; and a run whose run.json cannot be written exits 1."""
+    photos = tmp_path / "photos"
+    small_photo(photos / "run.json.jpg")
+    small_photo(photos / "a.png", seed=1)
+    out = tmp_path / "out"
+    with stand_in(monkeypatch):
+        code, stdout, stderr = run_cli(["predict", photos, "-o", out])
+    assert code == 0, stdout + stderr
+    assert (out / "run.json").is_file() and (out / "_run.json" / "result.json").is_file()
+    assert json.loads((out / "run.json").read_text())["done"] == 2
+
+    import tt_moge.export as export
+
+    real = export.write_text_atomic
+
+    def no_run_json(path, text):
+        if Path(path).name == "run.json":
+            raise OSError(28, "No space left on device")
+        real(path, text)
+
+    monkeypatch.setattr(export, "write_text_atomic", no_run_json)
+    with stand_in(monkeypatch):
+        code, stdout, stderr = run_cli(["predict", photos, "-o", out])
+    assert code == 1 and "could not write" in stderr and "no index" in stdout, (code, stdout, stderr)
+    assert not (out / "run.json").exists(), "the last run's run.json must not stand for this one"
+
+
+CODE_DIR = Path(__file__).resolve().parents[1]
+
+
+def start_predict(photos: Path, out: Path, seconds: float, *extra: str) -> subprocess.Popen:
+    """`tt-moge predict` in its own process with the stand-in model, each image taking `seconds`."""
+    env = {**os.environ, SECONDS_ENV: str(seconds), "PYTHONPATH": str(CODE_DIR)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.stand_in", "predict", str(photos), "-o", str(out), "--chunk-size", "1", *extra],
+        cwd=CODE_DIR,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}: {proc.communicate()}")
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.05)
+
+
+def some_photos(folder: Path, n: int) -> Path:
+    for i in range(n):
+        small_photo(folder / f"p{i:02d}.png", seed=i)
+    return folder
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_finishes_the_files_writes_run_json_and_exits_128_plus_it(tmp_path, signum, code):
+    """SIGTERM used to kill predict at once: no message, no run.json. Now SIGTERM and SIGINT (Ctrl-C) both stop
+    the run after the files being written: every image is done (result.json) or has no folder at all,
+    run.json says which is which, a message says what happened, and the exit code is 143 / 130."""
+    photos, out = some_photos(tmp_path / "photos", 20), tmp_path / "out"
+    proc = start_predict(photos, out, 0.5)  # 10 s of work: the signal comes long before the end, even under load
+    wait_for(lambda: any(out.glob("*/result.json")), proc, "a first result")
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code, (proc.returncode, stdout, stderr)
+    assert f"interrupted by {signal.Signals(signum).name}" in stderr, stderr
+    run = json.loads((out / "run.json").read_text())
+    assert run["interrupted"] == signal.Signals(signum).name
+    states = {r["output"]: r["status"] for r in run["images"]}
+    assert set(states.values()) == {"done", "not done"}, states
+    for name, state in states.items():
+        if state == "done":
+            assert (out / name / "result.json").is_file(), name
+        else:
+            assert not (out / name).exists(), f"{name}: not done, but its folder is there"
+    assert run["done"] == sum(s == "done" for s in states.values()) and run["not_done"] == 20 - run["done"]
+    assert not (out / LOCK_FILE).exists(), "the lock file is removed at the end"
+
+
+# ---------------------------------------------------------------------------------------------- the lock
+def test_a_second_run_into_a_folder_in_use_is_refused_or_waits(tmp_path, monkeypatch):
+    """Two runs into one OUT used to mix silently. While another process holds OUT (here: this test process),
+    a run is refused (exit 2, a message naming the folder, the holder and --wait), or with --wait it waits,
+    says so, and runs once the holder lets go."""
+    from tt_moge.runs import OutputLock
+
+    photos, out = some_photos(tmp_path / "photos", 3), tmp_path / "out"
+    out.mkdir()
+    lock = OutputLock(out).acquire()
+    try:
+        with stand_in(monkeypatch):
+            code, stdout, stderr = run_cli(["predict", photos, "-o", out, "-q"])
+        assert code == 2 and "is in use by another run" in stderr and "--wait" in stderr, (code, stdout, stderr)
+        assert f"pid {os.getpid()}" in stderr, "the message names the holder"
+        assert not (out / "run.json").exists() and not (out / "p00").exists(), "the refused run wrote nothing"
+        waiting = start_predict(photos, out, 0.0, "--wait")
+        line = waiting.stderr.readline()  # its first line, once it is blocked on the lock
+        assert "waiting for it to end" in line, line + waiting.communicate()[1]
+        assert waiting.poll() is None and not (out / "run.json").exists(), "it waits, and writes nothing meanwhile"
+    finally:
+        lock.release()
+    stdout, stderr = waiting.communicate(timeout=120)
+    assert waiting.returncode == 0, stderr
+    assert json.loads((out / "run.json").read_text())["done"] == 3
+    assert not (out / LOCK_FILE).exists()
+
+
+def test_a_killed_run_does_not_leave_its_folder_locked(tmp_path, monkeypatch):
+    """kill -9 leaves the lock file behind, but not the lock: the OS drops a dead process's flock."""
+    photos, out = some_photos(tmp_path / "photos", 3), tmp_path / "out"
+    proc = start_predict(photos, out, 5.0)
+    wait_for(lambda: (out / LOCK_FILE).exists(), proc, "the lock")
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert (out / LOCK_FILE).exists()
+    with stand_in(monkeypatch):
+        code, stdout, stderr = run_cli(["predict", photos, "-o", out, "-q"])
+    assert code == 0, stderr
+
+
+def test_batch_into_a_folder_in_use_exits_2_before_ray_starts(tmp_path, monkeypatch):
+    pytest.importorskip("ray.data", reason="the batch tests need the ray extra")
+    from tt_moge.batch import session
+    from tt_moge.runs import OutputLock
+
+    photos, out = some_photos(tmp_path / "photos", 2), tmp_path / "out"
+    out.mkdir()
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray started for a job that must be refused")
+
+    monkeypatch.setattr(session, "init_local_ray", no_ray)
+    with OutputLock(out):
+        code, stdout, stderr = run_cli(["batch", photos, "-o", out, "-q"])
+    assert code == 2 and "is in use by another run" in stderr, (code, stdout, stderr)
+
+
+# ------------------------------------------------------------------------------------------ the first hour
+def test_a_16x16_photo_gets_its_files_and_no_crash(tmp_path, monkeypatch):
+    """The default predict on a 16x16 photo used to fail (a mesh without triangles: trimesh raised, exit 1).
+    Now every map is written, mesh.glb is left out with a note in result.json, exit 0."""
+    photo = small_photo(tmp_path / "tiny.png", size=(16, 16))
+    out = tmp_path / "out"
+    with stand_in(monkeypatch):
+        code, stdout, stderr = run_cli(["predict", photo, "-o", out])
+    assert code == 0, stdout + stderr
+    result = json.loads((out / "tiny" / "result.json").read_text())
+    assert result["mesh_faces"] == 0 and "mesh.glb not written" in result["note"]
+    assert sorted(result["files"]) == sorted(["depth.png", "normal.png", "mask.png", "depth.exr", "result.json"])
+    assert sorted(p.name for p in (out / "tiny").iterdir()) == sorted(result["files"])
+
+
+def test_the_default_mesh_of_a_24_mp_photo_is_bounded(tmp_path, monkeypatch):
+    """A 6000x4000 photo used to get 8.8 M faces (250 MB) by default. The default mesh now has at most
+    MESH_FACE_BUDGET faces (a coarser step); --mesh-step N is kept as given; 1920x1080 keeps step 2."""
+    from tt_moge.export import DEFAULT_MESH_STEP, MESH_FACE_BUDGET, mesh_step_for
+
+    assert mesh_step_for(1080, 1920, DEFAULT_MESH_STEP, MESH_FACE_BUDGET) == DEFAULT_MESH_STEP
+    assert mesh_step_for(4000, 6000, DEFAULT_MESH_STEP, MESH_FACE_BUDGET) == 7
+    assert mesh_step_for(4000, 6000, 1, None) == 1
+    photo = tmp_path / "big.jpg"
+    Image.new("RGB", (6000, 4000), (90, 120, 200)).save(photo, quality=50)
+    out = tmp_path / "out"
+    with stand_in(monkeypatch):
+        code, stdout, stderr = run_cli(["predict", photo, "-o", out, "--glb"])
+    assert code == 0, stdout + stderr
+    result = json.loads((out / "big" / "result.json").read_text())
+    assert result["mesh_step"] == 7 and 0 < result["mesh_faces"] <= MESH_FACE_BUDGET, result
+    run = json.loads((out / "run.json").read_text())
+    assert (run["mesh_step"], run["mesh_faces"]) == (DEFAULT_MESH_STEP, MESH_FACE_BUDGET)
+    assert "(mesh every 7 px)" in stdout, stdout
+
+
+def test_help_and_a_misspelt_command_answer_without_importing_torch():
+    """`tt-moge --help` took 4.4 s: every command's module, and torch with them, was imported to build the
+    parser. Only the command given is imported now; the top level, its help and its errors import none."""
+    probe = (
+        "import sys, contextlib, io\n"
+        "from tt_moge.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:\n"
+        "    codes = [main(['--help']), main([]), main(['predcit', 'x']), main(['--version'])]\n"
+        "assert codes == [0, 2, 2, 0], codes\n"
+        "assert 'predict' in out.getvalue() and 'invalid choice' in err.getvalue()\n"
+        "heavy = sorted(m for m in ('torch', 'tt_moge.cli.predict', 'tt_moge.cli.common') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=CODE_DIR,
+        env={**os.environ, "PYTHONPATH": str(CODE_DIR)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_progress_moves_before_the_first_photo_is_done(tmp_path, monkeypatch):
+    """The CPU progress bar sat at 0/5 for two minutes on ViT-L: it only moved when an image was written. It now
+    names the images the model is on, and its clock is redrawn while the model runs."""
+    from tests.stand_in import StandInModel
+
+    photos = some_photos(tmp_path / "photos", 2)
+    model = StandInModel()
+    model.seconds = 1.3  # each image: the first chunk (both photos) takes 2.6 s, the bar is redrawn every second
+    with stand_in(monkeypatch, model):
+        code, stdout, stderr = run_cli(["predict", photos, "-o", tmp_path / "out"])
+    assert code == 0, stderr
+    before_first = [line for line in stderr.replace("\r", "\n").splitlines() if " 0/2 " in line]
+    assert any("model on images 1-2" in line for line in before_first), stderr
+    assert any("[00:0" in line and "[00:00" not in line for line in before_first), f"the clock stood still: {stderr}"
+
+
+def test_a_file_system_without_locks_runs_unlocked_and_says_so(tmp_path, monkeypatch):
+    """Some network mounts refuse flock (ENOLCK): the run goes on without the lock, with a note, and leaves
+    no lock file."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    photos, out = some_photos(tmp_path / "photos", 2), tmp_path / "out"
+    with stand_in(monkeypatch):
+        code, stdout, stderr = run_cli(["predict", photos, "-o", out, "-q"])
+    assert code == 0 and "cannot be locked" in stderr, (code, stderr)
+    assert not (out / LOCK_FILE).exists()
+
+
+def test_batch_stopped_by_sigterm_says_so_and_exits_143(tmp_path, monkeypatch):
+    """SIGTERM killed `tt-moge batch` at once, without a word. It now stops the job (Ray is shut down on the
+    way out), says that the finished images are kept and a rerun does the rest, and exits 143."""
+    pytest.importorskip("ray.data", reason="the batch tests need the ray extra")
+    import tt_moge.batch as batch
+
+    def job_in_progress(job, on_failure=None):
+        os.kill(os.getpid(), signal.SIGTERM)  # a real signal, to this process, while the "job" runs
+        time.sleep(30)
+        raise AssertionError("the signal did not stop the job")
+
+    def not_handled(signum, frame):  # instead of the default, which would end the test process itself
+        raise RuntimeError("SIGTERM reached the test's own handler: the command did not handle it")
+
+    monkeypatch.setattr(batch, "run_batch", job_in_progress)
+    photos = some_photos(tmp_path / "photos", 1)
+    previous = signal.signal(signal.SIGTERM, not_handled)
+    try:
+        code, stdout, stderr = run_cli(["batch", photos, "-o", tmp_path / "out"])
+        assert signal.getsignal(signal.SIGTERM) is not_handled, "the handler before the run is restored after it"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143 and "interrupted by SIGTERM" in stderr and "rerun" in stderr, (code, stderr)

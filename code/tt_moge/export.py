@@ -32,7 +32,10 @@ The point cloud always has every kept pixel.
 
 The CLI's defaults (`DEFAULT_FORMATS`: the maps and the mesh, `DEFAULT_MESH_STEP`: every second pixel) are
 sized for folders of many photos: the npz and the point cloud, and a full-resolution mesh, are each several
-times the size of the maps (`python -m perf.cli.export_bench` measures every format).
+times the size of the maps (`python -m perf.cli.export_bench` measures every format). The CLI's default mesh
+is also bounded (`mesh_faces=MESH_FACE_BUDGET`, `mesh_step_for`): a 24 MP photo at step 2 would be 12 M faces
+and a quarter of a GB; the step grows until the grid has at most about 1 M faces (a 1920x1080 photo keeps
+step 2). A photo too small for any triangle (16x16 at step 2, all on depth edges) gets no mesh.glb and a note.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ __all__ = [
     "FORMATS",
     "DEFAULT_FORMATS",
     "DEFAULT_MESH_STEP",
+    "MESH_FACE_BUDGET",
+    "mesh_step_for",
     "FILES",
     "depth_edges",
     "kept_pixels",
@@ -80,6 +85,9 @@ FORMATS = {
 }
 DEFAULT_FORMATS = ("maps", "glb")  # what `tt-moge predict` and batch jobs write when no format is chosen
 DEFAULT_MESH_STEP = 2  # mesh.glb samples every second row and column: a quarter of the vertices and triangles
+# The CLI's default bound on mesh.glb's faces (2^20, "about 1 M"): the most a grid of step 2 has at 1920x1080
+# (1,033,802), so that photos up to that size keep DEFAULT_MESH_STEP; larger ones get a coarser step.
+MESH_FACE_BUDGET = 2**20
 _LIBRARIES = {"maps": ("OpenEXR", "openexr"), "ply": ("trimesh", "trimesh"), "glb": ("trimesh", "trimesh")}
 FILES = {
     "maps": ("depth.png", "normal.png", "mask.png", "depth.exr"),
@@ -267,7 +275,8 @@ def image_mesh(
     material = trimesh.visual.material.PBRMaterial(
         baseColorTexture=Image.fromarray(rgb), metallicFactor=0.0, roughnessFactor=1.0, doubleSided=True
     )
-    normals = None if normal is None else normal[keep] * _OPENGL_AXES
+    # no kept pixel on the grid (a tiny photo, all on depth edges): trimesh takes no empty normals array
+    normals = None if normal is None or not keep.any() else normal[keep] * _OPENGL_AXES
     return trimesh.Trimesh(
         vertices=points[keep] * _OPENGL_AXES,
         faces=faces,
@@ -276,6 +285,22 @@ def image_mesh(
         process=False,
         validate=False,
     )
+
+
+def mesh_step_for(height: int, width: int, step: int = DEFAULT_MESH_STEP, max_faces: Optional[int] = None) -> int:
+    """The grid step of the mesh of a (height, width) output: `step`, made coarser until the grid's most faces
+    (two per cell: 2 (ceil(h/step) - 1) (ceil(w/step) - 1)) are at most `max_faces` (None: `step` as it is)."""
+    if max_faces is None:
+        return step
+    if isinstance(max_faces, bool) or not isinstance(max_faces, int) or max_faces < 2:
+        raise ValueError(f"mesh_faces must be an int >= 2 or None, got {max_faces!r}")
+
+    def faces(s: int) -> int:
+        return 2 * max(0, -(-height // s) - 1) * max(0, -(-width // s) - 1)
+
+    while faces(step) > max_faces:
+        step += 1
+    return step
 
 
 # ------------------------------------------------------------------------------------------ summary
@@ -334,6 +359,7 @@ def write_outputs(
     source: Optional[str] = None,
     extra: Optional[dict] = None,
     mesh_step: int = DEFAULT_MESH_STEP,
+    mesh_faces: Optional[int] = None,
     root: Optional[Union[str, os.PathLike]] = None,
 ) -> dict:
     """Write one image's files into `out_dir` (created if needed) and return the result.json record.
@@ -341,9 +367,10 @@ def write_outputs(
     output: the MoGeOutput of the image (or a PanoramaOutput: depth is then its distance map, there is no
     normal.png, and the mesh closes at the seam); image_rgb: that image, (H, W, 3) uint8 (or float in [0, 1]) RGB
     at the output's size; formats: any of FORMATS (result.json is always written, last); mesh_step: the grid step
-    of mesh.glb (1: every pixel). `source` (the input's name) and `extra` (more keys) go into result.json.
-    `root`: the run's output folder; `out_dir` must lie inside it (a ValueError otherwise, before anything is
-    written). Existing files of the same names are replaced.
+    of mesh.glb (1: every pixel), made coarser where the mesh would have more than `mesh_faces` faces
+    (`mesh_step_for`; None: no bound; result.json's mesh_step is the step used). `source` (the input's name)
+    and `extra` (more keys) go into result.json. `root`: the run's output folder; `out_dir` must lie inside it
+    (a ValueError otherwise, before anything is written). Existing files of the same names are replaced.
 
     A folder holds a complete result exactly when it has result.json: an earlier result.json is removed before
     anything is written, and if writing fails (a full disk, a killed writer's exception), the files and folders
@@ -353,6 +380,7 @@ def write_outputs(
     if isinstance(mesh_step, bool) or not isinstance(mesh_step, int) or mesh_step < 1:
         raise ValueError(f"mesh_step must be a positive int, got {mesh_step!r}")
     rgb = _as_uint8_rgb(image_rgb, output)
+    mesh_step = mesh_step_for(*output.depth.shape, mesh_step, mesh_faces)
     out = Path(out_dir)
     if root is not None and not inside(out, root):
         raise ValueError(f"out_dir {os.fspath(out)!r} is not inside the output folder {os.fspath(root)!r}")
@@ -428,11 +456,11 @@ def _write_files(
                 record.update(
                     mesh_step=mesh_step, mesh_vertices=int(len(mesh.vertices)), mesh_faces=int(len(mesh.faces))
                 )
-                if len(mesh.vertices):
+                if len(mesh.faces):
                     glb = mesh.export(file_type="glb")
                     target("mesh.glb").write_bytes(glb)
-                else:
-                    record["note"] = f"no kept pixel on the grid of mesh_step {mesh_step}: mesh.glb not written"
+                else:  # a tiny photo, or one all on depth edges: trimesh cannot write a mesh without faces
+                    record["note"] = f"no triangle on the grid of mesh_step {mesh_step}: mesh.glb not written"
     record["files"] = [*written, RESULT_FILE]
     record.update(extra or {})
     write_text_atomic(out / RESULT_FILE, to_json(record))

@@ -59,6 +59,8 @@ def predict_images(
     on_done: Optional[Callable[[Any, Optional[str]], None]] = None,
     mesh_step: int = DEFAULT_MESH_STEP,
     exif: bool = False,
+    mesh_faces: Optional[int] = None,
+    on_stage: Optional[Callable[[str], None]] = None,
 ) -> dict:
     """Run `service` (a `PredictionService`) over [ImageInput] with `options` and write each result to
     out_root / image.name with `write_outputs`. `exif`: turn each file by its EXIF orientation when decoding.
@@ -67,8 +69,12 @@ def predict_images(
     overlap. An image that fails (unreadable, or its writing fails, e.g. on a full disk) is recorded and the
     run goes on; the files its writing had made are removed again (`write_outputs`), nothing else: clean-up
     only touches what this run wrote, inside out_root. Returns {image index: error message or None};
-    `on_done(image, error)` is called for each image as it finishes.
-    `mesh_step` goes to `write_outputs`.
+    `on_done(image, error)` is called for each image as it finishes; `on_stage(text)` before each chunk goes to
+    the model (a model call on the CPU can take minutes: a progress display shows what is happening).
+    `mesh_step` and `mesh_faces` go to `write_outputs`.
+
+    An exception in this thread (a signal handler's, e.g. SIGTERM) stops the run: the writes already running
+    finish (and are reported to `on_done`), the queued ones are dropped before they create anything.
     """
     status: dict = {}
 
@@ -83,8 +89,9 @@ def predict_images(
 
     def collect(limit: int) -> None:
         while len(writing) > limit:
-            index, image, future = writing.pop(0)
-            exc = future.exception()
+            index, image, future = writing[0]
+            exc = future.exception()  # waits; popped after, so that an interruption here loses no image
+            writing.pop(0)
             finish(index, image, None if exc is None else _write_reason(image, out_root / image.name, exc))
 
     try:
@@ -98,6 +105,9 @@ def predict_images(
                 else:
                     finish(index, image, _reason(image, exc))
                 index += 1
+            if on_stage is not None and decoded:
+                first, last = decoded[0][0] + 1, decoded[-1][0] + 1
+                on_stage(f"model on image {first}" if first == last else f"model on images {first}-{last}")
             for (i, image, rgb), output in zip(decoded, predict_chunk(service, [d[2] for d in decoded], options)):
                 if isinstance(output, BaseException):
                     finish(i, image, _reason(image, output))
@@ -110,6 +120,7 @@ def predict_images(
                     formats,
                     source=str(image.path),
                     mesh_step=mesh_step,
+                    mesh_faces=mesh_faces,
                     root=out_root,
                 )
                 writing.append((i, image, job))
@@ -118,7 +129,18 @@ def predict_images(
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
         writer.shutdown(wait=True, cancel_futures=True)
+        _settle_interrupted(writing, finish, out_root)
     return status
+
+
+def _settle_interrupted(writing: list, finish: Callable, out_root: Path) -> None:
+    """After an interruption: report the writes that ran (to their end: the pool was shut down with wait);
+    those cancelled before they started wrote nothing and stay unreported."""
+    for index, image, future in writing:
+        if not future.cancelled():
+            exc = future.exception()
+            finish(index, image, None if exc is None else _write_reason(image, out_root / image.name, exc))
+    writing.clear()
 
 
 def predict_chunk(service: Any, arrays: list, options: CallOptions = CallOptions()) -> list:
@@ -147,6 +169,8 @@ def predict_panoramas(
     on_done: Optional[Callable[[Any, Optional[str]], None]] = None,
     mesh_step: int = DEFAULT_MESH_STEP,
     exif: bool = False,
+    mesh_faces: Optional[int] = None,
+    on_stage: Optional[Callable[[str], None]] = None,
 ) -> dict:
     """`predict_images` for 360-degree equirectangular panoramas: per image, `model.predict_panorama` (whose 12
     views already keep the device busy through predict_many) and `write_outputs`; the writing of one panorama
@@ -159,8 +183,9 @@ def predict_panoramas(
 
     def settle() -> None:
         while pending:
-            index, image, future = pending.pop(0)
+            index, image, future = pending[0]
             exc = future.exception()
+            pending.pop(0)
             status[index] = None if exc is None else _reason(image, exc)
             if on_done is not None:
                 on_done(image, status[index])
@@ -169,6 +194,8 @@ def predict_panoramas(
         for index, image in enumerate(images):
             try:
                 rgb = _decode(image.path, exif)
+                if on_stage is not None:
+                    on_stage(f"model on panorama {index + 1}")
                 output = model.predict_panorama(rgb)
             except Exception as exc:
                 settle()
@@ -189,6 +216,7 @@ def predict_panoramas(
                         formats,
                         source=str(image.path),
                         mesh_step=mesh_step,
+                        mesh_faces=mesh_faces,
                         root=out_root,
                     ),
                 )
@@ -196,6 +224,8 @@ def predict_panoramas(
         settle()
     finally:
         writer.shutdown(wait=True, cancel_futures=True)
+        pending[:] = [entry for entry in pending if not entry[2].cancelled()]
+        settle()  # after an interruption: the write that was running has finished
     return status
 
 

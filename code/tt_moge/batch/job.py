@@ -20,6 +20,7 @@ from ..export import DEFAULT_FORMATS, DEFAULT_MESH_STEP, FORMATS, check_formats
 from ..fields import Limit, checked, include_options, option, options_of, own_options
 from ..host import CallOptions
 from ..options import LoadOptions
+from ..runs import OutputLock
 from ..video import VideoOptions
 from .replica import ClipReplica, Replica, read_images
 from .session import (
@@ -135,6 +136,7 @@ class BatchJob:
     # + the fields of CallOptions and VideoOptions (include_options)
     formats: Sequence[str] = DEFAULT_FORMATS  # the format flags of tt-moge predict / batch (cli.common)
     mesh_step: int = DEFAULT_MESH_STEP
+    mesh_faces: Optional[int] = None  # at most this many faces per mesh.glb: a coarser step where needed (None: any)
     # The job's own settings: each is the one definition of its `tt-moge batch` flag (cli.common.add_options).
     output_format: str = option(
         "files",
@@ -184,6 +186,9 @@ class BatchJob:
     )
     quiet: bool = option(False, "no progress output and no summary; errors still print", short="-q")
     progress: bool = True  # a progress bar on stderr (unless quiet); the API's own, no flag
+    wait: bool = option(
+        False, "OUT is in use by another run: wait for it to end (default: stop at once, exit code 2)"
+    )  # (runs.OutputLock; else OutputBusy)
 
     def call_options(self) -> CallOptions:
         """The options applied to every image, validated (a ValueError naming the option)."""
@@ -209,6 +214,10 @@ class BatchJob:
             raise ValueError(f"formats: expected at least one of {', '.join(FORMATS)}")
         if isinstance(self.mesh_step, bool) or not isinstance(self.mesh_step, int) or self.mesh_step < 1:
             raise ValueError(f"mesh_step must be an integer >= 1, got {self.mesh_step!r}")
+        if self.mesh_faces is not None and (
+            isinstance(self.mesh_faces, bool) or not isinstance(self.mesh_faces, int) or self.mesh_faces < 2
+        ):
+            raise ValueError(f"mesh_faces must be an integer >= 2 or None, got {self.mesh_faces!r}")
         return formats
 
 
@@ -247,12 +256,13 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     and write the results into `job.out`; returns a BatchSummary.
 
     Images already complete in OUT are skipped. Failed images go to OUT/failures.jsonl (rewritten by each run);
-    `on_failure(path, error)` is called for each as it arrives.
+    `on_failure(path, error)` is called for each as it arrives. OUT is locked while the job writes it
+    (`runs.OutputLock`): another run into it raises OutputBusy, or is waited for with `job.wait`.
 
     Raises RayMissingError without Ray, InputPathError for inputs that name nothing, ValueError for bad options,
-    CheckpointError / OSError / RuntimeError when the weights or the device are unusable.
+    OutputBusy when OUT is in use, CheckpointError / OSError / RuntimeError when the weights or the device are
+    unusable.
     """
-    from .. import env
     from ..inputs import InputPathError, collect_images
     from ..video import is_video_file
     from ..video.files import VIDEO_FRAME_FORMATS
@@ -274,6 +284,32 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     video = job.video_options() if clips else None
     ray = import_ray()
     out.mkdir(parents=True, exist_ok=True)
+    lock = OutputLock(out).acquire(
+        wait=job.wait, on_wait=lambda message: print(f"tt-moge batch: {message}", file=sys.stderr, flush=True)
+    )
+    if lock.unsupported:
+        print(f"tt-moge batch: note: {lock.unsupported}; a second run into it would not be stopped", file=sys.stderr)
+    try:
+        return _run_locked(job, ray, out, images, clips, formats, call, video, model_kwargs, on_failure)
+    finally:
+        lock.release()
+
+
+def _run_locked(
+    job: BatchJob,
+    ray: Any,
+    out: Path,
+    images: list,
+    clips: list,
+    formats: tuple,
+    call: CallOptions,
+    video: Optional[VideoOptions],
+    model_kwargs: dict,
+    on_failure: Optional[Callable[[str, str], None]],
+) -> BatchSummary:
+    """run_batch, once OUT is locked."""
+    from .. import env
+
     if job.output_format == "parquet":
         (out / SHARDS_DIR).mkdir(exist_ok=True)
     done_before = completed_names(out, [im.name for im in images], job.output_format)
@@ -302,6 +338,7 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
         "output_format": job.output_format,
         "formats": list(formats) if files else None,
         "mesh_step": job.mesh_step if files and "glb" in formats else None,
+        "mesh_faces": job.mesh_faces if files and "glb" in formats else None,
         **call.kwargs(),
         **(video.kwargs() if video is not None else {}),
         "batch_size": job.batch_size,
@@ -336,7 +373,10 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     if address is not None and weights_dir:  # the replicas resolve it, and it wins over a repo id
         model_record["MOGE_WEIGHTS_DIR"] = weights_dir
 
-    with ray_session(ray, address, local_ray_cpus(replicas, cpus), job.object_store_mb, job.quiet) as (where, start_s):
+    # Ray's own INFO lines, its workers' output and Ray Data's progress bars only with the model's verbose flag
+    # (tt-moge batch -v): the job's own progress bar and messages say what a user needs
+    ray_quiet = job.quiet or not job.model.get("verbose")
+    with ray_session(ray, address, local_ray_cpus(replicas, cpus), job.object_store_mb, ray_quiet) as (where, start_s):
         summary.ray_start_seconds = start_s
         check_resources(ray, replicas, cpus, gpus, strict=address is None)
         if not job.quiet:
@@ -347,7 +387,7 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
                 flush=True,
             )
         t0 = time.perf_counter()
-        with ray_data_output(ray, job.quiet):
+        with ray_data_output(ray, ray_quiet):
             if clips:
                 dataset = _clip_dataset(
                     ray, job, todo, out, formats, call, video, model_kwargs, replicas, cpus, gpus, address is None
@@ -431,9 +471,12 @@ def _build_dataset(
     gpus: float,
     local: bool,
 ) -> Any:
-    batch_size, max_retries = job.batch_size, job.max_retries
+    max_retries = job.max_retries
     runtime_env = _runtime_env(local)
     items = [{"path": str(im.path.resolve()), "name": im.name} for im in todo]
+    # a short job is split evenly over the replicas (6 photos, 2 replicas: 3 + 3, not 4 + 2), so that each one
+    # gets a batch; with one batch in flight per replica, a replica that is ready first cannot take them all
+    batch_size = max(1, min(job.batch_size, math.ceil(len(items) / replicas)))
     blocks = min(len(items), max(1, math.ceil(len(items) / batch_size)))  # one read task per batch of images
     try:
         dataset = ray.data.from_items(items, override_num_blocks=blocks)
@@ -447,7 +490,7 @@ def _build_dataset(
         return dataset.map_batches(
             Replica,
             batch_size=batch_size,
-            compute=ray.data.ActorPoolStrategy(size=replicas),
+            compute=_actor_pool(ray, replicas),
             fn_constructor_kwargs=dict(
                 model_kwargs=model_kwargs,
                 out=str(out.resolve()),
@@ -457,6 +500,7 @@ def _build_dataset(
                 writers=job.writers,
                 threads=int(cpus),
                 mesh_step=job.mesh_step,
+                mesh_faces=job.mesh_faces,
             ),
             num_cpus=cpus,
             num_gpus=gpus or None,
@@ -464,6 +508,15 @@ def _build_dataset(
             max_restarts=max_retries,
             max_task_retries=max_retries,
         )
+
+
+def _actor_pool(ray: Any, replicas: int) -> Any:
+    """`replicas` actors, each given one batch at a time: queued batches go to whichever replica is free, instead
+    of piling up behind the first one to start (Ray Data's default lets each actor hold several)."""
+    try:
+        return ray.data.ActorPoolStrategy(size=replicas, max_tasks_in_flight_per_actor=1)
+    except TypeError:  # an older Ray without the parameter
+        return ray.data.ActorPoolStrategy(size=replicas)
 
 
 def _collect(

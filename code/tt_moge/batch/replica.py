@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 from ..export import DEFAULT_MESH_STEP
 from ..host import CallOptions
@@ -45,12 +46,14 @@ class Replica:
         writers: int,
         threads: int,
         mesh_step: int = DEFAULT_MESH_STEP,
+        mesh_faces: Optional[int] = None,
     ):
         import torch
 
         from .. import env, native
         from ..model import MoGeModel
 
+        self.mesh_faces = mesh_faces
         torch.set_num_threads(max(1, threads))  # this replica's share of the cores, for torch ...
         if not env.get("MOGE_SERVE_THREADS"):
             native.set_threads(max(1, threads))  # ... and for the native host kernels
@@ -76,7 +79,16 @@ class Replica:
                 results[i] = output
         if self.output_format == "files":
             write_files(
-                self.writer, self.out, results, batch["rgb"], names, paths, errors, self.formats, self.mesh_step
+                self.writer,
+                self.out,
+                results,
+                batch["rgb"],
+                names,
+                paths,
+                errors,
+                self.formats,
+                self.mesh_step,
+                self.mesh_faces,
             )
         else:
             write_shard(self.out, results, names, paths, errors)

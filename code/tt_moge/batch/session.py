@@ -163,16 +163,20 @@ def check_resources(ray: Any, replicas: int, cpus: float, gpus: float, strict: b
 
 @contextlib.contextmanager
 def ray_data_output(ray: Any, quiet: bool) -> Iterator[None]:
-    """Ray Data's progress bars and log lines, off when quiet; its settings are restored afterwards."""
+    """Ray Data's progress bars and log lines, off when quiet (also the warning that says the bars are off);
+    its settings are restored afterwards."""
     import logging
 
     context, logger = ray.data.DataContext.get_current(), logging.getLogger("ray.data")
-    saved = context.enable_progress_bars, logger.level
+    progress_logger = logging.getLogger("ray.data._internal.progress")
+    saved = context.enable_progress_bars, logger.level, progress_logger.level
     if quiet:
         context.enable_progress_bars = False
         logger.setLevel(logging.WARNING)
+        progress_logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        context.enable_progress_bars, _ = saved
+        context.enable_progress_bars = saved[0]
         logger.setLevel(saved[1])
+        progress_logger.setLevel(saved[2])

@@ -69,6 +69,7 @@ def write_files(
     errors: list,
     formats: tuple,
     mesh_step: int,
+    mesh_faces: Optional[int] = None,
 ) -> None:
     """Each result {index: MoGeOutput} into OUT/NAME/ on the `writer` threads; a failed write becomes that
     image's error."""
@@ -76,7 +77,15 @@ def write_files(
 
     jobs = {
         i: writer.submit(
-            write_outputs, output, rgbs[i], out / names[i], formats, source=paths[i], mesh_step=mesh_step, root=out
+            write_outputs,
+            output,
+            rgbs[i],
+            out / names[i],
+            formats,
+            source=paths[i],
+            mesh_step=mesh_step,
+            mesh_faces=mesh_faces,
+            root=out,
         )
         for i, output in results.items()
     }

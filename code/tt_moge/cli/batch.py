@@ -11,19 +11,24 @@ from typing import Any
 
 from ..batch import FAILURES_FILE, RECORD_FILE, SHARDS_DIR, BatchJob
 from ..video.options import VideoOptions
+from .commands import summary as command_summary
 from .common import (
     DEFAULT_OUTPUT,
     EXIT_CODES,
     EXIT_IMAGES_FAILED,
     EXIT_OK,
     EXIT_START,
+    EXIT_USAGE,
     Formatter,
+    Interrupted,
+    SignalGuard,
     add_call_arguments,
     add_format_arguments,
     add_model_arguments,
     add_options,
     chosen_formats,
     format_group_title,
+    mesh_choice,
     model_kwargs,
     option_values,
     say,
@@ -76,7 +81,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "batch",
         formatter_class=Formatter,
         description=DESCRIPTION,
-        help="many photos as a Ray Data job: replicas, cluster, resume, failures file",
+        help=command_summary("batch"),
         epilog=_epilog(EXIT_CODES, DEFAULT_OUTPUT),
     )
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders (recursive) or glob patterns")
@@ -100,6 +105,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ..batch import RayMissingError, run_batch
     from ..export import DEFAULT_FORMATS, missing_format_library
     from ..inputs import InputPathError
+    from ..runs import OutputBusy
 
     # Every option reaches the job from its definition: the model flags as from_pretrained's arguments, and each
     # field of BatchJob that is an option (the call and clip options it includes, its own settings) by name.
@@ -117,7 +123,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"tt-moge: failed: {error}", file=sys.stderr, flush=True)
 
     job = BatchJob(
-        args.inputs, args.output, model=model_kwargs(args), formats=formats, mesh_step=args.mesh_step, **options
+        args.inputs,
+        args.output,
+        model=model_kwargs(args),
+        formats=formats,
+        **dict(zip(("mesh_step", "mesh_faces"), mesh_choice(args))),
+        **options,
     )
     try:  # options that are wrong together (fov_x and intrinsics; window < calibration_frames) are usage errors
         job.call_options()
@@ -125,12 +136,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        summary = run_batch(job, on_failure=on_failure)
+        with SignalGuard():
+            summary = run_batch(job, on_failure=on_failure)
+    except Interrupted as exc:  # SIGTERM / Ctrl-C: Ray is shut down on the way out (ray_session)
+        say(f"{exc}: the images finished so far are kept (OUT/NAME/result.json); rerun the same command to do the rest")
+        return 128 + exc.signum
     except RayMissingError as exc:
         say(str(exc))
         return EXIT_START
     except InputPathError as exc:
         parser.error(str(exc))
+    except OutputBusy as exc:
+        say(str(exc))
+        return EXIT_USAGE
     except (ValueError, TypeError) as exc:  # options; weights not found (CheckpointError is a ValueError)
         say(f"could not start: {exc}")
         return EXIT_START

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import argtypes
+from .commands import summary as command_summary
 from .common import Formatter, add_model_arguments, model_kwargs
 
 STAGES = ("decode", "canvas", "device", "solve", "finish", "total")
@@ -99,9 +100,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
-    parser = commands.add_parser(
-        "bench", formatter_class=Formatter, help="per-stage timing of one call", description=__doc__
-    )
+    parser = commands.add_parser("bench", formatter_class=Formatter, help=command_summary("bench"), description=__doc__)
     _add_arguments(parser)
     return parser
 

@@ -5,16 +5,29 @@ mapping from parsed flags to `MoGeModel.from_pretrained` and call arguments."""
 from __future__ import annotations
 
 import argparse
-import sys
+import os
+import signal
+import threading
 import time
 import warnings
 from typing import Any, Optional
 
-from ..export import DEFAULT_FORMATS, DEFAULT_MESH_STEP, FORMATS
+from ..export import DEFAULT_FORMATS, DEFAULT_MESH_STEP, FORMATS, MESH_FACE_BUDGET
 from ..fields import OptionInfo, options_of, own_options
 from ..host import CallOptions
 from ..options import LoadOptions
 from . import argtypes
+from .commands import (  # noqa: F401  (every command takes them from here)
+    EXIT_CODES,
+    EXIT_IMAGES_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_START,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    Formatter,
+    say,
+)
 
 __all__ = [
     "EXIT_OK",
@@ -22,6 +35,9 @@ __all__ = [
     "EXIT_USAGE",
     "EXIT_START",
     "EXIT_INTERRUPTED",
+    "EXIT_TERMINATED",
+    "Interrupted",
+    "SignalGuard",
     "EXIT_CODES",
     "DEFAULT_OUTPUT",
     "FORMAT_MB",
@@ -35,19 +51,12 @@ __all__ = [
     "option_values",
     "format_group_title",
     "chosen_formats",
+    "mesh_choice",
     "model_kwargs",
     "call_options",
     "load_model",
 ]
 
-EXIT_OK, EXIT_IMAGES_FAILED, EXIT_USAGE, EXIT_START, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-EXIT_CODES = f"""\
-exit codes:
-  {EXIT_OK}    every image done
-  {EXIT_IMAGES_FAILED}    some images failed (each one named on stderr and in OUT/run.json); all others are done
-  {EXIT_USAGE}    bad command line: unknown option, bad value, an input that does not exist, no images
-  {EXIT_START}    could not start: weights not found or unreadable, device unavailable, a library missing
-  {EXIT_INTERRUPTED}  interrupted (Ctrl-C)"""
 DEFAULT_OUTPUT = "moge_output"
 # What each format group writes for one 1920x1080 photo with 3/4 of its pixels valid, in MB (10^6 bytes), as
 # `python -m perf.cli.export_bench --image <a 1920x1080 photo>` measures it (docs/performance.md); the 3D files
@@ -56,13 +65,52 @@ FORMAT_MB = {"maps": 7, "npz": 30, "ply": 44, "glb": 26}
 FULL_MESH_MB = 91  # mesh.glb with --mesh-step 1
 
 
-class Formatter(argparse.RawDescriptionHelpFormatter):
-    def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=30, width=110)
+class Interrupted(BaseException):
+    """Raised in the main thread by `SignalGuard` on SIGINT or SIGTERM: a BaseException, like
+    KeyboardInterrupt, so that no `except Exception` of the run takes it for an image's failure."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {self.name}")
 
 
-def say(message: str) -> None:
-    print(f"tt-moge: {message}", file=sys.stderr, flush=True)
+class SignalGuard:
+    """SIGINT and SIGTERM during a run (a context manager): the first one raises `Interrupted` in the main
+    thread while `raising` is true, else it is only remembered (the run is writing its record: it ends
+    after that, with `exit_code`); a second one ends the process at once (128 + the signal), without
+    clean-up, for a run that does not stop. The previous handlers come back on exit. Outside the main thread
+    (where Python cannot set handlers) it does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self.raising = True
+        self._saved: dict = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            os.write(2, f"tt-moge: {signal.Signals(signum).name} again: stopping now, without clean-up\n".encode())
+            os._exit(128 + signum)
+        self.signum = signum
+        if self.raising:
+            raise Interrupted(signum)
+
+    @property
+    def exit_code(self) -> Optional[int]:
+        """128 + the signal received, or None."""
+        return None if self.signum is None else 128 + self.signum
+
+    def __enter__(self) -> "SignalGuard":
+        if threading.current_thread() is threading.main_thread():
+            self._saved = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._saved.items():
+            signal.signal(signum, handler)
+        self._saved = {}
 
 
 def _dest(info: OptionInfo) -> str:
@@ -152,19 +200,34 @@ def add_format_arguments(group: Any) -> None:
         extra = f" ({FULL_MESH_MB} MB with --mesh-step 1)" if name == "glb" else ""
         default = "[default] " if name in DEFAULT_FORMATS else ""
         group.add_argument(f"--{name}", action="store_true", help=f"{default}{what}: about {FORMAT_MB[name]} MB{extra}")
-    group.add_argument(
+    mesh = group.add_mutually_exclusive_group()
+    mesh.add_argument(
         "--mesh-step",
         type=argtypes.positive_int,
-        default=DEFAULT_MESH_STEP,
+        default=None,
         metavar="N",
-        help=f"mesh.glb samples every Nth row and column: 1 every pixel, 2 a quarter of the vertices "
-        f"(default {DEFAULT_MESH_STEP})",
+        help=f"mesh.glb samples every Nth row and column: 1 every pixel, 2 a quarter of the vertices (default "
+        f"{DEFAULT_MESH_STEP}, coarser for photos whose mesh would have more than about 1 M faces, e.g. step 7 "
+        f"for 24 MP; a step given here is kept)",
+    )
+    mesh.add_argument(
+        "--mesh-full", action="store_true", help="mesh.glb of every pixel, however large (as --mesh-step 1)"
     )
 
 
 def chosen_formats(args: argparse.Namespace) -> list:
     """The format groups whose flag was given, in FORMATS order (empty: none was given, DEFAULT_FORMATS apply)."""
     return [f for f in FORMATS if getattr(args, f)]
+
+
+def mesh_choice(args: argparse.Namespace) -> tuple:
+    """(mesh_step, mesh_faces) of `write_outputs` for --mesh-step / --mesh-full: neither given, the default step
+    bounded to MESH_FACE_BUDGET faces; else the step asked for, unbounded."""
+    if getattr(args, "mesh_full", False):
+        return 1, None
+    if args.mesh_step is None:
+        return DEFAULT_MESH_STEP, MESH_FACE_BUDGET
+    return args.mesh_step, None
 
 
 def model_kwargs(args: argparse.Namespace, only: Optional[tuple] = None) -> dict:

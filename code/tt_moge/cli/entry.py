@@ -12,15 +12,14 @@ import sys
 from typing import Optional, Sequence
 
 from .. import __version__
-from . import batch, bench, export_onnx, info, predict, serve
-from .common import EXIT_CODES, EXIT_INTERRUPTED, EXIT_USAGE, Formatter, say
+from .commands import COMMANDS, EXIT_CODES, EXIT_INTERRUPTED, EXIT_USAGE, Formatter, command_module, say, summary
 
 __all__ = ["main", "build_parser"]
 
-COMMANDS = {"predict": predict, "batch": batch, "info": info, "serve": serve, "bench": bench, "export": export_onnx}
 
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
+    """The `tt-moge` parser with every command's full parser (`commands`: only those, the others listed by their
+    summary alone, so that their modules, and torch, are not imported)."""
     parser = argparse.ArgumentParser(
         prog="tt-moge",
         formatter_class=Formatter,
@@ -29,10 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Each command has its own manual: tt-moge COMMAND --help.\n\n" + EXIT_CODES,
     )
     parser.add_argument("--version", action="version", version=f"tt-moge {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    for module in COMMANDS.values():
-        module.add_parser(commands).set_defaults(command_parser=None, command_module=module)
-    for action in commands.choices.values():  # each command's parser, for its own usage errors
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name in COMMANDS:
+        if commands is None or name in commands:
+            module = command_module(name)
+            module.add_parser(subparsers).set_defaults(command_parser=None, command_module=module)
+        else:
+            subparsers.add_parser(name, help=summary(name), add_help=False)
+    for action in subparsers.choices.values():  # each command's parser, for its own usage errors
         action.set_defaults(command_parser=action)
     return parser
 
@@ -41,7 +44,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """The `tt-moge` command. Returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        parser = build_parser()
+        # the first word that is no option is the command (the top level has only -h and --version): only its
+        # module is imported; `tt-moge`, `tt-moge --help` and a misspelt command import none
+        command = next((a for a in argv if not a.startswith("-")), None)
+        parser = build_parser([command] if command in COMMANDS else [])
         try:
             args, unknown = parser.parse_known_args(argv)
             if args.command is None:
@@ -55,9 +61,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 )
                 args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
             if args.command == "bench":
-                return int(bench.run(args, args.command_parser, argv) or 0)
+                return int(args.command_module.run(args, args.command_parser, argv) or 0)
             if args.command == "serve":
-                return int(serve.run(args) or 0)
+                return int(args.command_module.run(args) or 0)
             return args.command_module.run(args, args.command_parser)
         except SystemExit as exc:  # argparse: --help / --version (0) or a usage error (2)
             return exc.code if isinstance(exc.code, int) else EXIT_USAGE

@@ -6,6 +6,7 @@ import argparse
 import time
 from typing import Any
 
+from .commands import summary as command_summary
 from .common import EXIT_OK, EXIT_START, EXIT_USAGE, Formatter, add_model_arguments, model_kwargs, say
 
 __all__ = ["add_parser", "run", "EXPORT_FLAGS", "EXIT_MISMATCH", "POINTS_TOLERANCE"]
@@ -25,7 +26,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     export = commands.add_parser(
         "export",
         formatter_class=Formatter,
-        help="write the network as a file other runtimes run (ONNX)",
+        help=command_summary("export"),
         description="Write the raw fixed-shape forward, the graph our runners run, in float32: input `image` "
         "(1, 3, H, W) float32 in [0, 1] at the canvas size; outputs `points`, `normal` (where the checkpoint "
         "has a normal head), `mask`, `metric_scale`, as model.forward returns them; the canvas and the token "

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from .commands import summary as command_summary
 from .common import EXIT_OK, EXIT_START, EXIT_USAGE, Formatter, add_model_arguments, load_model
 
 __all__ = ["add_parser", "run"]
@@ -21,7 +22,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     info = commands.add_parser(
         "info",
         formatter_class=Formatter,
-        help="load the model and say what runs where",
+        help=command_summary("info"),
         description="Load the model (no warm-up) and print: version, weights source and revision, architecture, "
         "device and runner, canvas, token budget, normal head, and whether the host steps run on the "
         "native (C++) path or in torch.",

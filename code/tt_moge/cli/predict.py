@@ -4,25 +4,30 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .. import __version__
 from ..constants import DEFAULT_CANVAS, DEPTH_EDGE_RTOL
 from ..jobs import DEFAULT_CHUNK
 from ..panorama.predict import PANORAMA_CANVAS
-from ..runs import RUN_FILE
+from ..runs import RUN_FILE, OutputBusy, OutputLock
 from . import argtypes
+from .commands import summary as command_summary
 from .common import (
     DEFAULT_OUTPUT,
     EXIT_CODES,
     EXIT_IMAGES_FAILED,
     EXIT_OK,
     EXIT_START,
+    EXIT_USAGE,
     FORMAT_MB,
     FULL_MESH_MB,
     Formatter,
+    Interrupted,
+    SignalGuard,
     add_call_arguments,
     add_format_arguments,
     add_model_arguments,
@@ -30,6 +35,7 @@ from .common import (
     chosen_formats,
     format_group_title,
     load_model,
+    mesh_choice,
     say,
 )
 from .video import VIDEO_EPILOG, add_video_arguments, run_videos, wants_video
@@ -57,7 +63,10 @@ photo with 3/4 of its pixels valid (the 3D files grow with that share):
                        metric_scale, fov_x, fov_y, deflated: MoGeOutput.from_npz reads it back ({_MB["npz"]})
   --ply   points.ply   one vertex per kept pixel: xyz (metres), normal, RGBA from the image ({_MB["ply"]})
   --glb   mesh.glb     the kept pixels of every Nth row and column (--mesh-step N, default 2) joined into
-                       triangles, the full image as texture ({_MB["glb"]}; {FULL_MESH_MB} MB with --mesh-step 1)
+                       triangles, the full image as texture ({_MB["glb"]}; {FULL_MESH_MB} MB with --mesh-step 1).
+                       By default a larger photo gets a coarser step: at most about 1 M faces (24 MP: step 7);
+                       a --mesh-step given, or --mesh-full (every pixel), is kept. A photo too small for a
+                       triangle (e.g. 16x16) gets no mesh.glb; its result.json says so in "note".
   Kept pixels: valid, and not on a depth edge (their 3x3 neighbourhood spans more than {_EDGE} of their depth).
   3D files use glTF/OpenGL axes: x right, y up, z towards the viewer (camera at the origin, looking down -z).
 
@@ -77,6 +86,15 @@ output layout:
   OUT is ever removed). run.json is written last and atomically (a run that could not write it says so in
   one line and exits 1).
 
+while it runs:
+  The progress bar names the images the model is on and its clock moves from the start (the first chunk of
+  photos can take minutes on a CPU). OUT is locked while a run writes it (OUT/.tt-moge.lock, removed at the
+  end): a second run into the same OUT stops at once with exit code 2, or waits for the first with --wait.
+  The lock dies with its process, so a killed run (kill -9) never blocks the next one.
+  SIGTERM or Ctrl-C (SIGINT): the files being written are finished, the images not reached have no folder
+  and are "not done" in run.json, the summary and run.json are written, and the exit code is 143 or 130. A
+  second signal stops at once, without clean-up.
+
 examples:
   tt-moge predict photo.jpg                          # -> ./{DEFAULT_OUTPUT}/photo/: the maps and mesh.glb
   tt-moge predict photos/ -o results/                # every PNG/JPEG below photos/
@@ -94,7 +112,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     predict = commands.add_parser(
         "predict",
         formatter_class=Formatter,
-        help="photos or videos -> depth, normal and mask pictures, npz, PLY, GLB; trajectories and fused scenes",
+        help=command_summary("predict"),
         description="Run MoGe-2 on PNG/JPEG photos and write, per photo, the chosen formats into its own folder "
         "(or on video clips: one folder per clip, see 'videos' below). Images that cannot be read or written are "
         "reported as failed; the run goes on.",
@@ -138,19 +156,27 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "is stored sideways); the outputs then have the displayed width and height. --no-exif: the stored pixel "
         "order, as the Python API reads photos (default: on)",
     )
+    group.add_argument(
+        "--wait",
+        action="store_true",
+        help="OUT is in use by another run: wait for it to end (default: stop at once, exit code 2)",
+    )
     return predict
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`tt-moge predict` with parsed arguments -> exit code."""
-    from ..export import DEFAULT_FORMATS, missing_format_library, to_json, write_text_atomic
-    from ..inputs import InputPathError, collect_images, unreadable_images
-    from ..jobs import predict_images, predict_panoramas, written_bytes
+    from ..export import DEFAULT_FORMATS
+    from ..inputs import InputPathError, collect_images
 
     if args.resolution is None:
         args.resolution = PANORAMA_CANVAS if args.panorama else DEFAULT_CANVAS
     if wants_video(args):
-        return run_videos(args, parser)
+        try:
+            return _locked(args, parser, Path(args.output), lambda: run_videos(args, parser))
+        except Interrupted as exc:  # between two clips' steps, outside run_videos' own handling
+            say(f"{exc}: stopped")
+            return 128 + exc.signum
     if args.panorama and (args.fov_x is not None or args.intrinsics is not None):
         parser.error("--fov-x and --intrinsics do not apply to --panorama (the views' camera is known: 90 degrees)")
     options = call_options(args)
@@ -162,10 +188,54 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(exc))
     if not images:
         parser.error(f"no PNG or JPEG images found in {', '.join(args.inputs)}")
+    with SignalGuard() as guard:
+        try:
+            return _locked(
+                args, parser, out_root, lambda: _run_locked(args, parser, images, options, formats, out_root, guard)
+            )
+        except Interrupted as exc:  # while waiting for the other run
+            say(f"{exc}: nothing was done")
+            return 128 + exc.signum
+
+
+def _locked(args: argparse.Namespace, parser: argparse.ArgumentParser, out_root: Path, work: Callable[[], int]) -> int:
+    """`work()` with OUT created and locked (runs.OutputLock): exit code 2 when another run has it, unless
+    --wait, which waits for that run to end."""
     try:
         out_root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         parser.error(f"cannot create the output folder {str(out_root)!r}: {exc}")
+    lock = OutputLock(out_root)
+    try:
+        lock.acquire(wait=args.wait, on_wait=say)
+    except OutputBusy as exc:
+        say(str(exc))
+        return EXIT_USAGE
+    except OSError as exc:
+        parser.error(f"cannot lock the output folder {str(out_root)!r}: {exc}")
+    if lock.unsupported:
+        say(f"note: {lock.unsupported}; a second run into it would not be stopped")
+    try:
+        return work()
+    finally:
+        lock.release()
+
+
+def _run_locked(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    images: list,
+    options: Any,
+    formats: list,
+    out_root: Path,
+    guard: SignalGuard,
+) -> int:
+    """The run, once OUT is locked. SIGINT / SIGTERM (`guard`) stop it between steps: the files being
+    written are finished, run.json lists the images not reached as "not done", and the exit code is 130 / 143."""
+    from ..export import missing_format_library, to_json, write_text_atomic
+    from ..inputs import unreadable_images
+    from ..jobs import predict_images, predict_panoramas, written_bytes
+
     run_json = out_root / RUN_FILE
     try:  # it describes the last run: an earlier one's must not stand for this run if this one cannot write its own
         run_json.unlink()
@@ -177,43 +247,61 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if missing:
         say(missing)
         return EXIT_START
-
-    unreadable = unreadable_images(images)  # found by their headers, before the model loads
-    for reason in unreadable.values():
-        say(f"failed: {reason}")
-    todo = [i for i in range(len(images)) if i not in unreadable]
-    t_start = time.perf_counter()
-    model = load_model(args) if todo else None
-    if todo and model is None:
-        return EXIT_START
-    t_loaded = time.perf_counter()
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=len(todo),
-        unit="img",
-        desc="tt-moge predict",
-        file=sys.stderr,
-        dynamic_ncols=True,
-        disable=args.quiet or len(todo) < 2,
-    )
-
-    def on_done(image: Any, error: Optional[str]) -> None:
-        if error is not None:
-            bar.write(f"tt-moge: failed: {error}", file=sys.stderr)
-        bar.update(1)
-
-    status, info = dict(unreadable), None
+    mesh_step, mesh_faces = mesh_choice(args)
+    status: dict = {}  # image index -> error message or None (done); absent: not done
+    index_of = {id(image): i for i, image in enumerate(images)}
+    t_start = t_loaded = time.perf_counter()
+    info, interrupted = None, None
+    bar: Any = None
     try:
+        unreadable = unreadable_images(images)  # found by their headers, before the model loads
+        for i, reason in unreadable.items():
+            status[i] = reason
+            say(f"failed: {reason}")
+        todo = [i for i in range(len(images)) if i not in unreadable]
+        t_start = t_loaded = time.perf_counter()
+        model = load_model(args) if todo else None
+        if todo and model is None:
+            return EXIT_START
+        t_loaded = time.perf_counter()
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=len(todo),
+            unit="img",
+            desc="tt-moge predict",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=args.quiet or len(todo) < 2,
+        )
+        ticker = _Ticker(bar)
+
+        def on_done(image: Any, error: Optional[str]) -> None:
+            status[index_of[id(image)]] = error
+            if error is not None:
+                bar.write(f"tt-moge: failed: {error}", file=sys.stderr)
+            bar.update(1)
+
+        def on_stage(text: str) -> None:
+            bar.set_postfix_str(text)
+
         if model is not None:
-            with model:
+            with model, ticker:
                 todo_images = [images[i] for i in todo]
                 if args.panorama:
-                    done_status = predict_panoramas(
-                        model, todo_images, out_root, formats, on_done=on_done, mesh_step=args.mesh_step, exif=args.exif
+                    predict_panoramas(
+                        model,
+                        todo_images,
+                        out_root,
+                        formats,
+                        on_done=on_done,
+                        mesh_step=mesh_step,
+                        mesh_faces=mesh_faces,
+                        on_stage=on_stage,
+                        exif=args.exif,
                     )
                 else:
-                    done_status = predict_images(
+                    predict_images(
                         model.service,
                         todo_images,
                         out_root,
@@ -222,22 +310,36 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         chunk_size=args.chunk_size,
                         writers=args.writers,
                         on_done=on_done,
-                        mesh_step=args.mesh_step,
+                        mesh_step=mesh_step,
+                        mesh_faces=mesh_faces,
+                        on_stage=on_stage,
                         exif=args.exif,
                     )
                 info = model.info()
-            status.update({todo[j]: error for j, error in done_status.items()})
+    except Interrupted as exc:
+        interrupted = exc
     finally:
-        bar.close()
+        guard.raising = False  # from here on a signal only sets the exit code: the record gets written
+        if bar is not None:
+            bar.close()
+    if interrupted is not None:
+        t_loaded = min(t_loaded, time.perf_counter())
+        say(f"{interrupted}: the files being written were finished; writing {run_json}")
     seconds = time.perf_counter() - t_loaded
     failed = [(images[i], err) for i, err in sorted(status.items()) if err is not None]
-    done = len(images) - len(failed)
+    done = sum(1 for err in status.values() if err is None)
+    not_done = len(images) - len(status)
     nbytes = written_bytes(out_root, [images[i].name for i, err in status.items() if err is None])
+
+    def state(i: int) -> str:
+        return "not done" if i not in status else "failed" if status[i] else "done"
+
     record = {
         "tt_moge": __version__,
         "model": info,
         "formats": formats,
-        "mesh_step": args.mesh_step if "glb" in formats else None,
+        "mesh_step": mesh_step if "glb" in formats else None,  # the step asked for; each result.json: the one used
+        "mesh_faces": mesh_faces if "glb" in formats else None,  # the bound that made a step coarser (None: none)
         "bytes_written": nbytes,
         "options": {
             "panorama": args.panorama,
@@ -248,13 +350,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         },
         "done": done,
         "failed": len(failed),
+        "not_done": not_done,
+        "interrupted": None if interrupted is None else interrupted.name,
         "load_seconds": round(t_loaded - t_start, 3),
         "seconds": round(seconds, 3),
         "images": [
             {
                 "input": str(img.path),
                 "output": img.name,
-                "status": "failed" if status.get(i) else "done",
+                "status": state(i),
                 "error": status.get(i),
                 **({"renamed": {"asked": img.wanted, "why": img.renamed}} if img.renamed else {}),
             }
@@ -267,18 +371,65 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except OSError as exc:
         say(f"could not write {run_json}: {exc}")
         index, indexed = f"no index: {RUN_FILE} could not be written", False
-    if not args.quiet:
+    if not args.quiet or interrupted is not None:
         rate = f", {done / seconds:.2f} images/s" if seconds > 0 and done else ""
+        stopped = f", {not_done} not done ({interrupted.name})" if interrupted is not None else ""
         print(
-            f"tt-moge predict: {done} of {len(images)} images done, {len(failed)} failed, in {seconds:.1f} s{rate} "
-            f"(model load {t_loaded - t_start:.1f} s); outputs in {out_root}/ ({index})"
+            f"tt-moge predict: {done} of {len(images)} images done, {len(failed)} failed{stopped}, in {seconds:.1f} s"
+            f"{rate} (model load {t_loaded - t_start:.1f} s); outputs in {out_root}/ ({index})"
         )
         if done:
-            mesh = f" (mesh every {args.mesh_step} px)" if "glb" in formats and args.mesh_step > 1 else ""
+            mesh = ""
+            if "glb" in formats:
+                steps = _mesh_steps(out_root, [images[i].name for i, err in status.items() if err is None])
+                if len(steps) > 1:
+                    mesh = f" (mesh every {steps[0]}-{steps[-1]} px: at most ~1 M faces each)"
+                elif steps != [1]:
+                    mesh = f" (mesh every {steps[0] if steps else mesh_step} px)"
             print(
                 f"  wrote {' '.join('--' + f for f in formats)}{mesh}: {nbytes / 1e6:.1f} MB, "
                 f"{nbytes / 1e6 / done:.1f} MB per image (each format's size: tt-moge predict --help)"
             )
         for _image, error in failed:
             print(f"  failed: {error}")
+    if guard.exit_code is not None:
+        return guard.exit_code
     return EXIT_IMAGES_FAILED if failed or not indexed else EXIT_OK
+
+
+def _mesh_steps(out_root: Path, names: list) -> list:
+    """The grid steps the meshes of these output folders were made with (their result.json), sorted."""
+    import json
+
+    steps = set()
+    for name in names:
+        try:
+            steps.add(int(json.loads((out_root / name / "result.json").read_text())["mesh_step"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return sorted(steps)
+
+
+class _Ticker:
+    """Redraws a progress bar once a second while the model runs (a context manager), so that its elapsed time
+    and stage move before the first image is done: on a CPU, the first chunk can take minutes."""
+
+    def __init__(self, bar: Any, every_s: float = 1.0) -> None:
+        self.bar, self.every_s = bar, every_s
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.bar.refresh()
+
+    def __enter__(self) -> "_Ticker":
+        if not self.bar.disable:
+            self._thread = threading.Thread(target=self._run, name="tt_moge-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()

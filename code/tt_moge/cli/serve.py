@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 
 from ..server.settings import ACCEPT_BACKLOG, DEFAULT_HOST, DEFAULT_PORT, ServerSettings, fd_limit
 from . import argtypes
+from .commands import summary as command_summary
 from .common import EXIT_START, Formatter, add_model_arguments, add_options, model_kwargs, option_values, say
 
 __all__ = ["add_parser", "build_parser", "add_arguments", "run", "EXIT_CODES"]
@@ -46,7 +47,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     parser = commands.add_parser(
         "serve",
         formatter_class=Formatter,
-        help="the HTTP server (POST /predict)",
+        help=command_summary("serve"),
         description=DESCRIPTION,
         epilog=EXIT_CODES,
     )

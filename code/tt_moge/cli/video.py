@@ -23,6 +23,8 @@ from .common import (
     EXIT_IMAGES_FAILED,
     EXIT_OK,
     EXIT_START,
+    Interrupted,
+    SignalGuard,
     add_options,
     call_options,
     chosen_formats,
@@ -124,7 +126,8 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         return EXIT_START
     t_loaded = time.perf_counter()
     rows, frames_done = [], 0
-    with model:
+    guard, interrupted = SignalGuard(), None
+    with guard, model:
         for path, name in clips:
             row: dict = {"input": str(path), "output": name, "status": "failed", "error": None}
             rows.append(row)
@@ -133,7 +136,11 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                 with VideoStream(model, path, call, video) as stream:
                     fps = None if stream.fps is None else stream.fps / video.stride
                     writer = ClipWriter(
-                        out_root / name, formats, mesh_step=args.mesh_step, fps=fps, writers=args.writers
+                        out_root / name,
+                        formats,
+                        mesh_step=1 if args.mesh_full else args.mesh_step,
+                        fps=fps,
+                        writers=args.writers,
                     )
                     bar = tqdm(
                         total=stream.expected_frames,
@@ -157,9 +164,18 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                     writer.abort()
                 row["error"] = f"{path}: {exc}"
                 say(f"failed: {row['error']}")
+            except Interrupted as exc:  # SIGTERM / Ctrl-C: this clip stays incomplete (no result.json), as documented
+                guard.raising = False
+                if writer is not None:
+                    writer.abort()
+                row["status"], interrupted = "not done", exc
+                say(f"{exc}: {name} is not done; writing {out_root / RUN_FILE}")
+                break
+        guard.raising = False  # from here on a signal only sets the exit code: run.json gets written
+        rows += [{"input": str(p), "output": n, "status": "not done", "error": None} for p, n in clips[len(rows) :]]
         info = model.info()
     seconds = time.perf_counter() - t_loaded
-    failed = [r for r in rows if r["status"] != "done"]
+    failed = [r for r in rows if r["status"] == "failed"]
     record = {
         "tt_moge": __version__,
         "model": info,
@@ -170,8 +186,10 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             **video.kwargs(),
             "intrinsics": None if call.intrinsics is None else str(call.intrinsics),
         },
-        "done": len(rows) - len(failed),
+        "done": sum(r["status"] == "done" for r in rows),
         "failed": len(failed),
+        "not_done": sum(r["status"] == "not done" for r in rows),
+        "interrupted": None if interrupted is None else interrupted.name,
         "load_seconds": round(t_loaded - t_start, 3),
         "seconds": round(seconds, 3),
         "clips": rows,
@@ -185,8 +203,10 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if not args.quiet:
         rate = f", {frames_done / seconds:.2f} frames/s" if seconds > 0 and frames_done else ""
         print(
-            f"tt-moge predict: {len(rows) - len(failed)} of {len(rows)} clips done ({frames_done} frames), "
+            f"tt-moge predict: {record['done']} of {len(rows)} clips done ({frames_done} frames), "
             f"{len(failed)} failed, in {seconds:.1f} s{rate} (model load {t_loaded - t_start:.1f} s); outputs in "
             f"{out_root}/"
         )
+    if guard.exit_code is not None:
+        return guard.exit_code
     return EXIT_IMAGES_FAILED if failed or not indexed else EXIT_OK
