@@ -333,6 +333,7 @@ class TtnnGraph:
         self.convs: dict = {}  # conv name -> (weight, bias): host tensors until the first forward prepares them
         self.conv_shapes: dict = {}  # conv name -> its weight's shape as prepared (OIHW; IOHW for conv transposes)
         self._shardings: dict = {}  # chained decoder: (height, width) -> (core grid, shard rows), `_level_sharding`
+        self.finest_tiles = False  # True: keep the finest maps in tiles for the device output side (post.py)
         self.loaded = False
 
     # ------------------------------------------------------------------------------------------ configs
@@ -960,7 +961,7 @@ class TtnnGraph:
             finest = summed
         for t in {id(t): t for t in neck_out}.values():  # level0 too, when it is the neck's level-0 output
             T.deallocate(t)
-        if self.config.output == "rows":  # untilized on the device: the host reads plain rows
+        if self.config.output == "rows" and not self.finest_tiles:  # untilized on the device: the host reads rows
             rows = T.untilize(finest, memory_config=self.dram)
             T.deallocate(finest)
             finest = rows
