@@ -82,7 +82,7 @@ __all__ = [
 ]
 
 TILE = 32
-GROUPS = ("encoder", "sdpa", "norms_adds", "decoder", "transfers")
+GROUPS = ("encoder", "sdpa", "norms_adds", "decoder", "transfers", "input_output")
 FITTED = ("fpu_efficiency", "exp_cycles", "kernel_ns", "dispatch_ns")  # the figures calibration.fit fits
 
 
@@ -696,6 +696,8 @@ def _group(op: DeviceOp, kind: str) -> str:
         return "sdpa"
     if kind == "transfer":
         return "transfers"
+    if op.stage in ("input", "output"):  # pre.py / post.py: the canvas resize and unfold, interleave and resize back
+        return "input_output"
     if op.stage == "decoder":
         return "decoder"
     return "norms_adds" if kind == "norm" else "encoder"

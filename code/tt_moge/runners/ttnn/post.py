@@ -3,9 +3,9 @@
 What `runner.raw_maps` (and `prepare.host_output`) do on the host, here on the device (`DeviceOutput.forward`):
 
 1. the constant map (`finest.const`) is added in the phase layout (it was laid out that way at load);
-2. phase interleave: the phase maps (pixels, (row phase a, column phase b, channel o)) are transposed to
-   channels-first, untilized and permuted (two 4-D permutes) to (channel, a, row, b, col), padded to whole
-   tiles: for each channel, a matrix whose rows are (a, i) and columns (b, j);
+2. phase interleave: the phase maps (pixels (i, j), (row phase a, column phase b, channel o)) are untilized and
+   permuted (two 4-D permutes of the row-major rows) to (o, a, i, b, j), padded to whole tiles: for each
+   channel, a matrix whose rows are (a, i) and columns (b, j);
 3. the reference's bilinear resize to the canvas (align_corners=False, `prepare.resize_bilinear`'s taps) as
    two matmuls whose fixed matrices take the phases in that order (the interleave is folded into them): rows,
    a batched matmul over the channels, then columns. Both are split matmuls (`pre.split_matmul`): the maps are
@@ -96,15 +96,13 @@ class DeviceOutput:
         y = T.add(x, self.t["const"], dtype=T.float32, memory_config=dram)
         if x is not finest:
             T.deallocate(x)
-        t = T.transpose(y, -2, -1, memory_config=dram)  # (1, 1, (a b o), (i j))
+        rm = T.to_layout(y, T.ROW_MAJOR_LAYOUT, memory_config=dram)  # (1, 1, (i j), (a b o))
         T.deallocate(y)
-        rm = T.to_layout(t, T.ROW_MAJOR_LAYOUT, memory_config=dram)
-        T.deallocate(t)
-        a = T.permute(T.reshape(rm, (2, 2, c, h * w)), (2, 0, 1, 3), memory_config=dram)  # (o, a, b, (i j))
+        a = T.permute(T.reshape(rm, (h, w, 2, 2 * c)), (2, 0, 1, 3), memory_config=dram)  # (a, i, j, (b o))
         T.deallocate(rm)
-        b = T.permute(T.reshape(a, (2 * c, 2, h, w)), (0, 2, 1, 3), memory_config=dram)  # ((o a), i, b, j)
+        b = T.permute(T.reshape(a, (2 * h, w, 2, c)), (3, 0, 2, 1), memory_config=dram)  # (o, (a i), b, j)
         T.deallocate(a)
-        b = T.reshape(b, (c, 2, h, 2 * w))
+        b = T.reshape(b, (c, 2, h, 2 * w))  # (o, a, i, (b j))
         padded = T.pad(b, ((0, 0), (0, 0), (0, self.h_p - h), (0, self.k_cols - 2 * w)), value=0.0, memory_config=dram)
         T.deallocate(b)
         q = T.to_layout(T.reshape(padded, (1, c, 2 * self.h_p, self.k_cols)), T.TILE_LAYOUT, memory_config=dram)
