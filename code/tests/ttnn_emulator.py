@@ -464,11 +464,17 @@ class TtnnEmulator:
             raise RuntimeError("copy_host_to_device_tensor: dtype and layout must match")
         device_tensor.data = host.data.clone()
 
-    def to_layout(self, t, layout, *, memory_config=None, **_):
-        """On the host, or on the device (ttnn's tilize / untilize ops, counted): the values are unchanged."""
+    def to_layout(self, t, layout, dtype=None, *, memory_config=None, **_):
+        """On the host, or on the device (ttnn's tilize / untilize ops, counted): the values are unchanged, or
+        rounded to `dtype` when one is given (a tilize that converts, on the device)."""
         self._check(t, "to_layout", on_device=False)
-        if t.dtype == DataType.BFLOAT8_B and layout != Layout.TILE:
+        if (dtype or t.dtype) == DataType.BFLOAT8_B and layout != Layout.TILE:
             raise RuntimeError("to_layout: bfloat8_b tensors must stay in TILE layout")
+        if dtype is not None and dtype != t.dtype:
+            if t.device is None:
+                raise RuntimeError("to_layout: a dtype change is done on the device (or with to_dtype on the host)")
+            self._count("to_layout")
+            return self._new(t.data, dtype, layout, t.device, memory_config or t.mem)
         out = t._copy()
         out.layout = layout
         if t.device is not None:

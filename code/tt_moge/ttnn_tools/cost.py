@@ -692,12 +692,12 @@ def _kind(base: str) -> tuple:
 
 
 def _group(op: DeviceOp, kind: str) -> str:
+    if op.stage in ("input", "output"):  # pre.py / post.py, every op: resize and unfold, interleave and resize back
+        return "input_output"
     if kind == "sdpa":
         return "sdpa"
     if kind == "transfer":
         return "transfers"
-    if op.stage in ("input", "output"):  # pre.py / post.py: the canvas resize and unfold, interleave and resize back
-        return "input_output"
     if op.stage == "decoder":
         return "decoder"
     return "norms_adds" if kind == "norm" else "encoder"

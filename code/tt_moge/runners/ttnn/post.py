@@ -7,10 +7,10 @@ What `runner.raw_maps` (and `prepare.host_output`) do on the host, here on the d
    permuted (two 4-D permutes of the row-major rows) to (o, a, i, b, j), padded to whole tiles: for each
    channel, a matrix whose rows are (a, i) and columns (b, j);
 3. the reference's bilinear resize to the canvas (align_corners=False, `prepare.resize_bilinear`'s taps) as
-   two matmuls whose fixed matrices take the phases in that order (the interleave is folded into them): rows,
-   a batched matmul over the channels, then columns. Both are split matmuls (`pre.split_matmul`): the maps are
-   float32 and the matrix engine would read them to TF32's 10 bits, a 1e-3 error on the depth; split, the
-   resize keeps about 16 bits;
+   two matmuls per channel whose fixed matrices take the phases in that order (the interleave is folded into
+   them): columns, then rows. Both are split matmuls (`pre.split_matmul`): the maps are float32 and the matrix
+   engine would read them to TF32's 10 bits, a 1e-3 error on the depth; split into bfloat16 high and low parts
+   (both operands), the resize keeps about 16 bits;
 4. the output activations per head, in float32 on the SFPU: points remapped (`exp`: x, y times exp(z), z =
    exp(z); or none), normals divided by their length (rsqrt of the clamped sum of squares), the mask's sigmoid;
 5. each head's maps untilized (row-major float32 rows), read back by `read`.
@@ -58,22 +58,21 @@ class DeviceOutput:
         return T.Tensor(a, getattr(T, dtype), self.device, T.TILE_LAYOUT, T.DRAM_MEMORY_CONFIG)
 
     def load(self) -> None:
-        """The phase-laid-out constant map and the resize matrices to the device."""
+        """The phase-laid-out constant map and the resize matrices (split, `pre.split_matmul`) to the device."""
         T, h, w, c = self.ttnn, self.h, self.w, self.channels
         const = self.prepared.arrays["finest.const"]  # (C, 2h, 2w)
         phased = const.reshape(c, h, 2, w, 2).transpose(1, 3, 2, 4, 0).reshape(1, 1, h * w, 4 * c)  # (i j, a b o)
         self.t["const"] = self._tensor(phased, "float32")
-        rows = resize_matrix(2 * h, self.height, "bilinear")  # (H, 2h) over the interleaved rows 2 i + a
-        left = np.zeros((self.height, 2 * self.h_p), np.float32)
-        for a in (0, 1):
-            left[:, a * self.h_p : a * self.h_p + h] = rows[:, a::2]
-        left = split_matmul(left, "left")
-        self.t["rows"] = self._tensor(np.broadcast_to(left, (1, c) + left.shape), "bfloat16")
         cols = resize_matrix(2 * w, self.width, "bilinear")  # (W, 2w) over the interleaved columns 2 j + b
         right = np.zeros((self.k_cols, self.width), np.float32)
         for b in (0, 1):
             right[b * w : (b + 1) * w] = cols[:, b::2].T
-        self.t["cols"] = self._tensor(split_matmul(right, "right"), "bfloat16")
+        self.t["cols"] = self._tensor(split_matmul(right, "right"), "bfloat16")  # (3 k_cols, W)
+        rows = resize_matrix(2 * h, self.height, "bilinear")  # (H, 2h) over the interleaved rows 2 i + a
+        left = np.zeros((self.height, 2 * self.h_p), np.float32)
+        for a in (0, 1):
+            left[:, a * self.h_p : a * self.h_p + h] = rows[:, a::2]
+        self.t["rows"] = self._tensor(split_matmul(left, "left")[None, None], "bfloat16")  # (1, 1, H, 3 (2 h_p))
         self.compute = T.init_device_compute_kernel_config(
             self.device.arch(),
             math_fidelity=T.MathFidelity.HiFi4,
@@ -83,11 +82,9 @@ class DeviceOutput:
         )
         self.loaded = True
 
-    def forward(self, finest) -> dict:
-        """The graph's finest phase maps (1, 1, h w, 4 C) float32 -> {head name: its maps (1, channels, H, W) float32,
-        row-major, DRAM}, after the output activations."""
-        if not self.loaded:
-            raise RuntimeError("DeviceOutput.forward before load()")
+    def _interleaved(self, finest):
+        """The phase maps (1, 1, h w, 4 C) + the constant map -> (1, C, 2 h_p, k_cols) float32 tiles: per channel o,
+        rows (a, i) and columns (b, j), zero-padded."""
         T, h, w, c = self.ttnn, self.h, self.w, self.channels
         dram = T.DRAM_MEMORY_CONFIG
         x = finest
@@ -107,63 +104,83 @@ class DeviceOutput:
         T.deallocate(b)
         q = T.to_layout(T.reshape(padded, (1, c, 2 * self.h_p, self.k_cols)), T.TILE_LAYOUT, memory_config=dram)
         T.deallocate(padded)
-        split = device_split(T, q, 2, "hlh")  # (1, C, 3 (2 h_p), k_cols)
+        return q
+
+    def forward(self, finest) -> dict:
+        """The graph's finest phase maps (1, 1, h w, 4 C) float32 -> {head name: its maps (1, channels, H, W) float32,
+        row-major, DRAM}, after the output activations. Each channel runs on its own from the (small) interleaved
+        map on: columns resized (a split matmul), rows resized (a split matmul), so that no canvas-sized map is
+        ever sliced."""
+        if not self.loaded:
+            raise RuntimeError("DeviceOutput.forward before load()")
+        T, dram = self.ttnn, self.ttnn.DRAM_MEMORY_CONFIG
+        q = self._interleaved(finest)
+        split = device_split(T, q, 3, "hlh")  # (1, C, 2 h_p, 3 k_cols)
         T.deallocate(q)
-        s = T.matmul(self.t["rows"], split, dtype=T.float32, compute_kernel_config=self.compute, memory_config=dram)
-        T.deallocate(split)  # s: (1, C, H, k_cols): rows resized, phases (b, j) still in the columns
-        split = device_split(T, s, 3, "hlh")
-        T.deallocate(s)
-        maps = T.matmul(split, self.t["cols"], dtype=T.float32, compute_kernel_config=self.compute, memory_config=dram)
-        T.deallocate(split)  # (1, C, H, W)
+        rows2, width3 = 2 * self.h_p, 3 * self.k_cols
+        channels = []
+        for o in range(self.channels):
+            part = T.slice(split, (0, o, 0, 0), (1, o + 1, rows2, width3), memory_config=dram)
+            r = T.matmul(part, self.t["cols"], dtype=T.float32, compute_kernel_config=self.compute, memory_config=dram)
+            T.deallocate(part)  # r: (1, 1, 2 h_p, W): columns resized and interleaved
+            r3 = device_split(T, r, 2, "hlh")  # (1, 1, 3 (2 h_p), W)
+            T.deallocate(r)
+            m = T.matmul(self.t["rows"], r3, dtype=T.float32, compute_kernel_config=self.compute, memory_config=dram)
+            T.deallocate(r3)
+            channels.append(m)  # (1, 1, H, W)
+        T.deallocate(split)
         out, start = {}, 0
         for name, n in self.heads:
-            part = T.slice(maps, (0, start, 0, 0), (1, start + n, self.height, self.width), memory_config=dram)
+            done = self._activation(name, channels[start : start + n])
             start += n
-            done = self._activation(name, part)
             out[name] = T.to_layout(done, T.ROW_MAJOR_LAYOUT, memory_config=dram)
             T.deallocate(done)
-        T.deallocate(maps)
         return out
 
-    def _activation(self, name: str, x):
-        """The reference's output activation of one head on its (1, n, H, W) float32 maps (consumes x)."""
+    def _concat(self, parts: list):
+        T = self.ttnn
+        if len(parts) == 1:
+            return parts[0]
+        out = T.concat(parts, dim=1, memory_config=T.DRAM_MEMORY_CONFIG)
+        for t in parts:
+            T.deallocate(t)
+        return out
+
+    def _activation(self, name: str, xs: list):
+        """The reference's output activation of one head on its channels ((1, 1, H, W) float32 each; consumed) ->
+        (1, n, H, W)."""
         T, dram = self.ttnn, self.ttnn.DRAM_MEMORY_CONFIG
-        H, W = self.height, self.width
-        if name == "points":
-            if self.plan["remap"] == "linear":
-                return x
-            z = T.slice(x, (0, 2, 0, 0), (1, 3, H, W), memory_config=dram)
+        if name == "points" and self.plan["remap"] == "exp":
+            x, y, z = xs
             ez = T.exp(z, memory_config=dram)
             T.deallocate(z)
-            xy = T.slice(x, (0, 0, 0, 0), (1, 2, H, W), memory_config=dram)
+            px = T.multiply(x, ez, dtype=T.float32, memory_config=dram)
+            py = T.multiply(y, ez, dtype=T.float32, memory_config=dram)
             T.deallocate(x)
-            pxy = T.multiply(xy, ez, dtype=T.float32, memory_config=dram)
-            T.deallocate(xy)
-            out = T.concat([pxy, ez], dim=1, memory_config=dram)
-            T.deallocate(pxy)
-            T.deallocate(ez)
-            return out
+            T.deallocate(y)
+            return self._concat([px, py, ez])
         if name == "normal":
-            sq = T.multiply(x, x, dtype=T.float32, memory_config=dram)
-            parts = [T.slice(sq, (0, k, 0, 0), (1, k + 1, H, W), memory_config=dram) for k in range(3)]
-            T.deallocate(sq)
-            s01 = T.add(parts[0], parts[1], dtype=T.float32, memory_config=dram)
-            s = T.add(s01, parts[2], dtype=T.float32, memory_config=dram)
-            for t in parts + [s01]:
-                T.deallocate(t)
+            squares = [T.multiply(v, v, dtype=T.float32, memory_config=dram) for v in xs]
+            s = squares[0]
+            for sq in squares[1:]:
+                total = T.add(s, sq, dtype=T.float32, memory_config=dram)
+                T.deallocate(s)
+                T.deallocate(sq)
+                s = total
             clamped = T.clamp(s, min=1e-24, memory_config=dram)  # F.normalize's max(|n|, 1e-12), squared
             T.deallocate(s)
             inv = T.rsqrt(clamped, memory_config=dram)
             T.deallocate(clamped)
-            out = T.multiply(x, inv, dtype=T.float32, memory_config=dram)
+            unit = [T.multiply(v, inv, dtype=T.float32, memory_config=dram) for v in xs]
             T.deallocate(inv)
-            T.deallocate(x)
-            return out
+            for v in xs:
+                T.deallocate(v)
+            return self._concat(unit)
         if name == "mask":
-            out = T.sigmoid(x, memory_config=dram)
-            T.deallocate(x)
+            out = T.sigmoid(xs[0], memory_config=dram)
+            T.deallocate(xs[0])
             return out
-        return x
+        return self._concat(list(xs))
 
     def read(self, outputs: dict, cq_id: int = 0) -> dict:
         """The device maps -> {head name: float32 numpy (n, H, W), channels-first}, read on queue `cq_id`."""

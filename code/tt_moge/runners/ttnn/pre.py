@@ -3,20 +3,19 @@
 The host uploads the canvas as it is (float32, row-major, (1, 3, H, W): no resize, no unfold, no conversion on
 the host). On the device (`DeviceInput.forward`):
 
-1. the canvas is padded to whole tiles and tilized;
+1. the canvas is tilized and converted to bfloat16 in one op;
 2. the reference's antialiased bilinear resize to the token grid (`F.interpolate(..., antialias=True)`, the
-   kernel of `prepare.resize_antialiased`) runs as two matmuls with fixed resize matrices built here on the host
-   at load time: rows (a batched matmul, one per colour channel) then columns;
+   kernel of `prepare.resize_antialiased`) runs as matmuls with fixed resize matrices built here on the host at
+   load time: rows (a batched matmul, one per colour channel) then columns;
 3. the resized image is unfolded into patches with two 4-D permutes of the row-major map ((channel, row, ky, col,
    kx) -> (row, col, channel, ky, kx), `prepare.host_input`'s order), padded with zero rows for the prefix tokens
    and zero columns to the padded patch width, and tilized: the graph's input (`TtnnGraph.forward`).
 
-Precision. The matrix engine reads bfloat16 operands exactly at HiFi4 but a float32 operand only to TF32's
-10-11 significant bits (tests/ttnn_emulator.py), which would put a ~5e-4 relative error on every resize weight.
-So each resize matmul is a "split" matmul: both operands are written as a bfloat16 high part plus a bfloat16 low
-part (x = hi + lo, lo = bf16(x - hi)), and the product as hi*hi + lo*hi + hi*lo, concatenated along K into one
-matmul (`split_matmul`), accumulated in float32: about 16 significant bits, far below the bfloat16 rounding of
-the patch matrix itself, which is what the host path uploaded too.
+Precision. The patch matrix is bfloat16, as the host path uploaded it. The matrix engine reads bfloat16
+operands exactly at HiFi4, so the data (the canvas, then the row-resized image) goes in as bfloat16 (one
+rounding each, which the resize's averaging shrinks); the resize weights, which would lose up to 2^-9 each in
+bfloat16 and so bias the sums, are split into a bfloat16 high and low part (`split_bf16`), each multiplied in its
+own matmul and the two added in float32 (about 16 significant bits of weight).
 """
 
 from __future__ import annotations
@@ -63,10 +62,8 @@ def device_split(ttnn, x, dim: int, order: str):
     T = ttnn
     hi = T.typecast(x, T.bfloat16, memory_config=T.DRAM_MEMORY_CONFIG)
     hi32 = T.typecast(hi, T.float32, memory_config=T.DRAM_MEMORY_CONFIG)
-    diff = T.subtract(x, hi32, dtype=T.float32, memory_config=T.DRAM_MEMORY_CONFIG)
+    lo = T.subtract(x, hi32, dtype=T.bfloat16, memory_config=T.DRAM_MEMORY_CONFIG)  # exact in float32, then rounded
     T.deallocate(hi32)
-    lo = T.typecast(diff, T.bfloat16, memory_config=T.DRAM_MEMORY_CONFIG)
-    T.deallocate(diff)
     parts = [hi, lo, hi] if order == "hlh" else [hi, hi, lo]
     out = T.concat(parts, dim=dim, memory_config=T.DRAM_MEMORY_CONFIG)
     T.deallocate(hi)
@@ -96,8 +93,6 @@ class DeviceInput:
         self.width, self.height = p["canvas"]
         self.rows, self.cols, self.patch = p["rows"], p["cols"], p["patch"]
         self.grid_h, self.grid_w = self.rows * self.patch, self.cols * self.patch
-        self.height_p = _cdiv(self.height, TILE) * TILE
-        self.width_p = _cdiv(self.width, TILE) * TILE
         self.activations = activations
         self.w: dict = {}
         self.loaded = False
@@ -109,14 +104,13 @@ class DeviceInput:
         return T.Tensor(a, getattr(T, dtype), self.device, layout, T.DRAM_MEMORY_CONFIG)
 
     def load(self) -> None:
-        """The resize matrices (split into bfloat16 parts) to the device."""
-        rows = np.zeros((self.grid_h, self.height_p), np.float32)
-        rows[:, : self.height] = resize_matrix(self.height, self.grid_h)
-        cols = np.zeros((self.width_p, self.grid_w), np.float32)
-        cols[: self.width] = resize_matrix(self.width, self.grid_w).T
-        left = split_matmul(rows, "left")  # (grid_h, 3 height_p), one copy per colour channel (batched matmul)
-        self.w["rows"] = self._tensor(np.broadcast_to(left, (1, 3) + left.shape), "bfloat16")
-        self.w["cols"] = self._tensor(split_matmul(cols, "right"), "bfloat16")
+        """The resize matrices (each as its bfloat16 high and low parts) to the device."""
+        rows_hi, rows_lo = split_bf16(resize_matrix(self.height, self.grid_h))  # (grid_h, H)
+        cols_hi, cols_lo = split_bf16(resize_matrix(self.width, self.grid_w).T)  # (W, grid_w)
+        for key, m in (("rows.hi", rows_hi), ("rows.lo", rows_lo)):  # one copy per colour channel (batched)
+            self.w[key] = self._tensor(np.broadcast_to(m, (1, 3) + m.shape), "bfloat16")
+        self.w["cols.hi"] = self._tensor(cols_hi, "bfloat16")
+        self.w["cols.lo"] = self._tensor(cols_lo, "bfloat16")
         T = self.ttnn
         self.compute = T.init_device_compute_kernel_config(
             self.device.arch(),
@@ -126,6 +120,20 @@ class DeviceInput:
             packer_l1_acc=True,
         )
         self.loaded = True
+
+    def _split_weight_matmul(self, x, key: str, left: bool):
+        """x times the resize matrix `key` (high part + low part, two matmuls added in float32); `left`: the
+        matrix is the first operand."""
+        T, dram = self.ttnn, self.ttnn.DRAM_MEMORY_CONFIG
+        parts = []
+        for half in ("hi", "lo"):
+            w = self.w[f"{key}.{half}"]
+            a, b = (w, x) if left else (x, w)
+            parts.append(T.matmul(a, b, dtype=T.float32, compute_kernel_config=self.compute, memory_config=dram))
+        out = T.add(parts[0], parts[1], dtype=T.float32, memory_config=dram)
+        T.deallocate(parts[0])
+        T.deallocate(parts[1])
+        return out
 
     # --------------------------------------------------------------------------------------- the input
     def input_shape(self) -> tuple:
@@ -163,25 +171,16 @@ class DeviceInput:
             raise RuntimeError("DeviceInput.forward before load()")
         T, p = self.ttnn, self.plan
         dram = T.DRAM_MEMORY_CONFIG
-        x = canvas
-        pad_h, pad_w = self.height_p - self.height, self.width_p - self.width
-        if pad_h or pad_w:
-            x = T.pad(canvas, ((0, 0), (0, 0), (0, pad_h), (0, pad_w)), value=0.0, memory_config=dram)
-        tiles = T.to_layout(x, T.TILE_LAYOUT, memory_config=dram)
-        if x is not canvas:
-            T.deallocate(x)
-        split = device_split(T, tiles, 2, "hlh")  # (1, 3, 3 height_p, width_p)
+        tiles = T.to_layout(canvas, T.TILE_LAYOUT, dtype=T.bfloat16, memory_config=dram)  # (1, 3, H, W)
+        resized = self._split_weight_matmul(tiles, "rows", left=True)  # (1, 3, grid_h, W): rows resized
         T.deallocate(tiles)
-        resized = T.matmul(
-            self.w["rows"], split, dtype=T.float32, compute_kernel_config=self.compute, memory_config=dram
-        )  # (1, 3, grid_h, width_p): rows resized
-        T.deallocate(split)
-        split = device_split(T, resized, 3, "hlh")  # (1, 3, grid_h, 3 width_p)
+        half = T.typecast(resized, T.bfloat16, memory_config=dram)
         T.deallocate(resized)
-        small = T.matmul(
-            split, self.w["cols"], dtype=T.float32, compute_kernel_config=self.compute, memory_config=dram
-        )  # (1, 3, grid_h, grid_w): the image at the token grid
-        T.deallocate(split)
+        small = self._split_weight_matmul(half, "cols", left=False)  # (1, 3, grid_h, grid_w)
+        T.deallocate(half)
+        typed = T.typecast(small, T.bfloat16, memory_config=dram)  # the unfold moves bfloat16 rows
+        T.deallocate(small)
+        small = typed
         rm = T.to_layout(small, T.ROW_MAJOR_LAYOUT, memory_config=dram)
         T.deallocate(small)
         r, c, k = self.rows, self.cols, self.patch
@@ -201,9 +200,11 @@ class DeviceInput:
         T.deallocate(patches)
         out = T.to_layout(padded, T.TILE_LAYOUT, memory_config=dram)
         T.deallocate(padded)
-        typed = T.typecast(out, getattr(T, self.activations), memory_config=dram)
-        T.deallocate(out)
-        return typed
+        if self.activations != "bfloat16":
+            typed = T.typecast(out, getattr(T, self.activations), memory_config=dram)
+            T.deallocate(out)
+            out = typed
+        return out
 
     def close(self) -> None:
         for t in self.w.values():
