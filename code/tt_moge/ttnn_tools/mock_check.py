@@ -386,7 +386,9 @@ def main(argv=None) -> int:
         print(
             f"estimate: forward {est['total']:.2f} ms on a {est['chip']} {est['grid']} (kernel {est['kernel']:.2f}, "
             f"dispatch {est['dispatch']:.2f}; "
-            + ", ".join(f"{g} {est[g]:.2f}" for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers", "input_output"))
+            + ", ".join(
+                f"{g} {est[g]:.2f}" for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers", "input_output")
+            )
             + ")",
             flush=True,
         )
