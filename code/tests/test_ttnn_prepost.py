@@ -74,9 +74,9 @@ def test_split_bf16_parts_are_bfloat16_and_sum_to_the_value():
 
 @pytest.mark.parametrize("case", CASES)
 def test_device_input_is_the_host_patch_matrix(prepared, case):
-    """Canvas -> patch matrix on the device: the host's antialiased resize and unfold, to the split weights' 16
-    bits in float32 emulation; in the device formats within the bfloat16 rounding the host path's upload had (max 2 ulps at 1,
-    rms 1.6x the rounding's)."""
+    """Canvas -> patch matrix on the device: the host's antialiased resize and unfold, to the split weights'
+    16 bits in float32 emulation; in the device formats within the bfloat16 rounding the host path's upload had
+    (max 2 ulps at 1, rms 1.6x the rounding's)."""
     prep = prepared[case]
     canvas = calibration_image(*case[0], seed=3)
     ref = patch_matrix(prep, canvas)
