@@ -552,12 +552,15 @@ class TtnnEmulator:
         return self._new(t.data.permute(*dims).contiguous(), t.dtype, t.layout, t.device, kwargs.get("memory_config"))
 
     def pad(self, t, padding, value=0.0, **kwargs):
-        """padding: (before, after) pairs for the trailing dims (the first ttnn.pad overload)."""
+        """padding: (before, after) pairs for the trailing dims (the first ttnn.pad overload). A pad of nothing
+        returns the input tensor itself, as ttnn does (freeing "both" then frees the one buffer)."""
         self._check(t, "pad")
         self._count("pad")
         pairs = [tuple(p) for p in padding]
         if len(pairs) > t.data.dim() or any(a < 0 or b < 0 for a, b in pairs):
             raise RuntimeError(f"pad: bad padding {padding} for rank {t.data.dim()}")
+        if not any(a or b for a, b in pairs):  # ttnn hands back the input itself for a pad of nothing
+            return t
         flat = [v for a, b in reversed(pairs) for v in (a, b)]
         return self._new(
             F.pad(t.data, flat, value=float(value)), t.dtype, t.layout, t.device, kwargs.get("memory_config")

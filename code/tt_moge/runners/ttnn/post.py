@@ -100,8 +100,12 @@ class DeviceOutput:
         b = T.permute(T.reshape(a, (2 * h, w, 2, c)), (3, 0, 2, 1), memory_config=dram)  # (o, (a i), b, j)
         T.deallocate(a)
         b = T.reshape(b, (c, 2, h, 2 * w))  # (o, a, i, (b j))
-        padded = T.pad(b, ((0, 0), (0, 0), (0, self.h_p - h), (0, self.k_cols - 2 * w)), value=0.0, memory_config=dram)
-        T.deallocate(b)
+        padded = b
+        if self.h_p > h or self.k_cols > 2 * w:  # (a no-op pad hands back its input: nothing to free then)
+            padded = T.pad(
+                b, ((0, 0), (0, 0), (0, self.h_p - h), (0, self.k_cols - 2 * w)), value=0.0, memory_config=dram
+            )
+            T.deallocate(b)
         q = T.to_layout(T.reshape(padded, (1, c, 2 * self.h_p, self.k_cols)), T.TILE_LAYOUT, memory_config=dram)
         T.deallocate(padded)
         return q
