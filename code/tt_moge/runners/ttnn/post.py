@@ -26,12 +26,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pre import _cdiv, device_split, resize_matrix, split_matmul
+from .pre import device_split, resize_matrix, split_matmul
 
 __all__ = ["DeviceOutput", "REMAPS"]
 
 TILE = 32
 REMAPS = ("exp", "linear")  # the output remaps run on the device (MoGe-2's is "exp")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class DeviceOutput:

@@ -22,21 +22,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from .prepare import _aa_taps, _bilinear_taps
+from .prepare import resize_taps
 
 __all__ = ["DeviceInput", "resize_matrix", "split_bf16", "split_matmul"]
 
 TILE = 32
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def resize_matrix(in_size: int, out_size: int, kind: str = "antialiased") -> np.ndarray:
     """The (out_size, in_size) float32 matrix of PyTorch's resize along one axis: "antialiased" (bilinear,
     antialias=True) or "bilinear" (align_corners=False), with the taps `prepare` computes for the host path."""
-    index, weight = (_aa_taps if kind == "antialiased" else _bilinear_taps)(in_size, out_size)
+    index, weight = resize_taps(in_size, out_size, kind)
     m = np.zeros((out_size, in_size), np.float64)
     for t in range(index.shape[1]):
         np.add.at(m, (np.arange(out_size), index[:, t]), weight[:, t].astype(np.float64))
