@@ -200,3 +200,43 @@ def test_conv_fidelity_matches_the_matmul_rule():
     assert torch.allclose(run("HiFi4"), ref, atol=1e-4)
     assert not np.allclose(run("HiFi2").numpy(), ref.numpy(), atol=1e-4)
     assert math.isfinite(float(run("HiFi2").abs().max()))
+
+
+def test_the_output_sides_ops_follow_the_float32_and_fidelity_rules():
+    """The ops the device's input and output sides add (runners/ttnn/pre.py, post.py): a float32 operand reaches a
+    matmul as TF32 (so a float32 map loses bits that its bfloat16 split keeps); float32 pairs subtract and multiply
+    exactly (the SFPU), mixed pairs go through the FPU (TF32 operands; multiplies with the fidelity passes); a
+    tilize with a dtype rounds; exp / rsqrt / sigmoid are float32; a pad of nothing hands back its input."""
+    T = TtnnEmulator()
+    dev = T.open_device()
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.rand(64, 64, generator=gen) + 0.5).float()
+    w = torch.eye(64)
+
+    def dev_t(a, dtype="float32", layout=None):
+        return T.Tensor(a.numpy(), getattr(T, dtype), dev, layout or T.TILE_LAYOUT)
+
+    ck = T.init_device_compute_kernel_config("blackhole", math_fidelity=T.MathFidelity.HiFi4, fp32_dest_acc_en=True)
+    plain = T.matmul(dev_t(x), dev_t(w, "bfloat16"), dtype=T.float32, compute_kernel_config=ck).data
+    assert 0 < (plain - x).abs().max() <= x.abs().max() * 2.0**-10  # TF32: the float32 map is truncated
+    hi = round_bf16(x)
+    lo = round_bf16(x - hi)
+    split = T.matmul(
+        dev_t(torch.cat([hi, lo], 1), "bfloat16"),
+        dev_t(torch.cat([w, w], 0), "bfloat16"),
+        dtype=T.float32,
+        compute_kernel_config=ck,
+    ).data
+    assert (split - x).abs().max() <= x.abs().max() * 2.0**-16  # bfloat16 parts are exact at HiFi4
+    y = x + 1e-3
+    assert torch.equal(T.subtract(dev_t(y), dev_t(x)).data, y - x)  # float32 pair: exact
+    mixed = T.subtract(dev_t(y), dev_t(x, "bfloat16")).data
+    assert torch.equal(mixed, truncate_bits(y, 11) - round_bf16(x))  # TF32 operands
+    assert torch.equal(T.multiply(dev_t(y), dev_t(x)).data, y * x)
+    assert not torch.equal(T.multiply(dev_t(y), dev_t(x, "bfloat16")).data, y * round_bf16(x))  # FPU passes
+    rows = dev_t(x, layout=T.ROW_MAJOR_LAYOUT)
+    tiled = T.to_layout(rows, T.TILE_LAYOUT, dtype=T.bfloat16)
+    assert tiled.dtype == T.bfloat16 and torch.equal(tiled.data, round_bf16(x))
+    for op, ref in ((T.exp, torch.exp), (T.rsqrt, torch.rsqrt), (T.sigmoid, torch.sigmoid)):
+        assert torch.equal(op(dev_t(x)).data, ref(x))
+    assert T.pad(rows, ((0, 0), (0, 0)), value=0.0) is rows

@@ -25,9 +25,11 @@ import torch.nn.functional as F
 from tt_moge.host import CallOptions, postprocess
 from tt_moge.host.canvas import plan_canvas
 from tt_moge.runners.base import RawMaps
-from tt_moge.runners.ttnn import Formats, Prepared, TtnnGraph, host_input, host_output, prepare_weights
+from tt_moge.runners.ttnn import Formats, Prepared, TtnnGraph, host_input, prepare_weights
 from tt_moge.runners.ttnn.graph import CONFIGS, GraphConfig
-from tt_moge.runners.ttnn.prepare import depth_to_space, phase_fold, resize_antialiased, resize_bilinear
+from tt_moge.runners.ttnn.post import DeviceOutput
+from tt_moge.runners.ttnn.pre import DeviceInput
+from tt_moge.runners.ttnn.prepare import depth_to_space, metric_scale, phase_fold, resize_antialiased, resize_bilinear
 from tt_moge.testing import calibration_image, make_network, model_config
 
 from .ttnn_emulator import TtnnEmulator, round_bf16, round_bfp8
@@ -94,13 +96,24 @@ def _encoder_reference(net, image: torch.Tensor, plan: dict) -> tuple[np.ndarray
 
 
 def _run(graph: TtnnGraph, prepared: Prepared, image: torch.Tensor) -> tuple[dict, np.ndarray, np.ndarray]:
-    """The graph on one canvas: (raw maps, level-0 map (rows * cols, d0), class token)."""
+    """The whole device call on one canvas, as the runner runs it (the canvas's resize and unfold on the device,
+    `pre.DeviceInput`; the graph; interleave, resize to the canvas and activations on the device,
+    `post.DeviceOutput`): (raw maps, level-0 map (rows * cols, d0), class token)."""
     plan = prepared.plan
-    level0, cls_token = graph.encode(graph.upload(host_input(plan, image.numpy())))
+    pre = DeviceInput(graph.ttnn, graph.device, prepared, graph.formats.activations)
+    post = DeviceOutput(graph.ttnn, graph.device, prepared)
+    pre.load()
+    post.load()
+    graph.finest_tiles = True
+    level0, cls_token = graph.encode(pre.forward(pre.upload(image.numpy())))
     level0_np = graph.to_host(level0, (plan["grid_tokens"], plan["neck_in0_dim"]))
-    finest = graph.decode(level0)
-    raw = host_output(prepared, graph.read({"finest": finest, "cls_token": cls_token}))
-    return raw, level0_np, graph.to_host(cls_token, (plan["dim"],))
+    maps = post.read(post.forward(graph.decode(level0)))
+    cls = graph.to_host(cls_token, (plan["dim"],))
+    raw = {k: v.transpose(1, 2, 0) for k, v in maps.items() if k != "mask"}
+    if "mask" in maps:
+        raw["mask"] = maps["mask"][0]
+    raw["metric_scale"] = metric_scale(prepared, cls)
+    return raw, level0_np, cls
 
 
 # ---------------------------------------------------------------------------------------------- metrics

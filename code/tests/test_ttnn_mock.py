@@ -76,9 +76,16 @@ def _summary(done: subprocess.CompletedProcess) -> dict:
     }
 
 
-# The fast graph's estimated forward at the spec case must not grow past this (docs/performance.md): 16.15 ms at 13x10
-# under the calibrated model of issue 27. The issue's goal, 15 ms, is the graph's to reach (issue 27, item 4).
+# The fast graph's estimated network forward at the spec case must not grow past this (docs/performance.md): 16.15
+# ms at 13x10 under the calibrated model of issue 27. The issue's goal, 15 ms, is the graph's to reach (issue 27,
+# item 4). The input and output sides on the device (pre.py, post.py: group "input_output") have their own: 4.70 ms.
 FORWARD_BUDGET_MS = 16.5
+INPUT_OUTPUT_BUDGET_MS = 5.0
+
+
+def _network_ms(est: dict) -> float:
+    """The estimate of the network alone: the device call less its input and output sides."""
+    return est["total"] - est["input_output"]
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +107,10 @@ def test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budg
     assert 0 < got["peak"] < got["bank"]
     assert report["graph"]["encoder_in_l1"] and report["graph"]["decoder_chained"]
     est = report["estimate_ms"]
-    assert est["total"] <= FORWARD_BUDGET_MS, est
+    assert _network_ms(est) <= FORWARD_BUDGET_MS, est
+    assert 0 < est["input_output"] <= INPUT_OUTPUT_BUDGET_MS, est
     assert est["total"] == pytest.approx(
-        sum(est[g] for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers")), abs=0.01
+        sum(est[g] for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers", "input_output")), abs=0.01
     )
     assert est["total"] == pytest.approx(est["kernel"] + est["dispatch"], abs=0.01)
     assert len(est["top"]) == 10 and est["device_ops"] > 400
@@ -135,7 +143,7 @@ def test_the_safe_graph_still_runs_and_costs_more(tmp_path, fast_vitl_report):
         "--no-calibration",
     )
     assert not report["graph"]["encoder_in_l1"] and not report["graph"]["decoder_chained"]
-    assert report["estimate_ms"]["total"] > 2 * fast_vitl_report["estimate_ms"]["total"]
+    assert _network_ms(report["estimate_ms"]) > 2 * _network_ms(fast_vitl_report["estimate_ms"])
 
 
 def test_the_stored_calibration_runs_are_what_the_mock_runs_now(tmp_path):
@@ -170,7 +178,8 @@ def test_no_normal_head_on_square_canvases_runs_on_the_mock_p150(tmp_path):
     top of the token budget (3600) the decoder falls back to DRAM slicing (its finest maps no longer fit L1)."""
     small = _report(tmp_path, "--random", "vits", "--resolution", "896x896", "--num-tokens", "1600", "--no-calibration")
     assert small["summary"]["canvas"] == (896, 896) and small["graph"]["decoder_chained"]
-    assert small["outputs"]["shapes"].get("normal") is None and small["outputs"]["shapes"]["mask"] == [896, 896]
+    shapes = small["outputs"]["shapes"]  # channels-first planes, as the device reads them back
+    assert shapes.get("normal") is None and shapes["mask"] == [1, 896, 896] and shapes["points"] == [3, 896, 896]
     large = _report(tmp_path, "--random", "vits", "--resolution", "896x896", "--num-tokens", "3600", "--no-calibration")
     assert large["graph"]["encoder_in_l1"] and not large["graph"]["decoder_chained"]
 

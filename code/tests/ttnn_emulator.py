@@ -464,12 +464,23 @@ class TtnnEmulator:
             raise RuntimeError("copy_host_to_device_tensor: dtype and layout must match")
         device_tensor.data = host.data.clone()
 
-    def to_layout(self, t, layout, **_):
+    def to_layout(self, t, layout, dtype=None, *, memory_config=None, **_):
+        """On the host, or on the device (ttnn's tilize / untilize ops, counted): the values are unchanged, or
+        rounded to `dtype` when one is given (a tilize that converts, on the device)."""
         self._check(t, "to_layout", on_device=False)
-        if t.dtype == DataType.BFLOAT8_B and layout != Layout.TILE:
+        if (dtype or t.dtype) == DataType.BFLOAT8_B and layout != Layout.TILE:
             raise RuntimeError("to_layout: bfloat8_b tensors must stay in TILE layout")
+        if dtype is not None and dtype != t.dtype:
+            if t.device is None:
+                raise RuntimeError("to_layout: a dtype change is done on the device (or with to_dtype on the host)")
+            self._count("to_layout")
+            return self._new(t.data, dtype, layout, t.device, memory_config or t.mem)
         out = t._copy()
         out.layout = layout
+        if t.device is not None:
+            self._count("to_layout")
+            out.data = t.data.clone()
+            out.mem = memory_config or t.mem
         return out
 
     def to_dtype(self, t, dtype):
@@ -541,12 +552,15 @@ class TtnnEmulator:
         return self._new(t.data.permute(*dims).contiguous(), t.dtype, t.layout, t.device, kwargs.get("memory_config"))
 
     def pad(self, t, padding, value=0.0, **kwargs):
-        """padding: (before, after) pairs for the trailing dims (the first ttnn.pad overload)."""
+        """padding: (before, after) pairs for the trailing dims (the first ttnn.pad overload). A pad of nothing
+        returns the input tensor itself, as ttnn does (freeing "both" then frees the one buffer)."""
         self._check(t, "pad")
         self._count("pad")
         pairs = [tuple(p) for p in padding]
         if len(pairs) > t.data.dim() or any(a < 0 or b < 0 for a, b in pairs):
             raise RuntimeError(f"pad: bad padding {padding} for rank {t.data.dim()}")
+        if not any(a or b for a, b in pairs):  # ttnn hands back the input itself for a pad of nothing
+            return t
         flat = [v for a, b in reversed(pairs) for v in (a, b)]
         return self._new(
             F.pad(t.data, flat, value=float(value)), t.dtype, t.layout, t.device, kwargs.get("memory_config")
@@ -594,6 +608,63 @@ class TtnnEmulator:
         else:
             y = self.num.tf32(a.data) + self.num.tf32(b.data)
         return self._new(y, dtype or a.dtype, Layout.TILE, a.device, memory_config)
+
+    def subtract(self, a, b, *, dtype=None, memory_config=None, **_):
+        """a - b: float32 pairs on the SFPU in float32 (as `add`), otherwise TF32 operands on the FPU."""
+        self._check(a, "subtract")
+        self._check(b, "subtract")
+        self._count("subtract")
+        torch.broadcast_shapes(a.data.shape, b.data.shape)
+        if a.dtype == DataType.FLOAT32 and b.dtype == DataType.FLOAT32:
+            y = a.data - b.data
+        else:
+            y = self.num.tf32(a.data) - self.num.tf32(b.data)
+        return self._new(y, dtype or a.dtype, Layout.TILE, a.device, memory_config)
+
+    def multiply(self, a, b, *, dtype=None, memory_config=None, compute_kernel_config=None, **_):
+        """a * b (broadcasting): float32 pairs on the SFPU in float32 (binary_ng's float32 path), otherwise on the
+        FPU with the fidelity passes of the compute config (default HiFi4)."""
+        self._check(a, "multiply")
+        self._check(b, "multiply")
+        self._count("multiply")
+        try:
+            torch.broadcast_shapes(a.data.shape, b.data.shape)
+        except RuntimeError:
+            raise RuntimeError(
+                f"multiply: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not broadcast"
+            ) from None
+        if a.dtype == DataType.FLOAT32 and b.dtype == DataType.FLOAT32:
+            y = a.data * b.data
+        else:
+            y = self.num.mul(a.data, b.data, fidelity_name(compute_kernel_config, "HiFi4"))
+        return self._new(y, dtype or a.dtype, Layout.TILE, a.device, memory_config)
+
+    def _unary(self, name: str, t, fn, memory_config=None):
+        """An SFPU op: computed in float32 (the SFPU's exp, rsqrt and sigmoid are taken as exact: their
+        approximate modes are not used by the graph), stored in the input's dtype."""
+        self._check(t, name)
+        self._count(name)
+        if t.layout != Layout.TILE:
+            raise RuntimeError(f"{name}: expected a TILE layout tensor")
+        return self._new(fn(t.data), t.dtype, t.layout, t.device, memory_config)
+
+    def exp(self, t, *, memory_config=None, **_):
+        return self._unary("exp", t, torch.exp, memory_config)
+
+    def sigmoid(self, t, *, memory_config=None, **_):
+        return self._unary("sigmoid", t, torch.sigmoid, memory_config)
+
+    def rsqrt(self, t, *, memory_config=None, **_):
+        return self._unary("rsqrt", t, torch.rsqrt, memory_config)
+
+    def clamp(self, t, min=None, max=None, *, memory_config=None, **_):
+        return self._unary("clamp", t, lambda x: x.clamp(min=min, max=max), memory_config)
+
+    def transpose(self, t, dim0: int, dim1: int, *, memory_config=None, **_):
+        """Swap two dims (data movement: values unchanged)."""
+        self._check(t, "transpose")
+        self._count("transpose")
+        return self._new(t.data.transpose(dim0, dim1).contiguous(), t.dtype, t.layout, t.device, memory_config)
 
     def relu(self, t, *, memory_config=None, **_):
         self._check(t, "relu")
@@ -1055,6 +1126,14 @@ class TtnnEmulator:
 
 # Ops whose results a trace replay recomputes (every op graph.py runs on the device between upload and read).
 _TRACED_OPS = (
+    "matmul",
+    "subtract",
+    "multiply",
+    "exp",
+    "sigmoid",
+    "rsqrt",
+    "clamp",
+    "transpose",
     "reshape",
     "slice",
     "permute",

@@ -82,7 +82,7 @@ __all__ = [
 ]
 
 TILE = 32
-GROUPS = ("encoder", "sdpa", "norms_adds", "decoder", "transfers")
+GROUPS = ("encoder", "sdpa", "norms_adds", "decoder", "transfers", "input_output")
 FITTED = ("fpu_efficiency", "exp_cycles", "kernel_ns", "dispatch_ns")  # the figures calibration.fit fits
 
 
@@ -692,6 +692,8 @@ def _kind(base: str) -> tuple:
 
 
 def _group(op: DeviceOp, kind: str) -> str:
+    if op.stage in ("input", "output"):  # pre.py / post.py, every op: resize and unfold, interleave and resize back
+        return "input_output"
     if kind == "sdpa":
         return "sdpa"
     if kind == "transfer":

@@ -9,8 +9,10 @@ numpy + ttnn only (the mock P150 runs in a Python with ttnn and without torch). 
 see `_package_shim`.
 
 Steps: open the device, `TtnnGraph.load()` (weights up, one forward on a zero input so the conv weights are
-prepared), one steady-state forward of a synthetic canvas under ttnn's graph capture (NORMAL mode: the ops
-really run, and the capture records every buffer and circular-buffer allocation), read back, host_output.
+prepared) and the input / output sides' constants (`pre.DeviceInput`, `post.DeviceOutput`), one steady-state
+forward of a synthetic canvas as the runner runs it (canvas -> patch matrix, the graph, finest maps -> raw maps
+at the canvas) under ttnn's graph capture (NORMAL mode: the ops really run, and the capture records every
+buffer and circular-buffer allocation), read back the raw maps and the class token.
 
 Reported: the ttnn calls of the steady-state forward by op name (counted by a proxy around the ttnn module),
 the device operations the capture recorded by name, wall times, and the peak L1 per core.
@@ -62,12 +64,16 @@ def _package_shim() -> None:
 if __package__ in (None, ""):
     _package_shim()
     from tt_moge.runners.ttnn.graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
-    from tt_moge.runners.ttnn.prepare import Prepared, host_input, host_output
+    from tt_moge.runners.ttnn.post import DeviceOutput
+    from tt_moge.runners.ttnn.pre import DeviceInput
+    from tt_moge.runners.ttnn.prepare import Prepared
     from tt_moge.ttnn_tools import calibration
     from tt_moge.ttnn_tools.cost import BLACKHOLE_P150, OpRecorder, estimate
 else:
     from ..runners.ttnn.graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
-    from ..runners.ttnn.prepare import Prepared, host_input, host_output
+    from ..runners.ttnn.post import DeviceOutput
+    from ..runners.ttnn.pre import DeviceInput
+    from ..runners.ttnn.prepare import Prepared
     from . import calibration
     from .cost import BLACKHOLE_P150, OpRecorder, estimate
 
@@ -130,17 +136,26 @@ def graph_config(name: str, changes: list):
     return dataclasses.replace(config, **values)
 
 
-def staged_forward(graph, recorder, x) -> dict:
-    """`graph.forward(x)`, with the recorder's stage set to "encoder" then "decoder" (for the estimate's groups)."""
+def staged_forward(graph, recorder, x, pre=None, post=None) -> dict:
+    """The device forward with the recorder's stage set to "input" (`pre`: canvas -> patch matrix, when given),
+    "encoder", "decoder", then "output" (`post`: finest maps -> raw maps, when given), for the estimate's groups.
+    x: the canvas input with `pre`, else the patch matrix."""
+    if pre is not None:
+        recorder.stage = "input"
+        x = pre.forward(x)
     recorder.stage = "encoder"
     level0, cls_token = graph.encode(x)
     recorder.stage = "decoder"
     finest = graph.decode(level0)
+    out = {"finest": finest, "cls_token": cls_token}
+    if post is not None:
+        recorder.stage = "output"
+        out = {"maps": post.forward(finest), "cls_token": cls_token}
     recorder.stage = ""
-    return {"finest": finest, "cls_token": cls_token}
+    return out
 
 
-def _forward_fits(ttnn, device, graph, x, recorder, pages: int, banks: int):
+def _forward_fits(ttnn, device, forward, x, recorder, pages: int, banks: int):
     """Run one forward with a blocking L1 reservation of `pages` 2 KiB pages per bank. -> (ran, failing op, error)."""
     blocker = None
     if pages:
@@ -148,9 +163,9 @@ def _forward_fits(ttnn, device, graph, x, recorder, pages: int, banks: int):
             (1, 1, 32, 32 * banks * pages), ttnn.bfloat16, ttnn.TILE_LAYOUT, device, ttnn.L1_MEMORY_CONFIG
         )
     try:
-        out = graph.forward(x)
+        out = forward(x)
         ttnn.synchronize_device(device)
-        for t in out.values():
+        for t in list(out["maps"].values()) + [out["cls_token"]]:
             ttnn.deallocate(t)
         return True, None, None
     except Exception as error:  # the first op that no longer fits
@@ -160,7 +175,7 @@ def _forward_fits(ttnn, device, graph, x, recorder, pages: int, banks: int):
             ttnn.deallocate(blocker)
 
 
-def l1_peak(ttnn, device, graph, x, recorder) -> dict:
+def l1_peak(ttnn, device, forward, x, recorder) -> dict:
     """The peak L1 per core of one forward, by bisecting the largest blocking L1 reservation it survives."""
     view = ttnn.get_memory_view(device, ttnn.BufferType.L1)
     banks, bank_bytes = view.num_banks, view.total_bytes_per_bank
@@ -171,7 +186,7 @@ def l1_peak(ttnn, device, graph, x, recorder) -> dict:
     tries = []
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        ran, op, error = _forward_fits(ttnn, device, graph, x, recorder, mid, banks)
+        ran, op, error = _forward_fits(ttnn, device, forward, x, recorder, mid, banks)
         tries.append([mid, ran])
         if ran:
             lo = mid
@@ -227,19 +242,24 @@ def run(args) -> dict:
             oversize=args.oversize,
         )
         report["graph"] = {k: v for k, v in graph.describe().items() if k != "formats"}
+        graph.finest_tiles = True  # as the runner: the output side takes the finest maps in tiles
+        pre = DeviceInput(recorder, device, prepared, graph.formats.activations)
+        post = DeviceOutput(recorder, device, prepared)
         t = time.perf_counter()
         try:
             graph.load()
+            pre.load()
+            post.load()
         except Exception as error:  # name the ttnn call that failed, keeping the error and its traceback
             _note(error, f"in ttnn.{recorder.last}")
             raise
         report["load_s"] = round(time.perf_counter() - t, 2)
-        patches = host_input(plan, synthetic_canvas(*plan["canvas"]))
-        x = graph.upload(patches, into=graph.allocate_input())  # the persistent-input path a trace would use
+        canvas = synthetic_canvas(*plan["canvas"]).transpose(2, 0, 1)[None]
+        x = pre.upload(canvas, into=pre.allocate_input())  # the persistent-input path a trace would use
         recorder.clear()
         recorder.capture = args.capture
         t = time.perf_counter()
-        out = staged_forward(graph, recorder, x)
+        out = staged_forward(graph, recorder, x, pre, post)
         ttnn.synchronize_device(device)
         recorder.capture = False
         report["forward_s"] = round(time.perf_counter() - t, 2)
@@ -252,7 +272,8 @@ def run(args) -> dict:
             report["estimate_ms"] = estimate(recorder.ops, chip).summary(top=args.top)
         if args.l1_headroom:
             t = time.perf_counter()
-            report["peak_l1_per_core"] = l1_peak(ttnn, device, graph, x, recorder)
+            forward = lambda x: staged_forward(graph, recorder, x, pre, post)  # noqa: E731
+            report["peak_l1_per_core"] = l1_peak(ttnn, device, forward, x, recorder)
             report["l1_bisection_s"] = round(time.perf_counter() - t, 2)
         if args.capture and args.calibration:  # on the stored runs of the demo models (calibration.RUNS_FILE)
             t = time.perf_counter()
@@ -262,12 +283,12 @@ def run(args) -> dict:
                 report["calibration_fit"] = calibration.fit(runs)
             report["calibration_s"] = round(time.perf_counter() - t, 2)
         t = time.perf_counter()
-        readback = graph.read(out)
-        raw = host_output(prepared, readback)
+        raw = post.read(out["maps"])
+        cls_token = graph.to_host(out["cls_token"], (plan["dim"],))
         report["read_and_host_s"] = round(time.perf_counter() - t, 2)
-        shapes = {k: list(np.shape(v)) for k, v in raw.items() if v is not None and k != "metric_scale"}
-        finite = all(bool(np.isfinite(v).all()) for k, v in raw.items() if v is not None and k != "metric_scale")
-        report["outputs"] = {"shapes": shapes, "finite": finite, "finest_readback": list(readback["finest"].shape)}
+        shapes = {k: list(np.shape(v)) for k, v in raw.items()}
+        finite = all(bool(np.isfinite(v).all()) for v in raw.values()) and bool(np.isfinite(cls_token).all())
+        report["outputs"] = {"shapes": shapes, "finite": finite, "readback": "float32 channels-first maps"}
         if not finite:
             raise RuntimeError("non-finite host outputs")
     finally:
@@ -365,7 +386,9 @@ def main(argv=None) -> int:
         print(
             f"estimate: forward {est['total']:.2f} ms on a {est['chip']} {est['grid']} (kernel {est['kernel']:.2f}, "
             f"dispatch {est['dispatch']:.2f}; "
-            + ", ".join(f"{g} {est[g]:.2f}" for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers"))
+            + ", ".join(
+                f"{g} {est[g]:.2f}" for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers", "input_output")
+            )
             + ")",
             flush=True,
         )

@@ -10,6 +10,10 @@ numerics tests.
     out = graph.forward(x)                          # device tensors: finest phase maps, class token
     raw = host_output(prepared, graph.read(out))    # numpy raw maps at the canvas
 
+The runner does not use the host steps around it: `pre.DeviceInput` makes the patch matrix from the canvas on
+the device and `post.DeviceOutput` turns the finest maps into the raw maps on the device (set `finest_tiles`
+so that `decode` leaves its output in tiles for it); `host_input` / `host_output` remain the references.
+
 What runs on the device, in order (the folds come from `FixedShapeMoGe2` through `prepare.py`):
 
 * Patch embedding: one matmul of the host-unfolded patches by the folded patch kernel, plus a table that holds
@@ -27,8 +31,9 @@ What runs on the device, in order (the folds come from `FixedShapeMoGe2` through
   mode (`Conv2dConfig(padding_mode=PaddingMode.Replicate)`), used here instead of building the padding with
   slices and concats.
 * The finest level, phase-folded at the level before it (`prepare.phase_fold`): one 3x3 conv per feature map
-  (neck and each head), summed, 4 x (3 + 3 + 1) channels in float32. The host interleaves the phases, adds
-  the constant map, resizes to the canvas and applies the output activations (`prepare.host_output`), and runs
+  (neck and each head), summed, 4 x (3 + 3 + 1) channels in float32. The output side (`post.py`, on the
+  device in the runner; `prepare.host_output` on the host) interleaves the phases, adds the constant map,
+  resizes to the canvas and applies the output activations; the host runs
   the scale MLP on the class token.
 
 Formats (`FORMATS`, `Formats`) say what precision each tensor is stored in; configurations (`CONFIGS`,
@@ -333,6 +338,7 @@ class TtnnGraph:
         self.convs: dict = {}  # conv name -> (weight, bias): host tensors until the first forward prepares them
         self.conv_shapes: dict = {}  # conv name -> its weight's shape as prepared (OIHW; IOHW for conv transposes)
         self._shardings: dict = {}  # chained decoder: (height, width) -> (core grid, shard rows), `_level_sharding`
+        self.finest_tiles = False  # True: keep the finest maps in tiles for the device output side (post.py)
         self.loaded = False
 
     # ------------------------------------------------------------------------------------------ configs
@@ -960,7 +966,7 @@ class TtnnGraph:
             finest = summed
         for t in {id(t): t for t in neck_out}.values():  # level0 too, when it is the neck's level-0 output
             T.deallocate(t)
-        if self.config.output == "rows":  # untilized on the device: the host reads plain rows
+        if self.config.output == "rows" and not self.finest_tiles:  # untilized on the device: the host reads rows
             rows = T.untilize(finest, memory_config=self.dram)
             T.deallocate(finest)
             finest = rows

@@ -48,6 +48,7 @@ __all__ = [
     "convt_as_matmul",
     "resize_bilinear",
     "resize_antialiased",
+    "resize_taps",
     "PLAN_VERSION",
 ]
 
@@ -414,6 +415,14 @@ def _bilinear_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]
     i1 = np.minimum(i0 + 1, in_size - 1)
     lam = (src - i0.astype(np.float32)).astype(np.float32)
     return np.stack([i0, i1], axis=1), np.stack([f32(1.0) - lam, lam], axis=1)
+
+
+def resize_taps(in_size: int, out_size: int, kind: str = "antialiased") -> tuple[np.ndarray, np.ndarray]:
+    """Indices and weights (out_size, taps) of PyTorch's resize along one axis: "antialiased" (bilinear with
+    antialias=True, `resize_antialiased`) or "bilinear" (align_corners=False, `resize_bilinear`)."""
+    if kind not in ("antialiased", "bilinear"):
+        raise ValueError(f"resize_taps: kind must be 'antialiased' or 'bilinear', got {kind!r}")
+    return (_aa_taps if kind == "antialiased" else _bilinear_taps)(in_size, out_size)
 
 
 def _apply_taps(x: np.ndarray, axis: int, index: np.ndarray, weight: np.ndarray) -> np.ndarray:

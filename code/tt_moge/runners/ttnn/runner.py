@@ -6,13 +6,18 @@ canvas and token budget, so a second load skips it), uploaded once, and the firs
 kernels and prepares the conv weights on the device. The first `submit` after that captures the whole forward
 as a ttnn trace; every later call replays it.
 
-Per call (`submit`): on the host, the canvas is resized (antialiased bilinear, as the reference) to the token
-grid and unfolded into the patch matrix (`prepare.host_input`); it is written into the persistent device input
-on command queue 0; the trace replays on queue 0; the finest phase maps and the class token are read back, on
-queue 1 after an event when the chip was opened with two command queues (worker dispatch only), else on
-queue 0. The host then interleaves the phases, adds the constant map, resizes to the canvas and applies the
-output activations in torch (`fixed_graph.raw_outputs`, the CPU and CUDA runners' own tail), and runs the
-scale MLP on the class token.
+Per call (`forward`): the canvas (float32, as the canvas fit made it) is written into the persistent device
+input on command queue 0; the trace replays on queue 0: the canvas's antialiased resize to the token grid and
+its unfold into patches (`pre.DeviceInput`), the network (`graph.TtnnGraph`), then the phase interleave, the
+constant map, the bilinear resize to the canvas and the output activations (`post.DeviceOutput`); the raw maps
+(float32, channels-first) and the class token are read back, on queue 1 after an event when the chip was opened
+with two command queues (worker dispatch only), else on queue 0. The host views the maps as (H, W, 3) through
+strides (no copy) and runs the scale MLP on the class token (a few thousand multiply-adds).
+
+The timing boundary of `forward` (the spec's): from the canvas handed to the runner to the raw maps on the host:
+the upload, the device graph and the read-back. Decode, canvas fit, the focal / shift solve and the finish are
+the host stages around it (`service.PredictionService` times them apart). `patch_matrix` and `raw_maps` below
+are the same steps on the host, kept as the references the device steps are tested against.
 
 Nothing outside this package knows ttnn: `MoGeModel` sees a `Runner`.
 """
@@ -34,6 +39,8 @@ from ..base import RawMaps, Runner
 from ..fixed_graph import raw_outputs
 from .device import close_chip, device_count, import_ttnn, open_chip
 from .graph import CONFIGS, TtnnGraph
+from .post import DeviceOutput
+from .pre import DeviceInput
 from .prepare import PLAN_VERSION, Prepared, depth_to_space, host_input, metric_scale, prepare_weights
 
 __all__ = [
@@ -47,6 +54,7 @@ __all__ = [
     "GRAPH_ENV",
     "patch_matrix",
     "raw_maps",
+    "device_raw_maps",
 ]
 
 TRACE_ENV = "MOGE_TTNN_TRACE"  # "0": no trace capture (the mock device cannot capture one)
@@ -106,8 +114,8 @@ def prepared_weights(
 
 
 def patch_matrix(prepared: Prepared, canvas: torch.Tensor) -> np.ndarray:
-    """The host step before the device: canvas (1, 3, H, W) in [0, 1] -> the patch matrix (the reference's
-    antialiased resize to the token grid, in torch, then `prepare.host_input`)."""
+    """The host reference of the device's input side (`pre.DeviceInput`): canvas (1, 3, H, W) in [0, 1] -> the
+    patch matrix (the reference's antialiased resize to the token grid, in torch, then `prepare.host_input`)."""
     plan = prepared.plan
     size = (plan["rows"] * plan["patch"], plan["cols"] * plan["patch"])
     small = F.interpolate(canvas.to("cpu", torch.float32), size, mode="bilinear", align_corners=False, antialias=True)
@@ -115,9 +123,9 @@ def patch_matrix(prepared: Prepared, canvas: torch.Tensor) -> np.ndarray:
 
 
 def raw_maps(prepared: Prepared, readback: dict) -> RawMaps:
-    """The host step after the device: the read-back phase maps and class token -> the raw maps at the canvas
-    (phases interleaved, constant map added, bilinear resize and output activations in torch, as the CPU and
-    CUDA runners finish; the scale MLP on the class token)."""
+    """The host reference of the device's output side (`post.DeviceOutput`): the finest phase maps and class
+    token -> the raw maps at the canvas (phases interleaved, constant map added, bilinear resize and output
+    activations in torch, as the CPU and CUDA runners finish; the scale MLP on the class token)."""
     plan = prepared.plan
     fin = plan["finest"]
     maps = depth_to_space(readback["finest"], fin["in_height"], fin["in_width"]) + prepared.arrays["finest.const"]
@@ -131,6 +139,17 @@ def raw_maps(prepared: Prepared, readback: dict) -> RawMaps:
         out["mask"][0] if "mask" in out else None,
         metric_scale(prepared, readback["cls_token"]),
     )
+
+
+def device_raw_maps(prepared: Prepared, maps: dict, cls_token: np.ndarray) -> RawMaps:
+    """The device's read-back ({head: (n, H, W) float32}, class token) -> RawMaps: (H, W, 3) strided views of the
+    channels-first maps (no copy; the solve and the finish take strides), the mask plane, the metric scale."""
+
+    def hwc(name):
+        return torch.from_numpy(maps[name]).permute(1, 2, 0) if name in maps else None
+
+    mask = torch.from_numpy(maps["mask"])[0] if "mask" in maps else None
+    return RawMaps(hwc("points"), hwc("normal"), mask, metric_scale(prepared, cls_token))
 
 
 class TtnnRunner(Runner):
@@ -171,6 +190,8 @@ class TtnnRunner(Runner):
         self._trace_id = None
         self._outputs: Optional[dict] = None
         self.graph: Optional[TtnnGraph] = None
+        self.pre: Optional[DeviceInput] = None
+        self.post: Optional[DeviceOutput] = None
         t0 = time.perf_counter()
         self.prepared, self.cache_file = prepared_weights(network, self.canvas_size, num_tokens, cache_dir)
         self.prepare_seconds = time.perf_counter() - t0
@@ -185,8 +206,13 @@ class TtnnRunner(Runner):
             self.graph = TtnnGraph(
                 self.ttnn, self._device, self.prepared, formats=self.formats, config=self.graph_config
             )
+            self.graph.finest_tiles = True  # the output side (post.py) takes the finest maps in tiles
             self._load_graph()
-            self._input = self.graph.allocate_input()
+            self.pre = DeviceInput(self.ttnn, self._device, self.prepared, self.graph.formats.activations)
+            self.post = DeviceOutput(self.ttnn, self._device, self.prepared)
+            self.pre.load()
+            self.post.load()
+            self._input = self.pre.allocate_input()
         except BaseException:
             self.close()
             raise
@@ -205,20 +231,28 @@ class TtnnRunner(Runner):
             ) from None
 
     # ----------------------------------------------------------------------------------------- calls
+    def _device_forward(self) -> dict:
+        """Canvas input -> {"maps": {head: device maps}, "cls_token"}: pre, the graph, post, all on the device."""
+        out = self.graph.forward(self.pre.forward(self._input))
+        return {"maps": self.post.forward(out["finest"]), "cls_token": out["cls_token"]}
+
     def _run(self) -> dict:
         """The forward on the current input: replay the trace (captured on the first call), or run it eagerly."""
         T = self.ttnn
         if not self.trace:
-            return self.graph.forward(self._input)
+            return self._device_forward()
         if self._trace_id is None:
             self._trace_id = T.begin_trace_capture(self._device, cq_id=0)
-            self._outputs = self.graph.forward(self._input)
+            self._outputs = self._device_forward()
             T.end_trace_capture(self._device, self._trace_id, cq_id=0)
         T.execute_trace(self._device, self._trace_id, cq_id=0, blocking=False)
         return self._outputs
 
     @torch.inference_mode()
     def forward(self, canvas: torch.Tensor) -> RawMaps:
+        """The device forward (the spec's `forward`): upload the canvas, run the device graph (resize and unfold,
+        the network, interleave, resize to the canvas, activations), read back the raw maps and the class token;
+        on the host only the scale MLP on the class token and (H, W, 3) views of the maps."""
         height, width = canvas.shape[-2:]
         if (width, height) != self.canvas_size:
             raise ValueError(
@@ -226,13 +260,15 @@ class TtnnRunner(Runner):
             )
         if self.graph is None:
             raise RuntimeError("this Tenstorrent runner is closed")
-        self.graph.upload(patch_matrix(self.prepared, canvas), into=self._input, cq_id=0)
+        self.pre.upload(canvas.detach().to("cpu", torch.float32).numpy(), into=self._input, cq_id=0)
         outputs = self._run()
         read_queue = 0
         if self.queues == 2:  # read back on the second queue once the forward on the first has finished
             self.ttnn.wait_for_event(1, self.ttnn.record_event(self._device, 0))
             read_queue = 1
-        return raw_maps(self.prepared, self.graph.read(outputs, cq_id=read_queue))
+        maps = self.post.read(outputs["maps"], cq_id=read_queue)
+        cls_token = self.graph.to_host(outputs["cls_token"], (self.prepared.plan["dim"],), read_queue)
+        return device_raw_maps(self.prepared, maps, cls_token)
 
     # -------------------------------------------------------------------------------------- lifetime
     def describe(self) -> dict:
@@ -256,6 +292,10 @@ class TtnnRunner(Runner):
         if device is not None and self._trace_id is not None:
             T.release_trace(device, self._trace_id)
         self._trace_id, self._outputs = None, None
+        for side in (self.pre, self.post):
+            if side is not None:
+                side.close()
+        self.pre = self.post = None
         if self.graph is not None:
             for tensor in list(self.graph.w.values()) + [getattr(self, "_input", None)]:
                 if tensor is not None:
