@@ -817,6 +817,8 @@ class TtnnGraph:
         self.convs[key + ".convt"] = (weight, bias)
         z = self._conv(y, key + ".conv", 2 * height, 2 * width)
         T.deallocate(y)
+        if self.chained:  # z was placed below y (still live then): moved up, out of the next convs' buffers
+            z = T.reallocate(z)
         return z
 
     def _upsample0(self, x, key: str):
@@ -958,6 +960,8 @@ class TtnnGraph:
             T.deallocate(finest)
             T.deallocate(part)
             finest = summed
+            if self.chained:  # the head's maps are gone: the accumulator moved up, under the neck's maps
+                finest = T.reallocate(finest)
         for t in {id(t): t for t in neck_out}.values():  # level0 too, when it is the neck's level-0 output
             T.deallocate(t)
         if self.config.output == "rows":  # untilized on the device: the host reads plain rows
