@@ -151,7 +151,9 @@ class GraphConfig:
     matmuls), the MLP, SDPA, the decoder's convs and 1x1 convs of the coarse levels, those of the finest level
     with the phase-folded finest conv, and the layer norms. whole_grid: matmul blocks that need not divide the
     tile counts, so that a 1024-wide matmul uses 11-13 columns instead of 8. output: "tiles" (the finest
-    maps read back in tile layout, untilized by the host) or "rows" (untilized on the device).
+    maps read back in tile layout, untilized by the host) or "rows" (untilized on the device). sdpa_q_chunk,
+    sdpa_k_chunk: SDPA's query and key chunks (tokens), or with sdpa_even their largest sizes, the chunks then
+    planned from the grid (`TtnnGraph._sdpa_chunks`).
     """
 
     placement: str = "dram"
@@ -164,6 +166,7 @@ class GraphConfig:
     norm_fidelity: str = "hifi4"
     sdpa_q_chunk: int = 256
     sdpa_k_chunk: int = 256
+    sdpa_even: bool = False
     sdpa_exp_approx: bool = False
     whole_grid: bool = False
     output: str = "tiles"
@@ -194,8 +197,9 @@ CONFIGS = {
         decoder_fidelity="hifi2",
         finest_fidelity="hifi4",
         norm_fidelity="hifi4",
-        sdpa_q_chunk=256,
+        sdpa_q_chunk=512,
         sdpa_k_chunk=512,
+        sdpa_even=True,
         sdpa_exp_approx=True,
         whole_grid=True,
         output="rows",
@@ -364,14 +368,32 @@ class TtnnGraph:
             "ffn_out": mm(n, ffn, c, in0=f.activations, in1=f.vit_weights, out=f.residual, whole_k=self.oversize),
             "tap": mm(n, c, p["neck_in0_dim"], in0=f.residual, in1=f.decoder_weights, out=f.residual),
         }
-        cfg = self.config
-        seq = _cdiv(n, TILE) * TILE
+        q_chunk, k_chunk = self._sdpa_chunks()
         self.sdpa_config = self.ttnn.SDPAProgramConfig(
             compute_with_storage_grid_size=self.ttnn.CoreCoord(*self.grid),
-            q_chunk_size=min(cfg.sdpa_q_chunk, seq),
-            k_chunk_size=min(cfg.sdpa_k_chunk, seq),
-            exp_approx_mode=cfg.sdpa_exp_approx,
+            q_chunk_size=q_chunk,
+            k_chunk_size=k_chunk,
+            exp_approx_mode=self.config.sdpa_exp_approx,
         )
+
+    def _sdpa_chunks(self) -> tuple:
+        """SDPA's (query chunk, key chunk) in tokens. ttnn's SDPA gives each head grid_cores // heads cores and
+        splits the head's query chunks over them (ceil(chunks / cores) each): with sdpa_even the query chunks are
+        as few and as even as that split allows (the fewest rounds of at most sdpa_q_chunk tokens, then the work
+        spread evenly over the head's cores: 8 tiles a core at 13x10, 9 at 12x10, 10 at 11x10 for ViT-L's 58
+        tiles, where 256-token chunks take 16 tiles a core at 12x10 and 11x10), and the key chunks the most even
+        split of the keys into chunks of at most sdpa_k_chunk (less padding in the last one). Else the
+        configured sizes, at most the sequence."""
+        cfg = self.config
+        tiles = _cdiv(self.plan["seq_len"], TILE)
+        q_max, k_max = max(1, cfg.sdpa_q_chunk // TILE), max(1, cfg.sdpa_k_chunk // TILE)
+        if not cfg.sdpa_even:
+            return min(q_max, tiles) * TILE, min(k_max, tiles) * TILE
+        per_head = min(tiles, max(1, self.num_cores // self.plan["num_heads"]))
+        rounds = _cdiv(_cdiv(tiles, per_head), q_max)
+        q_tiles = _cdiv(tiles, rounds * per_head)
+        k_tiles = _cdiv(tiles, _cdiv(tiles, k_max))
+        return q_tiles * TILE, k_tiles * TILE
 
     def _conv_placement(self, height: int, width: int, c_in: int, c_out: int, out_dtype: str) -> tuple:
         """Safe graph: (shard layout, slice config) of a 3x3 conv: wholly in L1 when its input and output take at
