@@ -30,7 +30,7 @@ from tt_moge.runners.ttnn.graph import CONFIGS, GraphConfig
 from tt_moge.runners.ttnn.prepare import depth_to_space, phase_fold, resize_antialiased, resize_bilinear
 from tt_moge.testing import calibration_image, make_network, model_config
 
-from .ttnn_emulator import TtnnEmulator, round_bf16, round_bfp8
+from .ttnn_emulator import EmulatedDevice, TtnnEmulator, round_bf16, round_bfp8, truncate_bits
 
 SMALL, SMALL_TOKENS = (224, 126), 300  # a small 16:9 canvas: seconds on 2 cores
 
@@ -274,6 +274,74 @@ def test_the_emulator_sees_each_fidelity_choice():
         _compare("tiny-vits-normal", config=_fast(decoder_fidelity="lofi"))["normal_deg_p99"]
         > 1.5 * fast["normal_deg_p99"]
     )
+
+
+def test_lofi_weights_are_rounded_to_what_lofi_reads():
+    """A matmul at LoFi reads 5 significant bits of its weights and cuts the rest toward zero; the graph uploads
+    those weights rounded to nearest at 5 bits (`GraphConfig.round_lofi_weights`), which the cut leaves as they
+    are: an unbiased error half as large. Checked on the uploaded weights, and on the class token (the ViT output
+    the MLP's error reaches most): at most 0.7x the error of the cut weights (observed about 0.5x)."""
+    prepared = _prepared("tiny-vits-normal")
+    lofi = _fast(mlp_fidelity="lofi", attention_fidelity="hifi2", round_lofi_weights=True)
+    graph = _graph(prepared, config=lofi)
+    ffn = graph.w["blocks.0.ffn_in.w"].data
+    assert torch.equal(truncate_bits(ffn, 5), ffn), "LoFi weights not on LoFi's 5 significant bits"
+    assert not torch.equal(ffn, round_bf16(torch.from_numpy(prepared.arrays["blocks.0.ffn_in.w"]).float()))
+    qkv = graph.w["blocks.0.qkv.w"].data  # HiFi2: as they are (bfloat16)
+    assert torch.equal(qkv, round_bf16(torch.from_numpy(prepared.arrays["blocks.0.qkv.w"]).float()))
+    rounded = _compare("tiny-vits-normal", config=lofi)
+    cut = _compare("tiny-vits-normal", config=dataclasses.replace(lofi, round_lofi_weights=False))
+    assert rounded["cls_token"] < 0.7 * cut["cls_token"], (rounded, cut)
+
+
+@pytest.mark.parametrize("grid", [(13, 10), (12, 10), (11, 10)])
+def test_the_graph_plans_from_the_grid_the_device_reports(grid):
+    """Matmul program configs, SDPA's grid and chunks and the decoder's level sharding all come from
+    `compute_with_storage_grid_size()`: on a smaller grid no config asks for a column it lacks, and the forward
+    is the same."""
+    prepared = _prepared("tiny-vits-normal")
+    emulator = TtnnEmulator()
+    graph = TtnnGraph(emulator, EmulatedDevice(grid), prepared, config="fast")
+    assert graph.grid == grid and graph.num_cores == grid[0] * grid[1]
+    for name, pc in graph.pc.items():
+        size = pc.compute_with_storage_grid_size
+        assert size.x <= grid[0] and size.y <= grid[1], name
+    sdpa_grid = graph.sdpa_config.compute_with_storage_grid_size
+    assert (sdpa_grid.x, sdpa_grid.y) == grid
+    graph.load(prepare_convs=False)
+    fin = prepared.plan["finest"]
+    _, shard_rows = graph._level_sharding(fin["in_height"], fin["in_width"])
+    assert _cdiv(fin["in_height"] * fin["in_width"], shard_rows) <= graph.num_cores
+    image = calibration_image(*SMALL, seed=6)
+    raw, _, cls_token = _run(graph, prepared, image)
+    full = _graph(prepared, config="fast")  # the emulator's default device: 13x10
+    raw_full, _, cls_full = _run(full, prepared, image)
+    assert np.array_equal(cls_token, cls_full)
+    for key, value in raw_full.items():
+        if isinstance(value, np.ndarray):
+            assert np.array_equal(raw[key], value), key
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("grid,per_core", [((13, 10), 8), ((12, 10), 9), ((11, 10), 10)])
+def test_sdpa_query_chunks_split_evenly_over_each_heads_cores(grid, per_core):
+    """ttnn's SDPA gives each of ViT-L's 16 heads grid // 16 cores and ceil(chunks / cores) query chunks to each:
+    the fast graph's chunks fill those cores once (58 query tiles: 8 a core at 13x10, 9 at 12x10, 10 at 11x10;
+    fixed 256-token chunks give 12x10 and 11x10 16); its key chunks are the most even split under 512 tokens."""
+    import types
+
+    cores = grid[0] * grid[1]
+    fake = types.SimpleNamespace(config=CONFIGS["fast"], plan={"seq_len": 1825, "num_heads": 16}, num_cores=cores)
+    q_chunk, k_chunk = TtnnGraph._sdpa_chunks(fake)
+    tiles, per_head = _cdiv(1825, 32), cores // 16
+    assert q_chunk % 32 == 0 and k_chunk % 32 == 0
+    assert q_chunk // 32 == per_core and _cdiv(tiles, q_chunk // 32) <= per_head
+    assert k_chunk <= 512 and _cdiv(tiles, k_chunk // 32) == _cdiv(tiles, 16) and k_chunk == 480
+    safe = types.SimpleNamespace(config=CONFIGS["safe"], plan=fake.plan, num_cores=cores)
+    assert TtnnGraph._sdpa_chunks(safe) == (256, 256)
 
 
 # Observed (this network and ViT-L) and what a bfloat16 stream would save: docs/performance.md.
@@ -557,6 +625,10 @@ _STUDY = {
     "fast-decoder-hifi4": ("bf16", _fast(decoder_fidelity="hifi4")),
     "fast-decoder-lofi": ("bf16", _fast(decoder_fidelity="lofi")),
     "fast-norm-hifi2": ("bf16", _fast(norm_fidelity="hifi2")),
+    "fast-mlp-lofi": ("bf16", _fast(mlp_fidelity="lofi")),
+    "fast-mlp-lofi-cut": ("bf16", _fast(mlp_fidelity="lofi", round_lofi_weights=False)),
+    "fast-lofi": ("bf16", _fast(mlp_fidelity="lofi", attention_fidelity="lofi")),
+    "fast-lofi-cut": ("bf16", _fast(mlp_fidelity="lofi", attention_fidelity="lofi", round_lofi_weights=False)),
     "fast-bfp8-all-hifi2": ("bfp8-vit", _fast(sdpa_exp_approx=False)),  # the fast graph is already HiFi2
     "fast-bfp8-decoder": ("bfp8-decoder", "fast"),
     "fast-bfp8-decoder-maps": (Formats(decoder_weights="bfloat8_b", decoder_activations="bfloat8_b"), "fast"),

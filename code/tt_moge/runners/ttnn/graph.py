@@ -153,7 +153,9 @@ class GraphConfig:
     tile counts, so that a 1024-wide matmul uses 11-13 columns instead of 8. output: "tiles" (the finest
     maps read back in tile layout, untilized by the host) or "rows" (untilized on the device). sdpa_q_chunk,
     sdpa_k_chunk: SDPA's query and key chunks (tokens), or with sdpa_even their largest sizes, the chunks then
-    planned from the grid (`TtnnGraph._sdpa_chunks`).
+    planned from the grid (`TtnnGraph._sdpa_chunks`). round_lofi_weights: the weights of a matmul run at LoFi
+    are rounded to nearest at the 5 significant bits LoFi's one pass reads of them (`round_significant`), so that
+    the pass's cut toward zero loses nothing more (an unbiased error half as large as the cut's).
     """
 
     placement: str = "dram"
@@ -168,6 +170,7 @@ class GraphConfig:
     sdpa_k_chunk: int = 256
     sdpa_even: bool = False
     sdpa_exp_approx: bool = False
+    round_lofi_weights: bool = True
     whole_grid: bool = False
     output: str = "tiles"
 
@@ -205,6 +208,15 @@ CONFIGS = {
         output="rows",
     ),
 }
+
+
+LOFI_WEIGHT_BITS = 5  # the significant bits of the weights (SrcA) that LoFi's one matrix-engine pass reads
+
+
+def round_significant(a: np.ndarray, bits: int) -> np.ndarray:
+    """float32 values rounded to nearest (ties to even) at `bits` significant bits, the implicit one included."""
+    m, e = np.frexp(np.asarray(a, dtype=np.float32))  # a = m 2^e, |m| in [0.5, 1)
+    return np.ldexp(np.round(m * 2.0**bits) / 2.0**bits, e).astype(np.float32)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -447,7 +459,11 @@ class TtnnGraph:
         p, f, a = self.plan, self.formats, self.prepared.arrays
         res, act = f.residual, f.activations
         w = self.w
-        w["patch.w"] = self._tensor(a["patch.w"], f.decoder_weights)
+        attention, mlp = (
+            self._matmul_weights(self.config.attention_fidelity),
+            self._matmul_weights(self.config.mlp_fidelity),
+        )
+        w["patch.w"] = self._tensor(attention(a["patch.w"]), f.decoder_weights)
         w["token_table"] = self._tensor(a["token_table"], res, (1, 1) + a["token_table"].shape)
         for i in range(p["blocks"]):
             for norm in ("norm1", "norm2"):
@@ -456,12 +472,13 @@ class TtnnGraph:
                     w[key] = self._tensor(a[key], res, (1, -1))
             for name in ("qkv", "attn_out", "ffn_in", "ffn_out"):
                 key = f"blocks.{i}.{name}"
-                w[key + ".w"] = self._tensor(a[key + ".w"], f.vit_weights)
+                weights = mlp if name.startswith("ffn") else attention
+                w[key + ".w"] = self._tensor(weights(a[key + ".w"]), f.vit_weights)
                 w[key + ".b"] = self._tensor(a[key + ".b"], act, (1, -1))
         for part in ("w", "b"):
             w[f"final_norm.{part}"] = self._tensor(a[f"final_norm.{part}"], res, (1, -1))
         for k in range(len(p["taps"])):
-            w[f"neck_in0.{k}.w"] = self._tensor(a[f"neck_in0.{k}.w"], f.decoder_weights)
+            w[f"neck_in0.{k}.w"] = self._tensor(attention(a[f"neck_in0.{k}.w"]), f.decoder_weights)
         w["neck_in0.const"] = self._tensor(a["neck_in0.const"], res, (1, 1) + a["neck_in0.const"].shape)
         for i in range(1, len(p["levels"]) - 1):
             key = f"neck.const.{i}"
@@ -490,6 +507,13 @@ class TtnnGraph:
         self.loaded = True
         if prepare_convs:
             self.forward(self.upload(np.zeros((p["seq_len"], p["patch_k_padded"]), np.float32)))
+
+    def _matmul_weights(self, fidelity: str):
+        """The host-side treatment of the weights of matmuls run at `fidelity`: rounded to what LoFi reads
+        (`GraphConfig.round_lofi_weights`), else as they are."""
+        if fidelity == "lofi" and self.config.round_lofi_weights:
+            return lambda array: round_significant(array, LOFI_WEIGHT_BITS)
+        return lambda array: array
 
     def _level0_folds(self) -> list:
         """Chained decoder: the level-0 upsamples run as matmul + pixel shuffle (`_upsample0`): (stack key, whether
