@@ -147,10 +147,11 @@ class GraphConfig:
     placement: "dram" (every activation in DRAM, interleaved) or "l1" (the encoder's activations in L1,
     interleaved, where they fit; the decoder's as its decoder mode says). decoder: "sliced" (each 3x3 conv placed
     on its own, DRAM in and out) or "chained" (L1 height-sharded from conv to conv, where the maps fit).
-    Fidelities: "hifi4", "hifi2", "lofi" for the attention projections (qkv, attention output, patch and tap
-    matmuls), the MLP, SDPA, the decoder's convs and 1x1 convs of the coarse levels, those of the finest level
-    with the phase-folded finest conv, and the layer norms. whole_grid: matmul blocks that need not divide the
-    tile counts, so that a 1024-wide matmul uses 11-13 columns instead of 8. output: "tiles" (the finest
+    Fidelities: "hifi4", "hifi2", "lofi" for the attention projections (qkv, attention output), the patch and
+    tap matmuls (tap_fidelity; "": as the attention's), the MLP, SDPA, the decoder's convs and 1x1 convs of the
+    coarse levels, those of the finest level with the phase-folded finest conv, and the layer norms. whole_grid:
+    matmul blocks that need not divide the tile counts, so that a 1024-wide matmul uses 11-13 columns instead of
+    8. output: "tiles" (the finest
     maps read back in tile layout, untilized by the host) or "rows" (untilized on the device). sdpa_q_chunk,
     sdpa_k_chunk: SDPA's query and key chunks (tokens), or with sdpa_even their largest sizes, the chunks then
     planned from the grid (`TtnnGraph._sdpa_chunks`). round_lofi_weights: the weights of a matmul run at LoFi
@@ -161,6 +162,7 @@ class GraphConfig:
     placement: str = "dram"
     decoder: str = "sliced"
     attention_fidelity: str = "hifi4"
+    tap_fidelity: str = ""
     mlp_fidelity: str = "hifi4"
     sdpa_fidelity: str = "hifi4"
     decoder_fidelity: str = "hifi4"
@@ -179,8 +181,8 @@ class GraphConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GraphConfig.{name}: expected one of {list(allowed)}, got {getattr(self, name)!r}")
-        for name in ("attention", "mlp", "sdpa", "decoder", "finest", "norm"):
-            value = getattr(self, name + "_fidelity")
+        for name in ("attention", "tap", "mlp", "sdpa", "decoder", "finest", "norm"):
+            value = getattr(self, name + "_fidelity") or (self.attention_fidelity if name == "tap" else "")
             if value not in _FIDELITIES:
                 raise ValueError(f"GraphConfig.{name}_fidelity: expected one of {sorted(_FIDELITIES)}, got {value!r}")
         for name in ("sdpa_q_chunk", "sdpa_k_chunk"):
@@ -194,8 +196,9 @@ CONFIGS = {
     "fast": GraphConfig(
         placement="l1",
         decoder="chained",
-        attention_fidelity="hifi2",
-        mlp_fidelity="hifi2",
+        attention_fidelity="lofi",
+        tap_fidelity="hifi2",
+        mlp_fidelity="lofi",
         sdpa_fidelity="hifi2",
         decoder_fidelity="hifi2",
         finest_fidelity="hifi4",
@@ -338,6 +341,7 @@ class TtnnGraph:
 
         c = config
         self.ck_attention = compute(c.attention_fidelity)
+        self.ck_tap = compute(c.tap_fidelity or c.attention_fidelity)
         self.ck_mlp = compute(c.mlp_fidelity)
         self.ck_decoder = compute(c.decoder_fidelity)
         self.ck_finest = compute(c.finest_fidelity)
@@ -459,11 +463,10 @@ class TtnnGraph:
         p, f, a = self.plan, self.formats, self.prepared.arrays
         res, act = f.residual, f.activations
         w = self.w
-        attention, mlp = (
-            self._matmul_weights(self.config.attention_fidelity),
-            self._matmul_weights(self.config.mlp_fidelity),
-        )
-        w["patch.w"] = self._tensor(attention(a["patch.w"]), f.decoder_weights)
+        c = self.config
+        attention, mlp = self._matmul_weights(c.attention_fidelity), self._matmul_weights(c.mlp_fidelity)
+        tap = self._matmul_weights(c.tap_fidelity or c.attention_fidelity)
+        w["patch.w"] = self._tensor(tap(a["patch.w"]), f.decoder_weights)
         w["token_table"] = self._tensor(a["token_table"], res, (1, 1) + a["token_table"].shape)
         for i in range(p["blocks"]):
             for norm in ("norm1", "norm2"):
@@ -478,7 +481,7 @@ class TtnnGraph:
         for part in ("w", "b"):
             w[f"final_norm.{part}"] = self._tensor(a[f"final_norm.{part}"], res, (1, -1))
         for k in range(len(p["taps"])):
-            w[f"neck_in0.{k}.w"] = self._tensor(attention(a[f"neck_in0.{k}.w"]), f.decoder_weights)
+            w[f"neck_in0.{k}.w"] = self._tensor(tap(a[f"neck_in0.{k}.w"]), f.decoder_weights)
         w["neck_in0.const"] = self._tensor(a["neck_in0.const"], res, (1, 1) + a["neck_in0.const"].shape)
         for i in range(1, len(p["levels"]) - 1):
             key = f"neck.const.{i}"
@@ -591,7 +594,7 @@ class TtnnGraph:
             x,
             w["patch.w"],
             program_config=self.pc["patch"],
-            compute_kernel_config=self.ck_attention,
+            compute_kernel_config=self.ck_tap,
             dtype=res,
             memory_config=mem,
         )
@@ -616,7 +619,7 @@ class TtnnGraph:
                     h,
                     w[f"neck_in0.{k}.w"],
                     program_config=self.pc["tap"],
-                    compute_kernel_config=self.ck_attention,
+                    compute_kernel_config=self.ck_tap,
                     dtype=res,
                     memory_config=mem,
                 )
@@ -863,7 +866,8 @@ class TtnnGraph:
         self.convs[key + ".convt"] = (weight, bias)
         z = self._conv(y, key + ".conv", 2 * height, 2 * width)
         T.deallocate(y)
-        if self.chained:  # z was placed below y (still live then): moved up, out of the next convs' buffers
+        if self.chained and 2 * height == self.plan["finest"]["in_height"]:
+            # the finest level's map was placed below y (still live then): moved up, out of the next convs' buffers
             z = T.reallocate(z)
         return z
 
