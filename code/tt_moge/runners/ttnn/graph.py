@@ -36,14 +36,15 @@ Formats (`FORMATS`, `Formats`) say what precision each tensor is stored in; conf
 chunks and exp, how the decoder runs. Two are named:
 
 * "fast" (the default). The encoder keeps every activation in L1 (interleaved over all cores' L1: the residual
-  stream, layer norms and adds never touch DRAM), its 1024-wide matmuls use the whole grid (uneven per-core
-  blocks), qkv, the attention projection and the MLP run at HiFi2, SDPA in 256 / 512 chunks with the
-  approximate exp; the decoder's convs are chained in L1, height-sharded, each conv's output feeding the next
-  conv, ReLU and residual add where it lies (no round trip through DRAM, no resharding between ops), at HiFi2
-  (HiFi4 at the finest level); the level-0 upsamples are matmuls and a pixel shuffle; the finest maps are
-  untilized on the device. Where a token budget's maps would not fit L1, the encoder or the decoder falls back
-  to DRAM (`TtnnGraph._placement`). Why each choice, and the accuracy it keeps (measured in the
-  fidelity-aware emulator) and the time it buys (the cost model, `cost.py`), are in docs/tenstorrent.md.
+  stream, layer norms and adds never touch DRAM), its 1024-wide matmuls use the whole grid (uneven per-core blocks),
+  qkv, the attention projection and the MLP run at LoFi with their weights rounded to the bits LoFi reads (the patch
+  and tap matmuls at HiFi2), SDPA in query chunks split evenly over each head's cores and key chunks under 512, with
+  the approximate exp; the decoder's convs are chained in L1, height-sharded, each conv's output feeding the next
+  conv, ReLU and residual add where it lies (no round trip through DRAM, no resharding between ops), at HiFi2 (HiFi4
+  at the finest level); the level-0 upsamples are matmuls and a pixel shuffle; the finest maps are untilized on the
+  device. Where a token budget's maps would not fit L1, the encoder or the decoder falls back to DRAM
+  (`TtnnGraph._placement`). Why each choice, and the accuracy it keeps (measured in the fidelity-aware emulator) and
+  the time it buys (the cost model, `cost.py`), are in docs/tenstorrent.md.
 * "safe": the first graph that ran on the mock: every activation in DRAM, HiFi4 everywhere, exact exp, each
   conv placed on its own (in L1 when small, else DRAM-sliced by rows). Slower, simpler, and the switch back
   ($MOGE_TTNN_GRAPH=safe) where a choice of "fast" cannot be checked without silicon.
@@ -147,16 +148,15 @@ class GraphConfig:
     placement: "dram" (every activation in DRAM, interleaved) or "l1" (the encoder's activations in L1,
     interleaved, where they fit; the decoder's as its decoder mode says). decoder: "sliced" (each 3x3 conv placed
     on its own, DRAM in and out) or "chained" (L1 height-sharded from conv to conv, where the maps fit).
-    Fidelities: "hifi4", "hifi2", "lofi" for the attention projections (qkv, attention output), the patch and
-    tap matmuls (tap_fidelity; "": as the attention's), the MLP, SDPA, the decoder's convs and 1x1 convs of the
-    coarse levels, those of the finest level with the phase-folded finest conv, and the layer norms. whole_grid:
-    matmul blocks that need not divide the tile counts, so that a 1024-wide matmul uses 11-13 columns instead of
-    8. output: "tiles" (the finest
-    maps read back in tile layout, untilized by the host) or "rows" (untilized on the device). sdpa_q_chunk,
-    sdpa_k_chunk: SDPA's query and key chunks (tokens), or with sdpa_even their largest sizes, the chunks then
-    planned from the grid (`TtnnGraph._sdpa_chunks`). round_lofi_weights: the weights of a matmul run at LoFi
-    are rounded to nearest at the 5 significant bits LoFi's one pass reads of them (`round_significant`), so that
-    the pass's cut toward zero loses nothing more (an unbiased error half as large as the cut's).
+    Fidelities: "hifi4", "hifi2", "lofi" for the attention projections (qkv, attention output), the patch and tap
+    matmuls (tap_fidelity; "": as the attention's), the MLP, SDPA, the decoder's convs and 1x1 convs of the coarse
+    levels, those of the finest level with the phase-folded finest conv, and the layer norms. whole_grid: matmul
+    blocks that need not divide the tile counts, so that a 1024-wide matmul uses 11-13 columns instead of 8. output:
+    "tiles" (the finest maps read back in tile layout, untilized by the host) or "rows" (untilized on the device).
+    sdpa_q_chunk, sdpa_k_chunk: SDPA's query and key chunks (tokens), or with sdpa_even their largest sizes, the
+    chunks then planned from the grid (`TtnnGraph._sdpa_chunks`). round_lofi_weights: the weights of a matmul run at
+    LoFi are rounded to nearest at the 5 significant bits LoFi's one pass reads of them (`round_significant`), so
+    that the pass's cut toward zero loses nothing more (an unbiased error half as large as the cut's).
     """
 
     placement: str = "dram"
