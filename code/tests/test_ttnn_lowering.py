@@ -268,7 +268,7 @@ def test_the_emulator_sees_each_fidelity_choice():
     where that op acts (so the accuracy table of docs/tenstorrent.md is not optimistic). Measured from one
     configuration with every ViT matmul at HiFi2, one change at a time (LoFi with its weights as they are, so that
     what is seen is the fidelity itself)."""
-    base = _fast(attention_fidelity="hifi2", mlp_fidelity="hifi2")
+    base = _fast(attention_fidelity="hifi2", tap_fidelity="", mlp_fidelity="hifi2")  # taps as the attention's
     hifi2 = _compare("tiny-vits-normal", config=base)
     hifi4 = _compare("tiny-vits-normal", config=dataclasses.replace(base, attention_fidelity="hifi4"))
     assert hifi4["encoder_rms"] < 0.8 * hifi2["encoder_rms"]

@@ -59,7 +59,7 @@ def _report(tmp_path, *args: str) -> dict:
 def _summary(done: subprocess.CompletedProcess) -> dict:
     match = re.search(
         r"^OK: (\S+) at (\d+)x(\d+), (\d+) tokens, \S+: (\d+) ttnn calls \((\d+) device operations\) ran; "
-        r"peak L1 per core (\d+) B of (\d+) B",
+        r"peak L1 per core (\d+|\?) B of (\d+|\?) B",  # "?" without the L1 bisection (--no-l1-headroom)
         done.stdout,
         re.M,
     )
@@ -71,8 +71,8 @@ def _summary(done: subprocess.CompletedProcess) -> dict:
         "tokens": int(tokens),
         "calls": int(calls),
         "ops": int(ops),
-        "peak": int(peak),
-        "bank": int(bank),
+        "peak": None if peak == "?" else int(peak),
+        "bank": None if bank == "?" else int(bank),
     }
 
 
