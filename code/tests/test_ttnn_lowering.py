@@ -594,8 +594,9 @@ def test_emulator_formats_match_ttnn_host_conversions():
 
 # The CPU bfloat16 graph's limits with the issue's depth bound after the full pipeline (1e-3), the full-size mask
 # probability limit of the CPU graph (0.06), and the class token's (it feeds only the scale MLP, whose own limit
-# holds) loosened to what the fast graph's HiFi2 projections give ViT-L. Observed: docs/performance.md.
-FULL_SIZE_LIMITS = {**DEVICE_LIMITS, "mask_prob": 0.06, "depth": 1e-3, "cls_token": 0.03}
+# holds: 4.6e-4 against 0.005) loosened to what the fast graph's LoFi projections give ViT-L (0.0495; 0.020 with
+# the HiFi2 projections before issue 27's grid work). Observed: docs/performance.md.
+FULL_SIZE_LIMITS = {**DEVICE_LIMITS, "mask_prob": 0.06, "depth": 1e-3, "cls_token": 0.06}
 
 
 @pytest.mark.full_size
