@@ -377,11 +377,12 @@ def _block_input(net, prepared: Prepared, image: torch.Tensor) -> torch.Tensor:
         return torch.cat([tokens] + prefix, dim=1)
 
 
-@pytest.mark.parametrize("exact,min_pcc", [(True, 0.999999), (False, 0.9999)])
+@pytest.mark.parametrize("exact,min_pcc", [(True, 0.999999), (False, 0.9995)])
 def test_vit_block_pcc(exact, min_pcc):
     """One DINOv2 block (layer norms, qkv, head split, SDPA, LayerScale-folded projections, GELU MLP) against the
     reference `Block` on the same tokens (attention is indifferent to the token order). Compared: the block's
-    update (output - input), which a broken block changes visibly; the output itself is mostly its input."""
+    update (output - input), which a broken block changes visibly; the output itself is mostly its input. In the
+    device formats the fast graph's LoFi projections put the update's PCC at 0.99974 (0.9999 at HiFi2)."""
     net, prepared = _network("tiny-vits-normal"), _prepared("tiny-vits-normal")
     x = _block_input(net, prepared, calibration_image(*SMALL, seed=3))
     graph = _graph(prepared, exact=exact)
