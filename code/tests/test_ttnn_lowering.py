@@ -398,10 +398,11 @@ def test_vit_block_pcc(exact, min_pcc):
             assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref - x0).max()
 
 
-@pytest.mark.parametrize("exact,min_pcc", [(True, 0.99999), (False, 0.9999)])
+@pytest.mark.parametrize("exact,min_pcc", [(True, 0.99999), (False, 0.9995)])
 def test_encoder_pcc(exact, min_pcc):
     """Patch matmul + token table, the blocks, the taps' norms and projections -> the neck's level-0 input and the
-    class token, against the reference encoder and level-0 conv."""
+    class token, against the reference encoder and level-0 conv. In the device formats the fast graph's LoFi
+    projections put the class token's PCC at 0.99972 (0.9999 at HiFi2)."""
     net, prepared = _network("tiny-vits-normal"), _prepared("tiny-vits-normal")
     image = calibration_image(*SMALL, seed=4)
     graph = _graph(prepared, exact=exact)
