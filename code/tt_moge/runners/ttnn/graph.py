@@ -218,8 +218,11 @@ LOFI_WEIGHT_BITS = 5  # the significant bits of the weights (SrcA) that LoFi's o
 
 def round_significant(a: np.ndarray, bits: int) -> np.ndarray:
     """float32 values rounded to nearest (ties to even) at `bits` significant bits, the implicit one included."""
-    m, e = np.frexp(np.asarray(a, dtype=np.float32))  # a = m 2^e, |m| in [0.5, 1)
-    return np.ldexp(np.round(m * 2.0**bits) / 2.0**bits, e).astype(np.float32)
+    i = np.array(a, dtype=np.float32).view(np.int32)  # a copy, as its bits: sign, exponent, 23 mantissa bits
+    shift = 24 - bits  # the mantissa bits dropped
+    i += (1 << (shift - 1)) - 1 + ((i >> shift) & 1)  # half an ulp (ties to even); a carry moves up the exponent
+    i &= ~np.int32((1 << shift) - 1)
+    return i.view(np.float32)
 
 
 def _cdiv(a: int, b: int) -> int:
