@@ -32,7 +32,7 @@ from tt_moge.runners.ttnn.pre import DeviceInput
 from tt_moge.runners.ttnn.prepare import depth_to_space, metric_scale, phase_fold, resize_antialiased, resize_bilinear
 from tt_moge.testing import calibration_image, make_network, model_config
 
-from .ttnn_emulator import TtnnEmulator, round_bf16, round_bfp8
+from .ttnn_emulator import EmulatedDevice, TtnnEmulator, round_bf16, round_bfp8, truncate_bits
 
 SMALL, SMALL_TOKENS = (224, 126), 300  # a small 16:9 canvas: seconds on 2 cores
 
@@ -68,6 +68,8 @@ def _graph(prepared: Prepared, formats="bf16", exact=False, prepare_convs=False,
     """The graph on a fresh emulator. prepare_convs: run load()'s conv-preparing forward first, so that the
     forward under test reuses "device-prepared" conv weights (as on a chip); the other tests skip it."""
     emulator = TtnnEmulator(exact=exact)
+    if exact:  # float32 everything: no formats, and no weights rounded to what LoFi reads (a format choice too)
+        config = dataclasses.replace(CONFIGS[config] if isinstance(config, str) else config, round_lofi_weights=False)
     graph = TtnnGraph(emulator, emulator.open_device(), prepared, formats=formats, config=config)
     graph.load(prepare_convs=prepare_convs)
     return graph
@@ -275,18 +277,86 @@ def test_device_formats_are_within_documented_limits(formats, config):
 
 
 def test_the_emulator_sees_each_fidelity_choice():
-    """The fidelity-aware emulator is not blind to the fast graph's choices: each lower fidelity it makes costs
-    accuracy where that op acts (so the accuracy table of docs/tenstorrent.md is not optimistic)."""
-    fast = _compare("tiny-vits-normal")
-    assert (
-        _compare("tiny-vits-normal", config=_fast(attention_fidelity="hifi4"))["encoder_rms"]
-        < 0.8 * fast["encoder_rms"]
-    )
-    assert _compare("tiny-vits-normal", config=_fast(mlp_fidelity="lofi"))["cls_token"] > 2 * fast["cls_token"]
-    assert (
-        _compare("tiny-vits-normal", config=_fast(decoder_fidelity="lofi"))["normal_deg_p99"]
-        > 1.5 * fast["normal_deg_p99"]
-    )
+    """The fidelity-aware emulator is not blind to the fast graph's choices: each lower fidelity costs accuracy
+    where that op acts (so the accuracy table of docs/tenstorrent.md is not optimistic). Measured from one
+    configuration with every ViT matmul at HiFi2, one change at a time (LoFi with its weights as they are, so that
+    what is seen is the fidelity itself)."""
+    base = _fast(attention_fidelity="hifi2", tap_fidelity="", mlp_fidelity="hifi2")  # taps as the attention's
+    hifi2 = _compare("tiny-vits-normal", config=base)
+    hifi4 = _compare("tiny-vits-normal", config=dataclasses.replace(base, attention_fidelity="hifi4"))
+    assert hifi4["encoder_rms"] < 0.8 * hifi2["encoder_rms"]
+    mlp_lofi = dataclasses.replace(base, mlp_fidelity="lofi", round_lofi_weights=False)
+    assert _compare("tiny-vits-normal", config=mlp_lofi)["cls_token"] > 2 * hifi2["cls_token"]
+    decoder_lofi = dataclasses.replace(base, decoder_fidelity="lofi")
+    assert _compare("tiny-vits-normal", config=decoder_lofi)["normal_deg_p99"] > 1.5 * hifi2["normal_deg_p99"]
+
+
+def test_lofi_weights_are_rounded_to_what_lofi_reads():
+    """A matmul at LoFi reads 5 significant bits of its weights and cuts the rest toward zero; the graph uploads
+    those weights rounded to nearest at 5 bits (`GraphConfig.round_lofi_weights`), which the cut leaves as they
+    are: an unbiased error half as large. Checked on the uploaded weights, and on the class token (the ViT output
+    the MLP's error reaches most): at most 0.7x the error of the cut weights (observed about 0.5x)."""
+    prepared = _prepared("tiny-vits-normal")
+    lofi = _fast(mlp_fidelity="lofi", attention_fidelity="hifi2", round_lofi_weights=True)
+    graph = _graph(prepared, config=lofi)
+    ffn = graph.w["blocks.0.ffn_in.w"].data
+    assert torch.equal(truncate_bits(ffn, 5), ffn), "LoFi weights not on LoFi's 5 significant bits"
+    assert not torch.equal(ffn, round_bf16(torch.from_numpy(prepared.arrays["blocks.0.ffn_in.w"]).float()))
+    qkv = graph.w["blocks.0.qkv.w"].data  # HiFi2: as they are (bfloat16)
+    assert torch.equal(qkv, round_bf16(torch.from_numpy(prepared.arrays["blocks.0.qkv.w"]).float()))
+    rounded = _compare("tiny-vits-normal", config=lofi)
+    cut = _compare("tiny-vits-normal", config=dataclasses.replace(lofi, round_lofi_weights=False))
+    assert rounded["cls_token"] < 0.7 * cut["cls_token"], (rounded, cut)
+
+
+@pytest.mark.parametrize("grid", [(13, 10), (12, 10), (11, 10)])
+def test_the_graph_plans_from_the_grid_the_device_reports(grid):
+    """Matmul program configs, SDPA's grid and chunks and the decoder's level sharding all come from
+    `compute_with_storage_grid_size()`: on a smaller grid no config asks for a column it lacks, and the forward
+    is the same."""
+    prepared = _prepared("tiny-vits-normal")
+    emulator = TtnnEmulator()
+    graph = TtnnGraph(emulator, EmulatedDevice(grid), prepared, config="fast")
+    assert graph.grid == grid and graph.num_cores == grid[0] * grid[1]
+    for name, pc in graph.pc.items():
+        size = pc.compute_with_storage_grid_size
+        assert size.x <= grid[0] and size.y <= grid[1], name
+    sdpa_grid = graph.sdpa_config.compute_with_storage_grid_size
+    assert (sdpa_grid.x, sdpa_grid.y) == grid
+    graph.load(prepare_convs=False)
+    fin = prepared.plan["finest"]
+    _, shard_rows = graph._level_sharding(fin["in_height"], fin["in_width"])
+    assert _cdiv(fin["in_height"] * fin["in_width"], shard_rows) <= graph.num_cores
+    image = calibration_image(*SMALL, seed=6)
+    raw, _, cls_token = _run(graph, prepared, image)
+    full = _graph(prepared, config="fast")  # the emulator's default device: 13x10
+    raw_full, _, cls_full = _run(full, prepared, image)
+    assert np.array_equal(cls_token, cls_full)
+    for key, value in raw_full.items():
+        if isinstance(value, np.ndarray):
+            assert np.array_equal(raw[key], value), key
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("grid,per_core", [((13, 10), 8), ((12, 10), 9), ((11, 10), 10)])
+def test_sdpa_query_chunks_split_evenly_over_each_heads_cores(grid, per_core):
+    """ttnn's SDPA gives each of ViT-L's 16 heads grid // 16 cores and ceil(chunks / cores) query chunks to each:
+    the fast graph's chunks fill those cores once (58 query tiles: 8 a core at 13x10, 9 at 12x10, 10 at 11x10;
+    fixed 256-token chunks give 12x10 and 11x10 16); its key chunks are the most even split under 512 tokens."""
+    import types
+
+    cores = grid[0] * grid[1]
+    fake = types.SimpleNamespace(config=CONFIGS["fast"], plan={"seq_len": 1825, "num_heads": 16}, num_cores=cores)
+    q_chunk, k_chunk = TtnnGraph._sdpa_chunks(fake)
+    tiles, per_head = _cdiv(1825, 32), cores // 16
+    assert q_chunk % 32 == 0 and k_chunk % 32 == 0
+    assert q_chunk // 32 == per_core and _cdiv(tiles, q_chunk // 32) <= per_head
+    assert k_chunk <= 512 and _cdiv(tiles, k_chunk // 32) == _cdiv(tiles, 16) and k_chunk == 480
+    safe = types.SimpleNamespace(config=CONFIGS["safe"], plan=fake.plan, num_cores=cores)
+    assert TtnnGraph._sdpa_chunks(safe) == (256, 256)
 
 
 # Observed (this network and ViT-L) and what a bfloat16 stream would save: docs/performance.md.
@@ -320,11 +390,12 @@ def _block_input(net, prepared: Prepared, image: torch.Tensor) -> torch.Tensor:
         return torch.cat([tokens] + prefix, dim=1)
 
 
-@pytest.mark.parametrize("exact,min_pcc", [(True, 0.999999), (False, 0.9999)])
+@pytest.mark.parametrize("exact,min_pcc", [(True, 0.999999), (False, 0.9995)])
 def test_vit_block_pcc(exact, min_pcc):
     """One DINOv2 block (layer norms, qkv, head split, SDPA, LayerScale-folded projections, GELU MLP) against the
     reference `Block` on the same tokens (attention is indifferent to the token order). Compared: the block's
-    update (output - input), which a broken block changes visibly; the output itself is mostly its input."""
+    update (output - input), which a broken block changes visibly; the output itself is mostly its input. In the
+    device formats the fast graph's LoFi projections put the update's PCC at 0.99974 (0.9999 at HiFi2)."""
     net, prepared = _network("tiny-vits-normal"), _prepared("tiny-vits-normal")
     x = _block_input(net, prepared, calibration_image(*SMALL, seed=3))
     graph = _graph(prepared, exact=exact)
@@ -340,10 +411,11 @@ def test_vit_block_pcc(exact, min_pcc):
             assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref - x0).max()
 
 
-@pytest.mark.parametrize("exact,min_pcc", [(True, 0.99999), (False, 0.9999)])
+@pytest.mark.parametrize("exact,min_pcc", [(True, 0.99999), (False, 0.9995)])
 def test_encoder_pcc(exact, min_pcc):
     """Patch matmul + token table, the blocks, the taps' norms and projections -> the neck's level-0 input and the
-    class token, against the reference encoder and level-0 conv."""
+    class token, against the reference encoder and level-0 conv. In the device formats the fast graph's LoFi
+    projections put the class token's PCC at 0.99972 (0.9999 at HiFi2)."""
     net, prepared = _network("tiny-vits-normal"), _prepared("tiny-vits-normal")
     image = calibration_image(*SMALL, seed=4)
     graph = _graph(prepared, exact=exact)
@@ -537,8 +609,9 @@ def test_emulator_formats_match_ttnn_host_conversions():
 
 # The CPU bfloat16 graph's limits with the issue's depth bound after the full pipeline (1e-3), the full-size mask
 # probability limit of the CPU graph (0.06), and the class token's (it feeds only the scale MLP, whose own limit
-# holds) loosened to what the fast graph's HiFi2 projections give ViT-L. Observed: docs/performance.md.
-FULL_SIZE_LIMITS = {**DEVICE_LIMITS, "mask_prob": 0.06, "depth": 1e-3, "cls_token": 0.03}
+# holds: 4.6e-4 against 0.005) loosened to what the fast graph's LoFi projections give ViT-L (0.0495; 0.020 with
+# the HiFi2 projections before issue 27's grid work). Observed: docs/performance.md.
+FULL_SIZE_LIMITS = {**DEVICE_LIMITS, "mask_prob": 0.06, "depth": 1e-3, "cls_token": 0.06}
 
 
 @pytest.mark.full_size
@@ -570,6 +643,11 @@ _STUDY = {
     "fast-decoder-hifi4": ("bf16", _fast(decoder_fidelity="hifi4")),
     "fast-decoder-lofi": ("bf16", _fast(decoder_fidelity="lofi")),
     "fast-norm-hifi2": ("bf16", _fast(norm_fidelity="hifi2")),
+    "fast-mlp-lofi": ("bf16", _fast(mlp_fidelity="lofi")),
+    "fast-mlp-lofi-cut": ("bf16", _fast(mlp_fidelity="lofi", round_lofi_weights=False)),
+    "fast-lofi": ("bf16", _fast(mlp_fidelity="lofi", attention_fidelity="lofi")),
+    "fast-lofi-taps-hifi2": ("bf16", _fast(mlp_fidelity="lofi", attention_fidelity="lofi", tap_fidelity="hifi2")),
+    "fast-lofi-cut": ("bf16", _fast(mlp_fidelity="lofi", attention_fidelity="lofi", round_lofi_weights=False)),
     "fast-bfp8-all-hifi2": ("bfp8-vit", _fast(sdpa_exp_approx=False)),  # the fast graph is already HiFi2
     "fast-bfp8-decoder": ("bfp8-decoder", "fast"),
     "fast-bfp8-decoder-maps": (Formats(decoder_weights="bfloat8_b", decoder_activations="bfloat8_b"), "fast"),

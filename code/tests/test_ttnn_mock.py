@@ -59,7 +59,7 @@ def _report(tmp_path, *args: str) -> dict:
 def _summary(done: subprocess.CompletedProcess) -> dict:
     match = re.search(
         r"^OK: (\S+) at (\d+)x(\d+), (\d+) tokens, \S+: (\d+) ttnn calls \((\d+) device operations\) ran; "
-        r"peak L1 per core (\d+) B of (\d+) B",
+        r"peak L1 per core (\d+|\?) B of (\d+|\?) B",  # "?" without the L1 bisection (--no-l1-headroom)
         done.stdout,
         re.M,
     )
@@ -71,16 +71,22 @@ def _summary(done: subprocess.CompletedProcess) -> dict:
         "tokens": int(tokens),
         "calls": int(calls),
         "ops": int(ops),
-        "peak": int(peak),
-        "bank": int(bank),
+        "peak": None if peak == "?" else int(peak),
+        "bank": None if bank == "?" else int(bank),
     }
 
 
-# The fast graph's estimated network forward at the spec case must not grow past this (docs/performance.md): 16.15
-# ms at 13x10 under the calibrated model of issue 27. The issue's goal, 15 ms, is the graph's to reach (issue 27,
-# item 4). The input and output sides on the device (pre.py, post.py: group "input_output") have their own: 4.70 ms.
-FORWARD_BUDGET_MS = 16.5
+# The spec's P150 grid (12x10) and current P150 firmware's (11x10); the mock's full grid (13x10) is not run at the spec
+# case any more: the graph plans from whatever grid the device reports, and the two smaller grids are the harder ones.
+GRIDS = ("12x10", "11x10")
+
+# The fast graph's estimated network forward at the spec case must not grow past this, per grid (docs/performance.md:
+# the estimates under the calibrated model of issue 27). Issue 27's goal: 15 ms on both. The input and output sides
+# on the device (pre.py, post.py: group "input_output") have their own budget.
+FORWARD_BUDGET_MS = {"12x10": 15.0, "11x10": 15.0}
 INPUT_OUTPUT_BUDGET_MS = 5.0
+
+SPEC_CASE = ("--random", "vitl-normal", "--resolution", "1920x1080", "--num-tokens", "1800")
 
 
 def _network_ms(est: dict) -> float:
@@ -88,32 +94,43 @@ def _network_ms(est: dict) -> float:
     return est["total"] - est["input_output"]
 
 
-@pytest.fixture(scope="module")
-def fast_vitl_report(tmp_path_factory) -> dict:
-    """The mock check's report of the fast graph (the default) on ViT-L at 1920x1080 / 1800 tokens, run once."""
-    tmp_path = tmp_path_factory.mktemp("fast-vitl")
-    return _report(tmp_path, "--random", "vitl-normal", "--resolution", "1920x1080", "--num-tokens", "1800")
+@pytest.fixture(scope="module", params=GRIDS)
+def fast_vitl_report(request, tmp_path_factory) -> dict:
+    """The mock check's report of the fast graph (the default) on ViT-L at 1920x1080 / 1800 tokens, run once per
+    grid; the calibration (which does not depend on the grid: stored op lists) with the first grid only."""
+    grid = request.param
+    tmp_path = tmp_path_factory.mktemp(f"fast-vitl-{grid}")
+    calibration = () if grid == GRIDS[0] else ("--no-calibration",)
+    return _report(tmp_path, *SPEC_CASE, "--grid", grid, *calibration)
 
 
 @pytest.mark.full_size
 def test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budget(fast_vitl_report):
-    """The fast graph (the default) at 1920x1080 / 1800 tokens: every op accepted, L1 fitting, the cost model's
-    estimate of the forward within budget, and the report's calibration block: one entry per published figure of
-    tt-metal's Blackhole demos, at least half held out, the held-out errors within the issue's goals."""
+    """The fast graph (the default) at 1920x1080 / 1800 tokens on each P150 grid: the device reports the grid asked
+    for, every op accepted, L1 fitting (with headroom: the bisection found a reservation it survives), the cost
+    model's estimate of the forward within budget, and (first grid) the report's calibration block: one entry per
+    published figure of tt-metal's Blackhole demos, at least half held out, the held-out errors within the
+    issue's goals."""
     report = fast_vitl_report
+    grid = report["grid"]
+    assert grid in GRIDS and report["estimate_ms"]["grid"] == grid
     got = report["summary"]
     assert got["backbone"] == "dinov2_vitl14" and got["canvas"] == (1920, 1080) and got["tokens"] == 1800
     assert got["calls"] > 600 and got["ops"] > 700, "24 blocks and the decoder: far more ops than this"
     assert 0 < got["peak"] < got["bank"]
     assert report["graph"]["encoder_in_l1"] and report["graph"]["decoder_chained"]
+    assert report["graph"]["grid"] == [int(v) for v in grid.split("x")]
     est = report["estimate_ms"]
-    assert _network_ms(est) <= FORWARD_BUDGET_MS, est
+    assert _network_ms(est) <= FORWARD_BUDGET_MS[grid], est
     assert 0 < est["input_output"] <= INPUT_OUTPUT_BUDGET_MS, est
     assert est["total"] == pytest.approx(
         sum(est[g] for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers", "input_output")), abs=0.01
     )
     assert est["total"] == pytest.approx(est["kernel"] + est["dispatch"], abs=0.01)
     assert len(est["top"]) == 10 and est["device_ops"] > 400
+    if grid != GRIDS[0]:
+        assert "calibration" not in report
+        return
     calibration = report["calibration"]
     points = calibration["points"]
     from tt_moge.ttnn_tools.calibration import POINTS
@@ -127,23 +144,21 @@ def test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budg
 
 
 @pytest.mark.full_size
-def test_the_safe_graph_still_runs_and_costs_more(tmp_path, fast_vitl_report):
-    """$MOGE_TTNN_GRAPH=safe, the switch back: the first graph (DRAM activations, HiFi4) runs on the mock too, and
-    the cost model sees what the fast graph buys."""
+def test_the_safe_graph_still_runs_and_costs_more(tmp_path):
+    """$MOGE_TTNN_GRAPH=safe, the switch back: the first graph (DRAM activations, HiFi4) runs on the mock too (on
+    the spec's grid; no L1 bisection), and the cost model sees what the fast graph buys."""
     report = _report(
-        tmp_path,
-        "--random",
-        "vitl-normal",
-        "--resolution",
-        "1920x1080",
-        "--num-tokens",
-        "1800",
-        "--config",
-        "safe",
-        "--no-calibration",
+        tmp_path, *SPEC_CASE, "--grid", GRIDS[0], "--config", "safe", "--no-calibration", "--no-l1-headroom"
     )
     assert not report["graph"]["encoder_in_l1"] and not report["graph"]["decoder_chained"]
-    assert _network_ms(report["estimate_ms"]) > 2 * _network_ms(fast_vitl_report["estimate_ms"])
+    assert _network_ms(report["estimate_ms"]) > 2 * FORWARD_BUDGET_MS[GRIDS[0]]
+
+
+def test_an_impossible_grid_is_refused_before_anything_runs():
+    """--grid takes what harvesting can give (C columns of 1 to 13, 10 rows); anything else is a usage error."""
+    for grid in ("12x8", "14x10", "twelve"):
+        done = _check("--random", "vits", "--grid", grid)
+        assert done.returncode == 2 and f"--grid {grid}: expected CxR" in done.stderr
 
 
 def test_the_stored_calibration_runs_are_what_the_mock_runs_now(tmp_path):
@@ -173,15 +188,19 @@ def test_vits_on_another_canvas_runs_on_the_mock_p150(tmp_path):
     assert report["graph"]["decoder_chained"] and report["estimate_ms"]["total"] > 0
 
 
-def test_no_normal_head_on_square_canvases_runs_on_the_mock_p150(tmp_path):
-    """A checkpoint without a normal head (two heads) on a square canvas: at 1600 tokens chained in L1, at the
-    top of the token budget (3600) the decoder falls back to DRAM slicing (its finest maps no longer fit L1)."""
-    small = _report(tmp_path, "--random", "vits", "--resolution", "896x896", "--num-tokens", "1600", "--no-calibration")
-    assert small["summary"]["canvas"] == (896, 896) and small["graph"]["decoder_chained"]
+@pytest.mark.parametrize("grid", GRIDS)
+def test_no_normal_head_on_square_canvases_runs_on_the_mock_p150(tmp_path, grid):
+    """A checkpoint without a normal head (two heads) on a square canvas, on each P150 grid: at 1600 tokens
+    chained in L1, at the top of the token budget (3600; first grid only) the decoder falls back to DRAM slicing
+    (its finest maps no longer fit L1)."""
+    square = ("--random", "vits", "--resolution", "896x896", "--grid", grid, "--no-calibration")
+    small = _report(tmp_path, *square, "--num-tokens", "1600")
+    assert small["grid"] == grid and small["summary"]["canvas"] == (896, 896) and small["graph"]["decoder_chained"]
     shapes = small["outputs"]["shapes"]  # channels-first planes, as the device reads them back
     assert shapes.get("normal") is None and shapes["mask"] == [1, 896, 896] and shapes["points"] == [3, 896, 896]
-    large = _report(tmp_path, "--random", "vits", "--resolution", "896x896", "--num-tokens", "3600", "--no-calibration")
-    assert large["graph"]["encoder_in_l1"] and not large["graph"]["decoder_chained"]
+    if grid == GRIDS[0]:
+        large = _report(tmp_path, *square, "--num-tokens", "3600", "--no-l1-headroom")
+        assert large["graph"]["encoder_in_l1"] and not large["graph"]["decoder_chained"]
 
 
 def test_an_oversized_config_is_refused_by_the_mock():

@@ -30,8 +30,14 @@ API_CANVAS, API_TOKENS = (448, 252), 1200  # API tests: the smallest budget from
 @pytest.fixture
 def ttnn(monkeypatch, tmp_path):
     """The emulator as the `ttnn` module (exact float32: results comparable with the reference to round-off),
-    its devices typed as ttnn's, and a private prepared-weights cache."""
+    its devices typed as ttnn's, and a private prepared-weights cache. Exact means no formats, so the fast graph's
+    weights are not rounded to what LoFi reads either (`GraphConfig.round_lofi_weights`, a format choice)."""
+    import dataclasses
+
+    from tt_moge.runners.ttnn.graph import CONFIGS
+
     emulator = TtnnEmulator(exact=True)
+    monkeypatch.setitem(CONFIGS, "fast", dataclasses.replace(CONFIGS["fast"], round_lofi_weights=False))
     monkeypatch.setitem(sys.modules, "ttnn", emulator)
     monkeypatch.setattr(EmulatedDevice, "__module__", "ttnn._ttnn.multi_device")
     monkeypatch.setenv(runner_mod.CACHE_ENV, str(tmp_path / "ttnn-cache"))

@@ -231,7 +231,12 @@ def run(args) -> dict:
     device = ttnn.open_device(device_id=0, l1_small_size=args.l1_small_size)
     try:
         grid = device.compute_with_storage_grid_size()
-        report["grid"] = [grid.x, grid.y]
+        report["grid"] = f"{grid.x}x{grid.y}"
+        if args.grid and report["grid"] != args.grid:
+            raise RuntimeError(
+                f"--grid {args.grid}: the device reports a {report['grid']} compute grid (the mock's cluster "
+                "descriptor sets it through harvest_mask: scripts/tt-mock-check --grid writes one)"
+            )
         recorder = OpRecorder(ttnn, capture_api=ttnn_graph)
         graph = TtnnGraph(
             recorder,
@@ -330,6 +335,12 @@ def main(argv=None) -> int:
         "--no-l1-headroom", dest="l1_headroom", action="store_false", help="skip the L1 bisection (no peak L1 per core)"
     )
     ap.add_argument("--l1-small-size", type=int, default=32768)
+    ap.add_argument(
+        "--grid",
+        metavar="CxR",
+        help="the compute grid the device must report (e.g. 12x10); the run fails when it reports another "
+        "(scripts/tt-mock-check --grid sets the mock's)",
+    )
     ap.add_argument(
         "--set",
         action="append",

@@ -41,14 +41,15 @@ Formats (`FORMATS`, `Formats`) say what precision each tensor is stored in; conf
 chunks and exp, how the decoder runs. Two are named:
 
 * "fast" (the default). The encoder keeps every activation in L1 (interleaved over all cores' L1: the residual
-  stream, layer norms and adds never touch DRAM), its 1024-wide matmuls use the whole grid (uneven per-core
-  blocks), qkv, the attention projection and the MLP run at HiFi2, SDPA in 256 / 512 chunks with the
-  approximate exp; the decoder's convs are chained in L1, height-sharded, each conv's output feeding the next
-  conv, ReLU and residual add where it lies (no round trip through DRAM, no resharding between ops), at HiFi2
-  (HiFi4 at the finest level); the level-0 upsamples are matmuls and a pixel shuffle; the finest maps are
-  untilized on the device. Where a token budget's maps would not fit L1, the encoder or the decoder falls back
-  to DRAM (`TtnnGraph._placement`). Why each choice, and the accuracy it keeps (measured in the
-  fidelity-aware emulator) and the time it buys (the cost model, `cost.py`), are in docs/tenstorrent.md.
+  stream, layer norms and adds never touch DRAM), its 1024-wide matmuls use the whole grid (uneven per-core blocks),
+  qkv, the attention projection and the MLP run at LoFi with their weights rounded to the bits LoFi reads (the patch
+  and tap matmuls at HiFi2), SDPA in query chunks split evenly over each head's cores and key chunks under 512, with
+  the approximate exp; the decoder's convs are chained in L1, height-sharded, each conv's output feeding the next
+  conv, ReLU and residual add where it lies (no round trip through DRAM, no resharding between ops), at HiFi2 (HiFi4
+  at the finest level); the level-0 upsamples are matmuls and a pixel shuffle; the finest maps are untilized on the
+  device. Where a token budget's maps would not fit L1, the encoder or the decoder falls back to DRAM
+  (`TtnnGraph._placement`). Why each choice, and the accuracy it keeps (measured in the fidelity-aware emulator) and
+  the time it buys (the cost model, `cost.py`), are in docs/tenstorrent.md.
 * "safe": the first graph that ran on the mock: every activation in DRAM, HiFi4 everywhere, exact exp, each
   conv placed on its own (in L1 when small, else DRAM-sliced by rows). Slower, simpler, and the switch back
   ($MOGE_TTNN_GRAPH=safe) where a choice of "fast" cannot be checked without silicon.
@@ -152,16 +153,21 @@ class GraphConfig:
     placement: "dram" (every activation in DRAM, interleaved) or "l1" (the encoder's activations in L1,
     interleaved, where they fit; the decoder's as its decoder mode says). decoder: "sliced" (each 3x3 conv placed
     on its own, DRAM in and out) or "chained" (L1 height-sharded from conv to conv, where the maps fit).
-    Fidelities: "hifi4", "hifi2", "lofi" for the attention projections (qkv, attention output, patch and tap
-    matmuls), the MLP, SDPA, the decoder's convs and 1x1 convs of the coarse levels, those of the finest level
-    with the phase-folded finest conv, and the layer norms. whole_grid: matmul blocks that need not divide the
-    tile counts, so that a 1024-wide matmul uses 11-13 columns instead of 8. output: "tiles" (the finest
-    maps read back in tile layout, untilized by the host) or "rows" (untilized on the device).
+    Fidelities: "hifi4", "hifi2", "lofi" for the attention projections (qkv, attention output), the patch and tap
+    matmuls (tap_fidelity; "": as the attention's), the MLP, SDPA, the decoder's convs and 1x1 convs of the coarse
+    levels, those of the finest level with the phase-folded finest conv, and the layer norms. whole_grid: matmul
+    blocks that need not divide the tile counts, so that a 1024-wide matmul uses 11-13 columns instead of 8. output:
+    "tiles" (the finest maps read back in tile layout, untilized by the host) or "rows" (untilized on the device).
+    sdpa_q_chunk, sdpa_k_chunk: SDPA's query and key chunks (tokens), or with sdpa_even their largest sizes, the
+    chunks then planned from the grid (`TtnnGraph._sdpa_chunks`). round_lofi_weights: the weights of a matmul run at
+    LoFi are rounded to nearest at the 5 significant bits LoFi's one pass reads of them (`round_significant`), so
+    that the pass's cut toward zero loses nothing more (an unbiased error half as large as the cut's).
     """
 
     placement: str = "dram"
     decoder: str = "sliced"
     attention_fidelity: str = "hifi4"
+    tap_fidelity: str = ""
     mlp_fidelity: str = "hifi4"
     sdpa_fidelity: str = "hifi4"
     decoder_fidelity: str = "hifi4"
@@ -169,7 +175,9 @@ class GraphConfig:
     norm_fidelity: str = "hifi4"
     sdpa_q_chunk: int = 256
     sdpa_k_chunk: int = 256
+    sdpa_even: bool = False
     sdpa_exp_approx: bool = False
+    round_lofi_weights: bool = True
     whole_grid: bool = False
     output: str = "tiles"
 
@@ -178,8 +186,8 @@ class GraphConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GraphConfig.{name}: expected one of {list(allowed)}, got {getattr(self, name)!r}")
-        for name in ("attention", "mlp", "sdpa", "decoder", "finest", "norm"):
-            value = getattr(self, name + "_fidelity")
+        for name in ("attention", "tap", "mlp", "sdpa", "decoder", "finest", "norm"):
+            value = getattr(self, name + "_fidelity") or (self.attention_fidelity if name == "tap" else "")
             if value not in _FIDELITIES:
                 raise ValueError(f"GraphConfig.{name}_fidelity: expected one of {sorted(_FIDELITIES)}, got {value!r}")
         for name in ("sdpa_q_chunk", "sdpa_k_chunk"):
@@ -193,19 +201,33 @@ CONFIGS = {
     "fast": GraphConfig(
         placement="l1",
         decoder="chained",
-        attention_fidelity="hifi2",
-        mlp_fidelity="hifi2",
+        attention_fidelity="lofi",
+        tap_fidelity="hifi2",
+        mlp_fidelity="lofi",
         sdpa_fidelity="hifi2",
         decoder_fidelity="hifi2",
         finest_fidelity="hifi4",
         norm_fidelity="hifi4",
-        sdpa_q_chunk=256,
+        sdpa_q_chunk=512,
         sdpa_k_chunk=512,
+        sdpa_even=True,
         sdpa_exp_approx=True,
         whole_grid=True,
         output="rows",
     ),
 }
+
+
+LOFI_WEIGHT_BITS = 5  # the significant bits of the weights (SrcA) that LoFi's one matrix-engine pass reads
+
+
+def round_significant(a: np.ndarray, bits: int) -> np.ndarray:
+    """float32 values rounded to nearest (ties to even) at `bits` significant bits, the implicit one included."""
+    i = np.array(a, dtype=np.float32).view(np.int32)  # a copy, as its bits: sign, exponent, 23 mantissa bits
+    shift = 24 - bits  # the mantissa bits dropped
+    i += (1 << (shift - 1)) - 1 + ((i >> shift) & 1)  # half an ulp (ties to even); a carry moves up the exponent
+    i &= ~np.int32((1 << shift) - 1)
+    return i.view(np.float32)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -327,6 +349,7 @@ class TtnnGraph:
 
         c = config
         self.ck_attention = compute(c.attention_fidelity)
+        self.ck_tap = compute(c.tap_fidelity or c.attention_fidelity)
         self.ck_mlp = compute(c.mlp_fidelity)
         self.ck_decoder = compute(c.decoder_fidelity)
         self.ck_finest = compute(c.finest_fidelity)
@@ -370,14 +393,32 @@ class TtnnGraph:
             "ffn_out": mm(n, ffn, c, in0=f.activations, in1=f.vit_weights, out=f.residual, whole_k=self.oversize),
             "tap": mm(n, c, p["neck_in0_dim"], in0=f.residual, in1=f.decoder_weights, out=f.residual),
         }
-        cfg = self.config
-        seq = _cdiv(n, TILE) * TILE
+        q_chunk, k_chunk = self._sdpa_chunks()
         self.sdpa_config = self.ttnn.SDPAProgramConfig(
             compute_with_storage_grid_size=self.ttnn.CoreCoord(*self.grid),
-            q_chunk_size=min(cfg.sdpa_q_chunk, seq),
-            k_chunk_size=min(cfg.sdpa_k_chunk, seq),
-            exp_approx_mode=cfg.sdpa_exp_approx,
+            q_chunk_size=q_chunk,
+            k_chunk_size=k_chunk,
+            exp_approx_mode=self.config.sdpa_exp_approx,
         )
+
+    def _sdpa_chunks(self) -> tuple:
+        """SDPA's (query chunk, key chunk) in tokens. ttnn's SDPA gives each head grid_cores // heads cores and
+        splits the head's query chunks over them (ceil(chunks / cores) each): with sdpa_even the query chunks are
+        as few and as even as that split allows (the fewest rounds of at most sdpa_q_chunk tokens, then the work
+        spread evenly over the head's cores: 8 tiles a core at 13x10, 9 at 12x10, 10 at 11x10 for ViT-L's 58
+        tiles, where 256-token chunks take 16 tiles a core at 12x10 and 11x10), and the key chunks the most even
+        split of the keys into chunks of at most sdpa_k_chunk (less padding in the last one). Else the
+        configured sizes, at most the sequence."""
+        cfg = self.config
+        tiles = _cdiv(self.plan["seq_len"], TILE)
+        q_max, k_max = max(1, cfg.sdpa_q_chunk // TILE), max(1, cfg.sdpa_k_chunk // TILE)
+        if not cfg.sdpa_even:
+            return min(q_max, tiles) * TILE, min(k_max, tiles) * TILE
+        per_head = min(tiles, max(1, self.num_cores // self.plan["num_heads"]))
+        rounds = _cdiv(_cdiv(tiles, per_head), q_max)
+        q_tiles = _cdiv(tiles, rounds * per_head)
+        k_tiles = _cdiv(tiles, _cdiv(tiles, k_max))
+        return q_tiles * TILE, k_tiles * TILE
 
     def _conv_placement(self, height: int, width: int, c_in: int, c_out: int, out_dtype: str) -> tuple:
         """Safe graph: (shard layout, slice config) of a 3x3 conv: wholly in L1 when its input and output take at
@@ -431,7 +472,10 @@ class TtnnGraph:
         p, f, a = self.plan, self.formats, self.prepared.arrays
         res, act = f.residual, f.activations
         w = self.w
-        w["patch.w"] = self._tensor(a["patch.w"], f.decoder_weights)
+        c = self.config
+        attention, mlp = self._matmul_weights(c.attention_fidelity), self._matmul_weights(c.mlp_fidelity)
+        tap = self._matmul_weights(c.tap_fidelity or c.attention_fidelity)
+        w["patch.w"] = self._tensor(tap(a["patch.w"]), f.decoder_weights)
         w["token_table"] = self._tensor(a["token_table"], res, (1, 1) + a["token_table"].shape)
         for i in range(p["blocks"]):
             for norm in ("norm1", "norm2"):
@@ -440,12 +484,13 @@ class TtnnGraph:
                     w[key] = self._tensor(a[key], res, (1, -1))
             for name in ("qkv", "attn_out", "ffn_in", "ffn_out"):
                 key = f"blocks.{i}.{name}"
-                w[key + ".w"] = self._tensor(a[key + ".w"], f.vit_weights)
+                weights = mlp if name.startswith("ffn") else attention
+                w[key + ".w"] = self._tensor(weights(a[key + ".w"]), f.vit_weights)
                 w[key + ".b"] = self._tensor(a[key + ".b"], act, (1, -1))
         for part in ("w", "b"):
             w[f"final_norm.{part}"] = self._tensor(a[f"final_norm.{part}"], res, (1, -1))
         for k in range(len(p["taps"])):
-            w[f"neck_in0.{k}.w"] = self._tensor(a[f"neck_in0.{k}.w"], f.decoder_weights)
+            w[f"neck_in0.{k}.w"] = self._tensor(tap(a[f"neck_in0.{k}.w"]), f.decoder_weights)
         w["neck_in0.const"] = self._tensor(a["neck_in0.const"], res, (1, 1) + a["neck_in0.const"].shape)
         for i in range(1, len(p["levels"]) - 1):
             key = f"neck.const.{i}"
@@ -474,6 +519,13 @@ class TtnnGraph:
         self.loaded = True
         if prepare_convs:
             self.forward(self.upload(np.zeros((p["seq_len"], p["patch_k_padded"]), np.float32)))
+
+    def _matmul_weights(self, fidelity: str):
+        """The host-side treatment of the weights of matmuls run at `fidelity`: rounded to what LoFi reads
+        (`GraphConfig.round_lofi_weights`), else as they are."""
+        if fidelity == "lofi" and self.config.round_lofi_weights:
+            return lambda array: round_significant(array, LOFI_WEIGHT_BITS)
+        return lambda array: array
 
     def _level0_folds(self) -> list:
         """Chained decoder: the level-0 upsamples run as matmul + pixel shuffle (`_upsample0`): (stack key, whether
@@ -551,7 +603,7 @@ class TtnnGraph:
             x,
             w["patch.w"],
             program_config=self.pc["patch"],
-            compute_kernel_config=self.ck_attention,
+            compute_kernel_config=self.ck_tap,
             dtype=res,
             memory_config=mem,
         )
@@ -576,7 +628,7 @@ class TtnnGraph:
                     h,
                     w[f"neck_in0.{k}.w"],
                     program_config=self.pc["tap"],
-                    compute_kernel_config=self.ck_attention,
+                    compute_kernel_config=self.ck_tap,
                     dtype=res,
                     memory_config=mem,
                 )
@@ -823,6 +875,9 @@ class TtnnGraph:
         self.convs[key + ".convt"] = (weight, bias)
         z = self._conv(y, key + ".conv", 2 * height, 2 * width)
         T.deallocate(y)
+        if self.chained and 2 * height == self.plan["finest"]["in_height"]:
+            # the finest level's map was placed below y (still live then): moved up, out of the next convs' buffers
+            z = T.reallocate(z)
         return z
 
     def _upsample0(self, x, key: str):
@@ -964,6 +1019,8 @@ class TtnnGraph:
             T.deallocate(finest)
             T.deallocate(part)
             finest = summed
+            if self.chained:  # the head's maps are gone: the accumulator moved up, under the neck's maps
+                finest = T.reallocate(finest)
         for t in {id(t): t for t in neck_out}.values():  # level0 too, when it is the neck's level-0 output
             T.deallocate(t)
         if self.config.output == "rows" and not self.finest_tiles:  # untilized on the device: the host reads rows
