@@ -120,6 +120,8 @@ def test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budg
     assert 0 < got["peak"] < got["bank"]
     assert report["graph"]["encoder_in_l1"] and report["graph"]["decoder_chained"]
     assert report["graph"]["grid"] == [int(v) for v in grid.split("x")]
+    # the maps come back as views of the read host tensors (post.host_view), not through to_numpy's copy
+    assert report["outputs"]["finite"] and report["outputs"]["readback"].endswith("viewed in place"), report["outputs"]
     est = report["estimate_ms"]
     assert _network_ms(est) <= FORWARD_BUDGET_MS[grid], est
     assert 0 < est["input_output"] <= INPUT_OUTPUT_BUDGET_MS, est

@@ -293,7 +293,8 @@ def run(args) -> dict:
         report["read_and_host_s"] = round(time.perf_counter() - t, 2)
         shapes = {k: list(np.shape(v)) for k, v in raw.items()}
         finite = all(bool(np.isfinite(v).all()) for v in raw.values()) and bool(np.isfinite(cls_token).all())
-        report["outputs"] = {"shapes": shapes, "finite": finite, "readback": "float32 channels-first maps"}
+        readback = "float32 channels-first maps, " + ("viewed in place" if post.zero_copy else "copied (to_numpy)")
+        report["outputs"] = {"shapes": shapes, "finite": finite, "readback": readback}
         if not finite:
             raise RuntimeError("non-finite host outputs")
     finally:
