@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pre import device_split, resize_matrix, split_matmul
+from .pre import device_split, exact_compute, resize_matrix, split_matmul
 
 __all__ = ["DeviceOutput", "REMAPS", "host_view"]
 
@@ -91,13 +91,7 @@ class DeviceOutput:
         for a in (0, 1):
             left[:, a * self.h_p : a * self.h_p + h] = rows[:, a::2]
         self.t["rows"] = self._tensor(split_matmul(left, "left")[None, None], "bfloat16")  # (1, 1, H, 3 (2 h_p))
-        self.compute = T.init_device_compute_kernel_config(
-            self.device.arch(),
-            math_fidelity=T.MathFidelity.HiFi4,
-            math_approx_mode=False,
-            fp32_dest_acc_en=True,
-            packer_l1_acc=True,
-        )
+        self.compute = exact_compute(T, self.device)
         self.loaded = True
 
     def _interleaved(self, finest):

@@ -24,7 +24,7 @@ import numpy as np
 
 from .prepare import resize_taps
 
-__all__ = ["DeviceInput", "resize_matrix", "split_bf16", "split_matmul"]
+__all__ = ["DeviceInput", "exact_compute", "resize_matrix", "split_bf16", "split_matmul"]
 
 TILE = 32
 
@@ -77,6 +77,18 @@ def split_matmul(a: np.ndarray, side: str) -> np.ndarray:
     return np.concatenate([hi, hi, lo], axis=axis)
 
 
+def exact_compute(T, device):
+    """The compute config of the input and output sides' split matmuls: HiFi4, exact math, float32 accumulation
+    in the destination register and the packer (the split parts keep about 16 bits only if nothing rounds them)."""
+    return T.init_device_compute_kernel_config(
+        device.arch(),
+        math_fidelity=T.MathFidelity.HiFi4,
+        math_approx_mode=False,
+        fp32_dest_acc_en=True,
+        packer_l1_acc=True,
+    )
+
+
 class DeviceInput:
     """The canvas -> patch matrix steps on the device (see the module docstring).
 
@@ -108,13 +120,7 @@ class DeviceInput:
         self.w["cols.hi"] = self._tensor(cols_hi, "bfloat16")
         self.w["cols.lo"] = self._tensor(cols_lo, "bfloat16")
         T = self.ttnn
-        self.compute = T.init_device_compute_kernel_config(
-            self.device.arch(),
-            math_fidelity=T.MathFidelity.HiFi4,
-            math_approx_mode=False,
-            fp32_dest_acc_en=True,
-            packer_l1_acc=True,
-        )
+        self.compute = exact_compute(T, self.device)
         self.loaded = True
 
     def _split_weight_matmul(self, x, key: str, left: bool):
