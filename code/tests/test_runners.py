@@ -296,6 +296,20 @@ def test_native_attention_matches_float32_attention(tokens):
         assert (out - ref).abs().max() < 0.5 * (unfused - ref).abs().max()
 
 
+_OUTLIER_CASES: dict = {}
+
+
+def _outlier_case(preset: str) -> tuple:
+    """(network with outlier channels, image, errors of the bf16 graph): the same for both int8 kernels, so built
+    and measured once per preset (the graphs built from it copy and fold, they leave the network as it was)."""
+    if preset not in _OUTLIER_CASES:
+        net = add_outlier_channels(copy.deepcopy(_network(preset)))
+        image = calibration_image(*SMALL, seed=6)
+        graph = FixedShapeMoGe2(net, SMALL, SMALL_TOKENS, torch.bfloat16, attention="heads")
+        _OUTLIER_CASES[preset] = (net, image, _graph_errors(graph, net, image))
+    return _OUTLIER_CASES[preset]
+
+
 @pytest.mark.parametrize("preset", ["tiny-vits-normal", "tiny-norms"])
 @pytest.mark.parametrize("kernel", ["int8", "onednn"])
 def test_int8_smoothing_keeps_outlier_channels_from_costing_accuracy(preset, kernel):
@@ -303,15 +317,13 @@ def test_int8_smoothing_keeps_outlier_channels_from_costing_accuracy(preset, ker
     outlier channel; the smoothing calibrated at load moves that range into the weights. Prints the ViT output
     errors (run with -s; docs/performance.md). Both kernels run in the float32 graph where bfloat16 is emulated
     (as the runner's choice would be), against the same bf16 yardstick."""
-    net = add_outlier_channels(copy.deepcopy(_network(preset)))
-    image = calibration_image(*SMALL, seed=6)
+    net, image, bf16 = _outlier_case(preset)
     dtype = torch.bfloat16 if precision_mod.cpu_has_native_bf16() else torch.float32
 
-    def errors(dt=dtype, **options):
-        graph = FixedShapeMoGe2(net, SMALL, SMALL_TOKENS, dt, attention="heads", **options)
+    def errors(**options):
+        graph = FixedShapeMoGe2(net, SMALL, SMALL_TOKENS, dtype, attention="heads", **options)
         return _graph_errors(graph, net, image)
 
-    bf16 = errors(torch.bfloat16)
     plain, smooth = errors(vit_int8=kernel, int8_smoothing=None), errors(vit_int8=kernel)
     print(
         f"\n[{preset}, {kernel}] ViT output error, relative rms: int8 {plain['encoder_rms']:.4f} without smoothing, "
