@@ -516,14 +516,16 @@ def test_checks_catch_broken_lowerings(bug):
 
 
 def test_persistent_input_buffer_gives_the_same_forward():
-    """upload(patches, into=allocate_input()) (the path a trace uses) feeds the forward as a fresh upload does."""
+    """upload(canvas, into=allocate_input()) (the path a trace uses) feeds the forward as a fresh upload does."""
     prepared = _prepared("tiny-vits-normal")
     graph = _graph(prepared, exact=True)
-    patches = host_input(prepared.plan, calibration_image(*SMALL, seed=2).numpy())
-    buffer = graph.allocate_input()
-    fresh = graph.read(graph.forward(graph.upload(patches)))
-    reused = graph.read(graph.forward(graph.upload(patches, into=buffer)))
-    assert graph.upload(patches, into=buffer) is buffer
+    pre = DeviceInput(graph.ttnn, graph.device, prepared, graph.formats.activations)
+    pre.load()
+    canvas = calibration_image(*SMALL, seed=2).numpy()
+    buffer = pre.allocate_input()
+    fresh = graph.read(graph.forward(pre.forward(pre.upload(canvas))))
+    reused = graph.read(graph.forward(pre.forward(pre.upload(canvas, into=buffer))))
+    assert pre.upload(canvas, into=buffer) is buffer
     for key in fresh:
         assert np.array_equal(fresh[key], reused[key]), key
 

@@ -561,30 +561,11 @@ class TtnnGraph:
             raise ValueError(f"patches: expected {shape[2:]}, got {np.shape(patches)}")
         return self._tensor(patches, self.formats.activations, shape, device=False)
 
-    def allocate_input(self):
-        """A device input tensor to fill with `upload(patches, into=...)` (a persistent buffer, e.g. for a trace)."""
-        T = self.ttnn
-        return T.allocate_tensor_on_device(
-            T.Shape(list(self._input_shape())),
-            self._dt(self.formats.activations),
-            T.TILE_LAYOUT,
-            self.device,
-            self.dram,
-        )
-
-    def upload(self, patches: np.ndarray, into=None, cq_id: int = 0):
-        """The host patch matrix -> the device input (1, 1, seq_len, patch_k_padded): a new tensor, or written
-        into `into` (from `allocate_input`) on command queue `cq_id`."""
-        T = self.ttnn
-        host = self.host_tensor(patches)
-        if into is None:
-            return T.to_device(host, self.device, memory_config=self.dram)
-        T.copy_host_to_device_tensor(host, into, cq_id=cq_id)
-        return into
-
-    def input_spec(self) -> dict:
-        """Shape, dtype name and layout of the device input."""
-        return {"shape": self._input_shape(), "dtype": self.formats.activations, "layout": "TILE", "memory": "DRAM"}
+    def upload(self, patches: np.ndarray):
+        """The host patch matrix -> the device input (1, 1, seq_len, patch_k_padded), a new device tensor. The
+        reference path (the tests, the conv preparation in `load`); the runner's input, written into one
+        persistent tensor per trace, is the canvas (`pre.DeviceInput.upload`)."""
+        return self.ttnn.to_device(self.host_tensor(patches), self.device, memory_config=self.dram)
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, x) -> dict:
