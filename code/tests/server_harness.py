@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -142,6 +142,17 @@ class ServerProcess:
     def log(self) -> str:
         return "\n".join(self.stderr_lines[-40:])
 
+    @classmethod
+    def started(cls, weights: Path, extra_args: list, **kwargs: Any) -> "ServerProcess":
+        """A server process that is ready (`wait_ready`); stopped again when it does not get there."""
+        server = cls(weights, extra_args, **kwargs)
+        try:
+            server.wait_ready()
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         import httpx
 
@@ -184,13 +195,8 @@ def shared_server(weights_dir: Path) -> ServerProcess:
             from tt_moge.testing import make_checkpoint
 
             weights = make_checkpoint(weights_dir, micro_config())
-            server = ServerProcess(weights, SERVER_FLAGS, env={"MOGE_API_KEY": API_KEY})
+            server = ServerProcess.started(weights, SERVER_FLAGS, env={"MOGE_API_KEY": API_KEY})
             atexit.register(server.stop)
-            try:
-                server.wait_ready()
-            except BaseException:
-                server.stop()
-                raise
             _SHARED["server"] = server
             _SHARED["weights"] = weights
         return _SHARED["server"]

@@ -55,13 +55,7 @@ def weights(tmp_path_factory):
 
 
 def start(weights, *flags: str, **kwargs) -> ServerProcess:
-    server = ServerProcess(weights, ["--idle-timeout", str(IDLE_S), *flags], **kwargs)
-    try:
-        server.wait_ready()
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return ServerProcess.started(weights, ["--idle-timeout", str(IDLE_S), *flags], **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -64,13 +64,7 @@ def bomb() -> bytes:
 
 
 def start(weights, *flags: str) -> ServerProcess:
-    server = ServerProcess(weights, list(flags))
-    try:
-        server.wait_ready()
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return ServerProcess.started(weights, list(flags))
 
 
 def rss_bytes(pid: int) -> int:
