@@ -727,3 +727,23 @@ def test_video_files_are_one_job_each_and_resume_clip_by_clip(local_ray, ckpt, t
     Image.fromarray(np.full((32, 32, 3), 128, np.uint8)).save(photo)
     code, _, stderr = run_cli(["batch", clips["a"], photo, "-o", tmp_path / "mixed", "--weights", ckpt, *MODEL_ARGS])
     assert code == 3 and "photos and video files go in separate batch jobs" in stderr
+
+
+def test_exif_orientation_is_applied_as_predict_does(local_ray, ckpt, tmp_path):
+    """A photo stored 64x48 whose EXIF says "rotate 90 CW": batch, like predict, gives maps of the displayed 48x64
+    (batch used to read stored order only); --no-exif keeps the stored 64x48. batch.json records the choice."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    rgb = np.random.default_rng(0).integers(0, 255, (48, 64, 3), dtype=np.uint8)
+    Image.fromarray(rgb).save(photos / "turned.jpg", exif=exif, quality=95)
+    for flag, shape in (([], (64, 48)), (["--no-exif"], (48, 64))):
+        out = tmp_path / f"out{len(flag)}"
+        code, stdout, stderr = run_cli(
+            ["batch", photos, "-o", out, "--weights", ckpt, *MODEL_ARGS, "--npz", "-q", *flag]
+        )
+        assert code == 0, stderr
+        with np.load(out / "turned" / "result.npz") as npz:
+            assert npz["depth"].shape == shape, flag
+        assert json.loads((out / "batch.json").read_text())["options"]["exif"] is (not flag)

@@ -184,6 +184,11 @@ class BatchJob:
         metavar="MB",
         limit=Limit(MIN_OBJECT_STORE_MB),
     )
+    exif: bool = option(
+        True,
+        "turn each photo by its EXIF orientation tag first, as tt-moge predict does (--no-exif: the stored pixel "
+        "order, as the Python API reads photos)",
+    )
     quiet: bool = option(False, "no progress output and no summary; errors still print", short="-q")
     progress: bool = True  # a progress bar on stderr (unless quiet); the API's own, no flag
     wait: bool = option(
@@ -340,7 +345,7 @@ def _run_locked(
         "mesh_step": job.mesh_step if files and "glb" in formats else None,
         "mesh_faces": job.mesh_faces if files and "glb" in formats else None,
         **call.kwargs(),
-        **(video.kwargs() if video is not None else {}),
+        **(video.kwargs() if video is not None else {"exif": job.exif}),
         "batch_size": job.batch_size,
         "max_retries": job.max_retries,
     }
@@ -482,7 +487,13 @@ def _build_dataset(
         dataset = ray.data.from_items(items, override_num_blocks=blocks)
     except TypeError:  # Ray < 2.10 names it parallelism
         dataset = ray.data.from_items(items, parallelism=blocks)
-    dataset = dataset.map_batches(read_images, batch_size=batch_size, num_cpus=READER_CPUS, runtime_env=runtime_env)
+    dataset = dataset.map_batches(
+        read_images,
+        fn_kwargs={"exif": job.exif},
+        batch_size=batch_size,
+        num_cpus=READER_CPUS,
+        runtime_env=runtime_env,
+    )
     with warnings.catch_warnings():
         # Ray Data has no named parameter for the actors' fault tolerance yet; its default is to restart a dead
         # replica and retry its batch without limit, which never ends on an image that kills the process each time.

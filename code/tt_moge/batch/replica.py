@@ -15,8 +15,9 @@ from .sinks import write_files, write_shard
 __all__ = ["read_images", "Replica", "ClipReplica"]
 
 
-def read_images(batch: dict) -> dict:
-    """Ray task: {path, name} -> + rgb ((H, W, 3) uint8; (0, 0, 3) when unreadable) and error ('' or why)."""
+def read_images(batch: dict, exif: bool = False) -> dict:
+    """Ray task: {path, name} -> + rgb ((H, W, 3) uint8; (0, 0, 3) when unreadable) and error ('' or why);
+    `exif`: each photo turned by its EXIF orientation (`BatchJob.exif`)."""
     import numpy as np
 
     from ..host.decode import read_image_file
@@ -24,7 +25,7 @@ def read_images(batch: dict) -> dict:
     rgbs, errors = [], []
     for path in batch["path"]:
         try:
-            rgbs.append(read_image_file(str(path)))
+            rgbs.append(read_image_file(str(path), exif=exif))
             errors.append("")
         except Exception as exc:  # a corrupt or vanished file costs only itself
             rgbs.append(np.zeros((0, 0, 3), np.uint8))  # same ndim and dtype: Ray keeps a ragged tensor column
