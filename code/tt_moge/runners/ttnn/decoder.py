@@ -1,14 +1,15 @@
-"""The conv decoder on the device (`network/convstack.py`'s `ConvStack`, for the neck and each head), channels-last
-(1, 1, H*W, C) tiles: constant uv maps added, residual blocks (ReLU, 3x3 conv with fused ReLU, 3x3 conv, add),
-2x2 stride-2 conv-transpose resamplers followed by 3x3 convs, 1x1 convs as matmuls (or conv2d on sharded maps),
-and the finest level, phase-folded at the level before it (`prepare.phase_fold`): one 3x3 conv per feature map
-(neck and each head), summed. Every 3x3 conv pads by edge replication, as MoGe does (ttnn's
-`PaddingMode.Replicate`).
+"""The conv decoder's levels on the device (`network/convstack.py`'s `ConvStack` levels: `ResidualConvBlock`, the
+resamplers, the 1x1 input / output convs), for the neck (`neck_levels`) and, through `heads.py`, each head;
+channels-last (1, 1, H*W, C) tiles: constant uv maps added, residual blocks (ReLU, 3x3 conv with fused ReLU, 3x3
+conv, add), 2x2 stride-2 conv-transpose resamplers followed by 3x3 convs (the level-0 one as a matmul and a pixel
+shuffle in the chained decoder), 1x1 convs as matmuls (or conv2d on sharded maps), and `_conv`, which runs every
+conv of the decoder (the finest folded one too), placed as the configuration says. Every 3x3 conv pads by edge
+replication, as MoGe does (ttnn's `PaddingMode.Replicate`).
 
 A part of `graph.TtnnGraph` (mixed into it): numpy and the injected ttnn only, and it reads the state the graph
 sets up (see `graph.py`): `ttnn`, `device`, `plan`, `formats`, `config`, `w`, `pc`, `convs` / `conv_shapes`
 (conv weights, prepared by ttnn on the first forward), the compute configs `ck_*`, `act_mem`, `dram`, `grid`,
-`num_cores`, `chained`, `level0_folds`, `finest_tiles` and `_shardings`.
+`num_cores`, `chained`, `level0_folds` and `_shardings`.
 """
 
 from __future__ import annotations
@@ -267,9 +268,10 @@ class Decoder:
         size = self.plan["levels"][level]
         return self._conv(x, key, size["height"], size["width"])
 
-    def decode(self, level0):
-        """Level-0 map -> the finest phase maps (1, 1, in_height * in_width, phase_channels), float32. Consumes
-        level0: every map is freed as soon as nothing reads it (the neck's level outputs after the last head)."""
+    def neck_levels(self, level0) -> tuple:
+        """The neck's levels 0 .. finest - 1 (`ConvStack` without its last resampler, which the finest fold holds):
+        level-0 map -> (the neck's map at the finest fold's input level, the neck's outputs per level, which the
+        heads read). Consumes level0 (or keeps it as the neck's level-0 output)."""
         T, p = self.ttnn, self.plan
         levels = p["levels"]
         last = len(levels) - 1
@@ -289,57 +291,4 @@ class Decoder:
                 if x is not out:
                     T.deallocate(x)
                 x = y
-        fin = p["finest"]
-        finest = self._conv(x, "finest.neck", fin["in_height"], fin["in_width"], out_dtype=self.formats.finest)
-        if x is not neck_out[-1]:
-            T.deallocate(x)
-        if self.chained:
-            finest = T.reallocate(finest)
-        for head in p["heads"]:
-            key = f"head.{head['name']}"
-            h = None  # the head's map, or one of neck_out (then not ours to free)
-            for i in range(last):
-                if i == 0 and self.level0_folds.get(key):  # the level-0 input conv is inside the upsample's matmul
-                    h = self._upsample0(neck_out[0], key)
-                    continue
-                feature = self._one_by_one(neck_out[i], f"{key}.in.{i}", i) if head["inputs"][i] else neck_out[i]
-                if h is None:
-                    h = feature
-                else:
-                    summed = self._add(h, feature)
-                    for t in (h, feature):
-                        if t is not neck_out[i]:
-                            T.deallocate(t)
-                    h = summed
-                h, _ = self._stack_level(h, key, head, i, owned=h is not neck_out[i])
-                if i < last - 1:
-                    up = self._level_up(h, key, i)
-                    if h is not neck_out[i]:
-                        T.deallocate(h)
-                    h = up
-            part = self._conv(
-                h,
-                f"finest.{head['name']}",
-                fin["in_height"],
-                fin["in_width"],
-                out_dtype=self.formats.finest,
-            )
-            if h is not neck_out[-1]:
-                T.deallocate(h)
-            summed = self._add(finest, part, dtype=self._dt(self.formats.finest))
-            T.deallocate(finest)
-            T.deallocate(part)
-            finest = summed
-            if self.chained:  # the head's maps are gone: the accumulator moved up, under the neck's maps
-                finest = T.reallocate(finest)
-        for t in {id(t): t for t in neck_out}.values():  # level0 too, when it is the neck's level-0 output
-            T.deallocate(t)
-        if self.config.output == "rows" and not self.finest_tiles:  # untilized on the device: the host reads rows
-            rows = T.untilize(finest, memory_config=self.dram)
-            T.deallocate(finest)
-            finest = rows
-        elif self.chained:
-            moved = T.to_memory_config(finest, self.dram)
-            T.deallocate(finest)
-            finest = moved
-        return finest
+        return x, neck_out

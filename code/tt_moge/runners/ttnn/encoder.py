@@ -5,7 +5,7 @@ matrix, accumulated; the class token is the last tap's normed prefix row.
 
 A part of `graph.TtnnGraph` (mixed into it): numpy and the injected ttnn only, and it reads the state the graph
 sets up (see `graph.py`): `ttnn`, `plan`, `formats`, `w`, `pc`, the compute configs `ck_*`, `act_mem`, `dram`,
-`chained`, and the graph's `block`.
+`chained`, and the graph's other parts: `patch_embed` (`patch_embed.py`) and `block` (`vit_block.py`).
 """
 
 from __future__ import annotations
@@ -20,17 +20,7 @@ class Encoder:
         """Patch matrix -> (level-0 map (1, 1, rows * cols, d0), class token (1, 1, 1, dim))."""
         T, p, f, w = self.ttnn, self.plan, self.formats, self.w
         res, mem = self._dt(f.residual), self.act_mem
-        tokens = T.linear(
-            x,
-            w["patch.w"],
-            program_config=self.pc["patch"],
-            compute_kernel_config=self.ck_tap,
-            dtype=res,
-            memory_config=mem,
-        )
-        embedded = T.add(tokens, w["token_table"], dtype=res, memory_config=mem)
-        T.deallocate(tokens)
-        tokens = embedded
+        tokens = self.patch_embed(x)
         taps = p["taps"]
         acc, cls_token = None, None
         for i in range(p["blocks"]):

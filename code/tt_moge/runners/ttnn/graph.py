@@ -16,10 +16,12 @@ so that `decode` leaves its output in tiles for it); `host_input` / `host_output
 
 Laid out as tt-metal's model demos are: this module holds the formats, the configurations, the plan (program
 configs, placement), the weights' upload and the forward that strings the parts together; each network part
-runs in its own module, mixed into `TtnnGraph` and reading the state it sets up: `encoder.py` (patch embedding,
-blocks, taps; `network/moge2.py`'s encoder), `vit_block.py` (one DINOv2 block; `network/vit.py`), `decoder.py`
-(the conv stacks' levels and the finest folded level; `network/convstack.py`). `tiles.py` holds the tile sizes
-they share.
+runs in its own module, mixed into `TtnnGraph` and reading the state it sets up, each tested against its
+`network/` module (tests/test_ttnn_parts.py): `patch_embed.py` (patch matmul + token table; `network/vit.py`'s
+`PatchEmbed` and embeddings), `vit_block.py` (one DINOv2 block; `Block`), `encoder.py` (the blocks and the taps;
+`network/moge2.py`'s encoder), `decoder.py` (a conv stack's level: residual blocks, upsample, 1x1 convs; the
+neck; `network/convstack.py`), `heads.py` (a head's levels and the finest folded conv). `tiles.py` holds the
+tile sizes they share.
 
 What runs on the device, in order (the folds come from `FixedShapeMoGe2` through `prepare.py`):
 
@@ -96,6 +98,8 @@ import numpy as np
 
 from .decoder import Decoder
 from .encoder import Encoder
+from .heads import Heads
+from .patch_embed import PatchEmbed
 from .prepare import convt_as_matmul
 from .tiles import TILE, TILE_BYTES, cdiv
 from .vit_block import VitBlock
@@ -295,7 +299,7 @@ class _MatmulPlanner:
         )
 
 
-class TtnnGraph(Encoder, VitBlock, Decoder):
+class TtnnGraph(PatchEmbed, VitBlock, Encoder, Decoder, Heads):
     """The fixed-shape MoGe-2 forward on one ttnn device (see the module docstring).
 
     ttnn: the ttnn module (or a stand-in with the same API). device: an open ttnn device. prepared: a
@@ -553,6 +557,39 @@ class TtnnGraph(Encoder, VitBlock, Decoder):
             raise RuntimeError("TtnnGraph.forward before load()")
         level0, cls_token = self.encode(x)
         return {"finest": self.decode(level0), "cls_token": cls_token}
+
+    def decode(self, level0):
+        """Level-0 map -> the finest phase maps (1, 1, in_height * in_width, phase_channels), float32. Consumes
+        level0: every map is freed as soon as nothing reads it (the neck's level outputs after the last head)."""
+        T, p = self.ttnn, self.plan
+        x, neck_out = self.neck_levels(level0)
+        finest = self.finest_conv(x, "neck")
+        if x is not neck_out[-1]:
+            T.deallocate(x)
+        if self.chained:
+            finest = T.reallocate(finest)
+        for head in p["heads"]:
+            h = self.head_levels(neck_out, head)
+            part = self.finest_conv(h, head["name"])
+            if h is not neck_out[-1]:
+                T.deallocate(h)
+            summed = self._add(finest, part, dtype=self._dt(self.formats.finest))
+            T.deallocate(finest)
+            T.deallocate(part)
+            finest = summed
+            if self.chained:  # the head's maps are gone: the accumulator moved up, under the neck's maps
+                finest = T.reallocate(finest)
+        for t in {id(t): t for t in neck_out}.values():  # level0 too, when it is the neck's level-0 output
+            T.deallocate(t)
+        if self.config.output == "rows" and not self.finest_tiles:  # untilized on the device: the host reads rows
+            rows = T.untilize(finest, memory_config=self.dram)
+            T.deallocate(finest)
+            finest = rows
+        elif self.chained:
+            moved = T.to_memory_config(finest, self.dram)
+            T.deallocate(finest)
+            finest = moved
+        return finest
 
     # --------------------------------------------------------------------------------------------- read
     def to_host(self, t, shape: tuple, cq_id: int = 0) -> np.ndarray:
