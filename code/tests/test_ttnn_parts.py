@@ -13,7 +13,7 @@ whose every weight matters (norm weights and biases, LayerScale and biases rando
 Each part is held to float32 round-off in the emulator's exact mode, and in the device formats (bfloat16
 activations and weights, float32 residual stream, the fast graph's fidelities) to bounds a little above what
 the emulator measures (observed values beside each limit); `test_part_checks_catch_broken_parts` breaks each
-part on purpose (a dropped residual, two weights swapped, ...) and sees its check fail.
+part on purpose (a dropped residual, two weights swapped, ...: 17 bugs) and sees its check fail.
 """
 
 from __future__ import annotations
@@ -375,6 +375,15 @@ def _break(graph: TtnnGraph, bug: str) -> None:
     elif bug == "flipped_convt":  # a conv transpose's 2x2 kernel flipped
         key = "head.mask.up.2.convt"
         _replace_conv(graph, key, a[key + ".w"][:, :, ::-1, ::-1], a[key + ".b"])
+    elif bug == "bfloat16_finest":  # the finest conv's output stored in bfloat16, not the finest format
+        conv = graph._conv
+
+        def narrow(x, key, *args, **kwargs):
+            if key.startswith("finest."):
+                kwargs["out_dtype"] = "bfloat16"
+            return conv(x, key, *args, **kwargs)
+
+        graph._conv = narrow
     elif bug == "phase_order":  # row and column phases swapped in the finest fold
         for name in ["neck"] + _HEADS:
             k = a[f"finest.{name}.w"]
@@ -401,6 +410,7 @@ _BROKEN = [
     ("head_levels", "transposed_input_conv", lambda g, e: _check_head_levels(g, e, "normal")),
     ("finest", "phase_order", lambda g, e: _check_finest(g, e, "neck")),
     ("finest", "zero_padding", lambda g, e: _check_finest(g, e, "mask")),
+    ("finest", "bfloat16_finest", lambda g, e: _check_finest(g, e, "normal")),
 ]
 
 
@@ -411,7 +421,7 @@ def test_part_checks_catch_broken_parts(part, bug, check, exact):
     float32 emulation and within the device formats' looser bounds."""
     graph = _graph(_prepared(), exact=exact)
     _break(graph, bug)
-    with pytest.raises(AssertionError, match="beyond"):
+    with pytest.raises(AssertionError, match="beyond|finest maps in"):
         check(graph, exact)
 
 
