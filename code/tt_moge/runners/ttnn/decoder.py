@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .tiles import TILE, TILE_BYTES, cdiv
+from .tiles import TILE
+from .tiles import TILE_BYTES as _TILE_BYTES  # the names the bodies have always used
+from .tiles import cdiv as _cdiv
 
 __all__ = ["Decoder", "CONV_L1_PER_CORE", "CONV_WEIGHTS_PER_CORE", "CONV_WINDOW_BUDGET"]
 
@@ -34,20 +36,20 @@ class Decoder:
         by rows into as many slices as that budget needs. Chained decoder: height-sharded, wholly in L1."""
         T = self.ttnn
         if self.chained:  # height-sharded: every core holds all the weights; block-sharded when they are large
-            weights = 9 * cdiv(c_in, TILE) * cdiv(c_out, TILE) * TILE_BYTES[self.formats.decoder_weights]
+            weights = 9 * _cdiv(c_in, TILE) * _cdiv(c_out, TILE) * _TILE_BYTES[self.formats.decoder_weights]
             wide = weights > CONV_WEIGHTS_PER_CORE
             return (
                 T.TensorMemoryLayout.BLOCK_SHARDED if wide else T.TensorMemoryLayout.HEIGHT_SHARDED,
                 T.Conv2dL1FullSliceConfig,
             )
         pixels = height * width
-        act = TILE_BYTES[self.formats.activations] / (TILE * TILE)
-        out = TILE_BYTES[out_dtype] / (TILE * TILE)
-        per_core = (pixels * c_in * act + pixels * cdiv(c_out, TILE) * TILE * out) / self.num_cores
+        act = _TILE_BYTES[self.formats.activations] / (TILE * TILE)
+        out = _TILE_BYTES[out_dtype] / (TILE * TILE)
+        per_core = (pixels * c_in * act + pixels * _cdiv(c_out, TILE) * TILE * out) / self.num_cores
         shard = T.TensorMemoryLayout.BLOCK_SHARDED if c_in > 256 else T.TensorMemoryLayout.HEIGHT_SHARDED
         if per_core <= CONV_L1_PER_CORE:
             return shard, T.Conv2dL1FullSliceConfig
-        slices = min(height, cdiv(int(per_core), CONV_L1_PER_CORE))
+        slices = min(height, _cdiv(int(per_core), CONV_L1_PER_CORE))
         return T.TensorMemoryLayout.HEIGHT_SHARDED, T.Conv2dSliceConfig(
             slice_type=T.Conv2dDRAMSliceHeight, num_slices=slices
         )
@@ -86,11 +88,11 @@ class Decoder:
         it: `_act_block_h`)."""
         key = (height, width)
         if key not in self._shardings:
-            tiles = cdiv(height * width, TILE)
-            least = cdiv(tiles, self.num_cores)
+            tiles = _cdiv(height * width, TILE)
+            least = _cdiv(tiles, self.num_cores)
             candidates = range(least, max(least, int(least * 1.3)) + 1)
             shard = min(candidates, key=lambda s: s * (1 + 1 / max(d for d in range(1, min(s, 8) + 1) if s % d == 0)))
-            cores = cdiv(tiles, shard)
+            cores = _cdiv(tiles, shard)
             grid = self.ttnn.num_cores_to_corerangeset(cores, self.ttnn.CoreCoord(*self.grid), True)
             self._shardings[key] = (grid, shard * TILE)
         return self._shardings[key]

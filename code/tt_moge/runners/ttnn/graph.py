@@ -101,7 +101,9 @@ from .encoder import Encoder
 from .heads import Heads
 from .patch_embed import PatchEmbed
 from .prepare import convt_as_matmul
-from .tiles import TILE, TILE_BYTES, cdiv
+from .tiles import TILE
+from .tiles import TILE_BYTES as _TILE_BYTES  # the names the bodies have always used
+from .tiles import cdiv as _cdiv
 from .vit_block import VitBlock
 
 __all__ = ["Formats", "FORMATS", "GraphConfig", "CONFIGS", "TtnnGraph", "L1_BYTES", "L1_BUDGET"]
@@ -129,15 +131,15 @@ class Formats:
         return self.decoder_activations or self.activations
 
     def __post_init__(self):
-        if self.decoder_activations and self.decoder_activations not in TILE_BYTES:
+        if self.decoder_activations and self.decoder_activations not in _TILE_BYTES:
             raise ValueError(
-                f"Formats.decoder_activations: expected one of {sorted(TILE_BYTES)} or '', "
+                f"Formats.decoder_activations: expected one of {sorted(_TILE_BYTES)} or '', "
                 f"got {self.decoder_activations!r}"
             )
         for name in ("vit_weights", "decoder_weights", "activations", "residual", "finest"):
             value = getattr(self, name)
-            if value not in TILE_BYTES:
-                raise ValueError(f"Formats.{name}: expected one of {sorted(TILE_BYTES)}, got {value!r}")
+            if value not in _TILE_BYTES:
+                raise ValueError(f"Formats.{name}: expected one of {sorted(_TILE_BYTES)}, got {value!r}")
         for name in ("residual", "finest"):
             if getattr(self, name) == "bfloat8_b":
                 raise ValueError(f"Formats.{name}: bfloat8_b is for weights and activations only")
@@ -258,24 +260,24 @@ class _MatmulPlanner:
     def cb_bytes(self, per_m: int, per_n: int, in0_block_w: int, in0: str, in1: str, out: str) -> int:
         """Circular buffers of one core: double-buffered in0 and in1 blocks, the output block and, with float32
         accumulation, a float32 partials block."""
-        b = 2 * per_m * in0_block_w * TILE_BYTES[in0] + 2 * in0_block_w * per_n * TILE_BYTES[in1]
-        b += per_m * per_n * TILE_BYTES[out]
+        b = 2 * per_m * in0_block_w * _TILE_BYTES[in0] + 2 * in0_block_w * per_n * _TILE_BYTES[in1]
+        b += per_m * per_n * _TILE_BYTES[out]
         if self.fp32_acc:
-            b += per_m * per_n * TILE_BYTES["float32"]
+            b += per_m * per_n * _TILE_BYTES["float32"]
         return b
 
     def config(
         self, m: int, k: int, n: int, *, in0: str, in1: str, out: str, gelu: bool = False, whole_k: bool = False
     ):
-        mt, kt, nt = cdiv(m, TILE), k // TILE, n // TILE
+        mt, kt, nt = _cdiv(m, TILE), k // TILE, n // TILE
         if self.whole_grid:
-            per_n = cdiv(nt, self.grid_x)
-            gx = cdiv(nt, per_n)
+            per_n = _cdiv(nt, self.grid_x)
+            gx = _cdiv(nt, per_n)
         else:
             gx = _largest_divisor(nt, self.grid_x)
             per_n = nt // gx
-        per_m = mt if whole_k else cdiv(mt, self.grid_y)  # whole_k: the oversized negative check
-        gy = cdiv(mt, per_m)
+        per_m = mt if whole_k else _cdiv(mt, self.grid_y)  # whole_k: the oversized negative check
+        gy = _cdiv(mt, per_m)
         sub_w = _largest_divisor(per_n, self.max_subblock)
         sub_h = _largest_divisor(per_m, self.max_subblock // sub_w)
         if whole_k:
@@ -377,8 +379,8 @@ class TtnnGraph(PatchEmbed, VitBlock, Encoder, Decoder, Heads):
         tensors, the MLP's hidden map, the tap accumulator) must leave each core room for the matmuls'
         circular buffers; the chained decoder holds several maps of the finest level it convolves."""
         p, f = self.plan, self.formats
-        seq = cdiv(p["seq_len"], TILE) * TILE
-        res, act = TILE_BYTES[f.residual] / TILE**2, TILE_BYTES[f.activations] / TILE**2
+        seq = _cdiv(p["seq_len"], TILE) * TILE
+        res, act = _TILE_BYTES[f.residual] / TILE**2, _TILE_BYTES[f.activations] / TILE**2
         live = seq * (3 * p["dim"] * res + p["ffn_dim"] * act) / self.num_cores
         fin = p["finest"]
         finest_map = fin["in_height"] * fin["in_width"] * p["levels"][-2]["dim"] * 2 / self.num_cores
@@ -416,14 +418,14 @@ class TtnnGraph(PatchEmbed, VitBlock, Encoder, Decoder, Heads):
         split of the keys into chunks of at most sdpa_k_chunk (less padding in the last one). Else the
         configured sizes, at most the sequence."""
         cfg = self.config
-        tiles = cdiv(self.plan["seq_len"], TILE)
+        tiles = _cdiv(self.plan["seq_len"], TILE)
         q_max, k_max = max(1, cfg.sdpa_q_chunk // TILE), max(1, cfg.sdpa_k_chunk // TILE)
         if not cfg.sdpa_even:
             return min(q_max, tiles) * TILE, min(k_max, tiles) * TILE
         per_head = min(tiles, max(1, self.num_cores // self.plan["num_heads"]))
-        rounds = cdiv(cdiv(tiles, per_head), q_max)
-        q_tiles = cdiv(tiles, rounds * per_head)
-        k_tiles = cdiv(tiles, cdiv(tiles, k_max))
+        rounds = _cdiv(_cdiv(tiles, per_head), q_max)
+        q_tiles = _cdiv(tiles, rounds * per_head)
+        k_tiles = _cdiv(tiles, _cdiv(tiles, k_max))
         return q_tiles * TILE, k_tiles * TILE
 
     # --------------------------------------------------------------------------------------------- load
