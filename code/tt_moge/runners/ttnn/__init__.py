@@ -1,5 +1,6 @@
 """The Tenstorrent (ttnn) runner: weight preparation and the host references of the steps around the network
-(`prepare`, torch only inside `prepare_weights`), the device graph (`graph`, numpy + an injected ttnn module) with
+(`prepare`, torch only inside `prepare_weights`), the device graph (`graph`, numpy + an injected ttnn module; one
+module per network part: `patch_embed`, `vit_block`, `encoder`, `decoder`, `heads`) with
 its input and output sides on the device (`pre`: canvas -> patch matrix; `post`: finest maps -> raw maps), finding
 and opening a chip (`device`) and the runner the API uses (`runner.TtnnRunner`, torch on the host side); the mock-
 device check and the cost model are tools beside it (`tt_moge.ttnn_tools`), never imported by it. Importing this

@@ -14,6 +14,15 @@ The runner does not use the host steps around it: `pre.DeviceInput` makes the pa
 the device and `post.DeviceOutput` turns the finest maps into the raw maps on the device (set `finest_tiles`
 so that `decode` leaves its output in tiles for it); `host_input` / `host_output` remain the references.
 
+Laid out as tt-metal's model demos are: this module holds the formats, the configurations, the plan (program
+configs, placement), the weights' upload and the forward that strings the parts together; each network part
+runs in its own module, mixed into `TtnnGraph` and reading the state it sets up, each tested against its
+`network/` module (tests/test_ttnn_parts.py): `patch_embed.py` (patch matmul + token table; `network/vit.py`'s
+`PatchEmbed` and embeddings), `vit_block.py` (one DINOv2 block; `Block`), `encoder.py` (the blocks and the taps;
+`network/moge2.py`'s encoder), `decoder.py` (a conv stack's level: residual blocks, upsample, 1x1 convs; the
+neck; `network/convstack.py`), `heads.py` (a head's levels and the finest folded conv). `tiles.py` holds the
+tile sizes they share.
+
 What runs on the device, in order (the folds come from `FixedShapeMoGe2` through `prepare.py`):
 
 * Patch embedding: one matmul of the host-unfolded patches by the folded patch kernel, plus a table that holds
@@ -87,19 +96,22 @@ from typing import Optional, Union
 
 import numpy as np
 
+from .decoder import Decoder
+from .encoder import Encoder
+from .heads import Heads
+from .patch_embed import PatchEmbed
 from .prepare import convt_as_matmul
+from .tiles import TILE
+from .tiles import TILE_BYTES as _TILE_BYTES  # the names the bodies have always used
+from .tiles import cdiv as _cdiv
+from .vit_block import VitBlock
 
 __all__ = ["Formats", "FORMATS", "GraphConfig", "CONFIGS", "TtnnGraph", "L1_BYTES", "L1_BUDGET"]
 
-TILE = 32
 L1_BYTES = 1536 * 1024  # Blackhole: L1 per Tensix core
 L1_BUDGET = 900 * 1024  # what a matmul's circular buffers may take (the rest: other CBs, kernels, halo, margin)
-CONV_L1_PER_CORE = 160 * 1024  # safe graph: a 3x3 conv's input + output per core below which it runs wholly in L1
 ENCODER_L1_LIVE = 400 * 1024  # "l1" placement: the encoder's live activations per core above which they go to DRAM
 DECODER_L1_MAP = 160 * 1024  # "chained" decoder: one finest-level map per core above which the decoder is sliced
-CONV_WEIGHTS_PER_CORE = 384 * 1024  # chained decoder: a height-sharded conv's weights (all of them, on every core)
-CONV_WINDOW_BUDGET = 128 * 1024  # chained decoder: a conv's im2col block (act_block_h rows x kh kw C_in values)
-_TILE_BYTES = {"bfloat16": 2048, "float32": 4096, "bfloat8_b": 1088}
 _FIDELITIES = {"hifi4": "HiFi4", "hifi3": "HiFi3", "hifi2": "HiFi2", "lofi": "LoFi"}
 
 
@@ -230,10 +242,6 @@ def round_significant(a: np.ndarray, bits: int) -> np.ndarray:
     return i.view(np.float32)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _largest_divisor(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
@@ -293,7 +301,7 @@ class _MatmulPlanner:
         )
 
 
-class TtnnGraph:
+class TtnnGraph(PatchEmbed, VitBlock, Encoder, Decoder, Heads):
     """The fixed-shape MoGe-2 forward on one ttnn device (see the module docstring).
 
     ttnn: the ttnn module (or a stand-in with the same API). device: an open ttnn device. prepared: a
@@ -419,30 +427,6 @@ class TtnnGraph:
         q_tiles = _cdiv(tiles, rounds * per_head)
         k_tiles = _cdiv(tiles, _cdiv(tiles, k_max))
         return q_tiles * TILE, k_tiles * TILE
-
-    def _conv_placement(self, height: int, width: int, c_in: int, c_out: int, out_dtype: str) -> tuple:
-        """Safe graph: (shard layout, slice config) of a 3x3 conv: wholly in L1 when its input and output take at
-        most CONV_L1_PER_CORE per core (block-sharded for wide inputs, height-sharded otherwise), else DRAM-sliced
-        by rows into as many slices as that budget needs. Chained decoder: height-sharded, wholly in L1."""
-        T = self.ttnn
-        if self.chained:  # height-sharded: every core holds all the weights; block-sharded when they are large
-            weights = 9 * _cdiv(c_in, TILE) * _cdiv(c_out, TILE) * _TILE_BYTES[self.formats.decoder_weights]
-            wide = weights > CONV_WEIGHTS_PER_CORE
-            return (
-                T.TensorMemoryLayout.BLOCK_SHARDED if wide else T.TensorMemoryLayout.HEIGHT_SHARDED,
-                T.Conv2dL1FullSliceConfig,
-            )
-        pixels = height * width
-        act = _TILE_BYTES[self.formats.activations] / (TILE * TILE)
-        out = _TILE_BYTES[out_dtype] / (TILE * TILE)
-        per_core = (pixels * c_in * act + pixels * _cdiv(c_out, TILE) * TILE * out) / self.num_cores
-        shard = T.TensorMemoryLayout.BLOCK_SHARDED if c_in > 256 else T.TensorMemoryLayout.HEIGHT_SHARDED
-        if per_core <= CONV_L1_PER_CORE:
-            return shard, T.Conv2dL1FullSliceConfig
-        slices = min(height, _cdiv(int(per_core), CONV_L1_PER_CORE))
-        return T.TensorMemoryLayout.HEIGHT_SHARDED, T.Conv2dSliceConfig(
-            slice_type=T.Conv2dDRAMSliceHeight, num_slices=slices
-        )
 
     # --------------------------------------------------------------------------------------------- load
     def _tensor(self, array: np.ndarray, dtype: str, shape: Optional[tuple] = None, device: bool = True, layout=None):
@@ -576,424 +560,19 @@ class TtnnGraph:
         level0, cls_token = self.encode(x)
         return {"finest": self.decode(level0), "cls_token": cls_token}
 
-    def encode(self, x) -> tuple:
-        """Patch matrix -> (level-0 map (1, 1, rows * cols, d0), class token (1, 1, 1, dim))."""
-        T, p, f, w = self.ttnn, self.plan, self.formats, self.w
-        res, mem = self._dt(f.residual), self.act_mem
-        tokens = T.linear(
-            x,
-            w["patch.w"],
-            program_config=self.pc["patch"],
-            compute_kernel_config=self.ck_tap,
-            dtype=res,
-            memory_config=mem,
-        )
-        embedded = T.add(tokens, w["token_table"], dtype=res, memory_config=mem)
-        T.deallocate(tokens)
-        tokens = embedded
-        taps = p["taps"]
-        acc, cls_token = None, None
-        for i in range(p["blocks"]):
-            tokens = self.block(tokens, i)
-            if i in taps:
-                k = taps.index(i)
-                h = T.layer_norm(
-                    tokens,
-                    weight=w["final_norm.w"],
-                    bias=w["final_norm.b"],
-                    epsilon=p["final_ln_eps"],
-                    compute_kernel_config=self.ck_norm,
-                    memory_config=mem,
-                )
-                y = T.linear(
-                    h,
-                    w[f"neck_in0.{k}.w"],
-                    program_config=self.pc["tap"],
-                    compute_kernel_config=self.ck_tap,
-                    dtype=res,
-                    memory_config=mem,
-                )
-                if i == taps[-1]:
-                    r = p["grid_tokens"]
-                    cls_token = T.slice(h, (0, 0, r, 0), (1, 1, r + 1, p["dim"]), memory_config=self.dram)
-                T.deallocate(h)
-                if acc is None:
-                    acc = y
-                else:
-                    summed = T.add(acc, y, dtype=res, memory_config=mem)
-                    T.deallocate(acc)
-                    T.deallocate(y)
-                    acc = summed
-        T.deallocate(tokens)
-        rows = T.slice(acc, (0, 0, 0, 0), (1, 1, p["grid_tokens"], p["neck_in0_dim"]), memory_config=mem)
-        T.deallocate(acc)
-        level0 = T.add(
-            rows, w["neck_in0.const"], dtype=self._dt(f.activations), memory_config=mem if self.chained else self.dram
-        )
-        T.deallocate(rows)
-        return level0, cls_token
-
-    def block(self, x, i: int):
-        """DINOv2 block i on the residual stream x (1, 1, seq_len, dim) (residual format); returns the new stream."""
-        T, p, f, w = self.ttnn, self.plan, self.formats, self.w
-        res, act, mem = self._dt(f.residual), self._dt(f.activations), self.act_mem
-        n, c = p["seq_len"], p["dim"]
-        key = f"blocks.{i}"
-        h = T.layer_norm(
-            x,
-            weight=w[key + ".norm1.w"],
-            bias=w[key + ".norm1.b"],
-            epsilon=p["ln_eps"],
-            compute_kernel_config=self.ck_norm,
-            memory_config=mem,
-        )
-        qkv = T.linear(
-            h,
-            w[key + ".qkv.w"],
-            bias=w[key + ".qkv.b"],
-            program_config=self.pc["qkv"],
-            compute_kernel_config=self.ck_attention,
-            dtype=act,
-            memory_config=mem,
-        )
-        T.deallocate(h)
-        q, k, v = T.transformer.split_query_key_value_and_split_heads(
-            T.reshape(qkv, (1, n, 3 * c)), num_heads=p["num_heads"], transpose_key=False, memory_config=mem
-        )
-        T.deallocate(qkv)
-        a = T.transformer.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=False,
-            scale=1.0,
-            program_config=self.sdpa_config,
-            compute_kernel_config=self.ck_sdpa,
-            output_concat_heads=True,
-            memory_config=mem,
-        )  # (1, 1, n, c); the scale is folded into q
-        for t in (q, k, v):
-            T.deallocate(t)
-        o = T.linear(
-            a,
-            w[key + ".attn_out.w"],
-            bias=w[key + ".attn_out.b"],
-            program_config=self.pc["attn_out"],
-            compute_kernel_config=self.ck_attention,
-            dtype=res,
-            memory_config=mem,
-        )
-        T.deallocate(a)
-        x1 = T.add(x, o, dtype=res, memory_config=mem)
-        T.deallocate(o)
-        T.deallocate(x)
-        h = T.layer_norm(
-            x1,
-            weight=w[key + ".norm2.w"],
-            bias=w[key + ".norm2.b"],
-            epsilon=p["ln_eps"],
-            compute_kernel_config=self.ck_norm,
-            memory_config=mem,
-        )
-        g = T.linear(
-            h,
-            w[key + ".ffn_in.w"],
-            bias=w[key + ".ffn_in.b"],
-            program_config=self.pc["ffn_in"],
-            compute_kernel_config=self.ck_mlp,
-            dtype=act,
-            memory_config=mem,
-        )
-        T.deallocate(h)
-        o = T.linear(
-            g,
-            w[key + ".ffn_out.w"],
-            bias=w[key + ".ffn_out.b"],
-            program_config=self.pc["ffn_out"],
-            compute_kernel_config=self.ck_mlp,
-            dtype=res,
-            memory_config=mem,
-        )
-        T.deallocate(g)
-        x2 = T.add(x1, o, dtype=res, memory_config=mem)
-        T.deallocate(o)
-        T.deallocate(x1)
-        return x2
-
-    # ------------------------------------------------------------------------------------------ decoder
-    def _matmul1x1(self, x, key: str):
-        """A 1x1 conv over (1, 1, pixels, C) as a matmul (the safe graph's, and the heads' level-0 inputs)."""
-        T = self.ttnn
-        return T.linear(
-            x,
-            self.w[key + ".w"],
-            bias=self.w[key + ".b"],
-            program_config=self.pc.get(key),  # set at load in the chained decoder; else ttnn chooses
-            compute_kernel_config=self.ck_decoder,
-            dtype=self._dt(self.formats.activations),
-            memory_config=self.act_mem if self.chained else self.dram,
-        )
-
-    def _conv_config(self, shard, relu: bool, act_block_h: int = 0, core_grid=None):
-        T = self.ttnn
-        extra = {} if core_grid is None else {"core_grid": core_grid, "override_sharding_config": True}
-        return T.Conv2dConfig(
-            weights_dtype=self._dt(self.formats.decoder_weights),
-            shard_layout=shard,
-            padding_mode=T.PaddingMode.Replicate,
-            activation=T.UnaryWithParam(T.UnaryOpType.RELU) if relu else None,
-            deallocate_activation=False,
-            output_layout=T.TILE_LAYOUT,
-            act_block_h_override=act_block_h,
-            **extra,
-        )
-
-    def _level_sharding(self, height: int, width: int) -> tuple:
-        """Chained decoder: (core grid, shard rows) that every map of this size shares (so that adds, ReLUs and
-        the next conv take each other's outputs as they lie): height-sharded, the shard a whole number of tiles,
-        chosen among the heights near pixels / cores for one with a large divisor (the act blocks must divide
-        it: `_act_block_h`)."""
-        key = (height, width)
-        if key not in self._shardings:
-            tiles = _cdiv(height * width, TILE)
-            least = _cdiv(tiles, self.num_cores)
-            candidates = range(least, max(least, int(least * 1.3)) + 1)
-            shard = min(candidates, key=lambda s: s * (1 + 1 / max(d for d in range(1, min(s, 8) + 1) if s % d == 0)))
-            cores = _cdiv(tiles, shard)
-            grid = self.ttnn.num_cores_to_corerangeset(cores, self.ttnn.CoreCoord(*self.grid), True)
-            self._shardings[key] = (grid, shard * TILE)
-        return self._shardings[key]
-
-    @staticmethod
-    def _act_block_h(rows: int, window: int) -> int:
-        """The largest act block (rows, a multiple of 32 dividing the shard's rows) whose im2col block of `window`
-        values per row (kh kw C_in, bfloat16) fits CONV_WINDOW_BUDGET: the default (all the shard's rows) needs
-        more L1 than a chained level leaves."""
-        best = TILE
-        for h in range(TILE, rows + 1, TILE):
-            if rows % h == 0 and h * window * 2 <= CONV_WINDOW_BUDGET:
-                best = h
-        return best
-
-    def _conv(self, x, key: str, height: int, width: int, relu: bool = False, out_dtype: Optional[str] = None):
-        """A replicate-padded 3x3 conv (or a 1x1 conv, by the weight's shape) over (1, 1, height * width, C_in)
-        -> (1, 1, height * width, C_out): DRAM in and out in the safe graph, L1 height-sharded when chained."""
-        T = self.ttnn
-        weight, bias = self.convs[key]
-        c_out, c_in, _, k = self.conv_shapes[key]
-        out_dtype = out_dtype or self.formats.decoder_maps
-        shard, slicing = self._conv_placement(height, width, c_in, c_out, out_dtype)
-        if self.chained and shard == T.TensorMemoryLayout.HEIGHT_SHARDED:
-            grid, rows = self._level_sharding(height, width)
-            config = self._conv_config(shard, relu, self._act_block_h(rows, k * k * c_in), grid)
-        else:
-            config = self._conv_config(shard, relu)
-        y, (h, w_), (weight, bias) = T.conv2d(
-            input_tensor=x,
-            weight_tensor=weight,
-            bias_tensor=bias,
-            device=self.device,
-            in_channels=c_in,
-            out_channels=c_out,
-            batch_size=1,
-            input_height=height,
-            input_width=width,
-            kernel_size=(k, k),
-            stride=(1, 1),
-            padding=(k // 2, k // 2),
-            dilation=(1, 1),
-            groups=1,
-            dtype=self._dt(out_dtype),
-            conv_config=config,
-            compute_config=self._level_compute(height),
-            slice_config=slicing,
-            memory_config=None if self.chained else self.dram,
-            return_output_dim=True,
-            return_weights_and_bias=True,
-        )
-        self.convs[key] = (weight, bias)
-        return y
-
-    def _level_compute(self, height: int):
-        """The compute config of a conv at a decoder level: the finest level's (the one the phase-folded finest
-        conv reads) at `finest_fidelity`, the coarser ones at `decoder_fidelity`."""
-        return self.ck_finest if height == self.plan["finest"]["in_height"] else self.ck_decoder
-
-    def _upsample(self, x, key: str, height: int, width: int):
-        """Conv-transpose 2x2 stride 2, then the resampler's 3x3 conv: (height, width) -> (2 height, 2 width)."""
-        T = self.ttnn
-        weight, bias = self.convs[key + ".convt"]
-        c_in, c_out = self.conv_shapes[key + ".convt"][:2]
-        config = self._conv_config(None, False)
-        if self.chained:  # on the next level's cores, as its maps are (conv_transpose2d shards its output)
-            grid, rows = self._level_sharding(2 * height, 2 * width)
-            config = self._conv_config(
-                T.TensorMemoryLayout.HEIGHT_SHARDED, False, self._act_block_h(rows, 4 * c_in), grid
-            )
-        y, (h, w_), (weight, bias) = T.conv_transpose2d(
-            input_tensor=x,
-            weight_tensor=weight,
-            bias_tensor=bias,
-            device=self.device,
-            in_channels=c_in,
-            out_channels=c_out,
-            batch_size=1,
-            input_height=height,
-            input_width=width,
-            kernel_size=(2, 2),
-            stride=(2, 2),
-            padding=(0, 0),
-            output_padding=(0, 0),
-            dilation=(1, 1),
-            groups=1,
-            dtype=self._dt(self.formats.decoder_maps),
-            conv_config=config,
-            compute_config=self._level_compute(2 * height),
-            memory_config=None if self.chained else self.dram,
-            return_output_dim=True,
-            return_weights_and_bias=True,
-        )
-        self.convs[key + ".convt"] = (weight, bias)
-        z = self._conv(y, key + ".conv", 2 * height, 2 * width)
-        T.deallocate(y)
-        if self.chained and 2 * height == self.plan["finest"]["in_height"]:
-            # the finest level's map was placed below y (still live then): moved up, out of the next convs' buffers
-            z = T.reallocate(z)
-        return z
-
-    def _upsample0(self, x, key: str):
-        """Chained decoder, level 0 -> 1: the conv transpose as a matmul to the four output phases (with the
-        stack's input 1x1 conv folded in where `_level0_folds` says so), a pixel shuffle (untilize, permute), then
-        the resampler's 3x3 conv. A 4x cheaper matmul than conv_transpose2d's (which convolves the zero-stuffed
-        map) and no sharded 1024-channel map, whose conv circular buffers would not fit beside the encoder's."""
-        T, lv = self.ttnn, self.plan["levels"]
-        rows, cols = lv[0]["height"], lv[0]["width"]
-        y = T.linear(
-            x,
-            self.w[key + ".up0.w"],
-            bias=self.w[key + ".up0.b"],
-            program_config=self.pc[key + ".up0"],
-            compute_kernel_config=self.ck_decoder,
-            dtype=self._dt(self.formats.activations),
-            memory_config=self.act_mem,
-        )
-        c = y.shape[-1] // 4
-        z = T.untilize(y, memory_config=self.act_mem)
-        T.deallocate(y)
-        z = T.reshape(z, (rows, cols, 2, 2 * c))  # (i, j, a, (b, c))
-        s = T.permute(z, (0, 2, 1, 3), memory_config=self.act_mem)  # (i, a, j, (b, c)): rows of the upsampled map
-        T.deallocate(z)
-        s = T.reshape(s, (1, 1, 4 * rows * cols, c))
-        out = self._conv(s, key + ".up.0.conv", 2 * rows, 2 * cols)
-        T.deallocate(s)
-        return out
-
-    def _level_up(self, x, key: str, i: int):
-        """Level i -> i + 1 of a stack: `_upsample0` from the chained decoder's level 0, else `_upsample`."""
-        level = self.plan["levels"][i]
-        if self.chained and i == 0:
-            return self._upsample0(x, key)
-        return self._upsample(x, f"{key}.up.{i}", level["height"], level["width"])
-
-    def _add_const(self, x, key: str):
-        """x + the constant map `key` (kept in DRAM: read once per forward beats holding a full map in L1)."""
-        return self._add(x, self.w[key])
-
-    def _add(self, a, b, dtype=None):
-        T = self.ttnn
-        if self.chained:
-            return T.add(a, b, dtype=dtype, memory_config=a.memory_config())
-        return T.add(a, b, dtype=dtype, memory_config=self.dram)
-
-    def _res_block(self, x, key: str, height: int, width: int):
-        """relu -> 3x3 conv (+ fused relu) -> 3x3 conv, plus x (MoGe's residual block without norms)."""
-        T = self.ttnn
-        y = T.relu(x, memory_config=x.memory_config() if self.chained else self.dram)
-        z = self._conv(y, key + ".conv1", height, width, relu=True)
-        T.deallocate(y)
-        y = self._conv(z, key + ".conv2", height, width)
-        T.deallocate(z)
-        out = self._add(x, y)
-        T.deallocate(y)
-        return out
-
-    def _stack_level(self, x, key: str, stack: dict, i: int, owned: bool = True):
-        """Residual blocks of level i of a stack, each freeing its input (a chained level's maps hold L1; the
-        first input only if `owned`), and the level's output (1x1 conv or x itself)."""
-        level = self.plan["levels"][i]
-        for j in range(stack["res_blocks"][i]):
-            y = self._res_block(x, f"{key}.res.{i}.{j}", level["height"], level["width"])
-            if owned or j:
-                self.ttnn.deallocate(x)
-            x = y
-        out = self._one_by_one(x, f"{key}.out.{i}", i) if stack["outputs"][i] else x
-        return x, out
-
-    def _one_by_one(self, x, key: str, level: int):
-        """A 1x1 conv at `level`: a matmul on the level-0 map (and everywhere in the safe graph), else conv2d on
-        the sharded map."""
-        if not self.chained or level == 0:
-            return self._matmul1x1(x, key)
-        size = self.plan["levels"][level]
-        return self._conv(x, key, size["height"], size["width"])
-
     def decode(self, level0):
         """Level-0 map -> the finest phase maps (1, 1, in_height * in_width, phase_channels), float32. Consumes
         level0: every map is freed as soon as nothing reads it (the neck's level outputs after the last head)."""
         T, p = self.ttnn, self.plan
-        levels = p["levels"]
-        last = len(levels) - 1
-        x = level0
-        neck_out = []
-        for i in range(last):
-            if i > 0:
-                y = self._add_const(x, f"neck.const.{i}")
-                T.deallocate(x)
-                x = y
-            x, out = self._stack_level(x, "neck", p["neck"], i)
-            if self.chained and i > 0 and out is x:  # kept for the heads: moved up, out of the way of what follows
-                x = out = T.reallocate(x)
-            neck_out.append(out)
-            if i < last - 1:
-                y = self._level_up(x, "neck", i)
-                if x is not out:
-                    T.deallocate(x)
-                x = y
-        fin = p["finest"]
-        finest = self._conv(x, "finest.neck", fin["in_height"], fin["in_width"], out_dtype=self.formats.finest)
+        x, neck_out = self.neck_levels(level0)
+        finest = self.finest_conv(x, "neck")
         if x is not neck_out[-1]:
             T.deallocate(x)
         if self.chained:
             finest = T.reallocate(finest)
         for head in p["heads"]:
-            key = f"head.{head['name']}"
-            h = None  # the head's map, or one of neck_out (then not ours to free)
-            for i in range(last):
-                if i == 0 and self.level0_folds.get(key):  # the level-0 input conv is inside the upsample's matmul
-                    h = self._upsample0(neck_out[0], key)
-                    continue
-                feature = self._one_by_one(neck_out[i], f"{key}.in.{i}", i) if head["inputs"][i] else neck_out[i]
-                if h is None:
-                    h = feature
-                else:
-                    summed = self._add(h, feature)
-                    for t in (h, feature):
-                        if t is not neck_out[i]:
-                            T.deallocate(t)
-                    h = summed
-                h, _ = self._stack_level(h, key, head, i, owned=h is not neck_out[i])
-                if i < last - 1:
-                    up = self._level_up(h, key, i)
-                    if h is not neck_out[i]:
-                        T.deallocate(h)
-                    h = up
-            part = self._conv(
-                h,
-                f"finest.{head['name']}",
-                fin["in_height"],
-                fin["in_width"],
-                out_dtype=self.formats.finest,
-            )
+            h = self.head_levels(neck_out, head)
+            part = self.finest_conv(h, head["name"])
             if h is not neck_out[-1]:
                 T.deallocate(h)
             summed = self._add(finest, part, dtype=self._dt(self.formats.finest))
