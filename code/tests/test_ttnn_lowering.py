@@ -341,21 +341,32 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@pytest.mark.parametrize("grid,per_core", [((13, 10), 8), ((12, 10), 9), ((11, 10), 10)])
-def test_sdpa_query_chunks_split_evenly_over_each_heads_cores(grid, per_core):
+@pytest.mark.parametrize("grid,per_core,q_tiles", [((13, 10), 8, 4), ((12, 10), 9, 3), ((11, 10), 10, 5)])
+def test_sdpa_chunks_leave_the_busiest_core_the_least_work(grid, per_core, q_tiles):
     """ttnn's SDPA gives each of ViT-L's 16 heads grid // 16 cores and ceil(chunks / cores) query chunks to each:
-    the fast graph's chunks fill those cores once (58 query tiles: 8 a core at 13x10, 9 at 12x10, 10 at 11x10;
-    fixed 256-token chunks give 12x10 and 11x10 16); its key chunks are the most even split under 512 tokens."""
+    the fast graph's chunks give the busiest core as few query tiles as that split allows (58 tiles: 8 a core at
+    13x10, 9 at 12x10, 10 at 11x10; fixed 256-token chunks give 12x10 and 11x10 16), and its key chunks cover the
+    58 key tiles without padding in two chunks of 29 (one rescale), in chunk pairs whose score block fits the
+    kernel's buffers. With q, k, v in DRAM (a large token budget) each core reads the keys once: one query chunk a
+    core, key chunks the most even split under the score block."""
     import types
 
+    from tt_moge.runners.ttnn.graph import SDPA_SCORE_TILES
+
     cores = grid[0] * grid[1]
-    fake = types.SimpleNamespace(config=CONFIGS["fast"], plan={"seq_len": 1825, "num_heads": 16}, num_cores=cores)
+    plan = {"seq_len": 1825, "num_heads": 16}
+    fake = types.SimpleNamespace(config=CONFIGS["fast"], plan=plan, num_cores=cores, encoder_in_l1=True)
     q_chunk, k_chunk = TtnnGraph._sdpa_chunks(fake)
     tiles, per_head = _cdiv(1825, 32), cores // 16
     assert q_chunk % 32 == 0 and k_chunk % 32 == 0
-    assert q_chunk // 32 == per_core and _cdiv(tiles, q_chunk // 32) <= per_head
-    assert k_chunk <= 512 and _cdiv(tiles, k_chunk // 32) == _cdiv(tiles, 16) and k_chunk == 480
-    safe = types.SimpleNamespace(config=CONFIGS["safe"], plan=fake.plan, num_cores=cores)
+    assert (q_chunk // 32, k_chunk // 32) == (q_tiles, 29)
+    assert _cdiv(_cdiv(tiles, q_tiles), per_head) * q_tiles == per_core
+    assert q_tiles * 29 <= SDPA_SCORE_TILES
+    dram = types.SimpleNamespace(config=CONFIGS["fast"], plan=plan, num_cores=cores, encoder_in_l1=False)
+    q_chunk, k_chunk = TtnnGraph._sdpa_chunks(dram)
+    assert q_chunk // 32 == per_core and _cdiv(tiles, q_chunk // 32) <= per_head  # one pass over the keys a core
+    assert (q_chunk // 32) * (k_chunk // 32) <= SDPA_SCORE_TILES and k_chunk == 480
+    safe = types.SimpleNamespace(config=CONFIGS["safe"], plan=plan, num_cores=cores, encoder_in_l1=False)
     assert TtnnGraph._sdpa_chunks(safe) == (256, 256)
 
 

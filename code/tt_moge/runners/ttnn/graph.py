@@ -99,6 +99,7 @@ ENCODER_L1_LIVE = 400 * 1024  # "l1" placement: the encoder's live activations p
 DECODER_L1_MAP = 160 * 1024  # "chained" decoder: one finest-level map per core above which the decoder is sliced
 CONV_WEIGHTS_PER_CORE = 384 * 1024  # chained decoder: a height-sharded conv's weights (all of them, on every core)
 CONV_WINDOW_BUDGET = 128 * 1024  # chained decoder: a conv's im2col block (act_block_h rows x kh kw C_in values)
+SDPA_SCORE_TILES = 150  # sdpa_even: query x key tiles of a chunk pair (10 x 15 and 5 x 29 fit at 11x10, 9 x 29 not)
 _TILE_BYTES = {"bfloat16": 2048, "float32": 4096, "bfloat8_b": 1088}
 _FIDELITIES = {"hifi4": "HiFi4", "hifi3": "HiFi3", "hifi2": "HiFi2", "lofi": "LoFi"}
 
@@ -209,7 +210,7 @@ CONFIGS = {
         finest_fidelity="hifi4",
         norm_fidelity="hifi4",
         sdpa_q_chunk=512,
-        sdpa_k_chunk=512,
+        sdpa_k_chunk=1024,
         sdpa_even=True,
         sdpa_exp_approx=True,
         whole_grid=True,
@@ -403,11 +404,16 @@ class TtnnGraph:
 
     def _sdpa_chunks(self) -> tuple:
         """SDPA's (query chunk, key chunk) in tokens. ttnn's SDPA gives each head grid_cores // heads cores and
-        splits the head's query chunks over them (ceil(chunks / cores) each): with sdpa_even the query chunks are
-        as few and as even as that split allows (the fewest rounds of at most sdpa_q_chunk tokens, then the work
-        spread evenly over the head's cores: 8 tiles a core at 13x10, 9 at 12x10, 10 at 11x10 for ViT-L's 58
-        tiles, where 256-token chunks take 16 tiles a core at 12x10 and 11x10), and the key chunks the most even
-        split of the keys into chunks of at most sdpa_k_chunk (less padding in the last one). Else the
+        splits the head's query chunks over them (ceil(chunks / cores) each); every query chunk then runs against
+        every key chunk, the last one padded, and rescales its running output once per key chunk after the first.
+        With sdpa_even the pair is the one that leaves the busiest core the least work: its query tiles (at best
+        ceil(tiles / cores per head)) times the padded key tiles, plus a row of tiles per rescale; ties go to the
+        fewest passes over the keys (one per query chunk). When q, k, v live in DRAM the fewest passes come first:
+        each pass reads the keys and values again from DRAM on every core. Within sdpa_q_chunk / sdpa_k_chunk and a
+        score block of at most SDPA_SCORE_TILES tiles (what the kernel's circular buffers hold beside the
+        L1-resident encoder). ViT-L's 58 tiles: two key chunks of 29 tiles (no padding, one rescale) and query
+        chunks of 4 / 3 / 5 tiles at 13x10 / 12x10 / 11x10 (8 / 9 / 10 tiles a core, as even as the split allows),
+        where one query chunk a core and 480-token key chunks cost 60 key tiles and three rescales. Else the
         configured sizes, at most the sequence."""
         cfg = self.config
         tiles = _cdiv(self.plan["seq_len"], TILE)
@@ -415,10 +421,18 @@ class TtnnGraph:
         if not cfg.sdpa_even:
             return min(q_max, tiles) * TILE, min(k_max, tiles) * TILE
         per_head = min(tiles, max(1, self.num_cores // self.plan["num_heads"]))
-        rounds = _cdiv(_cdiv(tiles, per_head), q_max)
-        q_tiles = _cdiv(tiles, rounds * per_head)
-        k_tiles = _cdiv(tiles, _cdiv(tiles, k_max))
-        return q_tiles * TILE, k_tiles * TILE
+        best = None
+        for k_tiles in range(1, min(k_max, tiles) + 1):
+            k_chunks = _cdiv(tiles, k_tiles)
+            for q_tiles in range(1, min(q_max, tiles) + 1):
+                if q_tiles * k_tiles > SDPA_SCORE_TILES and (q_tiles, k_tiles) != (1, 1):
+                    continue
+                passes = _cdiv(_cdiv(tiles, q_tiles), per_head)  # the busiest core's query chunks
+                work = passes * q_tiles * (k_chunks * k_tiles + k_chunks - 1)
+                key = (work, passes) if self.encoder_in_l1 else (passes, work)
+                if best is None or key + (-q_tiles,) < best[0]:
+                    best = (key + (-q_tiles,), q_tiles, k_tiles)
+        return best[1] * TILE, best[2] * TILE
 
     def _conv_placement(self, height: int, width: int, c_in: int, c_out: int, out_dtype: str) -> tuple:
         """Safe graph: (shard layout, slice config) of a 3x3 conv: wholly in L1 when its input and output take at
