@@ -309,6 +309,26 @@ def test_lofi_weights_are_rounded_to_what_lofi_reads():
     assert rounded["cls_token"] < 0.7 * cut["cls_token"], (rounded, cut)
 
 
+def test_decoder_conv_weights_are_rounded_where_their_level_runs_at_lofi():
+    """The decoder's convs (3x3, conv transposes, the 1x1 convs and level-0 upsample matmuls) at LoFi get their
+    weights rounded to LoFi's 5 bits like the ViT's matmuls; the finest level, at `finest_fidelity`, keeps its
+    weights as they are. On the conv weights the first forward prepares, and on the outputs: rounded weights give
+    a smaller error than cut ones (the points and the depth, which the decoder's error reaches)."""
+    prepared = _prepared("tiny-vits-normal")
+    lofi = _fast(decoder_fidelity="lofi", finest_fidelity="hifi4")
+    graph = _graph(prepared, config=lofi, prepare_convs=True)
+    plan = prepared.plan
+    coarse = graph.convs["neck.res.1.0.conv1"][0].data
+    assert torch.equal(truncate_bits(coarse, 5), coarse), "a LoFi level's conv weights not on LoFi's 5 bits"
+    assert torch.equal(truncate_bits(graph.w["neck.up0.w"].data, 5), graph.w["neck.up0.w"].data)
+    finest_level = next(i for i, lv in enumerate(plan["levels"]) if lv["height"] == plan["finest"]["in_height"])
+    finest = graph.convs[f"neck.res.{finest_level}.0.conv1"][0].data
+    assert not torch.equal(truncate_bits(finest, 5), finest), "the finest level's weights were rounded too"
+    rounded = _compare("tiny-vits-normal", config=lofi)
+    cut = _compare("tiny-vits-normal", config=dataclasses.replace(lofi, round_lofi_weights=False))
+    assert rounded["points"] < cut["points"] and rounded["depth"] < cut["depth"], (rounded, cut)
+
+
 @pytest.mark.parametrize("grid", [(13, 10), (12, 10), (11, 10)])
 def test_the_graph_plans_from_the_grid_the_device_reports(grid):
     """Matmul program configs, SDPA's grid and chunks and the decoder's level sharding all come from

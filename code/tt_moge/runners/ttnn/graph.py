@@ -470,15 +470,22 @@ class TtnnGraph:
         return T.Tensor(a, self._dt(dtype), None, layout)
 
     def _host_conv(self, key: str, weight: np.ndarray, bias: Optional[np.ndarray]) -> None:
-        """A conv's weights as host float32 row-major tensors (ttnn.conv2d prepares them on the first forward)."""
-        T = self.ttnn
+        """A conv's weights, float32 numpy until its first forward (`_conv_weights`)."""
         self.conv_shapes[key] = tuple(np.shape(weight))
-        self.convs[key] = (
-            self._tensor(weight, "float32", device=False, layout=T.ROW_MAJOR_LAYOUT),
-            None
-            if bias is None
-            else self._tensor(bias, "float32", (1, 1, 1, -1), device=False, layout=T.ROW_MAJOR_LAYOUT),
-        )
+        self.convs[key] = (np.asarray(weight, np.float32), None if bias is None else np.asarray(bias, np.float32))
+
+    def _conv_weights(self, key: str, height: int) -> tuple:
+        """A conv's (weight, bias) for ttnn.conv2d at a level of `height` rows: on its first forward, host float32
+        row-major tensors (ttnn prepares them on the device and returns them for the next forwards), the weights
+        rounded to what LoFi reads when the level runs at LoFi (`_matmul_weights`)."""
+        T = self.ttnn
+        weight, bias = self.convs[key]
+        if isinstance(weight, np.ndarray):
+            weight = self._matmul_weights(self._level_fidelity(height))(weight)
+            weight = self._tensor(weight, "float32", device=False, layout=T.ROW_MAJOR_LAYOUT)
+            if bias is not None:
+                bias = self._tensor(bias, "float32", (1, 1, 1, -1), device=False, layout=T.ROW_MAJOR_LAYOUT)
+        return weight, bias
 
     def load(self, prepare_convs: bool = True) -> None:
         """Upload every weight once. With `prepare_convs`, run one forward on a zero input so that ttnn prepares
@@ -516,7 +523,7 @@ class TtnnGraph:
                     self._host_conv(name, a[key].T[:, :, None, None], a[name + ".b"])
                 elif not (name.endswith(".in.0") and self.level0_folds.get(name[: -len(".in.0")])):
                     # 1x1 convs as matmuls (the folded level-0 input convs live in the upsample's weights)
-                    w[key] = self._tensor(a[key], f.decoder_weights)
+                    w[key] = self._tensor(self._matmul_weights(c.decoder_fidelity)(a[key]), f.decoder_weights)
                     w[name + ".b"] = self._tensor(a[name + ".b"], act, (1, -1))
                     if self.chained:  # on the level-0 map (the token grid), with an explicit config
                         self.pc[name] = self._planner.config(
@@ -557,7 +564,9 @@ class TtnnGraph:
         for key, fold in self.level0_folds.items():
             before = (a[f"{key}.in.0.w"], a[f"{key}.in.0.b"]) if fold else None
             w, b = convt_as_matmul(a[f"{key}.up.0.convt.w"], a[f"{key}.up.0.convt.b"], before)
-            self.w[f"{key}.up0.w"] = self._tensor(w, f.decoder_weights)
+            self.w[f"{key}.up0.w"] = self._tensor(
+                self._matmul_weights(self.config.decoder_fidelity)(w), f.decoder_weights
+            )
             self.w[f"{key}.up0.b"] = self._tensor(b, f.activations, (1, -1))
             c_in, c_out = w.shape[0], w.shape[1] // 4
             self.pc[f"{key}.up0"] = self._planner.config(
@@ -793,7 +802,7 @@ class TtnnGraph:
         """A replicate-padded 3x3 conv (or a 1x1 conv, by the weight's shape) over (1, 1, height * width, C_in)
         -> (1, 1, height * width, C_out): DRAM in and out in the safe graph, L1 height-sharded when chained."""
         T = self.ttnn
-        weight, bias = self.convs[key]
+        weight, bias = self._conv_weights(key, height)
         c_out, c_in, _, k = self.conv_shapes[key]
         out_dtype = out_dtype or self.formats.decoder_maps
         shard, slicing = self._conv_placement(height, width, c_in, c_out, out_dtype)
@@ -828,15 +837,20 @@ class TtnnGraph:
         self.convs[key] = (weight, bias)
         return y
 
+    def _level_fidelity(self, height: int) -> str:
+        """The fidelity of a conv at a decoder level: the finest level's (the one the phase-folded finest conv
+        reads) `finest_fidelity`, the coarser ones' `decoder_fidelity`."""
+        finest = height == self.plan["finest"]["in_height"]
+        return self.config.finest_fidelity if finest else self.config.decoder_fidelity
+
     def _level_compute(self, height: int):
-        """The compute config of a conv at a decoder level: the finest level's (the one the phase-folded finest
-        conv reads) at `finest_fidelity`, the coarser ones at `decoder_fidelity`."""
+        """The compute config of a conv at a decoder level (`_level_fidelity`)."""
         return self.ck_finest if height == self.plan["finest"]["in_height"] else self.ck_decoder
 
     def _upsample(self, x, key: str, height: int, width: int):
         """Conv-transpose 2x2 stride 2, then the resampler's 3x3 conv: (height, width) -> (2 height, 2 width)."""
         T = self.ttnn
-        weight, bias = self.convs[key + ".convt"]
+        weight, bias = self._conv_weights(key + ".convt", 2 * height)
         c_in, c_out = self.conv_shapes[key + ".convt"][:2]
         config = self._conv_config(None, False)
         if self.chained:  # on the next level's cores, as its maps are (conv_transpose2d shards its output)
