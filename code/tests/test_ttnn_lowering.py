@@ -281,13 +281,19 @@ def test_the_emulator_sees_each_fidelity_choice():
     where that op acts (so the accuracy table of docs/tenstorrent.md is not optimistic). Measured from one
     configuration with every ViT matmul at HiFi2, one change at a time (LoFi with its weights as they are, so that
     what is seen is the fidelity itself)."""
-    base = _fast(attention_fidelity="hifi2", tap_fidelity="", mlp_fidelity="hifi2")  # taps as the attention's
+    base = _fast(  # taps as the attention's; SDPA and the coarse decoder levels at HiFi2 too
+        attention_fidelity="hifi2",
+        tap_fidelity="",
+        mlp_fidelity="hifi2",
+        sdpa_fidelity="hifi2",
+        decoder_fidelity="hifi2",
+    )
     hifi2 = _compare("tiny-vits-normal", config=base)
     hifi4 = _compare("tiny-vits-normal", config=dataclasses.replace(base, attention_fidelity="hifi4"))
     assert hifi4["encoder_rms"] < 0.8 * hifi2["encoder_rms"]
     mlp_lofi = dataclasses.replace(base, mlp_fidelity="lofi", round_lofi_weights=False)
     assert _compare("tiny-vits-normal", config=mlp_lofi)["cls_token"] > 2 * hifi2["cls_token"]
-    decoder_lofi = dataclasses.replace(base, decoder_fidelity="lofi")
+    decoder_lofi = dataclasses.replace(base, decoder_fidelity="lofi", round_lofi_weights=False)
     assert _compare("tiny-vits-normal", config=decoder_lofi)["normal_deg_p99"] > 1.5 * hifi2["normal_deg_p99"]
 
 
@@ -674,14 +680,16 @@ _STUDY = {
     "fast-sdpa-hifi4": ("bf16", _fast(sdpa_fidelity="hifi4")),
     "fast-attention-hifi4": ("bf16", _fast(attention_fidelity="hifi4")),
     "fast-decoder-hifi4": ("bf16", _fast(decoder_fidelity="hifi4")),
-    "fast-decoder-lofi": ("bf16", _fast(decoder_fidelity="lofi")),
+    "fast-decoder-hifi2": ("bf16", _fast(decoder_fidelity="hifi2")),
+    "fast-sdpa-hifi2": ("bf16", _fast(sdpa_fidelity="hifi2")),
+    "fast-decoder-sdpa-hifi2": ("bf16", _fast(decoder_fidelity="hifi2", sdpa_fidelity="hifi2")),
     "fast-norm-hifi2": ("bf16", _fast(norm_fidelity="hifi2")),
     "fast-mlp-lofi": ("bf16", _fast(mlp_fidelity="lofi")),
     "fast-mlp-lofi-cut": ("bf16", _fast(mlp_fidelity="lofi", round_lofi_weights=False)),
     "fast-lofi": ("bf16", _fast(mlp_fidelity="lofi", attention_fidelity="lofi")),
     "fast-lofi-taps-hifi2": ("bf16", _fast(mlp_fidelity="lofi", attention_fidelity="lofi", tap_fidelity="hifi2")),
     "fast-lofi-cut": ("bf16", _fast(mlp_fidelity="lofi", attention_fidelity="lofi", round_lofi_weights=False)),
-    "fast-bfp8-all-hifi2": ("bfp8-vit", _fast(sdpa_exp_approx=False)),  # the fast graph is already HiFi2
+    "fast-bfp8-all-hifi2": ("bfp8-vit", _fast(sdpa_exp_approx=False, sdpa_fidelity="hifi2")),
     "fast-bfp8-decoder": ("bfp8-decoder", "fast"),
     "fast-bfp8-decoder-maps": (Formats(decoder_weights="bfloat8_b", decoder_activations="bfloat8_b"), "fast"),
     "fast-bfp8-all": ("bfp8", "fast"),

@@ -43,13 +43,13 @@ chunks and exp, how the decoder runs. Two are named:
 * "fast" (the default). The encoder keeps every activation in L1 (interleaved over all cores' L1: the residual
   stream, layer norms and adds never touch DRAM), its 1024-wide matmuls use the whole grid (uneven per-core blocks),
   qkv, the attention projection and the MLP run at LoFi with their weights rounded to the bits LoFi reads (the patch
-  and tap matmuls at HiFi2), SDPA in query chunks split evenly over each head's cores and key chunks under 512, with
-  the approximate exp; the decoder's convs are chained in L1, height-sharded, each conv's output feeding the next
-  conv, ReLU and residual add where it lies (no round trip through DRAM, no resharding between ops), at HiFi2 (HiFi4
-  at the finest level); the level-0 upsamples are matmuls and a pixel shuffle; the finest maps are untilized on the
-  device. Where a token budget's maps would not fit L1, the encoder or the decoder falls back to DRAM
-  (`TtnnGraph._placement`). Why each choice, and the accuracy it keeps (measured in the fidelity-aware emulator) and
-  the time it buys (the cost model, `cost.py`), are in docs/tenstorrent.md.
+  and tap matmuls at HiFi2), SDPA at HiFi2 in the chunks that leave the busiest core the least work (`_sdpa_chunks`),
+  with the approximate exp; the decoder's convs are chained in L1, height-sharded, each conv's output feeding the next
+  conv, ReLU and residual add where it lies (no round trip through DRAM, no resharding between ops), at LoFi with
+  their weights rounded like the ViT's (HiFi4 at the finest level); the level-0 upsamples are matmuls and a pixel
+  shuffle; the finest maps are untilized on the device. Where a token budget's maps would not fit L1, the encoder or
+  the decoder falls back to DRAM (`TtnnGraph._placement`). Why each choice, and the accuracy it keeps (measured in
+  the fidelity-aware emulator) and the time it buys (the cost model, `cost.py`), are in docs/tenstorrent.md.
 * "safe": the first graph that ran on the mock: every activation in DRAM, HiFi4 everywhere, exact exp, each
   conv placed on its own (in L1 when small, else DRAM-sliced by rows). Slower, simpler, and the switch back
   ($MOGE_TTNN_GRAPH=safe) where a choice of "fast" cannot be checked without silicon.
@@ -206,7 +206,7 @@ CONFIGS = {
         tap_fidelity="hifi2",
         mlp_fidelity="lofi",
         sdpa_fidelity="hifi2",
-        decoder_fidelity="hifi2",
+        decoder_fidelity="lofi",
         finest_fidelity="hifi4",
         norm_fidelity="hifi4",
         sdpa_q_chunk=512,
