@@ -683,6 +683,7 @@ _STUDY = {
     "fast-decoder-hifi2": ("bf16", _fast(decoder_fidelity="hifi2")),
     "fast-sdpa-hifi2": ("bf16", _fast(sdpa_fidelity="hifi2")),
     "fast-decoder-sdpa-hifi2": ("bf16", _fast(decoder_fidelity="hifi2", sdpa_fidelity="hifi2")),
+    "fast-finest-hifi2": ("bf16", _fast(finest_fidelity="hifi2")),
     "fast-norm-hifi2": ("bf16", _fast(norm_fidelity="hifi2")),
     "fast-mlp-lofi": ("bf16", _fast(mlp_fidelity="lofi")),
     "fast-mlp-lofi-cut": ("bf16", _fast(mlp_fidelity="lofi", round_lofi_weights=False)),

@@ -43,7 +43,7 @@ chunks and exp, how the decoder runs. Two are named:
 * "fast" (the default). The encoder keeps every activation in L1 (interleaved over all cores' L1: the residual
   stream, layer norms and adds never touch DRAM), its 1024-wide matmuls use the whole grid (uneven per-core blocks),
   qkv, the attention projection and the MLP run at LoFi with their weights rounded to the bits LoFi reads (the patch
-  and tap matmuls at HiFi2), SDPA at HiFi2 in the chunks that leave the busiest core the least work (`_sdpa_chunks`),
+  and tap matmuls at HiFi2), SDPA at LoFi in the chunks that leave the busiest core the least work (`_sdpa_chunks`),
   with the approximate exp; the decoder's convs are chained in L1, height-sharded, each conv's output feeding the next
   conv, ReLU and residual add where it lies (no round trip through DRAM, no resharding between ops), at LoFi with
   their weights rounded like the ViT's (HiFi4 at the finest level); the level-0 upsamples are matmuls and a pixel
@@ -205,7 +205,7 @@ CONFIGS = {
         attention_fidelity="lofi",
         tap_fidelity="hifi2",
         mlp_fidelity="lofi",
-        sdpa_fidelity="hifi2",
+        sdpa_fidelity="lofi",
         decoder_fidelity="lofi",
         finest_fidelity="hifi4",
         norm_fidelity="hifi4",
