@@ -281,13 +281,19 @@ def test_the_emulator_sees_each_fidelity_choice():
     where that op acts (so the accuracy table of docs/tenstorrent.md is not optimistic). Measured from one
     configuration with every ViT matmul at HiFi2, one change at a time (LoFi with its weights as they are, so that
     what is seen is the fidelity itself)."""
-    base = _fast(attention_fidelity="hifi2", tap_fidelity="", mlp_fidelity="hifi2")  # taps as the attention's
+    base = _fast(  # taps as the attention's; SDPA and the coarse decoder levels at HiFi2 too
+        attention_fidelity="hifi2",
+        tap_fidelity="",
+        mlp_fidelity="hifi2",
+        sdpa_fidelity="hifi2",
+        decoder_fidelity="hifi2",
+    )
     hifi2 = _compare("tiny-vits-normal", config=base)
     hifi4 = _compare("tiny-vits-normal", config=dataclasses.replace(base, attention_fidelity="hifi4"))
     assert hifi4["encoder_rms"] < 0.8 * hifi2["encoder_rms"]
     mlp_lofi = dataclasses.replace(base, mlp_fidelity="lofi", round_lofi_weights=False)
     assert _compare("tiny-vits-normal", config=mlp_lofi)["cls_token"] > 2 * hifi2["cls_token"]
-    decoder_lofi = dataclasses.replace(base, decoder_fidelity="lofi")
+    decoder_lofi = dataclasses.replace(base, decoder_fidelity="lofi", round_lofi_weights=False)
     assert _compare("tiny-vits-normal", config=decoder_lofi)["normal_deg_p99"] > 1.5 * hifi2["normal_deg_p99"]
 
 
@@ -307,6 +313,26 @@ def test_lofi_weights_are_rounded_to_what_lofi_reads():
     rounded = _compare("tiny-vits-normal", config=lofi)
     cut = _compare("tiny-vits-normal", config=dataclasses.replace(lofi, round_lofi_weights=False))
     assert rounded["cls_token"] < 0.7 * cut["cls_token"], (rounded, cut)
+
+
+def test_decoder_conv_weights_are_rounded_where_their_level_runs_at_lofi():
+    """The decoder's convs (3x3, conv transposes, the 1x1 convs and level-0 upsample matmuls) at LoFi get their
+    weights rounded to LoFi's 5 bits like the ViT's matmuls; the finest level, at `finest_fidelity`, keeps its
+    weights as they are. On the conv weights the first forward prepares, and on the outputs: rounded weights give
+    a smaller error than cut ones (the points and the depth, which the decoder's error reaches)."""
+    prepared = _prepared("tiny-vits-normal")
+    lofi = _fast(decoder_fidelity="lofi", finest_fidelity="hifi4")
+    graph = _graph(prepared, config=lofi, prepare_convs=True)
+    plan = prepared.plan
+    coarse = graph.convs["neck.res.1.0.conv1"][0].data
+    assert torch.equal(truncate_bits(coarse, 5), coarse), "a LoFi level's conv weights not on LoFi's 5 bits"
+    assert torch.equal(truncate_bits(graph.w["neck.up0.w"].data, 5), graph.w["neck.up0.w"].data)
+    finest_level = next(i for i, lv in enumerate(plan["levels"]) if lv["height"] == plan["finest"]["in_height"])
+    finest = graph.convs[f"neck.res.{finest_level}.0.conv1"][0].data
+    assert not torch.equal(truncate_bits(finest, 5), finest), "the finest level's weights were rounded too"
+    rounded = _compare("tiny-vits-normal", config=lofi)
+    cut = _compare("tiny-vits-normal", config=dataclasses.replace(lofi, round_lofi_weights=False))
+    assert rounded["points"] < cut["points"] and rounded["depth"] < cut["depth"], (rounded, cut)
 
 
 @pytest.mark.parametrize("grid", [(13, 10), (12, 10), (11, 10)])
@@ -341,21 +367,32 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@pytest.mark.parametrize("grid,per_core", [((13, 10), 8), ((12, 10), 9), ((11, 10), 10)])
-def test_sdpa_query_chunks_split_evenly_over_each_heads_cores(grid, per_core):
+@pytest.mark.parametrize("grid,per_core,q_tiles", [((13, 10), 8, 4), ((12, 10), 9, 3), ((11, 10), 10, 5)])
+def test_sdpa_chunks_leave_the_busiest_core_the_least_work(grid, per_core, q_tiles):
     """ttnn's SDPA gives each of ViT-L's 16 heads grid // 16 cores and ceil(chunks / cores) query chunks to each:
-    the fast graph's chunks fill those cores once (58 query tiles: 8 a core at 13x10, 9 at 12x10, 10 at 11x10;
-    fixed 256-token chunks give 12x10 and 11x10 16); its key chunks are the most even split under 512 tokens."""
+    the fast graph's chunks give the busiest core as few query tiles as that split allows (58 tiles: 8 a core at
+    13x10, 9 at 12x10, 10 at 11x10; fixed 256-token chunks give 12x10 and 11x10 16), and its key chunks cover the
+    58 key tiles without padding in two chunks of 29 (one rescale), in chunk pairs whose score block fits the
+    kernel's buffers. With q, k, v in DRAM (a large token budget) each core reads the keys once: one query chunk a
+    core, key chunks the most even split under the score block."""
     import types
 
+    from tt_moge.runners.ttnn.graph import SDPA_SCORE_TILES
+
     cores = grid[0] * grid[1]
-    fake = types.SimpleNamespace(config=CONFIGS["fast"], plan={"seq_len": 1825, "num_heads": 16}, num_cores=cores)
+    plan = {"seq_len": 1825, "num_heads": 16}
+    fake = types.SimpleNamespace(config=CONFIGS["fast"], plan=plan, num_cores=cores, encoder_in_l1=True)
     q_chunk, k_chunk = TtnnGraph._sdpa_chunks(fake)
     tiles, per_head = _cdiv(1825, 32), cores // 16
     assert q_chunk % 32 == 0 and k_chunk % 32 == 0
-    assert q_chunk // 32 == per_core and _cdiv(tiles, q_chunk // 32) <= per_head
-    assert k_chunk <= 512 and _cdiv(tiles, k_chunk // 32) == _cdiv(tiles, 16) and k_chunk == 480
-    safe = types.SimpleNamespace(config=CONFIGS["safe"], plan=fake.plan, num_cores=cores)
+    assert (q_chunk // 32, k_chunk // 32) == (q_tiles, 29)
+    assert _cdiv(_cdiv(tiles, q_tiles), per_head) * q_tiles == per_core
+    assert q_tiles * 29 <= SDPA_SCORE_TILES
+    dram = types.SimpleNamespace(config=CONFIGS["fast"], plan=plan, num_cores=cores, encoder_in_l1=False)
+    q_chunk, k_chunk = TtnnGraph._sdpa_chunks(dram)
+    assert q_chunk // 32 == per_core and _cdiv(tiles, q_chunk // 32) <= per_head  # one pass over the keys a core
+    assert (q_chunk // 32) * (k_chunk // 32) <= SDPA_SCORE_TILES and k_chunk == 480
+    safe = types.SimpleNamespace(config=CONFIGS["safe"], plan=plan, num_cores=cores, encoder_in_l1=False)
     assert TtnnGraph._sdpa_chunks(safe) == (256, 256)
 
 
@@ -643,14 +680,17 @@ _STUDY = {
     "fast-sdpa-hifi4": ("bf16", _fast(sdpa_fidelity="hifi4")),
     "fast-attention-hifi4": ("bf16", _fast(attention_fidelity="hifi4")),
     "fast-decoder-hifi4": ("bf16", _fast(decoder_fidelity="hifi4")),
-    "fast-decoder-lofi": ("bf16", _fast(decoder_fidelity="lofi")),
+    "fast-decoder-hifi2": ("bf16", _fast(decoder_fidelity="hifi2")),
+    "fast-sdpa-hifi2": ("bf16", _fast(sdpa_fidelity="hifi2")),
+    "fast-decoder-sdpa-hifi2": ("bf16", _fast(decoder_fidelity="hifi2", sdpa_fidelity="hifi2")),
+    "fast-finest-hifi2": ("bf16", _fast(finest_fidelity="hifi2")),
     "fast-norm-hifi2": ("bf16", _fast(norm_fidelity="hifi2")),
     "fast-mlp-lofi": ("bf16", _fast(mlp_fidelity="lofi")),
     "fast-mlp-lofi-cut": ("bf16", _fast(mlp_fidelity="lofi", round_lofi_weights=False)),
     "fast-lofi": ("bf16", _fast(mlp_fidelity="lofi", attention_fidelity="lofi")),
     "fast-lofi-taps-hifi2": ("bf16", _fast(mlp_fidelity="lofi", attention_fidelity="lofi", tap_fidelity="hifi2")),
     "fast-lofi-cut": ("bf16", _fast(mlp_fidelity="lofi", attention_fidelity="lofi", round_lofi_weights=False)),
-    "fast-bfp8-all-hifi2": ("bfp8-vit", _fast(sdpa_exp_approx=False)),  # the fast graph is already HiFi2
+    "fast-bfp8-all-hifi2": ("bfp8-vit", _fast(sdpa_exp_approx=False, sdpa_fidelity="hifi2")),
     "fast-bfp8-decoder": ("bfp8-decoder", "fast"),
     "fast-bfp8-decoder-maps": (Formats(decoder_weights="bfloat8_b", decoder_activations="bfloat8_b"), "fast"),
     "fast-bfp8-all": ("bfp8", "fast"),

@@ -81,9 +81,10 @@ def _summary(done: subprocess.CompletedProcess) -> dict:
 GRIDS = ("12x10", "11x10")
 
 # The fast graph's estimated network forward at the spec case must not grow past this, per grid (docs/performance.md:
-# the estimates under the calibrated model of issue 27). Issue 27's goal: 15 ms on both. The input and output sides
-# on the device (pre.py, post.py: group "input_output") have their own budget.
-FORWARD_BUDGET_MS = {"12x10": 15.0, "11x10": 15.0}
+# the estimates under the calibrated model of issue 27: 12.37 and 13.04 ms). Issue 27's goal: 15 ms on both for the
+# whole forward, so the network needs <= ~13.3 with the output side cut to ~1.5 ms. The input and output sides on the
+# device (pre.py, post.py: group "input_output") have their own budget.
+FORWARD_BUDGET_MS = {"12x10": 12.6, "11x10": 13.3}
 INPUT_OUTPUT_BUDGET_MS = 5.0
 
 SPEC_CASE = ("--random", "vitl-normal", "--resolution", "1920x1080", "--num-tokens", "1800")

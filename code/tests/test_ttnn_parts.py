@@ -38,9 +38,9 @@ EXACT = (1e-5, 0.99999)
 # max relative error, PCC beside each); a bfloat16 rounding is up to 2^-9 relative, LoFi reads 5 bits of a weight.
 DEVICE = {
     "patch_embed": (0.02, 0.9999),  # 0.0095, 0.99995: bfloat16 patches and kernel, HiFi2
-    "vit_block": (0.06, 0.9995),  # the update, worst of 4 blocks: 0.036, 0.99979 (LoFi projections and MLP)
+    "vit_block": (0.06, 0.9995),  # the update, worst of 4 blocks: 0.039, 0.99977 (LoFi projections, MLP, SDPA)
     "encoder": (0.04, 0.9995),  # level-0 map 0.017, 0.99993; class token 0.023, 0.99977
-    "decoder": (0.02, 0.99995),  # worst level: 0.0103, 0.99998 (bfloat16 maps and weights, HiFi2 convs)
+    "decoder": (0.045, 0.9995),  # worst level: 0.0268, 0.99979 (bfloat16 maps, LoFi convs, weights rounded to LoFi)
     "head_levels": (0.02, 0.99995),  # worst head: 0.0102, 0.99999
     "finest": (0.006, 0.99999),  # worst map: 0.0033, 0.999997 (bfloat16 input and weights, HiFi4, float32 out)
 }

@@ -112,7 +112,7 @@ class Decoder:
         """A replicate-padded 3x3 conv (or a 1x1 conv, by the weight's shape) over (1, 1, height * width, C_in)
         -> (1, 1, height * width, C_out): DRAM in and out in the safe graph, L1 height-sharded when chained."""
         T = self.ttnn
-        weight, bias = self.convs[key]
+        weight, bias = self._conv_weights(key, height)
         c_out, c_in, _, k = self.conv_shapes[key]
         out_dtype = out_dtype or self.formats.decoder_maps
         shard, slicing = self._conv_placement(height, width, c_in, c_out, out_dtype)
@@ -147,15 +147,20 @@ class Decoder:
         self.convs[key] = (weight, bias)
         return y
 
+    def _level_fidelity(self, height: int) -> str:
+        """The fidelity of a conv at a decoder level: the finest level's (the one the phase-folded finest conv
+        reads) `finest_fidelity`, the coarser ones' `decoder_fidelity`."""
+        finest = height == self.plan["finest"]["in_height"]
+        return self.config.finest_fidelity if finest else self.config.decoder_fidelity
+
     def _level_compute(self, height: int):
-        """The compute config of a conv at a decoder level: the finest level's (the one the phase-folded finest
-        conv reads) at `finest_fidelity`, the coarser ones at `decoder_fidelity`."""
+        """The compute config of a conv at a decoder level (`_level_fidelity`)."""
         return self.ck_finest if height == self.plan["finest"]["in_height"] else self.ck_decoder
 
     def _upsample(self, x, key: str, height: int, width: int):
         """Conv-transpose 2x2 stride 2, then the resampler's 3x3 conv: (height, width) -> (2 height, 2 width)."""
         T = self.ttnn
-        weight, bias = self.convs[key + ".convt"]
+        weight, bias = self._conv_weights(key + ".convt", 2 * height)
         c_in, c_out = self.conv_shapes[key + ".convt"][:2]
         config = self._conv_config(None, False)
         if self.chained:  # on the next level's cores, as its maps are (conv_transpose2d shards its output)

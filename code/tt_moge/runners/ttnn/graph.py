@@ -52,13 +52,13 @@ chunks and exp, how the decoder runs. Two are named:
 * "fast" (the default). The encoder keeps every activation in L1 (interleaved over all cores' L1: the residual
   stream, layer norms and adds never touch DRAM), its 1024-wide matmuls use the whole grid (uneven per-core blocks),
   qkv, the attention projection and the MLP run at LoFi with their weights rounded to the bits LoFi reads (the patch
-  and tap matmuls at HiFi2), SDPA in query chunks split evenly over each head's cores and key chunks under 512, with
-  the approximate exp; the decoder's convs are chained in L1, height-sharded, each conv's output feeding the next
-  conv, ReLU and residual add where it lies (no round trip through DRAM, no resharding between ops), at HiFi2 (HiFi4
-  at the finest level); the level-0 upsamples are matmuls and a pixel shuffle; the finest maps are untilized on the
-  device. Where a token budget's maps would not fit L1, the encoder or the decoder falls back to DRAM
-  (`TtnnGraph._placement`). Why each choice, and the accuracy it keeps (measured in the fidelity-aware emulator) and
-  the time it buys (the cost model, `cost.py`), are in docs/tenstorrent.md.
+  and tap matmuls at HiFi2), SDPA at LoFi in the chunks that leave the busiest core the least work (`_sdpa_chunks`),
+  with the approximate exp; the decoder's convs are chained in L1, height-sharded, each conv's output feeding the next
+  conv, ReLU and residual add where it lies (no round trip through DRAM, no resharding between ops), at LoFi with
+  their weights rounded like the ViT's (HiFi4 at the finest level); the level-0 upsamples are matmuls and a pixel
+  shuffle; the finest maps are untilized on the device. Where a token budget's maps would not fit L1, the encoder or
+  the decoder falls back to DRAM (`TtnnGraph._placement`). Why each choice, and the accuracy it keeps (measured in
+  the fidelity-aware emulator) and the time it buys (the cost model, `cost.py`), are in docs/tenstorrent.md.
 * "safe": the first graph that ran on the mock: every activation in DRAM, HiFi4 everywhere, exact exp, each
   conv placed on its own (in L1 when small, else DRAM-sliced by rows). Slower, simpler, and the switch back
   ($MOGE_TTNN_GRAPH=safe) where a choice of "fast" cannot be checked without silicon.
@@ -112,6 +112,7 @@ L1_BYTES = 1536 * 1024  # Blackhole: L1 per Tensix core
 L1_BUDGET = 900 * 1024  # what a matmul's circular buffers may take (the rest: other CBs, kernels, halo, margin)
 ENCODER_L1_LIVE = 400 * 1024  # "l1" placement: the encoder's live activations per core above which they go to DRAM
 DECODER_L1_MAP = 160 * 1024  # "chained" decoder: one finest-level map per core above which the decoder is sliced
+SDPA_SCORE_TILES = 150  # sdpa_even: query x key tiles of a chunk pair (10 x 15 and 5 x 29 fit at 11x10, 9 x 29 not)
 _FIDELITIES = {"hifi4": "HiFi4", "hifi3": "HiFi3", "hifi2": "HiFi2", "lofi": "LoFi"}
 
 
@@ -216,12 +217,12 @@ CONFIGS = {
         attention_fidelity="lofi",
         tap_fidelity="hifi2",
         mlp_fidelity="lofi",
-        sdpa_fidelity="hifi2",
-        decoder_fidelity="hifi2",
+        sdpa_fidelity="lofi",
+        decoder_fidelity="lofi",
         finest_fidelity="hifi4",
         norm_fidelity="hifi4",
         sdpa_q_chunk=512,
-        sdpa_k_chunk=512,
+        sdpa_k_chunk=1024,
         sdpa_even=True,
         sdpa_exp_approx=True,
         whole_grid=True,
@@ -411,11 +412,16 @@ class TtnnGraph(PatchEmbed, VitBlock, Encoder, Decoder, Heads):
 
     def _sdpa_chunks(self) -> tuple:
         """SDPA's (query chunk, key chunk) in tokens. ttnn's SDPA gives each head grid_cores // heads cores and
-        splits the head's query chunks over them (ceil(chunks / cores) each): with sdpa_even the query chunks are
-        as few and as even as that split allows (the fewest rounds of at most sdpa_q_chunk tokens, then the work
-        spread evenly over the head's cores: 8 tiles a core at 13x10, 9 at 12x10, 10 at 11x10 for ViT-L's 58
-        tiles, where 256-token chunks take 16 tiles a core at 12x10 and 11x10), and the key chunks the most even
-        split of the keys into chunks of at most sdpa_k_chunk (less padding in the last one). Else the
+        splits the head's query chunks over them (ceil(chunks / cores) each); every query chunk then runs against
+        every key chunk, the last one padded, and rescales its running output once per key chunk after the first.
+        With sdpa_even the pair is the one that leaves the busiest core the least work: its query tiles (at best
+        ceil(tiles / cores per head)) times the padded key tiles, plus a row of tiles per rescale; ties go to the
+        fewest passes over the keys (one per query chunk). When q, k, v live in DRAM the fewest passes come first:
+        each pass reads the keys and values again from DRAM on every core. Within sdpa_q_chunk / sdpa_k_chunk and a
+        score block of at most SDPA_SCORE_TILES tiles (what the kernel's circular buffers hold beside the
+        L1-resident encoder). ViT-L's 58 tiles: two key chunks of 29 tiles (no padding, one rescale) and query
+        chunks of 4 / 3 / 5 tiles at 13x10 / 12x10 / 11x10 (8 / 9 / 10 tiles a core, as even as the split allows),
+        where one query chunk a core and 480-token key chunks cost 60 key tiles and three rescales. Else the
         configured sizes, at most the sequence."""
         cfg = self.config
         tiles = _cdiv(self.plan["seq_len"], TILE)
@@ -423,10 +429,18 @@ class TtnnGraph(PatchEmbed, VitBlock, Encoder, Decoder, Heads):
         if not cfg.sdpa_even:
             return min(q_max, tiles) * TILE, min(k_max, tiles) * TILE
         per_head = min(tiles, max(1, self.num_cores // self.plan["num_heads"]))
-        rounds = _cdiv(_cdiv(tiles, per_head), q_max)
-        q_tiles = _cdiv(tiles, rounds * per_head)
-        k_tiles = _cdiv(tiles, _cdiv(tiles, k_max))
-        return q_tiles * TILE, k_tiles * TILE
+        best = None
+        for k_tiles in range(1, min(k_max, tiles) + 1):
+            k_chunks = _cdiv(tiles, k_tiles)
+            for q_tiles in range(1, min(q_max, tiles) + 1):
+                if q_tiles * k_tiles > SDPA_SCORE_TILES and (q_tiles, k_tiles) != (1, 1):
+                    continue
+                passes = _cdiv(_cdiv(tiles, q_tiles), per_head)  # the busiest core's query chunks
+                work = passes * q_tiles * (k_chunks * k_tiles + k_chunks - 1)
+                key = (work, passes) if self.encoder_in_l1 else (passes, work)
+                if best is None or key + (-q_tiles,) < best[0]:
+                    best = (key + (-q_tiles,), q_tiles, k_tiles)
+        return best[1] * TILE, best[2] * TILE
 
     # --------------------------------------------------------------------------------------------- load
     def _tensor(self, array: np.ndarray, dtype: str, shape: Optional[tuple] = None, device: bool = True, layout=None):
@@ -440,15 +454,22 @@ class TtnnGraph(PatchEmbed, VitBlock, Encoder, Decoder, Heads):
         return T.Tensor(a, self._dt(dtype), None, layout)
 
     def _host_conv(self, key: str, weight: np.ndarray, bias: Optional[np.ndarray]) -> None:
-        """A conv's weights as host float32 row-major tensors (ttnn.conv2d prepares them on the first forward)."""
-        T = self.ttnn
+        """A conv's weights, float32 numpy until its first forward (`_conv_weights`)."""
         self.conv_shapes[key] = tuple(np.shape(weight))
-        self.convs[key] = (
-            self._tensor(weight, "float32", device=False, layout=T.ROW_MAJOR_LAYOUT),
-            None
-            if bias is None
-            else self._tensor(bias, "float32", (1, 1, 1, -1), device=False, layout=T.ROW_MAJOR_LAYOUT),
-        )
+        self.convs[key] = (np.asarray(weight, np.float32), None if bias is None else np.asarray(bias, np.float32))
+
+    def _conv_weights(self, key: str, height: int) -> tuple:
+        """A conv's (weight, bias) for ttnn.conv2d at a level of `height` rows: on its first forward, host float32
+        row-major tensors (ttnn prepares them on the device and returns them for the next forwards), the weights
+        rounded to what LoFi reads when the level runs at LoFi (`_matmul_weights`)."""
+        T = self.ttnn
+        weight, bias = self.convs[key]
+        if isinstance(weight, np.ndarray):
+            weight = self._matmul_weights(self._level_fidelity(height))(weight)
+            weight = self._tensor(weight, "float32", device=False, layout=T.ROW_MAJOR_LAYOUT)
+            if bias is not None:
+                bias = self._tensor(bias, "float32", (1, 1, 1, -1), device=False, layout=T.ROW_MAJOR_LAYOUT)
+        return weight, bias
 
     def load(self, prepare_convs: bool = True) -> None:
         """Upload every weight once. With `prepare_convs`, run one forward on a zero input so that ttnn prepares
@@ -486,7 +507,7 @@ class TtnnGraph(PatchEmbed, VitBlock, Encoder, Decoder, Heads):
                     self._host_conv(name, a[key].T[:, :, None, None], a[name + ".b"])
                 elif not (name.endswith(".in.0") and self.level0_folds.get(name[: -len(".in.0")])):
                     # 1x1 convs as matmuls (the folded level-0 input convs live in the upsample's weights)
-                    w[key] = self._tensor(a[key], f.decoder_weights)
+                    w[key] = self._tensor(self._matmul_weights(c.decoder_fidelity)(a[key]), f.decoder_weights)
                     w[name + ".b"] = self._tensor(a[name + ".b"], act, (1, -1))
                     if self.chained:  # on the level-0 map (the token grid), with an explicit config
                         self.pc[name] = self._planner.config(
@@ -527,7 +548,9 @@ class TtnnGraph(PatchEmbed, VitBlock, Encoder, Decoder, Heads):
         for key, fold in self.level0_folds.items():
             before = (a[f"{key}.in.0.w"], a[f"{key}.in.0.b"]) if fold else None
             w, b = convt_as_matmul(a[f"{key}.up.0.convt.w"], a[f"{key}.up.0.convt.b"], before)
-            self.w[f"{key}.up0.w"] = self._tensor(w, f.decoder_weights)
+            self.w[f"{key}.up0.w"] = self._tensor(
+                self._matmul_weights(self.config.decoder_fidelity)(w), f.decoder_weights
+            )
             self.w[f"{key}.up0.b"] = self._tensor(b, f.activations, (1, -1))
             c_in, c_out = w.shape[0], w.shape[1] // 4
             self.pc[f"{key}.up0"] = self._planner.config(
