@@ -52,17 +52,22 @@ def split_bf16(a: np.ndarray) -> tuple:
     return hi, bf16(a - hi)
 
 
-def device_split(ttnn, x, dim: int, order: str):
+def device_split(ttnn, x, dim: int, order: str, memory_config=None, hi=None):
     """A float32 device tensor -> its bfloat16 parts concatenated along `dim`: order "hlh" gives [hi, lo, hi] (the
-    data side of `split_matmul`, the first operand's parts), "hhl" [hi, hi, lo]."""
+    data side of `split_matmul`, the first operand's parts), "hhl" [hi, hi, lo]. `memory_config`: where the parts
+    and the result go (default DRAM). `hi`: x's bfloat16 rounding when the caller already has it (not freed)."""
     T = ttnn
-    hi = T.typecast(x, T.bfloat16, memory_config=T.DRAM_MEMORY_CONFIG)
-    hi32 = T.typecast(hi, T.float32, memory_config=T.DRAM_MEMORY_CONFIG)
-    lo = T.subtract(x, hi32, dtype=T.bfloat16, memory_config=T.DRAM_MEMORY_CONFIG)  # exact in float32, then rounded
+    mem = memory_config or T.DRAM_MEMORY_CONFIG
+    own = hi is None
+    if own:
+        hi = T.typecast(x, T.bfloat16, memory_config=mem)
+    hi32 = T.typecast(hi, T.float32, memory_config=mem)
+    lo = T.subtract(x, hi32, dtype=T.bfloat16, memory_config=mem)  # exact in float32, then rounded
     T.deallocate(hi32)
     parts = [hi, lo, hi] if order == "hlh" else [hi, hi, lo]
-    out = T.concat(parts, dim=dim, memory_config=T.DRAM_MEMORY_CONFIG)
-    T.deallocate(hi)
+    out = T.concat(parts, dim=dim, memory_config=mem)
+    if own:
+        T.deallocate(hi)
     T.deallocate(lo)
     return out
 
