@@ -23,9 +23,9 @@ What `runner.raw_maps` (and `prepare.host_output`) do on the host, here on the d
    length, the mask's sigmoid;
 5. each head's maps untilized once into row-major float32 (n, H, W) in DRAM: what `read` reads back.
 
-Memory: every intermediate lives in L1 (interleaved over the cores) when the largest, a head's three float32
-canvas maps, takes at most `L1_MAP_BUDGET` per core (the network's buffers are free by then); only the outputs
-go to DRAM. Larger canvases keep everything in DRAM.
+Memory: every intermediate lives in L1 (interleaved over the cores; the network's buffers are free by then)
+when the largest, a head's three float32 canvas maps, takes at most `pre.L1_MAP_BUDGET` per core
+(`pre.intermediates`); only the outputs go to DRAM. Larger canvases keep everything in DRAM.
 
 Read-back format: float32, channels-first ((3, H, W), (3, H, W), (1, H, W)); the host views them as (H, W, 3)
 through strides (the solve and the finish take strided maps), no host copy. float32 because the depth is
@@ -38,14 +38,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pre import device_split, exact_compute, resize_matrix, split_matmul
+from .pre import device_split, exact_compute, intermediates, resize_matrix, split_matmul
 
-__all__ = ["DeviceOutput", "HEADS", "L1_MAP_BUDGET", "REMAPS", "host_view"]
+__all__ = ["DeviceOutput", "HEADS", "REMAPS", "host_view"]
 
 TILE = 32
 REMAPS = ("exp", "linear")  # the output remaps run on the device (MoGe-2's is "exp")
 HEADS = ("points", "normal", "mask")  # the heads the device output side knows the activations of
-L1_MAP_BUDGET = 256 * 1024  # bytes per core of one head's float32 canvas maps, above which everything stays in DRAM
 NORMAL_EPS2 = 1e-24  # F.normalize's max(|n|, 1e-12), squared
 
 
@@ -95,13 +94,6 @@ class DeviceOutput:
         a = np.ascontiguousarray(array, np.float32)
         return T.Tensor(a, getattr(T, dtype), self.device, T.TILE_LAYOUT, T.DRAM_MEMORY_CONFIG)
 
-    def _memory(self):
-        """L1 for the intermediates when a head's three float32 canvas maps take at most `L1_MAP_BUDGET` per core."""
-        T = self.ttnn
-        grid = self.device.compute_with_storage_grid_size()
-        per_core = 3 * _cdiv(self.height, TILE) * TILE * self.width * 4 / (grid.x * grid.y)
-        return T.L1_MEMORY_CONFIG if per_core <= L1_MAP_BUDGET else T.DRAM_MEMORY_CONFIG
-
     def load(self) -> None:
         """The phase-laid-out constant map and the resize matrices to the device: split (`pre.split_matmul`) for the
         points, plain bfloat16 for the other heads; the row matrix once per channel of its head (batched)."""
@@ -122,7 +114,7 @@ class DeviceOutput:
                 self.t.setdefault("cols", self._tensor(right, "bfloat16"))  # (cols, W)
                 self.t[f"rows.{n}"] = self._tensor(np.tile(left, (1, n, 1, 1)), "bfloat16")
         self.compute = exact_compute(T, self.device)
-        self.mem = self._memory()
+        self.mem = intermediates(T, self.device, 3 * _cdiv(self.height, TILE) * TILE * self.width * 4)  # 3 maps
         self.loaded = True
 
     def _interleaved(self, finest):

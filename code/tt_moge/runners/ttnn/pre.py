@@ -11,11 +11,16 @@ the host). On the device (`DeviceInput.forward`):
    kx) -> (row, col, channel, ky, kx), `prepare.host_input`'s order), padded with zero rows for the prefix tokens
    and zero columns to the padded patch width, and tilized: the graph's input (`TtnnGraph.forward`).
 
-Precision. The patch matrix is bfloat16, as the host path uploaded it. The matrix engine reads bfloat16
-operands exactly at HiFi4, so the data (the canvas, then the row-resized image) goes in as bfloat16 (one
-rounding each, which the resize's averaging shrinks); the resize weights, which would lose up to 2^-9 each in
-bfloat16 and so bias the sums, are split into a bfloat16 high and low part (`split_bf16`), each multiplied in its
-own matmul and the two added in float32 (about 16 significant bits of weight).
+Precision. The patch matrix is bfloat16, as the host path uploaded it. The data (the canvas, then the
+row-resized image) goes in as bfloat16 (one rounding each, which the resize's averaging shrinks); the resize
+weights, which would lose up to 2^-9 each in bfloat16 and so bias the sums, are each split into a high and a low
+part, two matmuls added in float32. The row resize has the matrix first (SrcB) and the data second (SrcA): at
+HiFi2 the matrix engine reads 7 bits of SrcB and 10 of SrcA, so its matrix is split into two 7-bit parts
+(`split_srcb`, about 14 bits) and it runs at HiFi2, half HiFi4's passes; the column resize has the data first,
+whose 8 bits only HiFi4 reads whole, so its matrix is split into bfloat16 parts (`split_bf16`, about 16 bits).
+
+Memory: the maps before the patch matrix live in L1 when the largest takes at most `L1_MAP_BUDGET` per core
+(`intermediates`: the network's buffers are not live yet); the patch matrix goes to DRAM, where the graph takes it.
 """
 
 from __future__ import annotations
@@ -24,9 +29,28 @@ import numpy as np
 
 from .prepare import resize_taps
 
-__all__ = ["DeviceInput", "exact_compute", "resize_matrix", "split_bf16", "split_matmul"]
+__all__ = [
+    "DeviceInput",
+    "L1_MAP_BUDGET",
+    "exact_compute",
+    "intermediates",
+    "resize_matrix",
+    "round_bits",
+    "split_bf16",
+    "split_matmul",
+    "split_srcb",
+]
 
 TILE = 32
+L1_MAP_BUDGET = 256 * 1024  # bytes per core of the largest intermediate map above which the sides keep it in DRAM
+
+
+def intermediates(T, device, largest: float):
+    """Where the input and output sides keep their intermediate maps: L1 (interleaved over the cores; the
+    network's buffers are not live then) when the largest, `largest` bytes, takes at most `L1_MAP_BUDGET` per core,
+    else DRAM."""
+    grid = device.compute_with_storage_grid_size()
+    return T.L1_MEMORY_CONFIG if largest / (grid.x * grid.y) <= L1_MAP_BUDGET else T.DRAM_MEMORY_CONFIG
 
 
 def resize_matrix(in_size: int, out_size: int, kind: str = "antialiased") -> np.ndarray:
@@ -50,6 +74,22 @@ def split_bf16(a: np.ndarray) -> tuple:
 
     hi = bf16(a)
     return hi, bf16(a - hi)
+
+
+def round_bits(a: np.ndarray, bits: int) -> np.ndarray:
+    """float32 values rounded to nearest (ties to even) at `bits` significant bits, the implicit one included."""
+    i = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    drop = 24 - bits
+    i = (i + (1 << (drop - 1)) - 1 + ((i >> drop) & 1)) & ~np.uint64((1 << drop) - 1)
+    return i.astype(np.uint32).view(np.float32)
+
+
+def split_srcb(a: np.ndarray) -> tuple:
+    """A constant matrix as (hi, lo) parts of 7 significant bits each, hi + lo = a to about 2^-14 relative: what
+    HiFi2 reads exactly of a matmul's first operand (SrcB; it reads 10 bits of the second, SrcA, so bfloat16 data
+    there is exact too). A matmul by the constant on the left then runs at HiFi2, half HiFi4's passes."""
+    hi = round_bits(a, 7)
+    return hi, round_bits(np.asarray(a, np.float32) - hi, 7)
 
 
 def device_split(ttnn, x, dim: int, order: str, memory_config=None, hi=None):
@@ -82,12 +122,13 @@ def split_matmul(a: np.ndarray, side: str) -> np.ndarray:
     return np.concatenate([hi, hi, lo], axis=axis)
 
 
-def exact_compute(T, device):
-    """The compute config of the input and output sides' split matmuls: HiFi4, exact math, float32 accumulation
-    in the destination register and the packer (the split parts keep about 16 bits only if nothing rounds them)."""
+def exact_compute(T, device, fidelity: str = "HiFi4"):
+    """The compute config of the input and output sides' split matmuls: HiFi4 (or `fidelity`), exact math, float32
+    accumulation in the destination register and the packer (the split parts keep their bits only if nothing
+    rounds them)."""
     return T.init_device_compute_kernel_config(
         device.arch(),
-        math_fidelity=T.MathFidelity.HiFi4,
+        math_fidelity=getattr(T.MathFidelity, fidelity),
         math_approx_mode=False,
         fp32_dest_acc_en=True,
         packer_l1_acc=True,
@@ -117,27 +158,32 @@ class DeviceInput:
         return T.Tensor(a, getattr(T, dtype), self.device, layout, T.DRAM_MEMORY_CONFIG)
 
     def load(self) -> None:
-        """The resize matrices (each as its bfloat16 high and low parts) to the device."""
-        rows_hi, rows_lo = split_bf16(resize_matrix(self.height, self.grid_h))  # (grid_h, H)
+        """The resize matrices, each as a high and a low part, to the device: the row matrix (the first operand,
+        SrcB) in two 7-bit parts for HiFi2 (`split_srcb`), the column matrix (the second, after the data) in bfloat16
+        parts for HiFi4 (`split_bf16`)."""
+        rows_hi, rows_lo = split_srcb(resize_matrix(self.height, self.grid_h))  # (grid_h, H)
         cols_hi, cols_lo = split_bf16(resize_matrix(self.width, self.grid_w).T)  # (W, grid_w)
         for key, m in (("rows.hi", rows_hi), ("rows.lo", rows_lo)):  # one copy per colour channel (batched)
             self.w[key] = self._tensor(np.broadcast_to(m, (1, 3) + m.shape), "bfloat16")
         self.w["cols.hi"] = self._tensor(cols_hi, "bfloat16")
         self.w["cols.lo"] = self._tensor(cols_lo, "bfloat16")
         T = self.ttnn
-        self.compute = exact_compute(T, self.device)
+        self.compute = {"rows": exact_compute(T, self.device, "HiFi2"), "cols": exact_compute(T, self.device)}
+        h_p = -(-self.height // TILE) * TILE
+        self.mem = intermediates(T, self.device, max(3 * h_p * self.width * 2, 3 * self.grid_h * self.width * 4))
         self.loaded = True
 
     def _split_weight_matmul(self, x, key: str, left: bool):
         """x times the resize matrix `key` (high part + low part, two matmuls added in float32); `left`: the
         matrix is the first operand."""
-        T, dram = self.ttnn, self.ttnn.DRAM_MEMORY_CONFIG
+        T, mem = self.ttnn, self.mem
         parts = []
         for half in ("hi", "lo"):
             w = self.w[f"{key}.{half}"]
             a, b = (w, x) if left else (x, w)
-            parts.append(T.matmul(a, b, dtype=T.float32, compute_kernel_config=self.compute, memory_config=dram))
-        out = T.add(parts[0], parts[1], dtype=T.float32, memory_config=dram)
+            ck = self.compute[key]
+            parts.append(T.matmul(a, b, dtype=T.float32, compute_kernel_config=ck, memory_config=mem))
+        out = T.add(parts[0], parts[1], dtype=T.float32, memory_config=mem)
         T.deallocate(parts[0])
         T.deallocate(parts[1])
         return out
@@ -177,32 +223,32 @@ class DeviceInput:
         if not self.loaded:
             raise RuntimeError("DeviceInput.forward before load()")
         T, p = self.ttnn, self.plan
-        dram = T.DRAM_MEMORY_CONFIG
-        tiles = T.to_layout(canvas, T.TILE_LAYOUT, dtype=T.bfloat16, memory_config=dram)  # (1, 3, H, W)
+        dram, mem = T.DRAM_MEMORY_CONFIG, self.mem  # the patch matrix to DRAM, the maps before it in `mem`
+        tiles = T.to_layout(canvas, T.TILE_LAYOUT, dtype=T.bfloat16, memory_config=mem)  # (1, 3, H, W)
         resized = self._split_weight_matmul(tiles, "rows", left=True)  # (1, 3, grid_h, W): rows resized
         T.deallocate(tiles)
-        half = T.typecast(resized, T.bfloat16, memory_config=dram)
+        half = T.typecast(resized, T.bfloat16, memory_config=mem)
         T.deallocate(resized)
         small = self._split_weight_matmul(half, "cols", left=False)  # (1, 3, grid_h, grid_w)
         T.deallocate(half)
-        typed = T.typecast(small, T.bfloat16, memory_config=dram)  # the unfold moves bfloat16 rows
+        typed = T.typecast(small, T.bfloat16, memory_config=mem)  # the unfold moves bfloat16 rows
         T.deallocate(small)
         small = typed
-        rm = T.to_layout(small, T.ROW_MAJOR_LAYOUT, memory_config=dram)
+        rm = T.to_layout(small, T.ROW_MAJOR_LAYOUT, memory_config=mem)
         T.deallocate(small)
         r, c, k = self.rows, self.cols, self.patch
         a = T.reshape(rm, (3 * r, k, c, k))  # (channel row, ky, col, kx)
-        b = T.permute(a, (0, 2, 1, 3), memory_config=dram)  # (channel row, col, ky, kx)
+        b = T.permute(a, (0, 2, 1, 3), memory_config=mem)  # (channel row, col, ky, kx)
         T.deallocate(rm)
         b = T.reshape(b, (1, 3, r * c, k * k))
-        patches = T.permute(b, (0, 2, 1, 3), memory_config=dram)  # (1, row col, channel, ky kx)
+        patches = T.permute(b, (0, 2, 1, 3), memory_config=mem)  # (1, row col, channel, ky kx)
         T.deallocate(b)
         patches = T.reshape(patches, (1, 1, r * c, 3 * k * k))
         padded = T.pad(
             patches,
             ((0, 0), (0, 0), (0, p["seq_len"] - r * c), (0, p["patch_k_padded"] - 3 * k * k)),
             value=0.0,
-            memory_config=dram,
+            memory_config=mem,
         )
         T.deallocate(patches)
         out = T.to_layout(padded, T.TILE_LAYOUT, memory_config=dram)
