@@ -175,6 +175,20 @@ def test_device_output_keeps_its_maps_in_l1_when_they_fit(prepared, grid):
         assert np.array_equal(got, ref[name]), name
 
 
+def test_device_output_runs_the_linear_remap(prepared):
+    """A checkpoint whose points are not remapped ("linear"): the resized points as they are (no exp), the other
+    heads as with "exp"."""
+    prep = prepared[CASES[2]]
+    linear = type(prep)({**prep.plan, "remap": "linear"}, prep.arrays)
+    readback = _phases(linear, seed=5)
+    ref = raw_maps(linear, readback)
+    out = _post(linear, readback["finest"], exact=True)
+    points = out["points"].transpose(1, 2, 0)
+    scale = np.abs(ref.points.numpy()).max()
+    assert np.abs(points - ref.points.numpy()).max() <= 3e-5 * scale
+    assert np.abs(out["mask"][0] - ref.mask.numpy()).max() <= 2e-5
+
+
 def test_device_output_refuses_an_unsupported_remap(prepared):
     prep = prepared[CASES[0]]
     plan = {**prep.plan, "remap": "sinh"}
