@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.ttnn_emulator import EmulatedDevice, TtnnEmulator, round_bf16, truncate_bits
+from tests.ttnn_emulator import EmulatedDevice, TtnnEmulator, round_bf16
 from tt_moge.runners.ttnn.post import DeviceOutput
-from tt_moge.runners.ttnn.pre import DeviceInput, resize_matrix, split_bf16, split_srcb
+from tt_moge.runners.ttnn.pre import DeviceInput, resize_matrix, split_bf16
 from tt_moge.runners.ttnn.prepare import prepare_weights, resize_antialiased, resize_bilinear
 from tt_moge.runners.ttnn.runner import patch_matrix, raw_maps
 from tt_moge.testing import calibration_image, make_network
@@ -74,28 +74,16 @@ def test_split_bf16_parts_are_bfloat16_and_sum_to_the_value():
     assert np.abs(hi + lo - x).max() <= np.abs(x).max() * 2.0**-16
 
 
-def test_split_srcb_parts_are_what_hifi2_reads_of_the_first_operand():
-    """The input side's row matrix goes to a HiFi2 matmul as two 7-bit parts: each exact at the 7 bits HiFi2 reads
-    of SrcB (the emulator's truncation leaves them unchanged), their sum the matrix to 2^-14."""
-    m = resize_matrix(1080, 448)
-    hi, lo = split_srcb(m)
-    t = torch.from_numpy
-    assert torch.equal(truncate_bits(t(hi), 7), t(hi)) and torch.equal(truncate_bits(t(lo), 7), t(lo))
-    assert np.abs(hi + lo - m).max() <= np.abs(m).max() * 2.0**-14
-    assert np.abs(hi - m).max() > np.abs(m).max() * 2.0**-9  # one 7-bit part alone would not do
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_device_input_is_the_host_patch_matrix(prepared, case):
-    """Canvas -> patch matrix on the device: the host's antialiased resize and unfold, to the split weights' bits
-    in float32 emulation (the row matrix in two 7-bit parts for HiFi2: 2^-14; the column matrix in bfloat16 parts:
-    2^-16); in the device formats within the bfloat16 rounding the host path's upload had (max 2 ulps at 1, rms
-    1.6x the rounding's)."""
+    """Canvas -> patch matrix on the device: the host's antialiased resize and unfold, to the split weights'
+    16 bits in float32 emulation; in the device formats within the bfloat16 rounding the host path's upload had
+    (max 2 ulps at 1, rms 1.6x the rounding's)."""
     prep = prepared[case]
     canvas = calibration_image(*case[0], seed=3)
     ref = patch_matrix(prep, canvas)
     exact = _pre(prep, canvas, exact=True)
-    assert np.abs(exact - ref).max() < 6e-5  # the row weights' 14 bits (values up to 1)
+    assert np.abs(exact - ref).max() < 2e-5  # the split weights' 16 bits
     got = _pre(prep, canvas, exact=False)
     rounding = round_bf16(torch.from_numpy(ref)).numpy() - ref
     err = got - ref

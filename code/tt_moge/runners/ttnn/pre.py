@@ -11,13 +11,11 @@ the host). On the device (`DeviceInput.forward`):
    kx) -> (row, col, channel, ky, kx), `prepare.host_input`'s order), padded with zero rows for the prefix tokens
    and zero columns to the padded patch width, and tilized: the graph's input (`TtnnGraph.forward`).
 
-Precision. The patch matrix is bfloat16, as the host path uploaded it. The data (the canvas, then the
-row-resized image) goes in as bfloat16 (one rounding each, which the resize's averaging shrinks); the resize
-weights, which would lose up to 2^-9 each in bfloat16 and so bias the sums, are each split into a high and a low
-part, two matmuls added in float32. The row resize has the matrix first (SrcB) and the data second (SrcA): at
-HiFi2 the matrix engine reads 7 bits of SrcB and 10 of SrcA, so its matrix is split into two 7-bit parts
-(`split_srcb`, about 14 bits) and it runs at HiFi2, half HiFi4's passes; the column resize has the data first,
-whose 8 bits only HiFi4 reads whole, so its matrix is split into bfloat16 parts (`split_bf16`, about 16 bits).
+Precision. The patch matrix is bfloat16, as the host path uploaded it. The matrix engine reads bfloat16
+operands exactly at HiFi4, so the data (the canvas, then the row-resized image) goes in as bfloat16 (one
+rounding each, which the resize's averaging shrinks); the resize weights, which would lose up to 2^-9 each in
+bfloat16 and so bias the sums, are split into a bfloat16 high and low part (`split_bf16`), each multiplied in its
+own matmul and the two added in float32 (about 16 significant bits of weight).
 
 Memory: the maps before the patch matrix live in L1 when the largest takes at most `L1_MAP_BUDGET` per core
 (`intermediates`: the network's buffers are not live yet); the patch matrix goes to DRAM, where the graph takes it.
@@ -35,10 +33,8 @@ __all__ = [
     "exact_compute",
     "intermediates",
     "resize_matrix",
-    "round_bits",
     "split_bf16",
     "split_matmul",
-    "split_srcb",
 ]
 
 TILE = 32
@@ -76,22 +72,6 @@ def split_bf16(a: np.ndarray) -> tuple:
     return hi, bf16(a - hi)
 
 
-def round_bits(a: np.ndarray, bits: int) -> np.ndarray:
-    """float32 values rounded to nearest (ties to even) at `bits` significant bits, the implicit one included."""
-    i = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
-    drop = 24 - bits
-    i = (i + (1 << (drop - 1)) - 1 + ((i >> drop) & 1)) & ~np.uint64((1 << drop) - 1)
-    return i.astype(np.uint32).view(np.float32)
-
-
-def split_srcb(a: np.ndarray) -> tuple:
-    """A constant matrix as (hi, lo) parts of 7 significant bits each, hi + lo = a to about 2^-14 relative: what
-    HiFi2 reads exactly of a matmul's first operand (SrcB; it reads 10 bits of the second, SrcA, so bfloat16 data
-    there is exact too). A matmul by the constant on the left then runs at HiFi2, half HiFi4's passes."""
-    hi = round_bits(a, 7)
-    return hi, round_bits(np.asarray(a, np.float32) - hi, 7)
-
-
 def device_split(ttnn, x, dim: int, order: str, memory_config=None, hi=None):
     """A float32 device tensor -> its bfloat16 parts concatenated along `dim`: order "hlh" gives [hi, lo, hi] (the
     data side of `split_matmul`, the first operand's parts), "hhl" [hi, hi, lo]. `memory_config`: where the parts
@@ -122,13 +102,12 @@ def split_matmul(a: np.ndarray, side: str) -> np.ndarray:
     return np.concatenate([hi, hi, lo], axis=axis)
 
 
-def exact_compute(T, device, fidelity: str = "HiFi4"):
-    """The compute config of the input and output sides' split matmuls: HiFi4 (or `fidelity`), exact math, float32
-    accumulation in the destination register and the packer (the split parts keep their bits only if nothing
-    rounds them)."""
+def exact_compute(T, device):
+    """The compute config of the input and output sides' split matmuls: HiFi4, exact math, float32 accumulation
+    in the destination register and the packer (the split parts keep about 16 bits only if nothing rounds them)."""
     return T.init_device_compute_kernel_config(
         device.arch(),
-        math_fidelity=getattr(T.MathFidelity, fidelity),
+        math_fidelity=T.MathFidelity.HiFi4,
         math_approx_mode=False,
         fp32_dest_acc_en=True,
         packer_l1_acc=True,
@@ -158,17 +137,15 @@ class DeviceInput:
         return T.Tensor(a, getattr(T, dtype), self.device, layout, T.DRAM_MEMORY_CONFIG)
 
     def load(self) -> None:
-        """The resize matrices, each as a high and a low part, to the device: the row matrix (the first operand,
-        SrcB) in two 7-bit parts for HiFi2 (`split_srcb`), the column matrix (the second, after the data) in bfloat16
-        parts for HiFi4 (`split_bf16`)."""
-        rows_hi, rows_lo = split_srcb(resize_matrix(self.height, self.grid_h))  # (grid_h, H)
+        """The resize matrices (each as its bfloat16 high and low parts) to the device."""
+        rows_hi, rows_lo = split_bf16(resize_matrix(self.height, self.grid_h))  # (grid_h, H)
         cols_hi, cols_lo = split_bf16(resize_matrix(self.width, self.grid_w).T)  # (W, grid_w)
         for key, m in (("rows.hi", rows_hi), ("rows.lo", rows_lo)):  # one copy per colour channel (batched)
             self.w[key] = self._tensor(np.broadcast_to(m, (1, 3) + m.shape), "bfloat16")
         self.w["cols.hi"] = self._tensor(cols_hi, "bfloat16")
         self.w["cols.lo"] = self._tensor(cols_lo, "bfloat16")
         T = self.ttnn
-        self.compute = {"rows": exact_compute(T, self.device, "HiFi2"), "cols": exact_compute(T, self.device)}
+        self.compute = exact_compute(T, self.device)
         h_p = -(-self.height // TILE) * TILE
         self.mem = intermediates(T, self.device, max(3 * h_p * self.width * 2, 3 * self.grid_h * self.width * 4))
         self.loaded = True
@@ -181,8 +158,7 @@ class DeviceInput:
         for half in ("hi", "lo"):
             w = self.w[f"{key}.{half}"]
             a, b = (w, x) if left else (x, w)
-            ck = self.compute[key]
-            parts.append(T.matmul(a, b, dtype=T.float32, compute_kernel_config=ck, memory_config=mem))
+            parts.append(T.matmul(a, b, dtype=T.float32, compute_kernel_config=self.compute, memory_config=mem))
         out = T.add(parts[0], parts[1], dtype=T.float32, memory_config=mem)
         T.deallocate(parts[0])
         T.deallocate(parts[1])
