@@ -102,9 +102,9 @@ def test_device_output_is_the_host_raw_maps(prepared, case):
     """Finest phase maps -> raw maps at the canvas on the device (interleave, constant map, bilinear resize,
     exp remap, normalisation, sigmoid): the host's `raw_maps` to the split matrices' 16 bits in float32 emulation;
     with the device's formats and fidelities the points to about 16 bits (relative depth error <= 1e-4, far inside
-    the 1e-3 bound: the split resize), the normals and the mask to bfloat16's (plain bfloat16 resize): on these
-    random, non-smooth maps a mean angle of ~0.07 degree, p99 ~0.2 (the maximum, a few degrees, is where a random
-    normal vector is nearly zero and normalising amplifies), mask probability within 3e-3."""
+    the 1e-3 bound: the split resize), the normals and the mask to about bfloat16's (resizes without the split): on
+    these random, non-smooth maps a mean angle of ~0.05 degree, p99 ~0.2 (the maximum, a few degrees, is where a
+    random normal vector is nearly zero and normalising amplifies), mask probability within 3e-3."""
     prep = prepared[case]
     readback = _phases(prep, seed=case[1])
     ref = raw_maps(prep, readback)
