@@ -240,3 +240,34 @@ def test_the_output_sides_ops_follow_the_float32_and_fidelity_rules():
     for op, ref in ((T.exp, torch.exp), (T.rsqrt, torch.rsqrt), (T.sigmoid, torch.sigmoid)):
         assert torch.equal(op(dev_t(x)).data, ref(x))
     assert T.pad(rows, ((0, 0), (0, 0)), value=0.0) is rows
+
+
+def test_fused_activations_run_in_float32_in_order():
+    """The unary steps the output side fuses into its ops (runners/ttnn/post.py): a binary op's input activations
+    on each operand, then the op, then its `activations` in order (the normals' inverse length in one add); a
+    matmul's `activation` on its float32 result (the mask's sigmoid); an activation the emulator does not know is
+    an error, not a no-op."""
+    T = TtnnEmulator()
+    dev = T.open_device()
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(2, 64, 64, generator=gen).unbind(0)
+
+    def dev_t(x):
+        return T.Tensor(x.numpy(), T.float32, dev, T.TILE_LAYOUT)
+
+    U, op = T.UnaryOpType, T.UnaryWithParam
+    square = [op(U.SQUARE)]
+    inv = T.add(
+        dev_t(a),
+        dev_t(b),
+        input_tensor_a_activations=square,
+        input_tensor_b_activations=square,
+        activations=[op(U.MAXIMUM, 0.5), op(U.RSQRT)],
+    ).data
+    assert torch.allclose(inv, torch.rsqrt((a * a + b * b).clamp(min=0.5)), rtol=1e-6)
+    assert torch.allclose(T.multiply(dev_t(a), dev_t(b), input_tensor_b_activations=[op(U.EXP)]).data, a * b.exp())
+    ck = T.init_device_compute_kernel_config("blackhole", math_fidelity=T.MathFidelity.HiFi4, fp32_dest_acc_en=True)
+    y = T.matmul(dev_t(a), dev_t(torch.eye(64)), dtype=T.float32, compute_kernel_config=ck, activation="sigmoid").data
+    assert torch.allclose(y, torch.sigmoid(truncate_bits(a, 11)), atol=1e-6)
+    with pytest.raises(ValueError, match="not emulated"):
+        T.add(dev_t(a), dev_t(b), activations=[op(U.MAXIMUM)])  # MAXIMUM needs its parameter

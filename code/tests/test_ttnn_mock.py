@@ -81,11 +81,13 @@ def _summary(done: subprocess.CompletedProcess) -> dict:
 GRIDS = ("12x10", "11x10")
 
 # The fast graph's estimated network forward at the spec case must not grow past this, per grid (docs/performance.md:
-# the estimates under the calibrated model of issue 27: 12.37 and 13.04 ms). Issue 27's goal: 15 ms on both for the
-# whole forward, so the network needs <= ~13.3 with the output side cut to ~1.5 ms. The input and output sides on the
-# device (pre.py, post.py: group "input_output") have their own budget.
+# the estimates under the calibrated model of issue 27: 12.37 and 13.04 ms). The input and output sides on the device
+# (pre.py, post.py: group "input_output") have their own budget: 1.38 / 1.46 ms estimated (docs/performance.md),
+# 4.7 ms before the per-head output side. Issue 27's goal, the whole forward (network + sides) <= 15 ms on both
+# grids, is FORWARD_GOAL_MS.
 FORWARD_BUDGET_MS = {"12x10": 12.6, "11x10": 13.3}
-INPUT_OUTPUT_BUDGET_MS = 5.0
+INPUT_OUTPUT_BUDGET_MS = 1.6
+FORWARD_GOAL_MS = 15.0
 
 SPEC_CASE = ("--random", "vitl-normal", "--resolution", "1920x1080", "--num-tokens", "1800")
 
@@ -126,6 +128,7 @@ def test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budg
     est = report["estimate_ms"]
     assert _network_ms(est) <= FORWARD_BUDGET_MS[grid], est
     assert 0 < est["input_output"] <= INPUT_OUTPUT_BUDGET_MS, est
+    assert est["total"] <= FORWARD_GOAL_MS, est
     assert est["total"] == pytest.approx(
         sum(est[g] for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers", "input_output")), abs=0.01
     )

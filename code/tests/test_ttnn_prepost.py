@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.ttnn_emulator import TtnnEmulator, round_bf16
+from tests.ttnn_emulator import EmulatedDevice, TtnnEmulator, round_bf16
 from tt_moge.runners.ttnn.post import DeviceOutput
 from tt_moge.runners.ttnn.pre import DeviceInput, resize_matrix, split_bf16
 from tt_moge.runners.ttnn.prepare import prepare_weights, resize_antialiased, resize_bilinear
@@ -93,27 +93,88 @@ def test_device_input_is_the_host_patch_matrix(prepared, case):
     assert not got[rows:].any() and not got[:, prep.plan["patch_k"] :].any()  # prefix rows, padding columns zero
 
 
+def _angle_deg(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.degrees(2 * np.arcsin(np.minimum(np.linalg.norm(a - b, axis=-1) / 2, 1)))
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_device_output_is_the_host_raw_maps(prepared, case):
     """Finest phase maps -> raw maps at the canvas on the device (interleave, constant map, bilinear resize,
-    exp remap, normalisation, sigmoid): the host's `raw_maps` to the split matrices' 16 bits in float32 emulation, and
-    to about 16 bits with bfloat16 operands at HiFi4 (relative depth error <= 1e-4, far inside the 1e-3 bound)."""
+    exp remap, normalisation, sigmoid): the host's `raw_maps` to the split matrices' 16 bits in float32 emulation;
+    with the device's formats and fidelities the points to about 16 bits (relative depth error <= 1e-4, far inside
+    the 1e-3 bound: the split resize), the normals and the mask to about bfloat16's (resizes without the split): on
+    these random, non-smooth maps a mean angle of ~0.05 degree, p99 ~0.2 (the maximum, a few degrees, is where a
+    random normal vector is nearly zero and normalising amplifies), mask probability within 3e-3."""
     prep = prepared[case]
     readback = _phases(prep, seed=case[1])
     ref = raw_maps(prep, readback)
     width, height = case[0]
-    # normals: absolute, and larger where a random map's normal vector is short (normalising amplifies)
-    for exact, depth_tol, normal_tol, mask_tol in ((True, 3e-5, 1e-4, 2e-5), (False, 1e-4, 3e-4, 5e-5)):
+    for exact in (True, False):
         out = _post(prep, readback["finest"], exact)
         assert set(out) == {"points", "normal", "mask"}
         assert out["points"].shape == (3, height, width) and out["mask"].shape == (1, height, width)
         points, normal = out["points"].transpose(1, 2, 0), out["normal"].transpose(1, 2, 0)
+        depth_tol = 3e-5 if exact else 1e-4
         depth_ref = ref.points[..., 2].numpy()
         assert np.abs(points[..., 2] / depth_ref - 1).max() <= depth_tol
         scale = np.abs(ref.points.numpy()).max(axis=(0, 1))
         assert (np.abs(points - ref.points.numpy()).max(axis=(0, 1)) <= depth_tol * scale).all()
-        assert np.abs(normal - ref.normal.numpy()).max() <= normal_tol
-        assert np.abs(out["mask"][0] - ref.mask.numpy()).max() <= mask_tol
+        angle = _angle_deg(normal, ref.normal.numpy())
+        mask = np.abs(out["mask"][0] - ref.mask.numpy()).max()
+        if exact:
+            assert angle.max() <= 0.01 and mask <= 2e-5
+        else:
+            assert angle.mean() <= 0.1 and np.quantile(angle, 0.99) <= 0.3 and mask <= 3e-3
+            assert angle.mean() >= 0.01, "the normals' bfloat16 resize: the emulator should see its rounding"
+        assert np.allclose(np.linalg.norm(normal, axis=-1), 1, atol=1e-5)
+
+
+def test_device_output_resizes_each_head_in_two_batched_matmuls(prepared):
+    """One column and one row matmul per head, every channel of the head a batch of the same matmul (no per-channel
+    slices of the maps), and each head's maps untilized once."""
+    prep = prepared[CASES[0]]
+    T = TtnnEmulator()
+    dev = T.open_device()
+    post = DeviceOutput(T, dev, prep)
+    post.load()
+    x = T.Tensor(_phases(prep, 1)["finest"][None, None], T.float32, dev, T.TILE_LAYOUT)
+    T.op_counts.clear()
+    post.forward(x)
+    heads = len(prep.plan["heads"])
+    assert T.op_counts["matmul"] + T.op_counts["linear"] == 2 * heads
+    assert T.op_counts["to_layout"] == 2 + heads  # the phase maps' untilize, the interleaved map's tilize, the heads
+
+
+@pytest.mark.parametrize("grid", [(13, 10), (1, 1)])
+def test_device_output_keeps_its_maps_in_l1_when_they_fit(prepared, grid):
+    """The intermediates go to L1 when a head's float32 canvas maps fit `pre.L1_MAP_BUDGET` per core (a 500x380 canvas
+    on 130 cores), else DRAM (one core); the outputs are DRAM either way, with the same values."""
+    prep = prepared[CASES[0]]
+    T = TtnnEmulator()
+    dev = EmulatedDevice(grid=grid)
+    post = DeviceOutput(T, dev, prep)
+    post.load()
+    assert post.mem is (T.L1_MEMORY_CONFIG if grid == (13, 10) else T.DRAM_MEMORY_CONFIG)
+    x = T.Tensor(_phases(prep, 2)["finest"][None, None], T.float32, dev, T.TILE_LAYOUT)
+    out = post.forward(x)
+    assert all(t.mem is T.DRAM_MEMORY_CONFIG for t in out.values())
+    ref = _post(prep, _phases(prep, 2)["finest"], exact=False)
+    for name, got in post.read(out).items():
+        assert np.array_equal(got, ref[name]), name
+
+
+def test_device_output_runs_the_linear_remap(prepared):
+    """A checkpoint whose points are not remapped ("linear"): the resized points as they are (no exp), the other
+    heads as with "exp"."""
+    prep = prepared[CASES[2]]
+    linear = type(prep)({**prep.plan, "remap": "linear"}, prep.arrays)
+    readback = _phases(linear, seed=5)
+    ref = raw_maps(linear, readback)
+    out = _post(linear, readback["finest"], exact=True)
+    points = out["points"].transpose(1, 2, 0)
+    scale = np.abs(ref.points.numpy()).max()
+    assert np.abs(points - ref.points.numpy()).max() <= 3e-5 * scale
+    assert np.abs(out["mask"][0] - ref.mask.numpy()).max() <= 2e-5
 
 
 def test_device_output_refuses_an_unsupported_remap(prepared):

@@ -90,6 +90,11 @@ class MathFidelity(enum.Enum):
 class UnaryOpType(enum.Enum):
     RELU = "relu"
     GELU = "gelu"
+    EXP = "exp"
+    SIGMOID = "sigmoid"
+    RSQRT = "rsqrt"
+    SQUARE = "square"
+    MAXIMUM = "maximum"  # max(x, param)
 
 
 class PaddingMode(enum.Enum):
@@ -422,14 +427,36 @@ class TtnnEmulator:
             raise RuntimeError(f"{name}: tensor must be on the device")
 
     def _activation(self, x: torch.Tensor, act) -> torch.Tensor:
+        """A fused unary step (an op type, a `UnaryWithParam` or its name; a list: applied in order), in float32 on
+        the SFPU (taken as exact, as the standalone unary ops)."""
         if act is None:
             return x
+        if isinstance(act, (list, tuple)):
+            for a in act:
+                x = self._activation(x, a)
+            return x
         op = act.op_type if isinstance(act, UnaryWithParam) else act
-        if op in (UnaryOpType.RELU, "relu"):
-            return torch.relu(x)
-        if op in (UnaryOpType.GELU, "gelu"):  # graph.py passes a parameter of 0: the exact (erf) GELU
-            return F.gelu(x)
+        op = op.value if isinstance(op, UnaryOpType) else op
+        fns = {
+            "relu": torch.relu,
+            "gelu": F.gelu,  # graph.py passes a parameter of 0: the exact (erf) GELU
+            "exp": torch.exp,
+            "sigmoid": torch.sigmoid,
+            "rsqrt": torch.rsqrt,
+            "square": torch.square,
+        }
+        if op in fns:
+            return fns[op](x.float())
+        if op == "maximum" and isinstance(act, UnaryWithParam) and len(act.params) == 1:
+            return x.float().clamp(min=float(act.params[0]))
         raise ValueError(f"activation {act!r} not emulated")
+
+    def _binary_inputs(self, a, b, kwargs: dict) -> tuple:
+        """The operands' data after the binary op's fused input activations (`input_tensor_a_activations`,
+        `input_tensor_b_activations`), and whether the pair takes the float32 (SFPU) path."""
+        x = self._activation(a.data, kwargs.get("input_tensor_a_activations"))
+        y = self._activation(b.data, kwargs.get("input_tensor_b_activations"))
+        return x, y, a.dtype == DataType.FLOAT32 and b.dtype == DataType.FLOAT32
 
     # ----------------------------------------------------------------------------------- tensor moves
     def init_device_compute_kernel_config(self, arch, *_, **kwargs) -> ComputeKernelConfig:
@@ -593,7 +620,9 @@ class TtnnEmulator:
         )
 
     # ---------------------------------------------------------------------------------------- compute
-    def add(self, a, b, *, dtype=None, memory_config=None, **_):
+    def add(self, a, b, *, dtype=None, memory_config=None, activations=None, **kwargs):
+        """a + b (broadcasting), after the fused input activations and before the fused `activations`: float32
+        pairs on the SFPU in float32, otherwise TF32 operands on the FPU."""
         self._check(a, "add")
         self._check(b, "add")
         self._count("add")
@@ -603,25 +632,21 @@ class TtnnEmulator:
             raise RuntimeError(
                 f"add: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not broadcast"
             ) from None
-        if a.dtype == DataType.FLOAT32 and b.dtype == DataType.FLOAT32:  # ttnn adds float32 pairs on the SFPU
-            y = a.data + b.data
-        else:
-            y = self.num.tf32(a.data) + self.num.tf32(b.data)
-        return self._new(y, dtype or a.dtype, Layout.TILE, a.device, memory_config)
+        x, w, fp32 = self._binary_inputs(a, b, kwargs)
+        y = x + w if fp32 else self.num.tf32(x) + self.num.tf32(w)  # ttnn adds float32 pairs on the SFPU
+        return self._new(self._activation(y, activations), dtype or a.dtype, Layout.TILE, a.device, memory_config)
 
-    def subtract(self, a, b, *, dtype=None, memory_config=None, **_):
+    def subtract(self, a, b, *, dtype=None, memory_config=None, activations=None, **kwargs):
         """a - b: float32 pairs on the SFPU in float32 (as `add`), otherwise TF32 operands on the FPU."""
         self._check(a, "subtract")
         self._check(b, "subtract")
         self._count("subtract")
         torch.broadcast_shapes(a.data.shape, b.data.shape)
-        if a.dtype == DataType.FLOAT32 and b.dtype == DataType.FLOAT32:
-            y = a.data - b.data
-        else:
-            y = self.num.tf32(a.data) - self.num.tf32(b.data)
-        return self._new(y, dtype or a.dtype, Layout.TILE, a.device, memory_config)
+        x, w, fp32 = self._binary_inputs(a, b, kwargs)
+        y = x - w if fp32 else self.num.tf32(x) - self.num.tf32(w)
+        return self._new(self._activation(y, activations), dtype or a.dtype, Layout.TILE, a.device, memory_config)
 
-    def multiply(self, a, b, *, dtype=None, memory_config=None, compute_kernel_config=None, **_):
+    def multiply(self, a, b, *, dtype=None, memory_config=None, compute_kernel_config=None, activations=None, **kwargs):
         """a * b (broadcasting): float32 pairs on the SFPU in float32 (binary_ng's float32 path), otherwise on the
         FPU with the fidelity passes of the compute config (default HiFi4)."""
         self._check(a, "multiply")
@@ -633,11 +658,9 @@ class TtnnEmulator:
             raise RuntimeError(
                 f"multiply: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} do not broadcast"
             ) from None
-        if a.dtype == DataType.FLOAT32 and b.dtype == DataType.FLOAT32:
-            y = a.data * b.data
-        else:
-            y = self.num.mul(a.data, b.data, fidelity_name(compute_kernel_config, "HiFi4"))
-        return self._new(y, dtype or a.dtype, Layout.TILE, a.device, memory_config)
+        x, w, fp32 = self._binary_inputs(a, b, kwargs)
+        y = x * w if fp32 else self.num.mul(x, w, fidelity_name(compute_kernel_config, "HiFi4"))
+        return self._new(self._activation(y, activations), dtype or a.dtype, Layout.TILE, a.device, memory_config)
 
     def _unary(self, name: str, t, fn, memory_config=None):
         """An SFPU op: computed in float32 (the SFPU's exp, rsqrt and sigmoid are taken as exact: their

@@ -4,18 +4,32 @@ What `runner.raw_maps` (and `prepare.host_output`) do on the host, here on the d
 
 1. the constant map (`finest.const`) is added in the phase layout (it was laid out that way at load);
 2. phase interleave: the phase maps (pixels (i, j), (row phase a, column phase b, channel o)) are untilized and
-   permuted (two 4-D permutes of the row-major rows) to (o, a, i, b, j), padded to whole tiles: for each
-   channel, a matrix whose rows are (a, i) and columns (b, j);
-3. the reference's bilinear resize to the canvas (align_corners=False, `prepare.resize_bilinear`'s taps) as
-   two matmuls per channel whose fixed matrices take the phases in that order (the interleave is folded into
-   them): columns, then rows. Both are split matmuls (`pre.split_matmul`): the maps are float32 and the matrix
-   engine would read them to TF32's 10 bits, a 1e-3 error on the depth; split into bfloat16 high and low parts
-   (both operands), the resize keeps about 16 bits;
-4. the output activations per head, in float32 on the SFPU: points remapped (`exp`: x, y times exp(z), z =
-   exp(z); or none), normals divided by their length (rsqrt of the clamped sum of squares), the mask's sigmoid;
-5. each head's maps untilized (row-major float32 rows), read back by `read`.
+   permuted (one 5-D permute of the row-major rows) to (o, i, a, j, b): for each channel, the interleaved map
+   itself (rows 2 i + a, columns 2 j + b), zero-padded to whole tiles, all channels in one (1, C, rows, cols)
+   tensor;
+3. the reference's bilinear resize to the canvas (align_corners=False, `prepare.resize_bilinear`'s taps) as two
+   batched matmuls per head, one channel per batch (no per-channel slices): columns (the map times a fixed
+   (cols, W) matrix, broadcast over the batch), then rows (a fixed (H, rows) matrix, one copy per channel, times
+   the column-resized maps). Precision per head, as its output needs it:
+   * points: both matmuls split (`pre.split_matmul`): the maps are float32 and the matrix engine would read them
+     to TF32's 10 bits, a 1e-3 error on the depth (exp(z)); split into bfloat16 high and low parts (both
+     operands), the resize keeps about 16 bits;
+   * normals and the mask: not split (a third of K, one matmul each): the map and the matrices in bfloat16, the
+     column-resized maps kept in float32 (the row resize reads them at TF32's 10 bits); a normal is divided by its
+     length and a mask probability thresholded at 0.5, and this keeps them within ~0.1 degree and ~2e-3
+     (docs/tenstorrent.md, tests/test_ttnn_prepost.py);
+4. the output activations per head, in float32 on the SFPU, with the unary steps fused into the binary ops where
+   ttnn takes them (`input_tensor_a_activations`, `activations`) or given to the matmul (the mask's sigmoid, which
+   ttnn runs as its own op after it): points
+   remapped (`exp`: x, y times exp(z), z = exp(z); or none), normals times the rsqrt of their clamped squared
+   length, the mask's sigmoid;
+5. each head's maps untilized once into row-major float32 (n, H, W) in DRAM: what `read` reads back.
 
-Read-back format: float32, channels-first ((3, H, W), (3, H, W), (H, W)); the host views them as (H, W, 3)
+Memory: every intermediate lives in L1 (interleaved over the cores; the network's buffers are free by then)
+when the largest, a head's three float32 canvas maps, takes at most `pre.L1_MAP_BUDGET` per core
+(`pre.intermediates`); only the outputs go to DRAM. Larger canvases keep everything in DRAM.
+
+Read-back format: float32, channels-first ((3, H, W), (3, H, W), (1, H, W)); the host views them as (H, W, 3)
 through strides (the solve and the finish take strided maps), no host copy. float32 because the depth is
 exp(z): bfloat16's 8 bits would be a 2e-3 relative depth error, twice the bound; normals and the mask would
 stand bfloat16 (0.1 deg, 0.004), but the host would then spend more converting them to float32 than the link
@@ -26,12 +40,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pre import device_split, exact_compute, resize_matrix, split_matmul
+from .pre import device_split, exact_compute, intermediates, resize_matrix, split_matmul
 
-__all__ = ["DeviceOutput", "REMAPS", "host_view"]
+__all__ = ["DeviceOutput", "HEADS", "REMAPS", "host_view"]
 
 TILE = 32
 REMAPS = ("exp", "linear")  # the output remaps run on the device (MoGe-2's is "exp")
+HEADS = ("points", "normal", "mask")  # the heads the device output side knows the activations of
+NORMAL_EPS2 = 1e-24  # F.normalize's max(|n|, 1e-12), squared
 
 
 def host_view(T, host_tensor) -> tuple:
@@ -63,9 +79,14 @@ class DeviceOutput:
         self.h, self.w = fin["in_height"], fin["in_width"]
         self.channels = fin["channels"]
         self.width, self.height = p["canvas"]
-        self.h_p = _cdiv(self.h, TILE) * TILE  # rows i padded per row phase
-        self.k_cols = _cdiv(2 * self.w, TILE) * TILE  # (b, j) padded
-        self.heads = [(h["name"], h["channels"]) for h in p["heads"]]
+        self.rows = _cdiv(2 * self.h, TILE) * TILE  # the interleaved rows 2 i + a, padded
+        self.cols = _cdiv(2 * self.w, TILE) * TILE  # the interleaved columns 2 j + b, padded
+        self.heads, start = [], 0  # (name, first channel, channels)
+        for head in p["heads"]:
+            if head["name"] not in HEADS:
+                raise ValueError(f"the device output runs the heads {HEADS}; this checkpoint has {head['name']!r}")
+            self.heads.append((head["name"], start, head["channels"]))
+            start += head["channels"]
         self.t: dict = {}
         self.loaded = False
         self.zero_copy = False  # whether the last `read` viewed the host tensors in place (`host_view`)
@@ -76,127 +97,154 @@ class DeviceOutput:
         return T.Tensor(a, getattr(T, dtype), self.device, T.TILE_LAYOUT, T.DRAM_MEMORY_CONFIG)
 
     def load(self) -> None:
-        """The phase-laid-out constant map and the resize matrices (split, `pre.split_matmul`) to the device."""
+        """The phase-laid-out constant map and the resize matrices to the device: split (`pre.split_matmul`) for the
+        points, plain bfloat16 for the other heads; the row matrix once per channel of its head (batched)."""
         T, h, w, c = self.ttnn, self.h, self.w, self.channels
         const = self.prepared.arrays["finest.const"]  # (C, 2h, 2w)
         phased = const.reshape(c, h, 2, w, 2).transpose(1, 3, 2, 4, 0).reshape(1, 1, h * w, 4 * c)  # (i j, a b o)
         self.t["const"] = self._tensor(phased, "float32")
-        cols = resize_matrix(2 * w, self.width, "bilinear")  # (W, 2w) over the interleaved columns 2 j + b
-        right = np.zeros((self.k_cols, self.width), np.float32)
-        for b in (0, 1):
-            right[b * w : (b + 1) * w] = cols[:, b::2].T
-        self.t["cols"] = self._tensor(split_matmul(right, "right"), "bfloat16")  # (3 k_cols, W)
-        rows = resize_matrix(2 * h, self.height, "bilinear")  # (H, 2h) over the interleaved rows 2 i + a
-        left = np.zeros((self.height, 2 * self.h_p), np.float32)
-        for a in (0, 1):
-            left[:, a * self.h_p : a * self.h_p + h] = rows[:, a::2]
-        self.t["rows"] = self._tensor(split_matmul(left, "left")[None, None], "bfloat16")  # (1, 1, H, 3 (2 h_p))
+        right = np.zeros((self.cols, self.width), np.float32)  # (cols, W): the interleaved columns 2 j + b
+        right[: 2 * w] = resize_matrix(2 * w, self.width, "bilinear").T
+        left = np.zeros((self.height, self.rows), np.float32)  # (H, rows): the interleaved rows 2 i + a
+        left[:, : 2 * h] = resize_matrix(2 * h, self.height, "bilinear")
+        for name, _, n in self.heads:
+            if name == "points":
+                self.t["cols.split"] = self._tensor(split_matmul(right, "right"), "bfloat16")  # (3 cols, W)
+                rows = split_matmul(left, "left")  # (H, 3 rows)
+                self.t["rows.split"] = self._tensor(np.tile(rows, (1, n, 1, 1)), "bfloat16")
+            else:
+                self.t.setdefault("cols", self._tensor(right, "bfloat16"))  # (cols, W)
+                self.t[f"rows.{n}"] = self._tensor(np.tile(left, (1, n, 1, 1)), "bfloat16")
         self.compute = exact_compute(T, self.device)
+        self.mem = intermediates(T, self.device, 3 * _cdiv(self.height, TILE) * TILE * self.width * 4)  # 3 maps
         self.loaded = True
 
     def _interleaved(self, finest):
-        """The phase maps (1, 1, h w, 4 C) + the constant map -> (1, C, 2 h_p, k_cols) float32 tiles: per channel o,
-        rows (a, i) and columns (b, j), zero-padded."""
-        T, h, w, c = self.ttnn, self.h, self.w, self.channels
-        dram = T.DRAM_MEMORY_CONFIG
+        """The phase maps (1, 1, h w, 4 C) + the constant map -> (1, C, rows, cols) float32 tiles: per channel o, the
+        interleaved map (rows 2 i + a, columns 2 j + b), zero-padded."""
+        T, h, w, c, mem = self.ttnn, self.h, self.w, self.channels, self.mem
         x = finest
         if x.layout != T.TILE_LAYOUT:
-            x = T.to_layout(x, T.TILE_LAYOUT, memory_config=dram)
-        y = T.add(x, self.t["const"], dtype=T.float32, memory_config=dram)
+            x = T.to_layout(x, T.TILE_LAYOUT, memory_config=mem)
+        y = T.add(x, self.t["const"], dtype=T.float32, memory_config=mem)
         if x is not finest:
             T.deallocate(x)
-        rm = T.to_layout(y, T.ROW_MAJOR_LAYOUT, memory_config=dram)  # (1, 1, (i j), (a b o))
+        rm = T.to_layout(y, T.ROW_MAJOR_LAYOUT, memory_config=mem)  # (1, 1, (i j), (a b o))
         T.deallocate(y)
-        a = T.permute(T.reshape(rm, (h, w, 2, 2 * c)), (2, 0, 1, 3), memory_config=dram)  # (a, i, j, (b o))
+        p = T.permute(T.reshape(rm, (h, w, 2, 2, c)), (4, 0, 2, 1, 3), memory_config=mem)  # (o, i, a, j, b)
         T.deallocate(rm)
-        b = T.permute(T.reshape(a, (2 * h, w, 2, c)), (3, 0, 2, 1), memory_config=dram)  # (o, (a i), b, j)
-        T.deallocate(a)
-        b = T.reshape(b, (c, 2, h, 2 * w))  # (o, a, i, (b j))
-        padded = b
-        if self.h_p > h or self.k_cols > 2 * w:  # (a no-op pad hands back its input: nothing to free then)
+        p = T.reshape(p, (1, c, 2 * h, 2 * w))
+        padded = p
+        if self.rows > 2 * h or self.cols > 2 * w:  # (a no-op pad hands back its input: nothing to free then)
             padded = T.pad(
-                b, ((0, 0), (0, 0), (0, self.h_p - h), (0, self.k_cols - 2 * w)), value=0.0, memory_config=dram
+                p, ((0, 0), (0, 0), (0, self.rows - 2 * h), (0, self.cols - 2 * w)), value=0.0, memory_config=mem
             )
-            T.deallocate(b)
-        q = T.to_layout(T.reshape(padded, (1, c, 2 * self.h_p, self.k_cols)), T.TILE_LAYOUT, memory_config=dram)
+            T.deallocate(p)
+        q = T.to_layout(padded, T.TILE_LAYOUT, memory_config=mem)
         T.deallocate(padded)
         return q
 
+    def _channels(self, x, start: int, n: int):
+        """Channels [start, start + n) of a (1, C, rows, width) tensor (x itself when that is all of it)."""
+        if start == 0 and n == x.shape[1]:
+            return x
+        T = self.ttnn
+        return T.slice(x, (0, start, 0, 0), (1, start + n, x.shape[2], x.shape[3]), memory_config=self.mem)
+
     def forward(self, finest) -> dict:
         """The graph's finest phase maps (1, 1, h w, 4 C) float32 -> {head name: its maps (1, channels, H, W) float32,
-        row-major, DRAM}, after the output activations. Each channel runs on its own from the (small) interleaved
-        map on: columns resized (a split matmul), rows resized (a split matmul), so that no canvas-sized map is
-        ever sliced."""
+        row-major, DRAM}, after the output activations. Each head runs on its own channels of the interleaved map:
+        columns resized, rows resized (batched matmuls, one channel per batch), its activation, one untilize."""
         if not self.loaded:
             raise RuntimeError("DeviceOutput.forward before load()")
-        T, dram = self.ttnn, self.ttnn.DRAM_MEMORY_CONFIG
-        q = self._interleaved(finest)
-        split = device_split(T, q, 3, "hlh")  # (1, C, 2 h_p, 3 k_cols)
-        T.deallocate(q)
-        rows2, width3 = 2 * self.h_p, 3 * self.k_cols
-        channels = []
-        for o in range(self.channels):
-            part = T.slice(split, (0, o, 0, 0), (1, o + 1, rows2, width3), memory_config=dram)
-            r = T.matmul(part, self.t["cols"], dtype=T.float32, compute_kernel_config=self.compute, memory_config=dram)
-            T.deallocate(part)  # r: (1, 1, 2 h_p, W): columns resized and interleaved
-            r3 = device_split(T, r, 2, "hlh")  # (1, 1, 3 (2 h_p), W)
-            T.deallocate(r)
-            m = T.matmul(self.t["rows"], r3, dtype=T.float32, compute_kernel_config=self.compute, memory_config=dram)
-            T.deallocate(r3)
-            channels.append(m)  # (1, 1, H, W)
-        T.deallocate(split)
-        out, start = {}, 0
-        for name, n in self.heads:
-            done = self._activation(name, channels[start : start + n])
-            start += n
-            out[name] = T.to_layout(done, T.ROW_MAJOR_LAYOUT, memory_config=dram)
-            T.deallocate(done)
-        return out
-
-    def _concat(self, parts: list):
         T = self.ttnn
-        if len(parts) == 1:
-            return parts[0]
-        out = T.concat(parts, dim=1, memory_config=T.DRAM_MEMORY_CONFIG)
-        for t in parts:
-            T.deallocate(t)
+        q = self._interleaved(finest)
+        hi = T.typecast(q, T.bfloat16, memory_config=self.mem)  # every head's bfloat16 part (the points' high part)
+        out = {}
+        for name, start, n in self.heads:
+            if name == "points":
+                maps = self._resize_split(self._channels(q, start, n), self._channels(hi, start, n), n)
+            else:
+                maps = self._resize_plain(self._channels(hi, start, n), n, "sigmoid" if name == "mask" else None)
+            done = self._activation(name, maps)
+            out[name] = T.to_layout(done, T.ROW_MAJOR_LAYOUT, memory_config=T.DRAM_MEMORY_CONFIG)
+            T.deallocate(done)
+        T.deallocate(q)
+        T.deallocate(hi)
         return out
 
-    def _activation(self, name: str, xs: list):
-        """The reference's output activation of one head on its channels ((1, 1, H, W) float32 each; consumed) ->
-        (1, n, H, W)."""
-        T, dram = self.ttnn, self.ttnn.DRAM_MEMORY_CONFIG
-        if name == "points" and self.plan["remap"] == "exp":
-            x, y, z = xs
-            ez = T.exp(z, memory_config=dram)
-            T.deallocate(z)
-            px = T.multiply(x, ez, dtype=T.float32, memory_config=dram)
-            py = T.multiply(y, ez, dtype=T.float32, memory_config=dram)
+    def _resize_split(self, x, hi, n: int):
+        """x (1, n, rows, cols) float32 and its bfloat16 rounding `hi` (both consumed unless they are the whole
+        interleaved map) -> (1, n, H, W) float32, both resizes split (about 16 bits)."""
+        T, mem, ck = self.ttnn, self.mem, self.compute
+        parts = device_split(T, x, 3, "hlh", memory_config=mem, hi=hi)  # (1, n, rows, 3 cols)
+        if n != self.channels:  # slices: ours to free
             T.deallocate(x)
-            T.deallocate(y)
-            return self._concat([px, py, ez])
-        if name == "normal":
-            squares = [T.multiply(v, v, dtype=T.float32, memory_config=dram) for v in xs]
-            s = squares[0]
-            for sq in squares[1:]:
-                total = T.add(s, sq, dtype=T.float32, memory_config=dram)
-                T.deallocate(s)
-                T.deallocate(sq)
-                s = total
-            clamped = T.clamp(s, min=1e-24, memory_config=dram)  # F.normalize's max(|n|, 1e-12), squared
-            T.deallocate(s)
-            inv = T.rsqrt(clamped, memory_config=dram)
-            T.deallocate(clamped)
-            unit = [T.multiply(v, inv, dtype=T.float32, memory_config=dram) for v in xs]
-            T.deallocate(inv)
-            for v in xs:
-                T.deallocate(v)
-            return self._concat(unit)
-        if name == "mask":
-            out = T.sigmoid(xs[0], memory_config=dram)
-            T.deallocate(xs[0])
+            T.deallocate(hi)
+        cols = T.matmul(parts, self.t["cols.split"], dtype=T.float32, compute_kernel_config=ck, memory_config=mem)
+        T.deallocate(parts)  # cols: (1, n, rows, W), columns resized
+        parts = device_split(T, cols, 2, "hlh", memory_config=mem)  # (1, n, 3 rows, W)
+        T.deallocate(cols)
+        out = T.matmul(self.t["rows.split"], parts, dtype=T.float32, compute_kernel_config=ck, memory_config=mem)
+        T.deallocate(parts)
+        return out
+
+    def _resize_plain(self, hi, n: int, activation=None):
+        """hi (1, n, rows, cols) bfloat16 (consumed unless it is the whole map) -> (1, n, H, W) float32 (after the
+        matmul's fused `activation`): bfloat16 map and matrices, float32 accumulation, the column-resized maps in
+        float32 (a quarter less angle error on the normals than bfloat16 there, for 20 us of NoC traffic)."""
+        T, mem, ck = self.ttnn, self.mem, self.compute
+        cols = T.matmul(hi, self.t["cols"], dtype=T.float32, compute_kernel_config=ck, memory_config=mem)
+        if n != self.channels:
+            T.deallocate(hi)
+        out = T.matmul(
+            self.t[f"rows.{n}"],
+            cols,
+            dtype=T.float32,
+            compute_kernel_config=ck,
+            memory_config=mem,
+            activation=activation,
+        )
+        T.deallocate(cols)
+        return out
+
+    def _activation(self, name: str, x):
+        """The reference's output activation of one head on its (1, n, H, W) float32 maps (consumed) -> the head's
+        maps, tile layout (the mask's sigmoid ran in its matmul)."""
+        T, mem = self.ttnn, self.mem
+        U, op = T.UnaryOpType, T.UnaryWithParam
+        if name == "points" and self.plan["remap"] == "exp":
+            xy = T.slice(x, (0, 0, 0, 0), (1, 2, x.shape[2], x.shape[3]), memory_config=mem)
+            z = T.slice(x, (0, 2, 0, 0), (1, 3, x.shape[2], x.shape[3]), memory_config=mem)
+            T.deallocate(x)
+            ez = T.exp(z, memory_config=mem)
+            T.deallocate(z)
+            pxy = T.multiply(xy, ez, dtype=T.float32, memory_config=mem)  # (x, y) exp(z), z's map broadcast
+            T.deallocate(xy)
+            out = T.concat([pxy, ez], dim=1, memory_config=mem)
+            T.deallocate(pxy)
+            T.deallocate(ez)
             return out
-        return self._concat(list(xs))
+        if name == "normal":
+            n0, n1, n2 = (
+                T.slice(x, (0, i, 0, 0), (1, i + 1, x.shape[2], x.shape[3]), memory_config=mem) for i in range(3)
+            )
+            square = [op(U.SQUARE)]
+            s = T.add(n0, n1, input_tensor_a_activations=square, input_tensor_b_activations=square, memory_config=mem)
+            inv = T.add(  # rsqrt(max(n0^2 + n1^2 + n2^2, eps^2)) in one pass
+                s,
+                n2,
+                input_tensor_b_activations=square,
+                activations=[op(U.MAXIMUM, NORMAL_EPS2), op(U.RSQRT)],
+                memory_config=mem,
+            )
+            for t in (n0, n1, n2, s):
+                T.deallocate(t)
+            out = T.multiply(x, inv, dtype=T.float32, memory_config=mem)  # the inverse length broadcast
+            T.deallocate(x)
+            T.deallocate(inv)
+            return out
+        return x  # the mask (its sigmoid is the matmul's), the linear remap's points
 
     def read(self, outputs: dict, cq_id: int = 0) -> dict:
         """The device maps -> {head name: float32 numpy (n, H, W), channels-first}, read on queue `cq_id`.
@@ -208,7 +256,7 @@ class DeviceOutput:
         the last read could view (False: this ttnn has no DLPack export of host buffers, and copied)."""
         T = self.ttnn
         out, views = {}, []
-        for name, n in self.heads:
+        for name, _, n in self.heads:
             h = T.from_device(outputs[name], queue_id=cq_id)
             if h.layout != T.ROW_MAJOR_LAYOUT:
                 h = T.to_layout(h, T.ROW_MAJOR_LAYOUT)

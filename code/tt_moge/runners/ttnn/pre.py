@@ -16,6 +16,9 @@ operands exactly at HiFi4, so the data (the canvas, then the row-resized image) 
 rounding each, which the resize's averaging shrinks); the resize weights, which would lose up to 2^-9 each in
 bfloat16 and so bias the sums, are split into a bfloat16 high and low part (`split_bf16`), each multiplied in its
 own matmul and the two added in float32 (about 16 significant bits of weight).
+
+Memory: the maps before the patch matrix live in L1 when the largest takes at most `L1_MAP_BUDGET` per core
+(`intermediates`: the network's buffers are not live yet); the patch matrix goes to DRAM, where the graph takes it.
 """
 
 from __future__ import annotations
@@ -24,9 +27,26 @@ import numpy as np
 
 from .prepare import resize_taps
 
-__all__ = ["DeviceInput", "exact_compute", "resize_matrix", "split_bf16", "split_matmul"]
+__all__ = [
+    "DeviceInput",
+    "L1_MAP_BUDGET",
+    "exact_compute",
+    "intermediates",
+    "resize_matrix",
+    "split_bf16",
+    "split_matmul",
+]
 
 TILE = 32
+L1_MAP_BUDGET = 256 * 1024  # bytes per core of the largest intermediate map above which the sides keep it in DRAM
+
+
+def intermediates(T, device, largest: float):
+    """Where the input and output sides keep their intermediate maps: L1 (interleaved over the cores; the
+    network's buffers are not live then) when the largest, `largest` bytes, takes at most `L1_MAP_BUDGET` per core,
+    else DRAM."""
+    grid = device.compute_with_storage_grid_size()
+    return T.L1_MEMORY_CONFIG if largest / (grid.x * grid.y) <= L1_MAP_BUDGET else T.DRAM_MEMORY_CONFIG
 
 
 def resize_matrix(in_size: int, out_size: int, kind: str = "antialiased") -> np.ndarray:
@@ -52,17 +72,22 @@ def split_bf16(a: np.ndarray) -> tuple:
     return hi, bf16(a - hi)
 
 
-def device_split(ttnn, x, dim: int, order: str):
+def device_split(ttnn, x, dim: int, order: str, memory_config=None, hi=None):
     """A float32 device tensor -> its bfloat16 parts concatenated along `dim`: order "hlh" gives [hi, lo, hi] (the
-    data side of `split_matmul`, the first operand's parts), "hhl" [hi, hi, lo]."""
+    data side of `split_matmul`, the first operand's parts), "hhl" [hi, hi, lo]. `memory_config`: where the parts
+    and the result go (default DRAM). `hi`: x's bfloat16 rounding when the caller already has it (not freed)."""
     T = ttnn
-    hi = T.typecast(x, T.bfloat16, memory_config=T.DRAM_MEMORY_CONFIG)
-    hi32 = T.typecast(hi, T.float32, memory_config=T.DRAM_MEMORY_CONFIG)
-    lo = T.subtract(x, hi32, dtype=T.bfloat16, memory_config=T.DRAM_MEMORY_CONFIG)  # exact in float32, then rounded
+    mem = memory_config or T.DRAM_MEMORY_CONFIG
+    own = hi is None
+    if own:
+        hi = T.typecast(x, T.bfloat16, memory_config=mem)
+    hi32 = T.typecast(hi, T.float32, memory_config=mem)
+    lo = T.subtract(x, hi32, dtype=T.bfloat16, memory_config=mem)  # exact in float32, then rounded
     T.deallocate(hi32)
     parts = [hi, lo, hi] if order == "hlh" else [hi, hi, lo]
-    out = T.concat(parts, dim=dim, memory_config=T.DRAM_MEMORY_CONFIG)
-    T.deallocate(hi)
+    out = T.concat(parts, dim=dim, memory_config=mem)
+    if own:
+        T.deallocate(hi)
     T.deallocate(lo)
     return out
 
@@ -121,18 +146,20 @@ class DeviceInput:
         self.w["cols.lo"] = self._tensor(cols_lo, "bfloat16")
         T = self.ttnn
         self.compute = exact_compute(T, self.device)
+        h_p = -(-self.height // TILE) * TILE
+        self.mem = intermediates(T, self.device, max(3 * h_p * self.width * 2, 3 * self.grid_h * self.width * 4))
         self.loaded = True
 
     def _split_weight_matmul(self, x, key: str, left: bool):
         """x times the resize matrix `key` (high part + low part, two matmuls added in float32); `left`: the
         matrix is the first operand."""
-        T, dram = self.ttnn, self.ttnn.DRAM_MEMORY_CONFIG
+        T, mem = self.ttnn, self.mem
         parts = []
         for half in ("hi", "lo"):
             w = self.w[f"{key}.{half}"]
             a, b = (w, x) if left else (x, w)
-            parts.append(T.matmul(a, b, dtype=T.float32, compute_kernel_config=self.compute, memory_config=dram))
-        out = T.add(parts[0], parts[1], dtype=T.float32, memory_config=dram)
+            parts.append(T.matmul(a, b, dtype=T.float32, compute_kernel_config=self.compute, memory_config=mem))
+        out = T.add(parts[0], parts[1], dtype=T.float32, memory_config=mem)
         T.deallocate(parts[0])
         T.deallocate(parts[1])
         return out
@@ -172,32 +199,32 @@ class DeviceInput:
         if not self.loaded:
             raise RuntimeError("DeviceInput.forward before load()")
         T, p = self.ttnn, self.plan
-        dram = T.DRAM_MEMORY_CONFIG
-        tiles = T.to_layout(canvas, T.TILE_LAYOUT, dtype=T.bfloat16, memory_config=dram)  # (1, 3, H, W)
+        dram, mem = T.DRAM_MEMORY_CONFIG, self.mem  # the patch matrix to DRAM, the maps before it in `mem`
+        tiles = T.to_layout(canvas, T.TILE_LAYOUT, dtype=T.bfloat16, memory_config=mem)  # (1, 3, H, W)
         resized = self._split_weight_matmul(tiles, "rows", left=True)  # (1, 3, grid_h, W): rows resized
         T.deallocate(tiles)
-        half = T.typecast(resized, T.bfloat16, memory_config=dram)
+        half = T.typecast(resized, T.bfloat16, memory_config=mem)
         T.deallocate(resized)
         small = self._split_weight_matmul(half, "cols", left=False)  # (1, 3, grid_h, grid_w)
         T.deallocate(half)
-        typed = T.typecast(small, T.bfloat16, memory_config=dram)  # the unfold moves bfloat16 rows
+        typed = T.typecast(small, T.bfloat16, memory_config=mem)  # the unfold moves bfloat16 rows
         T.deallocate(small)
         small = typed
-        rm = T.to_layout(small, T.ROW_MAJOR_LAYOUT, memory_config=dram)
+        rm = T.to_layout(small, T.ROW_MAJOR_LAYOUT, memory_config=mem)
         T.deallocate(small)
         r, c, k = self.rows, self.cols, self.patch
         a = T.reshape(rm, (3 * r, k, c, k))  # (channel row, ky, col, kx)
-        b = T.permute(a, (0, 2, 1, 3), memory_config=dram)  # (channel row, col, ky, kx)
+        b = T.permute(a, (0, 2, 1, 3), memory_config=mem)  # (channel row, col, ky, kx)
         T.deallocate(rm)
         b = T.reshape(b, (1, 3, r * c, k * k))
-        patches = T.permute(b, (0, 2, 1, 3), memory_config=dram)  # (1, row col, channel, ky kx)
+        patches = T.permute(b, (0, 2, 1, 3), memory_config=mem)  # (1, row col, channel, ky kx)
         T.deallocate(b)
         patches = T.reshape(patches, (1, 1, r * c, 3 * k * k))
         padded = T.pad(
             patches,
             ((0, 0), (0, 0), (0, p["seq_len"] - r * c), (0, p["patch_k_padded"] - 3 * k * k)),
             value=0.0,
-            memory_config=dram,
+            memory_config=mem,
         )
         T.deallocate(patches)
         out = T.to_layout(padded, T.TILE_LAYOUT, memory_config=dram)
