@@ -89,6 +89,28 @@ def test_runner_equals_the_reference_and_the_trace_replays_each_new_canvas(netwo
     assert ttnn.traces == {} and len(ttnn.closed) == 1, "close() releases the trace and closes the chip it opened"
 
 
+def test_maps_are_read_into_recycled_host_tensors_that_no_live_result_sees(network_path, ttnn):
+    """The maps come back as views of recycled read-back host tensors (no copy, no fresh pages per call). A set is
+    reused only once nothing made from its last read is alive: results kept across calls (all of them, or one
+    view of one) stay their own canvas's (a set reused too early would hold a later canvas's maps), and a loop
+    that drops each result reads into the sets it already has."""
+    runner = _runner(network_path, ttnn)
+    images = [calibration_image(*CANVAS, seed=s) for s in (5, 6, 7)]
+    refs = [_reference(network_path, image) for image in images]
+    kept = [runner.forward(image) for image in images]
+    assert runner.post.zero_copy and runner.post.sets_made == 3, "three live results: three sets"
+    for raw, ref in zip(kept, refs):
+        _assert_close(raw, ref)
+    normal = kept[0].normal[10:20]  # a view of the first result's maps outlives the result
+    del kept, raw
+    for _ in range(2):
+        for image, ref in zip(images[1:], refs[1:]):
+            _assert_close(runner.forward(image), ref)
+    assert runner.post.sets_made == 3, "the dropped results' sets were reused"
+    assert float((normal - refs[0]["normal"][10:20]).abs().max()) < 2e-5, "the view still holds the first canvas's"
+    runner.close()
+
+
 def test_two_command_queues_give_bit_identical_maps_and_read_on_queue_1(network_path, ttnn):
     image = calibration_image(*CANVAS, seed=4)
     one = _runner(network_path, ttnn, num_command_queues=1, dispatch="worker")
@@ -99,6 +121,7 @@ def test_two_command_queues_give_bit_identical_maps_and_read_on_queue_1(network_
     second = two.forward(image)
     two.close()
     assert ttnn.events[-2:] == [("record", 0), ("wait", 1)], "the read waits on queue 1 for the forward on queue 0"
+    assert ttnn.reads == [0, 0, 0, 1, 1, 1], "three maps read on queue 0, then on queue 1"
     assert ttnn.opened[-1]["num_command_queues"] == 2 and ttnn.opened[-1]["dispatch_core_config"] == "worker"
     for key in ("points", "normal", "mask"):
         assert torch.equal(getattr(first, key), getattr(second, key)), key
