@@ -207,6 +207,31 @@ def test_api_on_a_tenstorrent_device(network_path, ttnn):
     assert len(ttnn.closed) == 2, "the chips the models opened are closed"
 
 
+def test_a_photo_goes_up_as_8_bit_planes_and_a_float_canvas_as_float32(network_path, ttnn):
+    """A uint8 photo's canvas is uploaded as uint8 planes (a quarter of float32's bytes; the device divides by 255)
+    and the device warm-up captures that trace, so a call only replays it; a float image of the canvas size (it
+    has no 8-bit form) goes up as float32, through a trace of its own. Both give the reference runner's outputs."""
+    photo = (calibration_image(*API_CANVAS, seed=8)[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+    float_image = calibration_image(*API_CANVAS, seed=9)[0].permute(1, 2, 0).numpy()
+    common = dict(resolution=API_CANVAS, num_tokens=API_TOKENS, warmup=1, warmup_variants="minimal")
+    with MoGeModel.from_pretrained(network_path, device="cpu", precision="fp32", **common) as cpu:
+        want = [cpu(photo), cpu(float_image)]
+    with MoGeModel.from_pretrained(network_path, device=ttnn.open_device(device_id=0), **common) as model:
+        runner, uploads = model.service.runner, []
+        upload = runner.pre.upload
+        runner.pre.upload = lambda canvas, **kw: (uploads.append(canvas.dtype), upload(canvas, **kw))[1]
+        assert list(ttnn.traces) and len(ttnn.traces) == 1, "the warm-up captured the 8-bit trace"
+        got = [model(photo)]
+        assert uploads == [np.uint8] and len(ttnn.traces) == 1
+        got.append(model(float_image))
+        assert uploads == [np.uint8, np.float32] and len(ttnn.traces) == 2
+        got.append(model(photo))  # the first trace again, with the second one captured since
+        assert uploads[-1] == np.uint8 and len(ttnn.traces) == 2
+    for g, w in zip(got, want + want[:1]):
+        assert 0.05 < g.mask.mean() < 0.95 and np.array_equal(g.mask, w.mask)
+        assert np.allclose(g.depth[g.mask], w.depth[w.mask], rtol=1e-4)
+
+
 def test_tenstorrent_option_errors(network_path, ttnn):
     with pytest.raises(ValueError, match="no Tenstorrent chip 3"):
         LoadOptions.resolve(network_path, device="tt:3")

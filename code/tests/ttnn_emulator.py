@@ -61,6 +61,7 @@ class DataType(enum.Enum):
     BFLOAT16 = "bfloat16"
     FLOAT32 = "float32"
     BFLOAT8_B = "bfloat8_b"
+    UINT8 = "uint8"
 
 
 class Layout(enum.Enum):
@@ -302,6 +303,7 @@ class TtnnEmulator:
         self.exact = exact
         self.op_counts: collections.Counter = collections.Counter()
         self.bfloat16, self.float32, self.bfloat8_b = DataType.BFLOAT16, DataType.FLOAT32, DataType.BFLOAT8_B
+        self.uint8 = DataType.UINT8
         self.DataType = DataType
         self.TILE_LAYOUT, self.ROW_MAJOR_LAYOUT = Layout.TILE, Layout.ROW_MAJOR
         self.Layout = Layout
@@ -402,6 +404,8 @@ class TtnnEmulator:
             return round_bf16(t)
         if dtype == DataType.BFLOAT8_B:
             return round_bfp8(t)
+        if dtype == DataType.UINT8:  # integers 0..255 (a canvas's 8-bit planes)
+            return t.float().round().clamp(0, 255)
         raise TypeError(f"unsupported dtype {dtype}")
 
     def _new(self, data: torch.Tensor, dtype: DataType, layout: Layout = Layout.TILE, device=True, memory_config=None):
@@ -483,6 +487,8 @@ class TtnnEmulator:
         """On the host, or on the device (ttnn's tilize / untilize ops, counted): the values are unchanged, or
         rounded to `dtype` when one is given (a tilize that converts, on the device)."""
         self._check(t, "to_layout", on_device=False)
+        if t.dtype == DataType.UINT8 and layout == Layout.TILE and t.layout != Layout.TILE:  # ttnn's TT_FATAL
+            raise RuntimeError("to_layout: can only tilize bfloat16/float32 or int32/uint32/uint16 tensors")
         if (dtype or t.dtype) == DataType.BFLOAT8_B and layout != Layout.TILE:
             raise RuntimeError("to_layout: bfloat8_b tensors must stay in TILE layout")
         if dtype is not None and dtype != t.dtype:
