@@ -227,6 +227,14 @@ def test_a_photo_goes_up_as_8_bit_planes_and_a_float_canvas_as_float32(network_p
         assert uploads == [np.uint8, np.float32] and len(ttnn.traces) == 2
         got.append(model(photo))  # the first trace again, with the second one captured since
         assert uploads[-1] == np.uint8 and len(ttnn.traces) == 2
+        # read-back sets: one holds the warm-up's raw maps (the model keeps them for later warm-ups), one serves
+        # the single calls; predict_many reads image i+1 while image i's finish holds its maps: one more, and
+        # every result its own image's (a set reused under a finish would give image i image i+1's maps)
+        assert runner.post.sets_made == 2
+        many = model.predict_many([photo, float_image, photo, float_image])
+        assert runner.post.sets_made == 3
+    for g, w in zip(many, got[:2] * 2):
+        assert np.array_equal(g.depth, w.depth) and np.array_equal(g.normal, w.normal)
     for g, w in zip(got, want + want[:1]):
         assert 0.05 < g.mask.mean() < 0.95 and np.array_equal(g.mask, w.mask)
         assert np.allclose(g.depth[g.mask], w.depth[w.mask], rtol=1e-4)
