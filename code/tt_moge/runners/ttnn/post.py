@@ -263,8 +263,8 @@ class DeviceOutput:
         self.zero_copy = all(viewed for _, viewed in views)
         if self.zero_copy:
             arrays = lend([array for array, _ in views], lambda: self._give_back(slot))
-        else:  # copies (to_numpy): the set is free again at once
-            arrays = [array for array, _ in views]
+        else:  # copies (to_numpy; a view too, where only some could view): the set is free again at once
+            arrays = [np.array(array) if viewed else array for array, viewed in views]
             self._give_back(slot)
         return {name: a.reshape(n, self.height, self.width) for (name, n), a in zip(self.heads, arrays)}
 
