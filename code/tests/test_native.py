@@ -329,3 +329,27 @@ def test_canvas_native_is_bit_identical(size, fit):
         if rgb is photo:  # (to_rgb_array hands over C-contiguous uint8 arrays only)
             assert ref.stride() == got.stride()
         assert 0.2 < float(got.mean()) < 0.8
+
+
+@pytest.mark.parametrize(
+    "size,fit", [((448, 252), "pad"), ((300, 120), "pad"), ((120, 300), "pad"), ((640, 480), "stretch")]
+)
+def test_8_bit_canvas_is_the_float_canvas_times_255_on_both_paths(size, fit):
+    """fit_to_canvas(..., uint8=True), the canvas a runner that takes 8 bits uploads: contiguous (1, 3, H, W) uint8
+    planes holding exactly 255 x the float canvas (bars, resized content, identity), native and numpy alike, from
+    C-contiguous and strided images; a float image of the canvas size has no 8-bit form and stays float32."""
+    from tt_moge.host.canvas import fit_to_canvas
+    from tt_moge.warmup import synthetic_photo
+
+    plan = plan_canvas(size, (448, 252), fit)
+    photo = synthetic_photo(size, seed=4)
+    planar = np.ascontiguousarray(photo.transpose(2, 0, 1)).transpose(1, 2, 0)  # (H, W, 3) view, strided
+    for rgb in (photo, planar):
+        unit = fit_to_canvas(rgb, plan)
+        for got in _both_paths(lambda: fit_to_canvas(rgb, plan, uint8=True)):
+            assert got.dtype == torch.uint8 and got.shape == (1, 3, 252, 448) and got.is_contiguous()
+            assert torch.equal(got.float() / 255, unit)
+    if plan.is_identity:
+        image = photo.astype(np.float32) / 255 + np.float32(1e-3)  # between 8-bit levels
+        got = fit_to_canvas(image, plan, uint8=True)
+        assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(image).permute(2, 0, 1)[None])

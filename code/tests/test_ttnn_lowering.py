@@ -552,14 +552,18 @@ def test_checks_catch_broken_lowerings(bug):
         _check_exact(_compare("tiny-vits-normal", graph=graph))
 
 
-def test_persistent_input_buffer_gives_the_same_forward():
-    """upload(canvas, into=allocate_input()) (the path a trace uses) feeds the forward as a fresh upload does."""
+@pytest.mark.parametrize("dtype", ["float32", "uint8"])
+def test_persistent_input_buffer_gives_the_same_forward(dtype):
+    """upload(canvas, into=allocate_input(dtype)) (the path a trace uses) feeds the forward as a fresh upload does,
+    for both canvas dtypes (a photo's uint8 planes, a float canvas)."""
     prepared = _prepared("tiny-vits-normal")
     graph = _graph(prepared, exact=True)
     pre = DeviceInput(graph.ttnn, graph.device, prepared, graph.formats.activations)
     pre.load()
     canvas = calibration_image(*SMALL, seed=2).numpy()
-    buffer = pre.allocate_input()
+    if dtype == "uint8":
+        canvas = np.rint(canvas * 255).astype(np.uint8)
+    buffer = pre.allocate_input(dtype)
     fresh = graph.read(graph.forward(pre.forward(pre.upload(canvas))))
     reused = graph.read(graph.forward(pre.forward(pre.upload(canvas, into=buffer))))
     assert pre.upload(canvas, into=buffer) is buffer

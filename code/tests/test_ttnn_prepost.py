@@ -98,6 +98,22 @@ def _angle_deg(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_device_input_of_an_8_bit_canvas_is_the_host_patch_matrix(prepared, case):
+    """A photo's canvas goes up as uint8 planes, the / 255 folded into the row resize's matrix: the host patch
+    matrix of the same canvas in [0, 1], to the split weights' 16 bits in float32 emulation; in the device formats
+    no further off than the float32 canvas's path (bfloat16 holds 0..255 exactly: the input is not rounded)."""
+    prep = prepared[case]
+    canvas8 = (calibration_image(*case[0], seed=3) * 255).round().to(torch.uint8)
+    unit = canvas8.float() / 255
+    ref = patch_matrix(prep, unit)
+    assert np.abs(_pre(prep, canvas8, exact=True) - ref).max() < 2e-5
+    err8 = _pre(prep, canvas8, exact=False) - ref
+    err32 = _pre(prep, unit, exact=False) - ref
+    assert np.abs(err8).max() <= 2 * 2.0**-8
+    assert np.sqrt((err8**2).mean()) <= np.sqrt((err32**2).mean())
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_device_output_is_the_host_raw_maps(prepared, case):
     """Finest phase maps -> raw maps at the canvas on the device (interleave, constant map, bilinear resize,
     exp remap, normalisation, sigmoid): the host's `raw_maps` to the split matrices' 16 bits in float32 emulation;

@@ -89,6 +89,28 @@ def test_runner_equals_the_reference_and_the_trace_replays_each_new_canvas(netwo
     assert ttnn.traces == {} and len(ttnn.closed) == 1, "close() releases the trace and closes the chip it opened"
 
 
+def test_maps_are_read_into_recycled_host_tensors_that_no_live_result_sees(network_path, ttnn):
+    """The maps come back as views of recycled read-back host tensors (no copy, no fresh pages per call). A set is
+    reused only once nothing made from its last read is alive: results kept across calls (all of them, or one
+    view of one) stay their own canvas's (a set reused too early would hold a later canvas's maps), and a loop
+    that drops each result reads into the sets it already has."""
+    runner = _runner(network_path, ttnn)
+    images = [calibration_image(*CANVAS, seed=s) for s in (5, 6, 7)]
+    refs = [_reference(network_path, image) for image in images]
+    kept = [runner.forward(image) for image in images]
+    assert runner.post.zero_copy and runner.post.sets_made == 3, "three live results: three sets"
+    for raw, ref in zip(kept, refs):
+        _assert_close(raw, ref)
+    normal = kept[0].normal[10:20]  # a view of the first result's maps outlives the result
+    del kept, raw
+    for _ in range(2):
+        for image, ref in zip(images[1:], refs[1:]):
+            _assert_close(runner.forward(image), ref)
+    assert runner.post.sets_made == 3, "the dropped results' sets were reused"
+    assert float((normal - refs[0]["normal"][10:20]).abs().max()) < 2e-5, "the view still holds the first canvas's"
+    runner.close()
+
+
 def test_two_command_queues_give_bit_identical_maps_and_read_on_queue_1(network_path, ttnn):
     image = calibration_image(*CANVAS, seed=4)
     one = _runner(network_path, ttnn, num_command_queues=1, dispatch="worker")
@@ -99,6 +121,7 @@ def test_two_command_queues_give_bit_identical_maps_and_read_on_queue_1(network_
     second = two.forward(image)
     two.close()
     assert ttnn.events[-2:] == [("record", 0), ("wait", 1)], "the read waits on queue 1 for the forward on queue 0"
+    assert ttnn.reads == [0, 0, 0, 1, 1, 1], "three maps read on queue 0, then on queue 1"
     assert ttnn.opened[-1]["num_command_queues"] == 2 and ttnn.opened[-1]["dispatch_core_config"] == "worker"
     for key in ("points", "normal", "mask"):
         assert torch.equal(getattr(first, key), getattr(second, key)), key
@@ -182,6 +205,39 @@ def test_api_on_a_tenstorrent_device(network_path, ttnn):
         with MoGeModel.from_pretrained(network_path, device="tt:0", precision="bfp8", **common) as model:
             assert model.info()["runner"]["formats"] == "bfp8-vit"
     assert len(ttnn.closed) == 2, "the chips the models opened are closed"
+
+
+def test_a_photo_goes_up_as_8_bit_planes_and_a_float_canvas_as_float32(network_path, ttnn):
+    """A uint8 photo's canvas is uploaded as uint8 planes (a quarter of float32's bytes; the device divides by 255)
+    and the device warm-up captures that trace, so a call only replays it; a float image of the canvas size (it
+    has no 8-bit form) goes up as float32, through a trace of its own. Both give the reference runner's outputs."""
+    photo = (calibration_image(*API_CANVAS, seed=8)[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+    float_image = calibration_image(*API_CANVAS, seed=9)[0].permute(1, 2, 0).numpy()
+    common = dict(resolution=API_CANVAS, num_tokens=API_TOKENS, warmup=1, warmup_variants="minimal")
+    with MoGeModel.from_pretrained(network_path, device="cpu", precision="fp32", **common) as cpu:
+        want = [cpu(photo), cpu(float_image)]
+    with MoGeModel.from_pretrained(network_path, device=ttnn.open_device(device_id=0), **common) as model:
+        runner, uploads = model.service.runner, []
+        upload = runner.pre.upload
+        runner.pre.upload = lambda canvas, **kw: (uploads.append(canvas.dtype), upload(canvas, **kw))[1]
+        assert list(ttnn.traces) and len(ttnn.traces) == 1, "the warm-up captured the 8-bit trace"
+        got = [model(photo)]
+        assert uploads == [np.uint8] and len(ttnn.traces) == 1
+        got.append(model(float_image))
+        assert uploads == [np.uint8, np.float32] and len(ttnn.traces) == 2
+        got.append(model(photo))  # the first trace again, with the second one captured since
+        assert uploads[-1] == np.uint8 and len(ttnn.traces) == 2
+        # read-back sets: one holds the warm-up's raw maps (the model keeps them for later warm-ups), one serves
+        # the single calls; predict_many reads image i+1 while image i's finish holds its maps: one more, and
+        # every result its own image's (a set reused under a finish would give image i image i+1's maps)
+        assert runner.post.sets_made == 2
+        many = model.predict_many([photo, float_image, photo, float_image])
+        assert runner.post.sets_made == 3
+    for g, w in zip(many, got[:2] * 2):
+        assert np.array_equal(g.depth, w.depth) and np.array_equal(g.normal, w.normal)
+    for g, w in zip(got, want + want[:1]):
+        assert 0.05 < g.mask.mean() < 0.95 and np.array_equal(g.mask, w.mask)
+        assert np.allclose(g.depth[g.mask], w.depth[w.mask], rtol=1e-4)
 
 
 def test_tenstorrent_option_errors(network_path, ttnn):

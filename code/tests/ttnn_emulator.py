@@ -61,6 +61,7 @@ class DataType(enum.Enum):
     BFLOAT16 = "bfloat16"
     FLOAT32 = "float32"
     BFLOAT8_B = "bfloat8_b"
+    UINT8 = "uint8"
 
 
 class Layout(enum.Enum):
@@ -307,6 +308,7 @@ class TtnnEmulator:
         self.exact = exact
         self.op_counts: collections.Counter = collections.Counter()
         self.bfloat16, self.float32, self.bfloat8_b = DataType.BFLOAT16, DataType.FLOAT32, DataType.BFLOAT8_B
+        self.uint8 = DataType.UINT8
         self.DataType = DataType
         self.TILE_LAYOUT, self.ROW_MAJOR_LAYOUT = Layout.TILE, Layout.ROW_MAJOR
         self.Layout = Layout
@@ -342,6 +344,8 @@ class TtnnEmulator:
         self.opened: list = []  # open_device calls (kwargs), for the runner tests
         self.closed: list = []
         self.events: list = []  # (call, cq_id) of record_event / wait_for_event, in order
+        self.reads: list = []  # cq_id of each copy_device_to_host_tensor, in order
+        self.MeshCoordinate = lambda *coordinate: coordinate
         self.DispatchCoreType = types.SimpleNamespace(ETH="eth", WORKER="worker")
         self.DispatchCoreConfig = lambda kind=None, *a, **k: kind
 
@@ -405,6 +409,8 @@ class TtnnEmulator:
             return round_bf16(t)
         if dtype == DataType.BFLOAT8_B:
             return round_bfp8(t)
+        if dtype == DataType.UINT8:  # integers 0..255 (a canvas's 8-bit planes)
+            return t.float().round().clamp(0, 255)
         raise TypeError(f"unsupported dtype {dtype}")
 
     def _new(self, data: torch.Tensor, dtype: DataType, layout: Layout = Layout.TILE, device=True, memory_config=None):
@@ -469,6 +475,19 @@ class TtnnEmulator:
         out.device = None
         return out
 
+    def copy_device_to_host_tensor(self, device_tensor, host_tensor, blocking=True, cq_id=0) -> None:
+        """ttnn's read into an existing host tensor: the host tensor's own memory is overwritten (views of it,
+        `host_buffer`, see the new values), shapes, dtypes and layouts must match."""
+        self._check(device_tensor, "copy_device_to_host_tensor")
+        self._check(host_tensor, "copy_device_to_host_tensor", on_device=False)
+        if host_tensor.device is not None or tuple(host_tensor.data.shape) != tuple(device_tensor.data.shape):
+            raise RuntimeError("copy_device_to_host_tensor: a host tensor of the device tensor's shape is needed")
+        if host_tensor.dtype != device_tensor.dtype or host_tensor.layout != device_tensor.layout:
+            raise RuntimeError("copy_device_to_host_tensor: dtype and layout must match")
+        self._count("copy_device_to_host_tensor")
+        self.reads.append(cq_id)
+        host_tensor.data.copy_(device_tensor.data)
+
     def to_device(self, t, device, memory_config=None, **_):
         self._check(t, "to_device", on_device=False)
         out = t._copy()
@@ -495,6 +514,8 @@ class TtnnEmulator:
         """On the host, or on the device (ttnn's tilize / untilize ops, counted): the values are unchanged, or
         rounded to `dtype` when one is given (a tilize that converts, on the device)."""
         self._check(t, "to_layout", on_device=False)
+        if t.dtype == DataType.UINT8 and layout == Layout.TILE and t.layout != Layout.TILE:  # ttnn's TT_FATAL
+            raise RuntimeError("to_layout: can only tilize bfloat16/float32 or int32/uint32/uint16 tensors")
         if (dtype or t.dtype) == DataType.BFLOAT8_B and layout != Layout.TILE:
             raise RuntimeError("to_layout: bfloat8_b tensors must stay in TILE layout")
         if dtype is not None and dtype != t.dtype:
@@ -1190,6 +1211,14 @@ def _overwrite(recorded, fresh) -> None:
             _overwrite(a, b)
 
 
+class _HostBuffer:
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    def get_shard(self, coordinate) -> torch.Tensor:
+        return self.data.view(-1)  # DLPack-exportable, the same memory
+
+
 class EmulatedTensor:
     """A ttnn.Tensor stand-in: float32 data rounded to `dtype`, a layout, a device (None: host)."""
 
@@ -1231,6 +1260,15 @@ class EmulatedTensor:
 
     def is_sharded(self) -> bool:
         return self.mem.memory_layout != TensorMemoryLayout.INTERLEAVED
+
+    def host_buffer(self) -> "_HostBuffer":
+        """ttnn >= 0.81's host buffer of a host tensor: `get_shard(coordinate)` exports the tensor's own memory
+        through DLPack (float32 only here; ttnn's is the raw bytes of any dtype)."""
+        if self.device is not None:
+            raise RuntimeError("host_buffer: the tensor must be on the host")
+        if self.dtype != DataType.FLOAT32:
+            raise RuntimeError("host_buffer: only float32 host tensors are emulated")
+        return _HostBuffer(self.data)
 
     def to_numpy(self) -> np.ndarray:
         if self.device is not None:

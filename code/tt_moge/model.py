@@ -111,7 +111,8 @@ class MoGeModel:
         return model
 
     def _device_warmup(self, count: int) -> None:
-        canvas = torch.from_numpy(synthetic_photo(self.resolution)).permute(2, 0, 1)[None].float().div_(255)
+        # the canvas as a call makes it (8-bit for a runner that takes that), so the warm-up runs the calls' path
+        canvas = self.service.prepare(synthetic_photo(self.resolution), CallOptions()).canvas
         for i in range(count):
             t = time.perf_counter()
             self._warm_raw = self.service.forward_raw(canvas)

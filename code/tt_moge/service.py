@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from .host import CallOptions, InputError, Stopwatch, postprocess, prepare
+from .host import CallOptions, InputError, Prepared, Stopwatch, postprocess, prepare
 from .output import MoGeOutput
 from .runners.base import PendingMaps, RawMaps, ReplayRunner, Runner
 
@@ -68,13 +68,19 @@ class PredictionService:
         return raw
 
     # ------------------------------------------------------------------------------------------ images
+    def prepare(
+        self, image: Any, options: CallOptions, timing: Optional[dict] = None, name: str = "image", *, exif=False
+    ) -> Prepared:
+        """Decode and canvas fit (`host.prepare`) as this runner takes the canvas (8-bit where `takes_uint8`)."""
+        return prepare(image, self.canvas_size, options, timing, name, exif=exif, uint8=self.runner.takes_uint8)
+
     def predict(
         self, image: Any, options: CallOptions = CallOptions(), timing: Optional[dict] = None, *, exif: bool = False
     ) -> MoGeOutput:
         """One image -> MoGeOutput at its own resolution. `timing`, if a dict, receives STAGES in ms. `exif`: an
         encoded image or file is turned by its EXIF orientation first (the server's uploads; `to_rgb_array`)."""
         self.check_open()
-        prepared = prepare(image, self.canvas_size, options, timing, exif=exif)
+        prepared = self.prepare(image, options, timing, exif=exif)
         raw = self.forward_raw(prepared.canvas, timing)
         return postprocess(raw, prepared.plan, options, timing)
 
@@ -86,14 +92,12 @@ class PredictionService:
         if not images:
             return []
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tt_moge-host") as pool:
-            next_prepared = pool.submit(prepare, images[0], self.canvas_size, options, None, "images[0]")
+            next_prepared = pool.submit(self.prepare, images[0], options, None, "images[0]")
             finishing, running = [], None  # running: (pending raw maps, plan) of the image on the device
             for i in range(len(images)):
                 prepared = next_prepared.result()
                 if i + 1 < len(images):
-                    next_prepared = pool.submit(
-                        prepare, images[i + 1], self.canvas_size, options, None, f"images[{i + 1}]"
-                    )
+                    next_prepared = pool.submit(self.prepare, images[i + 1], options, None, f"images[{i + 1}]")
                 pending = self.submit(prepared.canvas)  # on CUDA, starts while image i-1 still copies back
                 if running is not None:
                     finishing.append(pool.submit(postprocess, running[0].result(), running[1], options))
@@ -104,7 +108,7 @@ class PredictionService:
     def forward(self, image: Any) -> RawMaps:
         """The raw maps of a canvas-sized image (no solve, no finish); an InputError for any other size."""
         self.check_open()
-        prepared = prepare(image, self.canvas_size, CallOptions(), None)
+        prepared = self.prepare(image, CallOptions())
         if not prepared.plan.is_identity:
             w, h = prepared.plan.image_size
             cw, ch = self.canvas_size

@@ -138,7 +138,7 @@ CallOptions.make.__func__.__signature__ = signature(
 
 @dataclass
 class Prepared:
-    canvas: torch.Tensor  # (1, 3, H, W) float32 in [0, 1]
+    canvas: torch.Tensor  # (1, 3, H, W) float32 in [0, 1], or uint8 (0..255) when `prepare` was asked for uint8
     plan: CanvasPlan
 
 
@@ -150,15 +150,17 @@ def prepare(
     name: str = "image",
     *,
     exif: bool = False,
+    uint8: bool = False,
 ) -> Prepared:
-    """Decode and fit one image onto the canvas; `exif`: turn it by its EXIF orientation first (`to_rgb_array`)."""
+    """Decode and fit one image onto the canvas; `exif`: turn it by its EXIF orientation first (`to_rgb_array`);
+    `uint8`: an 8-bit canvas where the image has one (`fit_to_canvas`; for runners that take it)."""
     watch = Stopwatch(timing)
     rgb = to_rgb_array(image, name, exif=exif)
     if options.intrinsics is not None:  # before the device: a principal point outside this image is impossible
         options.intrinsics.check_image((rgb.shape[1], rgb.shape[0]))
     watch.lap("decode")
     plan = plan_canvas((rgb.shape[1], rgb.shape[0]), canvas_size, options.fit)
-    canvas = fit_to_canvas(rgb, plan)
+    canvas = fit_to_canvas(rgb, plan, uint8)
     watch.lap("canvas")
     return Prepared(canvas, plan)
 

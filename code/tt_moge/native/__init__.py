@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 HOST_PATHS = ("auto", "native", "torch")
-ABI_VERSION = 4  # must match kAbiVersion in moge_host.cpp
+ABI_VERSION = 5  # must match kAbiVersion in moge_host.cpp
 MAX_DEFAULT_THREADS = 16
 
 _lock = threading.Lock()
@@ -201,6 +201,7 @@ _SIGNATURES = {
     ),
     "moge_png_unfilter": (ctypes.c_int, [_P, _I64, _I64, _I64, ctypes.c_int, _P, _P]),
     "moge_canvas_to_unit": (ctypes.c_int, [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _P]),
+    "moge_canvas_planes_u8": (ctypes.c_int, [_P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _P]),
     # cpu_kernels.cpp (the CPU runner's int8 matmul glue and fused bfloat16 attention)
     "moge_runner_set_threads": (ctypes.c_int, [ctypes.c_int]),
     "moge_quantize_rows": (ctypes.c_int, [_P, ctypes.c_int, _I64, _I64, _I64, _P, _P, _P]),

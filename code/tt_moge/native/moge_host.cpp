@@ -19,7 +19,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 4;  // bump when an exported signature changes (the Python side checks it)
+constexpr int kAbiVersion = 5;  // bump when an exported signature changes (the Python side checks it)
 
 moge::LazyPool g_pool;  // the host kernels' threads
 
@@ -478,6 +478,40 @@ void canvas_rows(const uint8_t* content, int64_t row_stride, int64_t pixel_strid
   }
 }
 
+// The uint8 RGB content placed on a gray canvas as three uint8 planes (3, canvas_h, canvas_w): the canvas a
+// runner that takes 8-bit input uploads (the Tenstorrent runner; its device does the / 255).
+void canvas_planes_rows(const uint8_t* content, int64_t row_stride, int64_t pixel_stride, int64_t w, int64_t h,
+                        int64_t x0, int64_t y0, int64_t canvas_w, int64_t canvas_h, uint8_t pad, uint8_t* out,
+                        int64_t row_begin, int64_t row_end) {
+  const int64_t plane = canvas_w * canvas_h;
+  for (int64_t y = row_begin; y < row_end; ++y) {
+    uint8_t* __restrict r = out + y * canvas_w;
+    uint8_t* __restrict g = r + plane;
+    uint8_t* __restrict b = g + plane;
+    const bool inside = y >= y0 && y < y0 + h;
+    const int64_t left = inside ? x0 : canvas_w, right = inside ? x0 + w : canvas_w;
+    for (uint8_t* p : {r, g, b}) {
+      std::memset(p, pad, left);
+      std::memset(p + right, pad, canvas_w - right);
+    }
+    if (!inside) continue;
+    const uint8_t* __restrict src = content + (y - y0) * row_stride;
+    if (pixel_stride == 3) {  // the stride-3 de-interleave, vectorised by the compiler
+      for (int64_t x = 0; x < w; ++x) {
+        r[x0 + x] = src[3 * x];
+        g[x0 + x] = src[3 * x + 1];
+        b[x0 + x] = src[3 * x + 2];
+      }
+    } else {
+      for (int64_t x = 0; x < w; ++x) {
+        r[x0 + x] = src[x * pixel_stride];
+        g[x0 + x] = src[x * pixel_stride + 1];
+        b[x0 + x] = src[x * pixel_stride + 2];
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------- PNG
 inline uint8_t paeth(int a, int b, int c) {
   const int pa = std::abs(b - c), pb = std::abs(a - c), pc = std::abs(a + b - 2 * c);
@@ -549,6 +583,13 @@ int moge_canvas_to_unit(const uint8_t* content, int64_t row_stride, int64_t pixe
   // One thread: the pass is memory-bound (1.2 ms for 1920x1080 on the development machine) and a second
   // thread did not make it faster.
   canvas_rows(content, row_stride, pixel_stride, w, h, x0, y0, canvas_w, pad, out, 0, canvas_h);
+  return 0;
+}
+
+int moge_canvas_planes_u8(const uint8_t* content, int64_t row_stride, int64_t pixel_stride, int64_t w, int64_t h,
+                          int64_t x0, int64_t y0, int64_t canvas_w, int64_t canvas_h, int pad_gray, uint8_t* out) {
+  canvas_planes_rows(content, row_stride, pixel_stride, w, h, x0, y0, canvas_w, canvas_h,
+                     static_cast<uint8_t>(pad_gray & 255), out, 0, canvas_h);
   return 0;
 }
 

@@ -45,9 +45,13 @@ class Runner:
     name = "base"
     device = "none"
     precision = "fp32"
+    # True: the runner also takes (1, 3, H, W) uint8 canvases (0..255, contiguous planes), and the host hands it one
+    # whenever the canvas is 8-bit (every image but a float one of the canvas size: `host.canvas.fit_to_canvas`)
+    takes_uint8 = False
 
     def forward(self, canvas: torch.Tensor) -> RawMaps:
-        """canvas (1, 3, H, W) float32 in [0, 1], on the host -> RawMaps on the host."""
+        """canvas (1, 3, H, W) float32 in [0, 1] (or uint8 in 0..255 where `takes_uint8`), on the host -> RawMaps
+        on the host."""
         raise NotImplementedError
 
     def submit(self, canvas: torch.Tensor) -> PendingMaps:
@@ -72,6 +76,7 @@ class ReplayRunner(Runner):
         self._maps = maps
         self.device = like.device
         self.precision = like.precision
+        self.takes_uint8 = like.takes_uint8  # the host path of the replayed runner, canvas included
 
     def forward(self, canvas: torch.Tensor) -> RawMaps:
         return self._maps

@@ -259,8 +259,9 @@ def run(args) -> dict:
             _note(error, f"in ttnn.{recorder.last}")
             raise
         report["load_s"] = round(time.perf_counter() - t, 2)
-        canvas = synthetic_canvas(*plan["canvas"]).transpose(2, 0, 1)[None]
-        x = pre.upload(canvas, into=pre.allocate_input())  # the persistent-input path a trace would use
+        # a photo's canvas as the runner uploads it: uint8 planes, into the persistent input a trace would use
+        canvas = np.rint(synthetic_canvas(*plan["canvas"]) * 255).astype(np.uint8).transpose(2, 0, 1)[None]
+        x = pre.upload(canvas, into=pre.allocate_input("uint8"))
         recorder.clear()
         recorder.capture = args.capture
         t = time.perf_counter()

@@ -30,10 +30,11 @@ __all__ = [
 ]
 
 # Device-wide reservations made when the chip opens: conv2d's small L1 buffers, and the DRAM region that holds
-# the captured trace of the whole forward.
+# the captured traces of the whole forward (two: the uint8 canvas's and, once a float canvas-sized image comes,
+# the float32 canvas's; 64 MB each, what one was given before there were two).
 VISIBLE_ENV = "TT_VISIBLE_DEVICES"  # tt-metal's chip filter; "none" hides every chip from tt_moge too
 L1_SMALL_SIZE = 32768
-TRACE_REGION_SIZE = 64 << 20
+TRACE_REGION_SIZE = 128 << 20
 
 
 class TtnnUnavailableError(ImportError):

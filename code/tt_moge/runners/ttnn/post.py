@@ -23,7 +23,8 @@ What `runner.raw_maps` (and `prepare.host_output`) do on the host, here on the d
    ttnn runs as its own op after it): points
    remapped (`exp`: x, y times exp(z), z = exp(z); or none), normals times the rsqrt of their clamped squared
    length, the mask's sigmoid;
-5. each head's maps untilized once into row-major float32 (n, H, W) in DRAM: what `read` reads back.
+5. each head's maps untilized once into row-major float32 (n, H, W) in DRAM: what `read` reads back into recycled
+   host tensors.
 
 Memory: every intermediate lives in L1 (interleaved over the cores; the network's buffers are free by then)
 when the largest, a head's three float32 canvas maps, takes at most `pre.L1_MAP_BUDGET` per core
@@ -38,16 +39,20 @@ saves (docs/tenstorrent.md).
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import numpy as np
 
 from .pre import device_split, exact_compute, intermediates, resize_matrix, split_matmul
 
-__all__ = ["DeviceOutput", "HEADS", "REMAPS", "host_view"]
+__all__ = ["DeviceOutput", "HEADS", "REMAPS", "host_view", "lend"]
 
 TILE = 32
 REMAPS = ("exp", "linear")  # the output remaps run on the device (MoGe-2's is "exp")
 HEADS = ("points", "normal", "mask")  # the heads the device output side knows the activations of
 NORMAL_EPS2 = 1e-24  # F.normalize's max(|n|, 1e-12), squared
+FREE_SETS = 2  # idle read-back sets kept for reuse (`DeviceOutput.read`): the current call's and one overlapping
 
 
 def host_view(T, host_tensor) -> tuple:
@@ -61,6 +66,36 @@ def host_view(T, host_tensor) -> tuple:
     except (AttributeError, TypeError, RuntimeError, BufferError):
         return np.asarray(host_tensor.to_numpy(), dtype=np.float32), False
     return data.view(np.float32) if data.dtype != np.float32 else data, True
+
+
+class _Loan:
+    """Offers one lent array to numpy (numpy keeps the offering object as the view's base: `host.buffers` leases
+    its pooled blocks the same way); holds the loan's shared token."""
+
+    __slots__ = ("array", "token", "__array_interface__")
+
+    def __init__(self, array: np.ndarray, token: object):
+        self.array, self.token = array, token
+        self.__array_interface__ = {
+            "data": (array.ctypes.data, False),
+            "shape": array.shape,
+            "strides": array.strides,
+            "typestr": array.dtype.str,
+            "version": 3,
+        }
+
+
+class _Token:
+    __slots__ = ("__weakref__",)
+
+
+def lend(arrays: list, on_release) -> list:
+    """Views of `arrays` (numpy, memory someone else owns and wants back): `on_release()` is called once, from
+    whichever thread drops the last of them, when none of the views, nor any view or tensor made from them
+    (`torch.from_numpy` keeps its array), is alive any more."""
+    token = _Token()
+    weakref.finalize(token, on_release)
+    return [np.asarray(_Loan(np.asarray(a), token)) for a in arrays]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -90,6 +125,10 @@ class DeviceOutput:
         self.t: dict = {}
         self.loaded = False
         self.zero_copy = False  # whether the last `read` viewed the host tensors in place (`host_view`)
+        self._lock = threading.Lock()
+        self._free: list = []  # idle sets of read-back host tensors ({head: host tensor}), `read`
+        self._closed = False
+        self.sets_made = 0  # read-back sets allocated so far (one in a loop whose results are dropped)
 
     def _tensor(self, array: np.ndarray, dtype: str):
         T = self.ttnn
@@ -249,11 +288,60 @@ class DeviceOutput:
     def read(self, outputs: dict, cq_id: int = 0) -> dict:
         """The device maps -> {head name: float32 numpy (n, H, W), channels-first}, read on queue `cq_id`.
 
-        Each map is read into a fresh host tensor (`from_device`) and handed on as a numpy view of that tensor's
-        own memory (`host_view`): `to_numpy` would copy the 58 MB of maps of a 1920x1080 canvas once more (about
-        half of `model(array)`'s host time, docs/performance.md). Fresh per call, not a reused buffer: the host
-        finish of one call may still hold its maps while `predict_many` reads the next. `zero_copy` says whether
-        the last read could view (False: this ttnn has no DLPack export of host buffers, and copied)."""
+        Each map is read into a host tensor of a recycled set (`copy_device_to_host_tensor`) and handed on as a
+        numpy view of that tensor's own memory (`host_view`, lent: `lend`): no copy, and no
+        fresh pages either. `from_device` would allocate a new host tensor per call, whose 58 MB (1920x1080
+        canvas) of pages the read then faults in one by one, about as long as the link's transfer
+        (docs/performance.md); `to_numpy` would copy them once more. A set goes back to the pool only when
+        nothing made from the last read into it (the raw maps, any view or tensor of them, a result that kept
+        one) is alive, so results stay valid across calls: while the host finish of one call holds its maps,
+        `predict_many`'s next read goes into another set (allocated then, reused from then on). At most
+        `FREE_SETS` idle sets are kept.
+
+        `zero_copy` says whether the last read could view (False: this ttnn has no DLPack export of host
+        buffers, and copied; or no `copy_device_to_host_tensor` or a tiled map, and read through `from_device`)."""
+        T = self.ttnn
+        if not hasattr(T, "copy_device_to_host_tensor") or any(
+            outputs[name].layout != T.ROW_MAJOR_LAYOUT for name, _, _ in self.heads
+        ):
+            return self._read_fresh(outputs, cq_id)
+        slot = self._take_set(outputs)
+        for name, _, _ in self.heads:
+            T.copy_device_to_host_tensor(outputs[name], slot[name], blocking=True, cq_id=cq_id)
+        views = [host_view(T, slot[name]) for name, _, _ in self.heads]
+        self.zero_copy = all(viewed for _, viewed in views)
+        if self.zero_copy:
+            arrays = lend([array for array, _ in views], lambda: self._give_back(slot))
+        else:  # copies (to_numpy; a view too, where only some could view): the set is free again at once
+            arrays = [np.array(array) if viewed else array for array, viewed in views]
+            self._give_back(slot)
+        return {name: a.reshape(n, self.height, self.width) for (name, _, n), a in zip(self.heads, arrays)}
+
+    def _take_set(self, outputs: dict) -> dict:
+        """An idle set of host tensors (one per head, each of its device map's shape, dtype and row-major layout),
+        or a new one."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        T = self.ttnn
+        self.sets_made += 1
+        return {
+            name: T.Tensor(
+                np.zeros(tuple(int(d) for d in outputs[name].shape), np.float32),
+                outputs[name].dtype,
+                None,
+                T.ROW_MAJOR_LAYOUT,
+            )
+            for name, _, _ in self.heads
+        }
+
+    def _give_back(self, slot: dict) -> None:
+        with self._lock:
+            if len(self._free) < FREE_SETS and not self._closed:
+                self._free.append(slot)
+
+    def _read_fresh(self, outputs: dict, cq_id: int) -> dict:
+        """The read without a recycled set: `from_device` into fresh host tensors, viewed where it can."""
         T = self.ttnn
         out, views = {}, []
         for name, _, n in self.heads:
@@ -267,6 +355,10 @@ class DeviceOutput:
         return out
 
     def close(self) -> None:
+        """Free the device constants and drop the idle read-back sets (lent ones go when their results do)."""
         for t in self.t.values():
             self.ttnn.deallocate(t)
         self.t = {}
+        with self._lock:
+            self._closed = True
+            self._free = []

@@ -1,9 +1,13 @@
 """The input side of the Tenstorrent graph on the device: canvas -> the patch matrix the ViT's patch embedding takes.
 
-The host uploads the canvas as it is (float32, row-major, (1, 3, H, W): no resize, no unfold, no conversion on
-the host). On the device (`DeviceInput.forward`):
+The host uploads the canvas as it is, row-major (1, 3, H, W): no resize, no unfold, no conversion on the host.
+The canvas of a photo is 8-bit (uint8 planes, 0..255: `host.canvas.fit_to_canvas(..., uint8=True)`), a quarter
+of float32's bytes on the host and the link; a float image of the canvas size is float32 in [0, 1]. Each has its
+persistent input (`allocate_input`). On the device (`DeviceInput.forward`):
 
-1. the canvas is tilized and converted to bfloat16 in one op;
+1. the canvas is converted to bfloat16 and tilized: uint8 by a typecast (exact: 0..255 are bfloat16 integers;
+   ttnn tilizes no uint8) then a tilize, its / 255 folded into the row resize's matrix; float32 in one
+   converting tilize;
 2. the reference's antialiased bilinear resize to the token grid (`F.interpolate(..., antialias=True)`, the
    kernel of `prepare.resize_antialiased`) runs as matmuls with fixed resize matrices built here on the host at
    load time: rows (a batched matmul, one per colour channel) then columns;
@@ -13,7 +17,8 @@ the host). On the device (`DeviceInput.forward`):
 
 Precision. The patch matrix is bfloat16, as the host path uploaded it. The matrix engine reads bfloat16
 operands exactly at HiFi4, so the data (the canvas, then the row-resized image) goes in as bfloat16 (one
-rounding each, which the resize's averaging shrinks); the resize weights, which would lose up to 2^-9 each in
+rounding each, which the resize's averaging shrinks; none for the uint8 canvas, whose values bfloat16 holds
+exactly); the resize weights, which would lose up to 2^-9 each in
 bfloat16 and so bias the sums, are split into a bfloat16 high and low part (`split_bf16`), each multiplied in its
 own matmul and the two added in float32 (about 16 significant bits of weight).
 
@@ -29,6 +34,7 @@ from .prepare import resize_taps
 
 __all__ = [
     "DeviceInput",
+    "INPUT_DTYPES",
     "L1_MAP_BUDGET",
     "exact_compute",
     "intermediates",
@@ -38,6 +44,7 @@ __all__ = [
 ]
 
 TILE = 32
+INPUT_DTYPES = ("uint8", "float32")  # the canvas's dtypes: a photo's 8-bit planes, a float image of the canvas size
 L1_MAP_BUDGET = 256 * 1024  # bytes per core of the largest intermediate map above which the sides keep it in DRAM
 
 
@@ -118,7 +125,8 @@ class DeviceInput:
     """The canvas -> patch matrix steps on the device (see the module docstring).
 
     ttnn: the ttnn module (or the emulator). device: the open device. prepared: `prepare.Prepared`. `activations`:
-    the dtype name of the patch matrix (the graph's `Formats.activations`)."""
+    the dtype name of the patch matrix (the graph's `Formats.activations`). The canvas is "uint8" or "float32"
+    (`INPUT_DTYPES`), told apart by its dtype."""
 
     def __init__(self, ttnn, device, prepared, activations: str = "bfloat16"):
         self.ttnn, self.device = ttnn, device
@@ -137,11 +145,13 @@ class DeviceInput:
         return T.Tensor(a, getattr(T, dtype), self.device, layout, T.DRAM_MEMORY_CONFIG)
 
     def load(self) -> None:
-        """The resize matrices (each as its bfloat16 high and low parts) to the device."""
-        rows_hi, rows_lo = split_bf16(resize_matrix(self.height, self.grid_h))  # (grid_h, H)
+        """The resize matrices (each as its bfloat16 high and low parts) to the device; the rows' twice: for the
+        float32 canvas, and / 255 for the uint8 one."""
+        rows = resize_matrix(self.height, self.grid_h)  # (grid_h, H)
         cols_hi, cols_lo = split_bf16(resize_matrix(self.width, self.grid_w).T)  # (W, grid_w)
-        for key, m in (("rows.hi", rows_hi), ("rows.lo", rows_lo)):  # one copy per colour channel (batched)
-            self.w[key] = self._tensor(np.broadcast_to(m, (1, 3) + m.shape), "bfloat16")
+        for key, m in (("rows", rows), ("rows8", rows / np.float32(255))):
+            for half, part in zip(("hi", "lo"), split_bf16(m)):  # one copy per colour channel (batched)
+                self.w[f"{key}.{half}"] = self._tensor(np.broadcast_to(part, (1, 3) + part.shape), "bfloat16")
         self.w["cols.hi"] = self._tensor(cols_hi, "bfloat16")
         self.w["cols.lo"] = self._tensor(cols_lo, "bfloat16")
         T = self.ttnn
@@ -168,23 +178,33 @@ class DeviceInput:
     def input_shape(self) -> tuple:
         return (1, 3, self.height, self.width)
 
+    @staticmethod
+    def input_dtype(canvas: np.ndarray) -> str:
+        """ "uint8" for a uint8 canvas, else "float32" (`INPUT_DTYPES`)."""
+        return "uint8" if np.asarray(canvas).dtype == np.uint8 else "float32"
+
     def host_tensor(self, canvas: np.ndarray):
-        """The canvas (1, 3, H, W) float32 as a host ttnn tensor (row-major float32: no conversion on the host)."""
+        """The canvas (1, 3, H, W), uint8 (0..255) or float (in [0, 1]), as a row-major host ttnn tensor of the same
+        bytes (uint8, or float32): no conversion on the host but a copy into C order where it is strided."""
         T = self.ttnn
         a = np.asarray(canvas)
         if a.shape != self.input_shape():
             raise ValueError(f"canvas: expected shape {self.input_shape()}, got {a.shape}")
-        return T.Tensor(np.ascontiguousarray(a, np.float32), T.float32, None, T.ROW_MAJOR_LAYOUT)
+        kind = self.input_dtype(a)
+        return T.Tensor(np.ascontiguousarray(a, kind), getattr(T, kind), None, T.ROW_MAJOR_LAYOUT)
 
-    def allocate_input(self):
-        """The persistent device tensor the canvas is written into (`upload`)."""
+    def allocate_input(self, dtype: str = "float32"):
+        """The persistent device tensor a canvas of `dtype` ("uint8" or "float32") is written into (`upload`)."""
+        if dtype not in INPUT_DTYPES:
+            raise ValueError(f"dtype={dtype!r}: the canvas is one of {INPUT_DTYPES}")
         T = self.ttnn
         return T.allocate_tensor_on_device(
-            T.Shape(list(self.input_shape())), T.float32, T.ROW_MAJOR_LAYOUT, self.device, T.DRAM_MEMORY_CONFIG
+            T.Shape(list(self.input_shape())), getattr(T, dtype), T.ROW_MAJOR_LAYOUT, self.device, T.DRAM_MEMORY_CONFIG
         )
 
     def upload(self, canvas: np.ndarray, into=None, cq_id: int = 0):
-        """Canvas -> the device input: a new device tensor, or written into `into` (from `allocate_input`)."""
+        """Canvas -> the device input: a new device tensor, or written into `into` (from `allocate_input` with
+        the canvas's dtype)."""
         T = self.ttnn
         host = self.host_tensor(canvas)
         if into is None:
@@ -194,14 +214,21 @@ class DeviceInput:
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, canvas):
-        """Device canvas (1, 3, H, W) row-major float32 -> the patch matrix (1, 1, seq_len, patch_k_padded) in the
-        activations format, tile layout, DRAM: what `TtnnGraph.forward` takes."""
+        """Device canvas (1, 3, H, W) row-major uint8 or float32 -> the patch matrix (1, 1, seq_len,
+        patch_k_padded) in the activations format, tile layout, DRAM: what `TtnnGraph.forward` takes."""
         if not self.loaded:
             raise RuntimeError("DeviceInput.forward before load()")
         T, p = self.ttnn, self.plan
         dram, mem = T.DRAM_MEMORY_CONFIG, self.mem  # the patch matrix to DRAM, the maps before it in `mem`
-        tiles = T.to_layout(canvas, T.TILE_LAYOUT, dtype=T.bfloat16, memory_config=mem)  # (1, 3, H, W)
-        resized = self._split_weight_matmul(tiles, "rows", left=True)  # (1, 3, grid_h, W): rows resized
+        if canvas.dtype == T.uint8:  # 0..255: exact in bfloat16; the / 255 is in the "rows8" matrix
+            half = T.typecast(canvas, T.bfloat16, memory_config=mem)
+            tiles = T.to_layout(half, T.TILE_LAYOUT, memory_config=mem)  # (1, 3, H, W)
+            T.deallocate(half)
+            rows = "rows8"
+        else:
+            tiles = T.to_layout(canvas, T.TILE_LAYOUT, dtype=T.bfloat16, memory_config=mem)  # (1, 3, H, W)
+            rows = "rows"
+        resized = self._split_weight_matmul(tiles, rows, left=True)  # (1, 3, grid_h, W): rows resized
         T.deallocate(tiles)
         half = T.typecast(resized, T.bfloat16, memory_config=mem)
         T.deallocate(resized)

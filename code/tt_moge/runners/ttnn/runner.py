@@ -4,14 +4,17 @@ Load: the chip is opened (or the caller's open device used), the weights are pre
 fixed-shape graph the CPU and CUDA runners use (`prepare.prepare_weights`; cached on disk per checkpoint,
 canvas and token budget, so a second load skips it), uploaded once, and the first forward compiles the
 kernels and prepares the conv weights on the device. The first `submit` after that captures the whole forward
-as a ttnn trace; every later call replays it.
+as a ttnn trace; every later call replays it. The canvas is 8-bit for a photo (`takes_uint8`: uint8 planes,
+6 MB at 1920x1080 where float32 is 25 MB) and float32 only for a float image of the canvas size; each dtype has
+its persistent device input (both allocated at load, before any trace) and its trace, captured on its first call.
 
-Per call (`forward`): the canvas (float32, as the canvas fit made it) is written into the persistent device
-input on command queue 0; the trace replays on queue 0: the canvas's antialiased resize to the token grid and
-its unfold into patches (`pre.DeviceInput`), the network (`graph.TtnnGraph`), then the phase interleave, the
-constant map, the bilinear resize to the canvas and the output activations (`post.DeviceOutput`); the raw maps
-(float32, channels-first) and the class token are read back, on queue 1 after an event when the chip was opened
-with two command queues (worker dispatch only), else on queue 0. The host views the maps as (H, W, 3) through
+Per call (`forward`): the canvas (uint8 or float32, as the canvas fit made it) is written into the persistent
+device input of its dtype on command queue 0; its trace replays on queue 0: the canvas's antialiased resize to the
+token grid and its unfold into patches (`pre.DeviceInput`), the network (`graph.TtnnGraph`), then the phase
+interleave, the constant map, the bilinear resize to the canvas and the output activations (`post.DeviceOutput`);
+the raw maps (float32, channels-first) and the class token are read back, on queue 1 after an event when the chip
+was opened with two command queues (worker dispatch only), else on queue 0, into recycled host tensors
+(`post.DeviceOutput.read`). The host views the maps as (H, W, 3) through
 strides (no copy) and runs the scale MLP on the class token (a few thousand multiply-adds).
 
 The timing boundary of `forward` (the spec's): from the canvas handed to the runner to the raw maps on the host:
@@ -40,7 +43,7 @@ from ..fixed_graph import raw_outputs
 from .device import close_chip, device_count, import_ttnn, open_chip
 from .graph import CONFIGS, TtnnGraph
 from .post import DeviceOutput
-from .pre import DeviceInput
+from .pre import INPUT_DTYPES, DeviceInput
 from .prepare import PLAN_VERSION, Prepared, depth_to_space, host_input, metric_scale, prepare_weights
 
 __all__ = [
@@ -158,6 +161,7 @@ class TtnnRunner(Runner):
     `close()`). `trace=None` follows $MOGE_TTNN_TRACE (default on). `ttnn` replaces the ttnn module (tests)."""
 
     name = "ttnn"
+    takes_uint8 = True  # the device converts (pre.DeviceInput): the host sends a photo's canvas as uint8 planes
 
     def __init__(
         self,
@@ -187,8 +191,8 @@ class TtnnRunner(Runner):
         self.owns_device = chip.handle is None
         self.device_id = chip.device_id
         self.device = f"tt:{chip.device_id}"
-        self._trace_id = None
-        self._outputs: Optional[dict] = None
+        self._traces: dict = {}  # canvas dtype -> (trace id, the forward's outputs), captured on its first call
+        self._inputs: dict = {}  # canvas dtype -> its persistent device input
         self.graph: Optional[TtnnGraph] = None
         self.pre: Optional[DeviceInput] = None
         self.post: Optional[DeviceOutput] = None
@@ -212,7 +216,7 @@ class TtnnRunner(Runner):
             self.post = DeviceOutput(self.ttnn, self._device, self.prepared)
             self.pre.load()
             self.post.load()
-            self._input = self.pre.allocate_input()
+            self._inputs = {kind: self.pre.allocate_input(kind) for kind in INPUT_DTYPES}
         except BaseException:
             self.close()
             raise
@@ -231,28 +235,33 @@ class TtnnRunner(Runner):
             ) from None
 
     # ----------------------------------------------------------------------------------------- calls
-    def _device_forward(self) -> dict:
-        """Canvas input -> {"maps": {head: device maps}, "cls_token"}: pre, the graph, post, all on the device."""
-        out = self.graph.forward(self.pre.forward(self._input))
+    def _device_forward(self, kind: str) -> dict:
+        """The `kind` canvas input -> {"maps": {head: device maps}, "cls_token"}: pre, the graph, post, all on the
+        device."""
+        out = self.graph.forward(self.pre.forward(self._inputs[kind]))
         return {"maps": self.post.forward(out["finest"]), "cls_token": out["cls_token"]}
 
-    def _run(self) -> dict:
-        """The forward on the current input: replay the trace (captured on the first call), or run it eagerly."""
+    def _run(self, kind: str) -> dict:
+        """The forward on the current `kind` input: replay its trace (captured on its first call), or run it
+        eagerly."""
         T = self.ttnn
         if not self.trace:
-            return self._device_forward()
-        if self._trace_id is None:
-            self._trace_id = T.begin_trace_capture(self._device, cq_id=0)
-            self._outputs = self._device_forward()
-            T.end_trace_capture(self._device, self._trace_id, cq_id=0)
-        T.execute_trace(self._device, self._trace_id, cq_id=0, blocking=False)
-        return self._outputs
+            return self._device_forward(kind)
+        if kind not in self._traces:
+            trace_id = T.begin_trace_capture(self._device, cq_id=0)
+            outputs = self._device_forward(kind)
+            T.end_trace_capture(self._device, trace_id, cq_id=0)
+            self._traces[kind] = (trace_id, outputs)
+        trace_id, outputs = self._traces[kind]
+        T.execute_trace(self._device, trace_id, cq_id=0, blocking=False)
+        return outputs
 
     @torch.inference_mode()
     def forward(self, canvas: torch.Tensor) -> RawMaps:
         """The device forward (the spec's `forward`): upload the canvas, run the device graph (resize and unfold,
         the network, interleave, resize to the canvas, activations), read back the raw maps and the class token;
-        on the host only the scale MLP on the class token and (H, W, 3) views of the maps."""
+        on the host only the scale MLP on the class token and (H, W, 3) views of the maps. `canvas`: (1, 3, H, W)
+        uint8 (0..255) or float (in [0, 1])."""
         height, width = canvas.shape[-2:]
         if (width, height) != self.canvas_size:
             raise ValueError(
@@ -260,8 +269,12 @@ class TtnnRunner(Runner):
             )
         if self.graph is None:
             raise RuntimeError("this Tenstorrent runner is closed")
-        self.pre.upload(canvas.detach().to("cpu", torch.float32).numpy(), into=self._input, cq_id=0)
-        outputs = self._run()
+        if canvas.dtype == torch.uint8:
+            array, kind = canvas.detach().cpu().numpy(), "uint8"
+        else:
+            array, kind = canvas.detach().to("cpu", torch.float32).numpy(), "float32"
+        self.pre.upload(array, into=self._inputs[kind], cq_id=0)
+        outputs = self._run(kind)
         read_queue = 0
         if self.queues == 2:  # read back on the second queue once the forward on the first has finished
             self.ttnn.wait_for_event(1, self.ttnn.record_event(self._device, 0))
@@ -289,17 +302,18 @@ class TtnnRunner(Runner):
         """Release the trace and the device buffers; close the chip only if this runner opened it."""
         T = self.ttnn
         device, self._device = getattr(self, "_device", None), None
-        if device is not None and self._trace_id is not None:
-            T.release_trace(device, self._trace_id)
-        self._trace_id, self._outputs = None, None
+        if device is not None:
+            for trace_id, _ in self._traces.values():
+                T.release_trace(device, trace_id)
+        self._traces = {}
         for side in (self.pre, self.post):
             if side is not None:
                 side.close()
         self.pre = self.post = None
         if self.graph is not None:
-            for tensor in list(self.graph.w.values()) + [getattr(self, "_input", None)]:
-                if tensor is not None:
-                    T.deallocate(tensor)
+            for tensor in list(self.graph.w.values()) + list(self._inputs.values()):
+                T.deallocate(tensor)
+            self._inputs = {}
             self.graph = None
         if device is not None and self.owns_device:
             close_chip(T, device)
