@@ -73,13 +73,14 @@ def _uint8_to_unit(rgb: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(rgb.astype(np.float32)).permute(2, 0, 1)[None].div_(255.0)
 
 
-def _canvas_native(lib, content: np.ndarray, plan: CanvasPlan) -> torch.Tensor:
+def _native_fill(kernel, content: np.ndarray, plan: CanvasPlan, out: np.ndarray) -> None:
+    """The uint8 content on the gray canvas into `out` by a native kernel (`moge_canvas_to_unit`: (H, W, 3) float32
+    in [0, 1]; `moge_canvas_planes_u8`: (3, H, W) uint8); both take the same arguments."""
     if content.strides[2] != 1:
         content = np.ascontiguousarray(content)
     cw, ch = plan.canvas_size
     x0, y0, _, _ = plan.content_box
-    out = buffers.empty((ch, cw, 3), np.float32)
-    lib.moge_canvas_to_unit(
+    kernel(
         content.ctypes.data,
         content.strides[0],
         content.strides[1],
@@ -92,6 +93,12 @@ def _canvas_native(lib, content: np.ndarray, plan: CanvasPlan) -> torch.Tensor:
         PAD_GRAY,
         out.ctypes.data,
     )
+
+
+def _canvas_native(lib, content: np.ndarray, plan: CanvasPlan) -> torch.Tensor:
+    cw, ch = plan.canvas_size
+    out = buffers.empty((ch, cw, 3), np.float32)
+    _native_fill(lib.moge_canvas_to_unit, content, plan, out)
     return torch.from_numpy(out).permute(2, 0, 1)[None]
 
 
@@ -101,21 +108,7 @@ def _planes_u8(lib, content: np.ndarray, plan: CanvasPlan) -> torch.Tensor:
     x0, y0, x1, y1 = plan.content_box
     out = buffers.empty((3, ch, cw), np.uint8)
     if lib is not None:
-        if content.strides[2] != 1:
-            content = np.ascontiguousarray(content)
-        lib.moge_canvas_planes_u8(
-            content.ctypes.data,
-            content.strides[0],
-            content.strides[1],
-            content.shape[1],
-            content.shape[0],
-            x0,
-            y0,
-            cw,
-            ch,
-            PAD_GRAY,
-            out.ctypes.data,
-        )
+        _native_fill(lib.moge_canvas_planes_u8, content, plan, out)
     else:
         out.fill(PAD_GRAY)
         out[:, y0:y1, x0:x1] = content.transpose(2, 0, 1)
