@@ -149,6 +149,29 @@ def test_finish_native_handles_layouts_and_missing_maps(raw, layout):
         _assert_same_output(ref, got, all_valid=mask is None)
 
 
+@pytest.mark.parametrize("heads", [("normal", "mask"), ("mask",)])
+@pytest.mark.parametrize("size", [(448, 252), (448, 200), (300, 400)])
+def test_bfloat16_normal_and_mask_are_read_as_they_are(raw, heads, size):
+    """The Tenstorrent runner's read-back: channels-first planes, the normal and the mask in bfloat16. The native
+    solve and finish read the bfloat16 bits directly (no float32 copy); the torch path converts first. Widening
+    bfloat16 is exact, so both paths agree as they do on float32 maps, and the solve sees the same samples."""
+
+    def planar(t, bf16):  # (H, W, C) strided view of (C, H, W) planes, as runner.device_raw_maps hands them on
+        t = t.permute(2, 0, 1).contiguous().permute(1, 2, 0)
+        return t.to(torch.bfloat16) if bf16 else t
+
+    normal = planar(raw.normal, "normal" in heads)
+    mask = raw.mask.contiguous().to(torch.bfloat16)
+    maps = RawMaps(planar(raw.points, False), normal, mask, raw.metric_scale)
+    assert maps.mask.dtype == torch.bfloat16 and maps.normal.dtype == (torch.bfloat16 if "normal" in heads else torch.float32)
+    plan = plan_canvas(size, (448, 252), "pad")
+    ref, got = _both_paths(lambda: postprocess(maps, plan, CallOptions()))
+    _assert_same_output(ref, got, _ulp_limit(plan))
+    widened = RawMaps(maps.points, maps.normal.float(), maps.mask.float(), maps.metric_scale)
+    native.set_host_path("native")
+    _assert_same_output(postprocess(widened, plan, CallOptions()), got, 0)  # the same as its float32 widening
+
+
 def test_native_threads_do_not_change_results(raw):
     native.set_host_path("native")
     plan = plan_canvas((900, 700), (448, 252), "pad")
