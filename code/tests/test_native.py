@@ -163,7 +163,9 @@ def test_bfloat16_normal_and_mask_are_read_as_they_are(raw, heads, size):
     normal = planar(raw.normal, "normal" in heads)
     mask = raw.mask.contiguous().to(torch.bfloat16)
     maps = RawMaps(planar(raw.points, False), normal, mask, raw.metric_scale)
-    assert maps.mask.dtype == torch.bfloat16 and maps.normal.dtype == (torch.bfloat16 if "normal" in heads else torch.float32)
+    assert maps.mask.dtype == torch.bfloat16 and maps.normal.dtype == (
+        torch.bfloat16 if "normal" in heads else torch.float32
+    )
     plan = plan_canvas(size, (448, 252), "pad")
     ref, got = _both_paths(lambda: postprocess(maps, plan, CallOptions()))
     _assert_same_output(ref, got, _ulp_limit(plan))
