@@ -18,8 +18,8 @@ What `runner.raw_maps` (and `prepare.host_output`) do on the host, here on the d
      column-resized maps kept in float32 (the row resize reads them at TF32's 10 bits); a normal is divided by its
      length and a mask probability thresholded at 0.5, and this keeps them within ~0.1 degree and ~2e-3
      (docs/tenstorrent.md, tests/test_ttnn_prepost.py);
-4. the output activations per head, computed in float32 on the SFPU, with the unary steps fused into the binary ops where
-   ttnn takes them (`input_tensor_a_activations`, `activations`) or given to the matmul (the mask's sigmoid, which
+4. the output activations per head, computed in float32 on the SFPU, with the unary steps fused into the binary ops
+   where ttnn takes them (`input_tensor_a_activations`, `activations`) or given to the matmul (the mask's sigmoid, which
    ttnn runs as its own op after it): points
    remapped (`exp`: x, y times exp(z), z = exp(z); or none), normals times the rsqrt of their clamped squared
    length, the mask's sigmoid;
