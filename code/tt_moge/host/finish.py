@@ -15,9 +15,10 @@ adds):
   8. apply_mask: points and depth inf, normal 0 where the mask is False.
 The torch code below is the reference; with the native host library the same steps run as one multithreaded
 C++ pass that reads the canvas maps once and writes each output once (moge_finish in native/moge_host.cpp).
-The normal and the mask probability may be bfloat16 (the Tenstorrent runner reads them back so, half the bytes
-over PCIe): the native pass reads them as they are, the torch path converts them to float32 first; the points are
-always float32 (depth = exp(z) needs its 24 bits).
+The normal and the mask probability may be bfloat16 (the Tenstorrent runner reads its normals back so, half the
+bytes over PCIe): the native pass reads them as they are, the torch path converts them to float32 first; bfloat16
+normals are normalised again (rounding leaves them up to 2^-8 off unit length). The points are always float32
+(depth = exp(z) needs its 24 bits).
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def _finish_torch(
     x0, y0, x1, y1 = plan.content_box
     points = raw.points[y0:y1, x0:x1]
     normal = None if raw.normal is None else _host_float32(raw.normal[y0:y1, x0:x1])  # bfloat16 -> float32
+    if normal is not None and raw.normal.dtype == torch.bfloat16 and (x1 - x0, y1 - y0) == plan.image_size:
+        normal = F.normalize(normal, dim=-1)  # unit length again (a resize normalises below)
     prob = None if raw.mask is None else _host_float32(raw.mask[y0:y1, x0:x1])
     w, h = plan.image_size
     depth = points[..., 2] + torch.tensor(shift, dtype=torch.float32)

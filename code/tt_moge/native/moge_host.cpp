@@ -220,6 +220,17 @@ void gather_cropped(const Map& m, int first, int channels, int64_t r, int64_t x0
     gather_cropped_as<float>(m, first, channels, r, x0, n, b);
 }
 
+// The normals of a block (channels 3-5) to unit length, as F.normalize: v / max(|v|, 1e-12).
+void normalize(Block& b, int n) {
+  float *nx = b.ch[3], *ny = b.ch[4], *nz = b.ch[5];
+  for (int i = 0; i < n; ++i) {
+    const float norm = std::max(std::sqrt(std::fma(nz[i], nz[i], std::fma(ny[i], ny[i], nx[i] * nx[i]))), 1e-12f);
+    nx[i] = nx[i] / norm;
+    ny[i] = ny[i] / norm;
+    nz[i] = nz[i] / norm;
+  }
+}
+
 void finish_rows(const FinishArgs& a, const std::vector<Tap>& tx, const std::vector<Tap>& ty, int64_t row_begin,
                  int64_t row_end) {
   const bool resize = !tx.empty(), has_normal = a.normal.data != nullptr, has_prob = a.prob.data != nullptr;
@@ -236,19 +247,11 @@ void finish_rows(const FinishArgs& a, const std::vector<Tap>& tx, const std::vec
       if (resize) {
         taps.set(tx.data() + xb, a.x0, vy.l0, vy.l1, n);
         gather_resized(a, r0, r1, taps, n, b);
-        if (has_normal) {
-          float *nx = b.ch[3], *ny = b.ch[4], *nz = b.ch[5];
-          for (int i = 0; i < n; ++i) {  // F.normalize: v / max(|v|, 1e-12)
-            const float norm = std::max(std::sqrt(std::fma(nz[i], nz[i], std::fma(ny[i], ny[i], nx[i] * nx[i]))),
-                                        1e-12f);
-            nx[i] = nx[i] / norm;
-            ny[i] = ny[i] / norm;
-            nz[i] = nz[i] / norm;
-          }
-        }
+        if (has_normal) normalize(b, n);
       } else {
         gather_cropped(a.points, 0, 3, r0, a.x0 + xb, n, b);
         if (has_normal) gather_cropped(a.normal, 3, 3, r0, a.x0 + xb, n, b);
+        if (has_normal && a.normal.bf16) normalize(b, n);  // bfloat16 normals: unit length again
         if (has_prob) gather_cropped(a.prob, 6, 1, r0, a.x0 + xb, n, b);
       }
       const float* prob = b.ch[6];
