@@ -27,7 +27,7 @@ from tt_moge.host.canvas import plan_canvas
 from tt_moge.runners.base import RawMaps
 from tt_moge.runners.ttnn import Formats, Prepared, TtnnGraph, host_input, prepare_weights
 from tt_moge.runners.ttnn.graph import CONFIGS, GraphConfig
-from tt_moge.runners.ttnn.post import DeviceOutput
+from tt_moge.runners.ttnn.post import DeviceOutput, widen
 from tt_moge.runners.ttnn.pre import DeviceInput
 from tt_moge.runners.ttnn.prepare import depth_to_space, metric_scale, phase_fold, resize_antialiased, resize_bilinear
 from tt_moge.testing import calibration_image, make_network, model_config
@@ -109,7 +109,7 @@ def _run(graph: TtnnGraph, prepared: Prepared, image: torch.Tensor) -> tuple[dic
     graph.finest_tiles = True
     level0, cls_token = graph.encode(pre.forward(pre.upload(image.numpy())))
     level0_np = graph.to_host(level0, (plan["grid_tokens"], plan["neck_in0_dim"]))
-    maps = post.read(post.forward(graph.decode(level0)))
+    maps = {k: widen(v) for k, v in post.read(post.forward(graph.decode(level0))).items()}  # bfloat16 normals
     cls = graph.to_host(cls_token, (plan["dim"],))
     raw = {k: v.transpose(1, 2, 0) for k, v in maps.items() if k != "mask"}
     if "mask" in maps:
