@@ -149,6 +149,39 @@ def test_finish_native_handles_layouts_and_missing_maps(raw, layout):
         _assert_same_output(ref, got, all_valid=mask is None)
 
 
+@pytest.mark.parametrize("heads", [("normal", "mask"), ("mask",)])
+@pytest.mark.parametrize("size", [(448, 252), (448, 200), (300, 400)])
+def test_bfloat16_normal_and_mask_are_read_as_they_are(raw, heads, size):
+    """The Tenstorrent runner's read-back: channels-first planes, the normal and the mask in bfloat16. The native
+    solve and finish read the bfloat16 bits directly (no float32 copy); the torch path converts first. Widening
+    bfloat16 is exact, so both paths agree as they do on float32 maps, and the solve sees the same samples."""
+
+    def planar(t, bf16):  # (H, W, C) strided view of (C, H, W) planes, as runner.device_raw_maps hands them on
+        t = t.permute(2, 0, 1).contiguous().permute(1, 2, 0)
+        return t.to(torch.bfloat16) if bf16 else t
+
+    normal = planar(raw.normal, "normal" in heads)
+    mask = raw.mask.contiguous().to(torch.bfloat16)
+    maps = RawMaps(planar(raw.points, False), normal, mask, raw.metric_scale)
+    assert maps.mask.dtype == torch.bfloat16 and maps.normal.dtype == (
+        torch.bfloat16 if "normal" in heads else torch.float32
+    )
+    plan = plan_canvas(size, (448, 252), "pad")
+    ref, got = _both_paths(lambda: postprocess(maps, plan, CallOptions()))
+    _assert_same_output(ref, got, ULP_LIMIT)  # bfloat16 normals are normalised (ATen's kernel: a few ulp)
+    widened = RawMaps(maps.points, maps.normal.float(), maps.mask.float(), maps.metric_scale)
+    native.set_host_path("native")
+    want = postprocess(widened, plan, CallOptions())  # the same as its float32 widening, the normals unit again
+    if "normal" in heads and plan.content_size == plan.image_size:
+        norm = np.linalg.norm(want.normal[want.mask], axis=-1)
+        assert np.abs(norm - 1).max() > 1e-3, "bfloat16 normals are off unit length before the finish"
+        want.normal[want.mask] /= norm[:, None]
+        assert _ulps(want.normal, got.normal) <= 4
+        want.normal = got.normal
+    _assert_same_output(want, got, 0)
+    assert np.abs(np.linalg.norm(got.normal[got.mask], axis=-1) - 1).max() <= 1e-6
+
+
 def test_native_threads_do_not_change_results(raw):
     native.set_host_path("native")
     plan = plan_canvas((900, 700), (448, 252), "pad")

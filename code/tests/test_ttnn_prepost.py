@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from tests.ttnn_emulator import EmulatedDevice, TtnnEmulator, round_bf16
-from tt_moge.runners.ttnn.post import DeviceOutput
+from tt_moge.runners.ttnn.post import DeviceOutput, widen
 from tt_moge.runners.ttnn.pre import DeviceInput, resize_matrix, split_bf16
 from tt_moge.runners.ttnn.prepare import prepare_weights, resize_antialiased, resize_bilinear
 from tt_moge.runners.ttnn.runner import patch_matrix, raw_maps
 from tt_moge.testing import calibration_image, make_network
+
+FLOAT32_READBACK = {"normal": "float32", "mask": "float32"}  # every head read back in float32
 
 # neither of the first two canvases is whole tiles (20x26 and 22x40 token grids); the third's finest maps are whole
 # tiles (the output side's pad is one of nothing, which hands back its input)
@@ -38,13 +40,14 @@ def _pre(prep, canvas: torch.Tensor, exact: bool) -> np.ndarray:
     return out.data.numpy()[0, 0]
 
 
-def _post(prep, phases: np.ndarray, exact: bool) -> dict:
+def _post(prep, phases: np.ndarray, exact: bool, readback=None) -> dict:
+    """The device output side's maps, float32 (bfloat16 heads widened)."""
     T = TtnnEmulator(exact=exact)
     dev = T.open_device()
-    post = DeviceOutput(T, dev, prep)
+    post = DeviceOutput(T, dev, prep, readback)
     post.load()
     x = T.Tensor(phases[None, None], T.float32, dev, T.TILE_LAYOUT)
-    return post.read(post.forward(x))
+    return {name: widen(a) for name, a in post.read(post.forward(x)).items()}
 
 
 def _phases(prep, seed: int) -> dict:
@@ -120,13 +123,14 @@ def test_device_output_is_the_host_raw_maps(prepared, case):
     with the device's formats and fidelities the points to about 16 bits (relative depth error <= 1e-4, far inside
     the 1e-3 bound: the split resize), the normals and the mask to about bfloat16's (resizes without the split): on
     these random, non-smooth maps a mean angle of ~0.05 degree, p99 ~0.2 (the maximum, a few degrees, is where a
-    random normal vector is nearly zero and normalising amplifies), mask probability within 3e-3."""
+    random normal vector is nearly zero and normalising amplifies), mask probability within 3e-3. All in float32
+    read-back formats (the arithmetic); `test_normals_and_mask_are_read_back_in_bfloat16` adds the rounding."""
     prep = prepared[case]
     readback = _phases(prep, seed=case[1])
     ref = raw_maps(prep, readback)
     width, height = case[0]
     for exact in (True, False):
-        out = _post(prep, readback["finest"], exact)
+        out = _post(prep, readback["finest"], exact, FLOAT32_READBACK)
         assert set(out) == {"points", "normal", "mask"}
         assert out["points"].shape == (3, height, width) and out["mask"].shape == (1, height, width)
         points, normal = out["points"].transpose(1, 2, 0), out["normal"].transpose(1, 2, 0)
@@ -143,6 +147,53 @@ def test_device_output_is_the_host_raw_maps(prepared, case):
             assert angle.mean() <= 0.1 and np.quantile(angle, 0.99) <= 0.3 and mask <= 3e-3
             assert angle.mean() >= 0.01, "the normals' bfloat16 resize: the emulator should see its rounding"
         assert np.allclose(np.linalg.norm(normal, axis=-1), 1, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_normals_are_read_back_in_bfloat16(prepared, case):
+    """The default read-back (`post.READBACK`): the points and the mask float32, the normals bfloat16, handed on as
+    their bits (uint16); the mask too in bfloat16 when asked. Each bfloat16 map is the float32 result rounded once
+    to nearest (the last op's output format, nothing earlier in bfloat16), and against the host's raw maps in the
+    device formats: normals' mean angle under 0.1 degree (p99 ~0.23: bfloat16's half ulp is 2^-8 of a component);
+    a bfloat16 mask's probability within 3.4e-3 and its 0.5 threshold kept on all but the pixels in (0.5, 0.502]
+    (bfloat16 reads them as 0.5: why the default keeps the mask in float32)."""
+    prep = prepared[case]
+    readback = _phases(prep, seed=case[1])
+    ref = raw_maps(prep, readback)
+    wide = _post(prep, readback["finest"], False, FLOAT32_READBACK)
+    T = TtnnEmulator()
+    dev = T.open_device()
+    default = DeviceOutput(T, dev, prep)
+    assert default.readback == {"points": "float32", "normal": "bfloat16", "mask": "float32"}
+    post = DeviceOutput(T, dev, prep, {"mask": "bfloat16"})
+    for side, narrow in ((default, ("normal",)), (post, ("normal", "mask"))):
+        side.load()
+        maps = side.forward(T.Tensor(readback["finest"][None, None], T.float32, dev, T.TILE_LAYOUT))
+        got = side.read(maps)
+        for name in ("points", "normal", "mask"):
+            assert maps[name].dtype == (T.bfloat16 if name in narrow else T.float32), name
+            if name in narrow:  # one rounding, at the end
+                assert got[name].dtype == np.uint16, name
+                rounded = torch.from_numpy(wide[name]).to(torch.bfloat16).float().numpy()
+                assert np.array_equal(widen(got[name]), rounded), name
+            else:
+                assert got[name].dtype == np.float32 and np.array_equal(got[name], wide[name]), name
+    normal = widen(got["normal"]).transpose(1, 2, 0)
+    angle = _angle_deg(normal, ref.normal.numpy())
+    assert angle.mean() <= 0.1 and np.quantile(angle, 0.99) <= 0.3
+    assert np.allclose(np.linalg.norm(normal, axis=-1), 1, atol=4e-3)
+    mask, mask_ref = widen(got["mask"])[0], ref.mask.numpy()
+    assert np.abs(mask - mask_ref).max() <= 4e-3
+    assert ((mask > 0.5) == (mask_ref > 0.5)).mean() >= 0.998
+    flipped = (mask > 0.5) != (wide["mask"][0] > 0.5)  # what the rounding alone flipped
+    assert flipped.any() and (wide["mask"][0][flipped] > 0.5).all() and (wide["mask"][0][flipped] <= 0.5 + 2**-9).all()
+
+
+def test_readback_formats_are_checked(prepared):
+    prep = prepared[CASES[0]]
+    for bad in ({"points": "bfloat16"}, {"normal": "bfloat8_b"}):
+        with pytest.raises(ValueError, match="readback"):
+            DeviceOutput(TtnnEmulator(), None, prep, bad)
 
 
 def test_device_output_resizes_each_head_in_two_batched_matmuls(prepared):
@@ -176,7 +227,7 @@ def test_device_output_keeps_its_maps_in_l1_when_they_fit(prepared, grid):
     assert all(t.mem is T.DRAM_MEMORY_CONFIG for t in out.values())
     ref = _post(prep, _phases(prep, 2)["finest"], exact=False)
     for name, got in post.read(out).items():
-        assert np.array_equal(got, ref[name]), name
+        assert np.array_equal(widen(got), ref[name]), name
 
 
 def test_device_output_runs_the_linear_remap(prepared):
@@ -186,7 +237,7 @@ def test_device_output_runs_the_linear_remap(prepared):
     linear = type(prep)({**prep.plan, "remap": "linear"}, prep.arrays)
     readback = _phases(linear, seed=5)
     ref = raw_maps(linear, readback)
-    out = _post(linear, readback["finest"], exact=True)
+    out = _post(linear, readback["finest"], exact=True, readback=FLOAT32_READBACK)
     points = out["points"].transpose(1, 2, 0)
     scale = np.abs(ref.points.numpy()).max()
     assert np.abs(points - ref.points.numpy()).max() <= 3e-5 * scale

@@ -16,6 +16,7 @@ import torch
 
 from tt_moge import MoGeModel
 from tt_moge.options import LoadOptions, TtChip
+from tt_moge.runners.ttnn import post as post_mod
 from tt_moge.runners.ttnn import runner as runner_mod
 from tt_moge.runners.ttnn.runner import TtnnRunner, prepared_weights
 from tt_moge.testing import calibration_image
@@ -23,6 +24,7 @@ from tt_moge.weights import load_network
 
 from .ttnn_emulator import EmulatedDevice, TtnnEmulator
 
+FLOAT32_READBACK = {"points": "float32", "normal": "float32", "mask": "float32"}
 CANVAS, TOKENS = (224, 126), 300  # runner tests: a small canvas (the runner takes any budget)
 API_CANVAS, API_TOKENS = (448, 252), 1200  # API tests: the smallest budget from_pretrained accepts
 
@@ -69,11 +71,18 @@ def _runner(path, ttnn, **kwargs) -> TtnnRunner:
     return TtnnRunner(_network(path), CANVAS, TOKENS, chip, ttnn=ttnn, **kwargs)
 
 
+BF16_HALF_ULP = 2.0**-8  # bfloat16's rounding, relative, at most: the normals' read-back format
+
+
 def _assert_close(raw, ref, tol=2e-5):
+    """The runner's raw maps against the reference's: to `tol`, plus the bfloat16 read-back's rounding for the
+    normals (post.READBACK: the runner hands them on as bfloat16, the points and the mask as float32)."""
+    assert raw.points.dtype == raw.mask.dtype == torch.float32 and raw.normal.dtype == torch.bfloat16
     for key in ("points", "normal", "mask"):
         got, want = getattr(raw, key), ref[key]
         assert got.shape == want.shape, key
-        assert float((got - want).abs().max() / want.abs().max()) < tol, key
+        bound = tol + (BF16_HALF_ULP if got.dtype == torch.bfloat16 else 0.0)
+        assert float((got.float() - want).abs().max() / want.abs().max()) < bound, key
     assert abs(raw.metric_scale / float(ref["metric_scale"]) - 1) < tol
 
 
@@ -107,7 +116,9 @@ def test_maps_are_read_into_recycled_host_tensors_that_no_live_result_sees(netwo
         for image, ref in zip(images[1:], refs[1:]):
             _assert_close(runner.forward(image), ref)
     assert runner.post.sets_made == 3, "the dropped results' sets were reused"
-    assert float((normal - refs[0]["normal"][10:20]).abs().max()) < 2e-5, "the view still holds the first canvas's"
+    assert float((normal.float() - refs[0]["normal"][10:20]).abs().max()) < 2e-5 + BF16_HALF_ULP, (
+        "the view still holds the first canvas's"
+    )
     runner.close()
 
 
@@ -181,10 +192,12 @@ def test_graph_that_does_not_fit_is_a_clear_error(network_path, ttnn, monkeypatc
 
 
 # --------------------------------------------------------------------------------------------- the API
-def test_api_on_a_tenstorrent_device(network_path, ttnn):
+def test_api_on_a_tenstorrent_device(network_path, ttnn, monkeypatch):
     """MoGeModel with an open ttnn device, with "tt", and with device=None when a chip is present: the same
-    outputs as the reference runner's (float32 emulation), the device named, nothing closed that the caller
+    outputs as the reference runner's (float32 emulation, every map read back in float32: the default's bfloat16
+    normals are `test_api_reads_normals_back_in_bfloat16`'s), the device named, nothing closed that the caller
     owns."""
+    monkeypatch.setattr(post_mod, "READBACK", FLOAT32_READBACK)
     image = (calibration_image(*API_CANVAS, seed=7)[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
     common = dict(resolution=API_CANVAS, num_tokens=API_TOKENS, warmup=1, warmup_variants="minimal")
     with MoGeModel.from_pretrained(network_path, device="cpu", precision="fp32", **common) as cpu:
@@ -207,10 +220,12 @@ def test_api_on_a_tenstorrent_device(network_path, ttnn):
     assert len(ttnn.closed) == 2, "the chips the models opened are closed"
 
 
-def test_a_photo_goes_up_as_8_bit_planes_and_a_float_canvas_as_float32(network_path, ttnn):
+def test_a_photo_goes_up_as_8_bit_planes_and_a_float_canvas_as_float32(network_path, ttnn, monkeypatch):
     """A uint8 photo's canvas is uploaded as uint8 planes (a quarter of float32's bytes; the device divides by 255)
     and the device warm-up captures that trace, so a call only replays it; a float image of the canvas size (it
-    has no 8-bit form) goes up as float32, through a trace of its own. Both give the reference runner's outputs."""
+    has no 8-bit form) goes up as float32, through a trace of its own. Both give the reference runner's outputs
+    (every map read back in float32, to compare masks exactly)."""
+    monkeypatch.setattr(post_mod, "READBACK", FLOAT32_READBACK)
     photo = (calibration_image(*API_CANVAS, seed=8)[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
     float_image = calibration_image(*API_CANVAS, seed=9)[0].permute(1, 2, 0).numpy()
     common = dict(resolution=API_CANVAS, num_tokens=API_TOKENS, warmup=1, warmup_variants="minimal")
@@ -238,6 +253,33 @@ def test_a_photo_goes_up_as_8_bit_planes_and_a_float_canvas_as_float32(network_p
     for g, w in zip(got, want + want[:1]):
         assert 0.05 < g.mask.mean() < 0.95 and np.array_equal(g.mask, w.mask)
         assert np.allclose(g.depth[g.mask], w.depth[w.mask], rtol=1e-4)
+
+
+def test_api_reads_normals_back_in_bfloat16(network_path, ttnn, monkeypatch):
+    """The default read-back (post.READBACK): the raw maps' normals are bfloat16 (the points and the mask
+    float32), `model.forward` hands them on widened to float32, and the finished outputs are those of every map
+    read back in float32 but for bfloat16's rounding of the normals: the mask, the camera and the depth the same
+    to the bit, the normals within a fraction of a degree."""
+    image = (calibration_image(*API_CANVAS, seed=7)[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+    common = dict(resolution=API_CANVAS, num_tokens=API_TOKENS, warmup=0, warmup_variants=())
+    with MoGeModel.from_pretrained(network_path, device=ttnn.open_device(device_id=0), **common) as model:
+        got = model(image)
+        raw = model.service.forward(image)
+        assert raw.points.dtype == raw.mask.dtype == torch.float32 and raw.normal.dtype == torch.bfloat16
+        forward = model.forward(image)
+        assert all(forward[k].dtype == torch.float32 for k in ("points", "normal", "mask"))
+        assert torch.equal(forward["normal"][0], raw.normal.float())
+    monkeypatch.setattr(post_mod, "READBACK", FLOAT32_READBACK)
+    with MoGeModel.from_pretrained(network_path, device=ttnn.open_device(device_id=0), **common) as model:
+        want = model(image)
+        assert model.service.forward(image).normal.dtype == torch.float32
+    assert 0.05 < got.mask.mean() < 0.95 and np.array_equal(got.mask, want.mask)
+    assert np.array_equal(got.depth, want.depth) and got.fov_x == want.fov_x
+    valid = got.mask
+    g, w = got.normal[valid].astype(np.float64), want.normal[valid].astype(np.float64)
+    angle = np.degrees(np.arctan2(np.linalg.norm(np.cross(g, w), axis=-1), (g * w).sum(-1)))  # lengths aside
+    assert 0 < angle.max() <= 0.5 and angle.mean() <= 0.1
+    assert np.abs(np.linalg.norm(g, axis=-1) - 1).max() <= BF16_HALF_ULP  # unit to bfloat16's rounding
 
 
 def test_tenstorrent_option_errors(network_path, ttnn):

@@ -1216,7 +1216,10 @@ class _HostBuffer:
         self.data = data
 
     def get_shard(self, coordinate) -> torch.Tensor:
-        return self.data.view(-1)  # DLPack-exportable, the same memory
+        """The raw bytes, as ttnn exports them (uint8 through DLPack): a float32 tensor's own memory; a bfloat16
+        tensor's bits, made at export (the emulator holds every tensor as float32, so there is no bfloat16 memory to
+        view: a copy of the values the last read wrote)."""
+        return self.data.view(-1).view(torch.uint8)
 
 
 class EmulatedTensor:
@@ -1263,11 +1266,14 @@ class EmulatedTensor:
 
     def host_buffer(self) -> "_HostBuffer":
         """ttnn >= 0.81's host buffer of a host tensor: `get_shard(coordinate)` exports the tensor's own memory
-        through DLPack (float32 only here; ttnn's is the raw bytes of any dtype)."""
+        through DLPack as raw bytes (uint8), as ttnn's: float32 (the tensor's own memory) and bfloat16 (a copy of its
+        bits, see `_HostBuffer.get_shard`) here."""
         if self.device is not None:
             raise RuntimeError("host_buffer: the tensor must be on the host")
+        if self.dtype == DataType.BFLOAT16:
+            return _HostBuffer(self.data.to(torch.bfloat16))  # exact: the values are bfloat16's
         if self.dtype != DataType.FLOAT32:
-            raise RuntimeError("host_buffer: only float32 host tensors are emulated")
+            raise RuntimeError("host_buffer: only float32 and bfloat16 host tensors are emulated")
         return _HostBuffer(self.data)
 
     def to_numpy(self) -> np.ndarray:

@@ -198,11 +198,11 @@ class MoGeModel:
         """The raw forward on a canvas-sized image, like upstream `MoGeModel.forward`: a dict of torch tensors
         `points` (1, H, W, 3) affine, `normal` (1, H, W, 3), `mask` (1, H, W) probability, `metric_scale` (1,)."""
         raw = self.service.forward(image)
-        out = {"points": raw.points[None]}
+        out = {"points": raw.points[None]}  # float32 (the Tenstorrent runner's bfloat16 normal and mask widened)
         if raw.normal is not None:
-            out["normal"] = raw.normal[None]
+            out["normal"] = raw.normal[None].float()
         if raw.mask is not None:
-            out["mask"] = raw.mask[None]
+            out["mask"] = raw.mask[None].float()
         if raw.metric_scale is not None:
             out["metric_scale"] = torch.tensor([raw.metric_scale], dtype=torch.float32)
         return out

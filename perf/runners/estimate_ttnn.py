@@ -9,7 +9,8 @@ one trace) is the cost model's; what remains on the host is measured here.
   (`scripts/tt-mock-check --json`: `--report`, or a fresh mock check when the mock is set up; `--grid CxR` is
   passed to it and checked against the report's grid);
 * PCIe: the canvas up (uint8 planes: a photo's canvas is 8-bit, `Runner.takes_uint8`) and the raw maps down
-  (float32 rows, 7 planes) with the class token, at the cost model's link rate;
+  (rows in each head's read-back format, `post.READBACK`: the points and the mask float32, the normals bfloat16)
+  with the class token, at the cost model's link rate;
 * ttnn host, measured in the mock's Python (when it is set up): the canvas into a host tensor, the read maps lent
   as numpy views of recycled host tensors (`post.DeviceOutput.read`: no copy, no fresh pages per call);
 * runner host, measured here: the raw maps as (H, W, 3) views and the scale MLP (`runner.device_raw_maps`);
@@ -49,13 +50,15 @@ SIZE, TOKENS = (1920, 1080), 1800
 # no longer pays: to_numpy's copy and the first touch of a fresh host tensor's pages (from_device's, per call).
 _TTNN_HOST = r"""
 import json, sys, time, numpy as np, ttnn
-from tt_moge.runners.ttnn.post import host_view, lend
+from tt_moge.runners.ttnn.post import READBACK, host_view, lend
 height, width, planes, runs = (int(v) for v in sys.argv[1:5])
 canvas8 = (np.random.rand(1, 3, height, width) * 255).astype(np.uint8)
 canvas = np.random.rand(1, 3, height, width).astype(np.float32)
-sizes = (3, 3, 1) if planes == 7 else (3, 1)  # points, normal, mask / points, mask
-maps = [ttnn.Tensor(np.random.rand(1, n, height, width).astype(np.float32), ttnn.float32, None, ttnn.ROW_MAJOR_LAYOUT)
-        for n in sizes]
+heads = (("points", 3), ("normal", 3), ("mask", 1)) if planes == 7 else (("points", 3), ("mask", 1))
+sizes = [n for _, n in heads]
+bf16 = [READBACK[name] == "bfloat16" for name, _ in heads]  # each map in its read-back format
+maps = [ttnn.Tensor(np.random.rand(1, n, height, width).astype(np.float32), getattr(ttnn, READBACK[name]), None,
+                    ttnn.ROW_MAJOR_LAYOUT) for name, n in heads]
 def med(fn):
     fn(); ts = []
     for _ in range(runs):
@@ -63,8 +66,9 @@ def med(fn):
     return float(np.median(ts)) * 1e3
 up8 = med(lambda: ttnn.Tensor(canvas8, ttnn.uint8, None, ttnn.ROW_MAJOR_LAYOUT))
 up = med(lambda: ttnn.Tensor(canvas, ttnn.float32, None, ttnn.ROW_MAJOR_LAYOUT))
-down = med(lambda: lend([host_view(ttnn, m)[0] for m in maps], lambda: None))
-copied = med(lambda: [np.asarray(m.to_numpy(), dtype=np.float32) for m in maps])
+down = med(lambda: lend([host_view(ttnn, m, b)[0] for m, b in zip(maps, bf16)], lambda: None))
+copied = med(lambda: [np.asarray(ttnn.to_dtype(m, ttnn.float32).to_numpy() if b else m.to_numpy(), dtype=np.float32)
+                      for m, b in zip(maps, bf16)])
 def first_touch():  # the pages of a fresh host tensor for the maps, touched once (what from_device's fill paid)
     fresh = np.empty(sum(sizes) * height * width * 4, np.uint8)
     fresh[::4096] = 1
@@ -144,14 +148,23 @@ def _ttnn_host(plan: dict, runs: int) -> dict:
 
 
 def _device_layout(raw):
-    """RawMaps as the Tenstorrent runner returns them: (H, W, 3) views of channels-first float32 planes."""
+    """RawMaps as the Tenstorrent runner returns them: (H, W, 3) views of channels-first planes, each in its read-back
+    format (`post.READBACK`: bfloat16 maps as their bits, which the runner views as torch bfloat16)."""
+    import torch
+
+    from tt_moge.runners.ttnn.post import READBACK
     from tt_moge.runners.ttnn.runner import device_raw_maps
 
-    maps = {"points": raw.points.permute(2, 0, 1).contiguous().numpy()}
+    def planes(name, t):
+        if READBACK[name] == "bfloat16":
+            return t.contiguous().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return t.contiguous().numpy()
+
+    maps = {"points": planes("points", raw.points.permute(2, 0, 1))}
     if raw.normal is not None:
-        maps["normal"] = raw.normal.permute(2, 0, 1).contiguous().numpy()
+        maps["normal"] = planes("normal", raw.normal.permute(2, 0, 1))
     if raw.mask is not None:
-        maps["mask"] = raw.mask[None].contiguous().numpy()
+        maps["mask"] = planes("mask", raw.mask[None])
     view = device_raw_maps(_PREPARED[0], maps, np.zeros(_PREPARED[0].plan["dim"], np.float32))
     view.metric_scale = raw.metric_scale
     return view
@@ -172,6 +185,7 @@ def main() -> None:
 
     from tt_moge import MoGeModel
     from tt_moge.host import CallOptions
+    from tt_moge.runners.ttnn.post import READBACK
     from tt_moge.runners.ttnn.prepare import prepare_weights
     from tt_moge.runners.ttnn.runner import device_raw_maps
     from tt_moge.testing import make_checkpoint, make_network
@@ -188,13 +202,16 @@ def main() -> None:
     prepared = prepare_weights(make_network("tiny-vits-normal"), SIZE, TOKENS)
     _PREPARED.append(prepared)
     plan = prepared.plan
-    planes = sum(h["channels"] for h in plan["heads"])
     image = common.photo(SIZE)
     canvas = torch.from_numpy(image).permute(2, 0, 1)[None].float().div(255)
     ttnn_host = _ttnn_host(plan, args.runs)
 
     up_bytes = SIZE[0] * SIZE[1] * 3  # the canvas, uint8 planes
-    down_bytes = SIZE[0] * SIZE[1] * planes * 4 + plan["dim"] * 4  # the raw maps, float32 rows; the class token
+    # the raw maps, rows in each head's read-back format (post.READBACK); the class token
+    width = {"float32": 4, "bfloat16": 2}
+    down_bytes = sum(SIZE[0] * SIZE[1] * h["channels"] * width[READBACK[h["name"]]] for h in plan["heads"])
+    down_bytes += plan["dim"] * 4
+    formats = ", ".join(f"{h['name']} {READBACK[h['name']]}" for h in plan["heads"])
     pcie_ms = (up_bytes + down_bytes) / BLACKHOLE_P150.pcie_bytes_per_s * 1e3
 
     with tempfile.TemporaryDirectory() as tmp:  # the shared host stages, on raw maps of a real forward
@@ -205,8 +222,10 @@ def main() -> None:
             service = model.service
             raw = _device_layout(service.forward_raw(canvas))
             maps = {"points": raw.points.permute(2, 0, 1).numpy(), "mask": raw.mask[None].numpy()}
-            if raw.normal is not None:
-                maps["normal"] = raw.normal.permute(2, 0, 1).numpy()
+            if raw.normal is not None:  # as read back (bfloat16 bits where post.READBACK says so)
+                normal = raw.normal.permute(2, 0, 1)
+                bf16 = normal.dtype == torch.bfloat16
+                maps["normal"] = normal.view(torch.int16).numpy().view(np.uint16) if bf16 else normal.numpy()
             cls_token = np.random.rand(plan["dim"]).astype(np.float32)
             views_ms = common.median_min_ms(lambda: device_raw_maps(prepared, maps, cls_token), args.runs)[0]
             replay = service.replaying(raw)
@@ -221,7 +240,7 @@ def main() -> None:
 
     rows = [
         ("device forward (cost model, mock P150 op list)", forward_ms, "estimated"),
-        ("PCIe: canvas up (uint8), raw maps down (float32)", pcie_ms, "estimated"),
+        (f"PCIe: canvas up (uint8), raw maps down ({formats})", pcie_ms, "estimated"),
     ]
     if ttnn_host:
         rows += [

@@ -15,6 +15,10 @@ adds):
   8. apply_mask: points and depth inf, normal 0 where the mask is False.
 The torch code below is the reference; with the native host library the same steps run as one multithreaded
 C++ pass that reads the canvas maps once and writes each output once (moge_finish in native/moge_host.cpp).
+The normal and the mask probability may be bfloat16 (the Tenstorrent runner reads its normals back so, half the
+bytes over PCIe): the native pass reads them as they are, the torch path converts them to float32 first; bfloat16
+normals are normalised again (rounding leaves them up to 2^-8 off unit length). The points are always float32
+(depth = exp(z) needs its 24 bits).
 """
 
 from __future__ import annotations
@@ -104,8 +108,10 @@ def _finish_torch(
 ) -> tuple:
     x0, y0, x1, y1 = plan.content_box
     points = raw.points[y0:y1, x0:x1]
-    normal = None if raw.normal is None else raw.normal[y0:y1, x0:x1]
-    prob = None if raw.mask is None else raw.mask[y0:y1, x0:x1]
+    normal = None if raw.normal is None else _host_float32(raw.normal[y0:y1, x0:x1])  # bfloat16 -> float32
+    if normal is not None and raw.normal.dtype == torch.bfloat16 and (x1 - x0, y1 - y0) == plan.image_size:
+        normal = F.normalize(normal, dim=-1)  # unit length again (a resize normalises below)
+    prob = None if raw.mask is None else _host_float32(raw.mask[y0:y1, x0:x1])
     w, h = plan.image_size
     depth = points[..., 2] + torch.tensor(shift, dtype=torch.float32)
     xy = points[..., :2]
@@ -150,6 +156,12 @@ def _host_float32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.device.type == "cpu" else t.to("cpu", torch.float32)
 
 
+def _host_plane(t: torch.Tensor) -> torch.Tensor:
+    """A normal or mask map as the native pass reads it: float32, or bfloat16 as it is (the Tenstorrent runner
+    reads those back in bfloat16; the pass widens each element as it loads it, no float32 copy)."""
+    return t if t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu" else t.to("cpu", torch.float32)
+
+
 def _finish_native(
     lib, raw: RawMaps, plan: CanvasPlan, intrinsics: np.ndarray, shift: float, apply_mask: bool, force_projection: bool
 ) -> tuple:
@@ -157,8 +169,8 @@ def _finish_native(
     x0, y0, x1, y1 = plan.content_box
     w, h = plan.image_size
     points = _host_float32(raw.points)
-    normal = None if raw.normal is None else _host_float32(raw.normal)
-    prob = None if raw.mask is None else _host_float32(raw.mask)
+    normal = None if raw.normal is None else _host_plane(raw.normal)
+    prob = None if raw.mask is None else _host_plane(raw.mask)
     out_points = buffers.empty((h, w, 3), np.float32)
     out_depth = buffers.empty((h, w), np.float32)
     out_normal = None if normal is None else buffers.empty((h, w, 3), np.float32)
@@ -172,8 +184,10 @@ def _finish_native(
         *points.stride(),
         None if normal is None else normal.data_ptr(),
         *(normal.stride() if normal is not None else (0, 0, 0)),
+        normal is not None and normal.dtype == torch.bfloat16,
         None if prob is None else prob.data_ptr(),
         *(prob.stride() if prob is not None else (0, 0)),
+        prob is not None and prob.dtype == torch.bfloat16,
         x0,
         y0,
         x1 - x0,

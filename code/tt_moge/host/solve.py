@@ -246,8 +246,8 @@ def _recover_camera_native(
         mask = mask.cpu()
         if mask.dtype == torch.bool:
             mask_u8 = mask
-        else:
-            prob = mask.to(torch.float32)
+        else:  # float32, or bfloat16 as it is (the Tenstorrent runner's read-back): no converted copy of the plane
+            prob = mask if mask.dtype in (torch.float32, torch.bfloat16) else mask.to(torch.float32)
     m = mask_u8 if mask_u8 is not None else prob
     x0, y0, x1, y1 = plan.content_box
     out = (ctypes.c_double * 2)()
@@ -256,6 +256,7 @@ def _recover_camera_native(
         *points.stride(),
         None if mask_u8 is None else mask_u8.data_ptr(),
         None if prob is None else prob.data_ptr(),
+        prob is not None and prob.dtype == torch.bfloat16,
         *(m.stride() if m is not None else (0, 0)),
         w,
         h,

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 HOST_PATHS = ("auto", "native", "torch")
-ABI_VERSION = 5  # must match kAbiVersion in moge_host.cpp
+ABI_VERSION = 6  # must match kAbiVersion in moge_host.cpp
 MAX_DEFAULT_THREADS = 16
 
 _lock = threading.Lock()
@@ -149,9 +149,11 @@ _SIGNATURES = {
             _I64,
             _I64,
             _I64,
+            ctypes.c_int,
             _P,
             _I64,
             _I64,
+            ctypes.c_int,
             _I64,
             _I64,
             _I64,
@@ -181,6 +183,7 @@ _SIGNATURES = {
             _I64,
             _P,
             _P,
+            ctypes.c_int,
             _I64,
             _I64,
             _I64,

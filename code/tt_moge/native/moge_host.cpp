@@ -19,7 +19,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 5;  // bump when an exported signature changes (the Python side checks it)
+constexpr int kAbiVersion = 6;  // bump when an exported signature changes (the Python side checks it)
 
 moge::LazyPool g_pool;  // the host kernels' threads
 
@@ -57,11 +57,22 @@ std::vector<Tap> bilinear_taps(int64_t in_size, int64_t out_size) {
   return taps;
 }
 
-// A strided (rows, cols, channels) float32 map; strides in elements, any layout (runners differ).
+// A strided (rows, cols, channels) map of float32, or of bfloat16 (bf16: the normal and the mask probability as
+// the Tenstorrent runner reads them back); strides in elements, any layout (runners differ).
 struct Map {
-  const float* data;
+  const void* data;
   int64_t sy, sx, sc;
+  bool bf16;
 };
+
+// One element as float: float32 as is, bfloat16 (its bits, uint16_t) widened exactly (the high half of a float32).
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) {
+  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 struct FinishArgs {
   Map points, normal, prob;  // normal.data / prob.data may be null
@@ -107,16 +118,20 @@ struct BlockTaps {
 // All channels of one pixel at once, so each tap's columns and weights are loaded once per pixel (1.6x
 // faster than one channel at a time on the development machine).
 // kRays: also resample the ray directions (only read without force_projection; the default skips them).
-template <int64_t kPointsSx, int64_t kNormalSx, bool kRays>  // strides: 0 = runtime stride
+// NT, MT: the element types of the normal and the mask probability (float, or uint16_t for bfloat16).
+template <int64_t kPointsSx, int64_t kNormalSx, bool kRays, typename NT, typename MT>  // strides: 0 = runtime
 void gather_resized_impl(const FinishArgs& a, int64_t r0, int64_t r1, const BlockTaps& t, int n, Block& b) {
   const int64_t psx = kPointsSx ? kPointsSx : a.points.sx, nsx = kNormalSx ? kNormalSx : a.normal.sx;
   const int64_t psc = a.points.sc, nsc = a.normal.sc;
-  const float *p0 = a.points.data + r0 * a.points.sy, *p1 = a.points.data + r1 * a.points.sy;
+  const float* points = static_cast<const float*>(a.points.data);
+  const float *p0 = points + r0 * a.points.sy, *p1 = points + r1 * a.points.sy;
   const bool has_normal = a.normal.data != nullptr, has_prob = a.prob.data != nullptr;
-  const float *n0 = has_normal ? a.normal.data + r0 * a.normal.sy : nullptr;
-  const float *n1 = has_normal ? a.normal.data + r1 * a.normal.sy : nullptr;
-  const float *m0 = has_prob ? a.prob.data + r0 * a.prob.sy : nullptr;
-  const float *m1 = has_prob ? a.prob.data + r1 * a.prob.sy : nullptr;
+  const NT* normal = static_cast<const NT*>(a.normal.data);
+  const MT* prob = static_cast<const MT*>(a.prob.data);
+  const NT *n0 = has_normal ? normal + r0 * a.normal.sy : nullptr;
+  const NT *n1 = has_normal ? normal + r1 * a.normal.sy : nullptr;
+  const MT *m0 = has_prob ? prob + r0 * a.prob.sy : nullptr;
+  const MT *m1 = has_prob ? prob + r1 * a.prob.sy : nullptr;
   const float shift = a.shift;
   // Perspective-correct resampling: per tap, inverse depth 1 / (z + shift) (0 behind the camera) and the ray
   // directions x / (z + shift), y / (z + shift), which are linear in pixel coordinates across a plane.
@@ -139,27 +154,42 @@ void gather_resized_impl(const FinishArgs& a, int64_t r0, int64_t r1, const Bloc
     ray(q11, r[0][3], r[1][3], r[2][3]);
     for (int c = kRays ? 0 : 2; c < 3; ++c) b.ch[c][i] = taps4(r[c][0], r[c][1], r[c][2], r[c][3], w00, w01, w10, w11);
     if (has_normal) {
-      const float *e00 = n0 + c0 * nsx, *e01 = n0 + c1 * nsx, *e10 = n1 + c0 * nsx, *e11 = n1 + c1 * nsx;
+      const NT *e00 = n0 + c0 * nsx, *e01 = n0 + c1 * nsx, *e10 = n1 + c0 * nsx, *e11 = n1 + c1 * nsx;
       for (int c = 0; c < 3; ++c)
-        b.ch[3 + c][i] = taps4(e00[c * nsc], e01[c * nsc], e10[c * nsc], e11[c * nsc], w00, w01, w10, w11);
+        b.ch[3 + c][i] = taps4(load(e00 + c * nsc), load(e01 + c * nsc), load(e10 + c * nsc), load(e11 + c * nsc),
+                               w00, w01, w10, w11);
     }
     if (has_prob) {
       const int64_t msx = a.prob.sx;
-      b.ch[6][i] = taps4(m0[c0 * msx], m0[c1 * msx], m1[c0 * msx], m1[c1 * msx], w00, w01, w10, w11);
+      b.ch[6][i] =
+          taps4(load(m0 + c0 * msx), load(m0 + c1 * msx), load(m1 + c0 * msx), load(m1 + c1 * msx), w00, w01, w10, w11);
     }
   }
 }
 
-template <bool kRays>
-void gather_resized_rays(const FinishArgs& a, int64_t r0, int64_t r1, const BlockTaps& t, int n, Block& b) {
+template <bool kRays, typename NT, typename MT>
+void gather_resized_layout(const FinishArgs& a, int64_t r0, int64_t r1, const BlockTaps& t, int n, Block& b) {
   // The layouts of the runners: points (H, W, 3) contiguous; normal contiguous, channel-planar or absent.
   const bool normal_3 = a.normal.data == nullptr || a.normal.sx == 3;
   if (a.points.sx == 3 && normal_3)
-    gather_resized_impl<3, 3, kRays>(a, r0, r1, t, n, b);
+    gather_resized_impl<3, 3, kRays, NT, MT>(a, r0, r1, t, n, b);
   else if (a.points.sx == 3 && a.normal.sx == 1)
-    gather_resized_impl<3, 1, kRays>(a, r0, r1, t, n, b);
+    gather_resized_impl<3, 1, kRays, NT, MT>(a, r0, r1, t, n, b);
   else
-    gather_resized_impl<0, 0, kRays>(a, r0, r1, t, n, b);
+    gather_resized_impl<0, 0, kRays, NT, MT>(a, r0, r1, t, n, b);
+}
+
+template <bool kRays>
+void gather_resized_rays(const FinishArgs& a, int64_t r0, int64_t r1, const BlockTaps& t, int n, Block& b) {
+  const bool normal_bf16 = a.normal.data && a.normal.bf16, prob_bf16 = a.prob.data && a.prob.bf16;
+  if (normal_bf16 && prob_bf16)
+    gather_resized_layout<kRays, uint16_t, uint16_t>(a, r0, r1, t, n, b);
+  else if (normal_bf16)
+    gather_resized_layout<kRays, uint16_t, float>(a, r0, r1, t, n, b);
+  else if (prob_bf16)
+    gather_resized_layout<kRays, float, uint16_t>(a, r0, r1, t, n, b);
+  else
+    gather_resized_layout<kRays, float, float>(a, r0, r1, t, n, b);
 }
 
 void gather_resized(const FinishArgs& a, int64_t r0, int64_t r1, const BlockTaps& t, int n, Block& b) {
@@ -169,16 +199,48 @@ void gather_resized(const FinishArgs& a, int64_t r0, int64_t r1, const BlockTaps
     gather_resized_rays<true>(a, r0, r1, t, n, b);
 }
 
-void gather_cropped(const Map& m, int first, int channels, int64_t r, int64_t x0, int n, Block& b) {
-  const float* row = m.data + r * m.sy + x0 * m.sx;
+template <typename T>
+void gather_cropped_as(const Map& m, int first, int channels, int64_t r, int64_t x0, int n, Block& b) {
+  const T* row = static_cast<const T*>(m.data) + r * m.sy + x0 * m.sx;
   for (int c = 0; c < channels; ++c) {
-    const float* p = row + c * m.sc;
+    const T* p = row + c * m.sc;
     float* dst = b.ch[first + c];
     if (m.sx == 1) {
-      for (int i = 0; i < n; ++i) dst[i] = p[i];
+      for (int i = 0; i < n; ++i) dst[i] = load(p + i);
     } else {
-      for (int i = 0; i < n; ++i) dst[i] = p[i * m.sx];
+      for (int i = 0; i < n; ++i) dst[i] = load(p + i * m.sx);
     }
+  }
+}
+
+void gather_cropped(const Map& m, int first, int channels, int64_t r, int64_t x0, int n, Block& b) {
+  if (m.bf16)
+    gather_cropped_as<uint16_t>(m, first, channels, r, x0, n, b);
+  else
+    gather_cropped_as<float>(m, first, channels, r, x0, n, b);
+}
+
+// The normals of a block (channels 3-5) to unit length, as F.normalize: v / max(|v|, 1e-12).
+void normalize(Block& b, int n) {
+  float *nx = b.ch[3], *ny = b.ch[4], *nz = b.ch[5];
+  for (int i = 0; i < n; ++i) {
+    const float norm = std::max(std::sqrt(std::fma(nz[i], nz[i], std::fma(ny[i], ny[i], nx[i] * nx[i]))), 1e-12f);
+    nx[i] = nx[i] / norm;
+    ny[i] = ny[i] / norm;
+    nz[i] = nz[i] / norm;
+  }
+}
+
+// bfloat16 normals (channels 3-5, up to 2^-8 off unit length) to unit length: one reciprocal and three products a
+// pixel (half the divisions of `normalize`; within a few ulp of it).
+void renormalize(Block& b, int n) {
+  float *nx = b.ch[3], *ny = b.ch[4], *nz = b.ch[5];
+  for (int i = 0; i < n; ++i) {
+    const float inv =
+        1.0f / std::max(std::sqrt(std::fma(nz[i], nz[i], std::fma(ny[i], ny[i], nx[i] * nx[i]))), 1e-12f);
+    nx[i] = nx[i] * inv;
+    ny[i] = ny[i] * inv;
+    nz[i] = nz[i] * inv;
   }
 }
 
@@ -198,19 +260,11 @@ void finish_rows(const FinishArgs& a, const std::vector<Tap>& tx, const std::vec
       if (resize) {
         taps.set(tx.data() + xb, a.x0, vy.l0, vy.l1, n);
         gather_resized(a, r0, r1, taps, n, b);
-        if (has_normal) {
-          float *nx = b.ch[3], *ny = b.ch[4], *nz = b.ch[5];
-          for (int i = 0; i < n; ++i) {  // F.normalize: v / max(|v|, 1e-12)
-            const float norm = std::max(std::sqrt(std::fma(nz[i], nz[i], std::fma(ny[i], ny[i], nx[i] * nx[i]))),
-                                        1e-12f);
-            nx[i] = nx[i] / norm;
-            ny[i] = ny[i] / norm;
-            nz[i] = nz[i] / norm;
-          }
-        }
+        if (has_normal) normalize(b, n);
       } else {
         gather_cropped(a.points, 0, 3, r0, a.x0 + xb, n, b);
         if (has_normal) gather_cropped(a.normal, 3, 3, r0, a.x0 + xb, n, b);
+        if (has_normal && a.normal.bf16) renormalize(b, n);  // bfloat16 normals: unit length again
         if (has_prob) gather_cropped(a.prob, 6, 1, r0, a.x0 + xb, n, b);
       }
       const float* prob = b.ch[6];
@@ -555,12 +609,15 @@ int moge_threads() { return pool().threads(); }
 
 // The fused finish pass (tt_moge/host/finish.py steps 1-8 minus 5, the intrinsics): reads the content box of the
 // canvas maps once, writes every output once. Strides are in float elements. Returns 0.
-int moge_finish(const float* points, int64_t p_sy, int64_t p_sx, int64_t p_sc, const float* normal, int64_t n_sy,
-                int64_t n_sx, int64_t n_sc, const float* prob, int64_t m_sy, int64_t m_sx, int64_t x0, int64_t y0,
+// normal_bf16 / prob_bf16: those maps are bfloat16 (their bits, 2 bytes an element), else float32.
+int moge_finish(const float* points, int64_t p_sy, int64_t p_sx, int64_t p_sc, const void* normal, int64_t n_sy,
+                int64_t n_sx, int64_t n_sc, int normal_bf16, const void* prob, int64_t m_sy, int64_t m_sx,
+                int prob_bf16, int64_t x0, int64_t y0,
                 int64_t content_w, int64_t content_h, int64_t out_w, int64_t out_h, float shift, float scale,
                 float mask_threshold, int has_scale, const float* col_factor, const float* row_factor, int apply_mask, float* out_points,
                 float* out_depth, float* out_normal, uint8_t* out_mask) {
-  FinishArgs a{{points, p_sy, p_sx, p_sc}, {normal, n_sy, n_sx, n_sc}, {prob, m_sy, m_sx, 0}, x0, y0, content_w,
+  FinishArgs a{{points, p_sy, p_sx, p_sc, false}, {normal, n_sy, n_sx, n_sc, normal_bf16 != 0},
+               {prob, m_sy, m_sx, 0, prob_bf16 != 0}, x0, y0, content_w,
                content_h, out_w, out_h, shift, scale, mask_threshold, has_scale != 0, apply_mask != 0, col_factor, row_factor,
                out_points, out_depth, normal ? out_normal : nullptr, out_mask};
   std::vector<Tap> tx, ty;
@@ -604,8 +661,9 @@ int moge_solve(const double* uv, const double* xyz, int64_t n, double focal_in, 
 // torch's nearest), keep samples inside the content box whose mask is set (mask_u8 != 0, or prob > 0.5, or
 // all when both are null), then solve. u (canvas_w,), v (canvas_h,): the view-plane axes (float32).
 // Returns the number of samples used.
+// prob_bf16: `prob` is bfloat16 (its bits), else float32.
 int64_t moge_recover_camera(const float* points, int64_t p_sy, int64_t p_sx, int64_t p_sc, const uint8_t* mask_u8,
-                            const float* prob, int64_t m_sy, int64_t m_sx, int64_t canvas_w, int64_t canvas_h,
+                            const void* prob, int prob_bf16, int64_t m_sy, int64_t m_sx, int64_t canvas_w, int64_t canvas_h,
                             int64_t x0, int64_t y0, int64_t x1, int64_t y1, const float* u, const float* v,
                             int64_t grid_h, int64_t grid_w, float mask_threshold, double focal_in, double* focal_out,
                             double* shift_out) {
@@ -619,7 +677,11 @@ int64_t moge_recover_camera(const float* points, int64_t p_sy, int64_t p_sx, int
       const int64_t c = j * canvas_w / grid_w;
       if (c < x0 || c >= x1) continue;
       if (mask_u8 && !mask_u8[r * m_sy + c * m_sx]) continue;
-      if (prob && !(prob[r * m_sy + c * m_sx] > mask_threshold)) continue;
+      if (prob) {
+        const int64_t at = r * m_sy + c * m_sx;
+        const float p = prob_bf16 ? load(static_cast<const uint16_t*>(prob) + at) : load(static_cast<const float*>(prob) + at);
+        if (!(p > mask_threshold)) continue;
+      }
       const float* q = points + r * p_sy + c * p_sx;
       uv.push_back(u[c]);
       uv.push_back(v[r]);

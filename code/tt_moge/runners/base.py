@@ -10,7 +10,8 @@ import torch
 
 @dataclass
 class RawMaps:
-    """The raw forward outputs for one canvas, on the host, at the canvas resolution (float32, CPU).
+    """The raw forward outputs for one canvas, on the host, at the canvas resolution (float32, CPU; the Tenstorrent
+    runner's normal and mask are bfloat16, its read-back format: the host steps read both).
 
     points (H, W, 3) affine point map (after MoGe's output remap, before focal/shift recovery);
     normal (H, W, 3) unit normals or None; mask (H, W) validity probability or None; metric_scale or None.

@@ -64,14 +64,14 @@ def _package_shim() -> None:
 if __package__ in (None, ""):
     _package_shim()
     from tt_moge.runners.ttnn.graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
-    from tt_moge.runners.ttnn.post import DeviceOutput
+    from tt_moge.runners.ttnn.post import DeviceOutput, widen
     from tt_moge.runners.ttnn.pre import DeviceInput
     from tt_moge.runners.ttnn.prepare import Prepared
     from tt_moge.ttnn_tools import calibration
     from tt_moge.ttnn_tools.cost import BLACKHOLE_P150, OpRecorder, estimate
 else:
     from ..runners.ttnn.graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
-    from ..runners.ttnn.post import DeviceOutput
+    from ..runners.ttnn.post import DeviceOutput, widen
     from ..runners.ttnn.pre import DeviceInput
     from ..runners.ttnn.prepare import Prepared
     from . import calibration
@@ -293,8 +293,9 @@ def run(args) -> dict:
         cls_token = graph.to_host(out["cls_token"], (plan["dim"],))
         report["read_and_host_s"] = round(time.perf_counter() - t, 2)
         shapes = {k: list(np.shape(v)) for k, v in raw.items()}
-        finite = all(bool(np.isfinite(v).all()) for v in raw.values()) and bool(np.isfinite(cls_token).all())
-        readback = "float32 channels-first maps, " + ("viewed in place" if post.zero_copy else "copied (to_numpy)")
+        finite = all(bool(np.isfinite(widen(v)).all()) for v in raw.values()) and bool(np.isfinite(cls_token).all())
+        formats = ", ".join(f"{name} {fmt}" for name, fmt in post.readback.items())
+        readback = f"channels-first maps ({formats}), " + ("viewed in place" if post.zero_copy else "copied (to_numpy)")
         report["outputs"] = {"shapes": shapes, "finite": finite, "readback": readback}
         if not finite:
             raise RuntimeError("non-finite host outputs")

@@ -18,23 +18,27 @@ What `runner.raw_maps` (and `prepare.host_output`) do on the host, here on the d
      column-resized maps kept in float32 (the row resize reads them at TF32's 10 bits); a normal is divided by its
      length and a mask probability thresholded at 0.5, and this keeps them within ~0.1 degree and ~2e-3
      (docs/tenstorrent.md, tests/test_ttnn_prepost.py);
-4. the output activations per head, in float32 on the SFPU, with the unary steps fused into the binary ops where
-   ttnn takes them (`input_tensor_a_activations`, `activations`) or given to the matmul (the mask's sigmoid, which
+4. the output activations per head, computed in float32 on the SFPU, with the unary steps fused into the binary ops
+   where ttnn takes them (`input_tensor_a_activations`, `activations`) or given to the matmul (the mask's sigmoid, which
    ttnn runs as its own op after it): points
    remapped (`exp`: x, y times exp(z), z = exp(z); or none), normals times the rsqrt of their clamped squared
    length, the mask's sigmoid;
-5. each head's maps untilized once into row-major float32 (n, H, W) in DRAM: what `read` reads back into recycled
-   host tensors.
+5. each head's maps untilized once into row-major (n, H, W) in DRAM, in the head's read-back format
+   (`READBACK`): what `read` reads back into recycled host tensors.
 
 Memory: every intermediate lives in L1 (interleaved over the cores; the network's buffers are free by then)
 when the largest, a head's three float32 canvas maps, takes at most `pre.L1_MAP_BUDGET` per core
 (`pre.intermediates`); only the outputs go to DRAM. Larger canvases keep everything in DRAM.
 
-Read-back format: float32, channels-first ((3, H, W), (3, H, W), (1, H, W)); the host views them as (H, W, 3)
-through strides (the solve and the finish take strided maps), no host copy. float32 because the depth is
-exp(z): bfloat16's 8 bits would be a 2e-3 relative depth error, twice the bound; normals and the mask would
-stand bfloat16 (0.1 deg, 0.004), but the host would then spend more converting them to float32 than the link
-saves (docs/tenstorrent.md).
+Read-back format (`READBACK`): channels-first ((3, H, W), (3, H, W), (1, H, W)); the host views them as (H, W, 3)
+through strides (the solve and the finish take strided maps), no host copy. The points in float32: the depth is
+exp(z), and bfloat16's 8 bits would be a 2e-3 relative depth error, twice the bound. The normals in bfloat16 (the
+head's last op rounds to it; its arithmetic stays float32): a mean angle under 0.1 degree, and 12 MB less over
+PCIe at 1920x1080 (docs/tenstorrent.md). The mask in float32: bfloat16 reads the probabilities in (0.5, 0.502] as
+0.5, which flips their pixels and, through the samples it keeps, moves the camera solve (the depth by 6e-4 on the
+tests' model) for 4 MB (0.17 ms of link); `readback={"mask": "bfloat16"}` has it. `read` hands a bfloat16 map on
+as its bits (uint16 numpy: numpy has no bfloat16); the runner views those as torch bfloat16, which the native
+finish and solve read as they are (`widen` gives float32 where a caller wants it).
 """
 
 from __future__ import annotations
@@ -46,26 +50,39 @@ import numpy as np
 
 from .pre import device_split, exact_compute, intermediates, resize_matrix, split_matmul
 
-__all__ = ["DeviceOutput", "HEADS", "REMAPS", "host_view", "lend"]
+__all__ = ["DeviceOutput", "HEADS", "READBACK", "REMAPS", "host_view", "lend", "widen"]
 
 TILE = 32
 REMAPS = ("exp", "linear")  # the output remaps run on the device (MoGe-2's is "exp")
 HEADS = ("points", "normal", "mask")  # the heads the device output side knows the activations of
 NORMAL_EPS2 = 1e-24  # F.normalize's max(|n|, 1e-12), squared
 FREE_SETS = 2  # idle read-back sets kept for reuse (`DeviceOutput.read`): the current call's and one overlapping
+READBACK = {"points": "float32", "normal": "bfloat16", "mask": "float32"}  # each head's read-back format
 
 
-def host_view(T, host_tensor) -> tuple:
-    """(float32 numpy array, viewed): a row-major float32 host tensor's data without a copy, through the DLPack
-    export of its host buffer (ttnn >= 0.81: `host_buffer().get_shard(MeshCoordinate(0, 0))`, one chip); the
-    array keeps the buffer alive. Where that export is missing (older ttnn, the tests' emulator) `to_numpy`'s copy,
-    and viewed = False."""
+def widen(array: np.ndarray) -> np.ndarray:
+    """A read map as float32: bfloat16 bits (uint16, what `read` gives for a bfloat16 head) widened exactly; a
+    float32 map as it is."""
+    if array.dtype == np.uint16:
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array
+
+
+def host_view(T, host_tensor, bits: bool = False) -> tuple:
+    """(numpy array, viewed): a row-major host tensor's data without a copy, through the DLPack export of its host
+    buffer (ttnn >= 0.81: `host_buffer().get_shard(MeshCoordinate(0, 0))`, one chip, the raw bytes); the array keeps
+    the buffer alive. float32, or with `bits` (a bfloat16 tensor) uint16: the bfloat16 bits. Where that export is
+    missing (older ttnn) a copy (`to_numpy`, after `to_dtype` float32 for bfloat16), and viewed = False."""
+    want = np.uint16 if bits else np.float32
     try:
         shard = host_tensor.host_buffer().get_shard(T.MeshCoordinate(0, 0))
         data = np.from_dlpack(shard)
     except (AttributeError, TypeError, RuntimeError, BufferError):
-        return np.asarray(host_tensor.to_numpy(), dtype=np.float32), False
-    return data.view(np.float32) if data.dtype != np.float32 else data, True
+        if not bits:
+            return np.asarray(host_tensor.to_numpy(), dtype=np.float32), False
+        wide = np.asarray(T.to_dtype(host_tensor, T.float32).to_numpy(), dtype=np.float32)
+        return (wide.view(np.uint32) >> 16).astype(np.uint16), False  # exact: the values are bfloat16's
+    return data.view(want) if data.dtype != want else data, True
 
 
 class _Loan:
@@ -105,7 +122,9 @@ def _cdiv(a: int, b: int) -> int:
 class DeviceOutput:
     """The finest phase maps -> the raw maps at the canvas, on the device (see the module docstring)."""
 
-    def __init__(self, ttnn, device, prepared):
+    def __init__(self, ttnn, device, prepared, readback: dict = None):
+        """`readback`: {head: "float32" | "bfloat16"} to read some heads back in another format than `READBACK`'s
+        (the tests compare the float32 arithmetic before the rounding)."""
         self.ttnn, self.device, self.prepared = ttnn, device, prepared
         p = self.plan = prepared.plan
         if p["remap"] not in REMAPS:
@@ -122,6 +141,15 @@ class DeviceOutput:
                 raise ValueError(f"the device output runs the heads {HEADS}; this checkpoint has {head['name']!r}")
             self.heads.append((head["name"], start, head["channels"]))
             start += head["channels"]
+        formats = {**READBACK, **(readback or {})}
+        if formats["points"] != "float32" or any(
+            formats[name] not in ("float32", "bfloat16") for name, _, _ in self.heads
+        ):
+            raise ValueError(
+                f"readback: the points are read back as 'float32', the other heads as 'float32' or 'bfloat16'; "
+                f"got {readback!r}"
+            )
+        self.readback = {name: formats[name] for name, _, _ in self.heads}  # the format each head is read back in
         self.t: dict = {}
         self.loaded = False
         self.zero_copy = False  # whether the last `read` viewed the host tensors in place (`host_view`)
@@ -204,7 +232,10 @@ class DeviceOutput:
             if name == "points":
                 maps = self._resize_split(self._channels(q, start, n), self._channels(hi, start, n), n)
             else:
-                maps = self._resize_plain(self._channels(hi, start, n), n, "sigmoid" if name == "mask" else None)
+                mask = name == "mask"  # the sigmoid is the matmul's, its output the head's read-back format
+                maps = self._resize_plain(
+                    self._channels(hi, start, n), n, "sigmoid" if mask else None, self._out(name) if mask else None
+                )
             done = self._activation(name, maps)
             out[name] = T.to_layout(done, T.ROW_MAJOR_LAYOUT, memory_config=T.DRAM_MEMORY_CONFIG)
             T.deallocate(done)
@@ -228,10 +259,15 @@ class DeviceOutput:
         T.deallocate(parts)
         return out
 
-    def _resize_plain(self, hi, n: int, activation=None):
+    def _out(self, name: str):
+        """The ttnn dtype of a head's read-back format."""
+        return getattr(self.ttnn, self.readback[name])
+
+    def _resize_plain(self, hi, n: int, activation=None, dtype=None):
         """hi (1, n, rows, cols) bfloat16 (consumed unless it is the whole map) -> (1, n, H, W) float32 (after the
-        matmul's fused `activation`): bfloat16 map and matrices, float32 accumulation, the column-resized maps in
-        float32 (a quarter less angle error on the normals than bfloat16 there, for 20 us of NoC traffic)."""
+        matmul's fused `activation`, rounded to `dtype`, float32 unless given): bfloat16 map and matrices, float32
+        accumulation, the column-resized maps in float32 (a quarter less angle error on the normals than bfloat16
+        there, for 20 us of NoC traffic)."""
         T, mem, ck = self.ttnn, self.mem, self.compute
         cols = T.matmul(hi, self.t["cols"], dtype=T.float32, compute_kernel_config=ck, memory_config=mem)
         if n != self.channels:
@@ -239,7 +275,7 @@ class DeviceOutput:
         out = T.matmul(
             self.t[f"rows.{n}"],
             cols,
-            dtype=T.float32,
+            dtype=dtype or T.float32,
             compute_kernel_config=ck,
             memory_config=mem,
             activation=activation,
@@ -279,14 +315,15 @@ class DeviceOutput:
             )
             for t in (n0, n1, n2, s):
                 T.deallocate(t)
-            out = T.multiply(x, inv, dtype=T.float32, memory_config=mem)  # the inverse length broadcast
+            out = T.multiply(x, inv, dtype=self._out(name), memory_config=mem)  # the inverse length broadcast
             T.deallocate(x)
             T.deallocate(inv)
             return out
-        return x  # the mask (its sigmoid is the matmul's), the linear remap's points
+        return x  # the mask (its sigmoid and format are the matmul's), the linear remap's points
 
     def read(self, outputs: dict, cq_id: int = 0) -> dict:
-        """The device maps -> {head name: float32 numpy (n, H, W), channels-first}, read on queue `cq_id`.
+        """The device maps -> {head name: numpy (n, H, W), channels-first}, read on queue `cq_id`: float32, or for a
+        bfloat16 head (`readback`) its bits as uint16 (`widen` makes float32 of them).
 
         Each map is read into a host tensor of a recycled set (`copy_device_to_host_tensor`) and handed on as a
         numpy view of that tensor's own memory (`host_view`, lent: `lend`): no copy, and no
@@ -308,7 +345,7 @@ class DeviceOutput:
         slot = self._take_set(outputs)
         for name, _, _ in self.heads:
             T.copy_device_to_host_tensor(outputs[name], slot[name], blocking=True, cq_id=cq_id)
-        views = [host_view(T, slot[name]) for name, _, _ in self.heads]
+        views = [host_view(T, slot[name], self.readback[name] == "bfloat16") for name, _, _ in self.heads]
         self.zero_copy = all(viewed for _, viewed in views)
         if self.zero_copy:
             arrays = lend([array for array, _ in views], lambda: self._give_back(slot))
@@ -348,7 +385,7 @@ class DeviceOutput:
             h = T.from_device(outputs[name], queue_id=cq_id)
             if h.layout != T.ROW_MAJOR_LAYOUT:
                 h = T.to_layout(h, T.ROW_MAJOR_LAYOUT)
-            array, viewed = host_view(T, h)
+            array, viewed = host_view(T, h, self.readback[name] == "bfloat16")
             views.append(viewed)
             out[name] = array.reshape(n, self.height, self.width)
         self.zero_copy = all(views)

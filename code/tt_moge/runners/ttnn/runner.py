@@ -145,13 +145,20 @@ def raw_maps(prepared: Prepared, readback: dict) -> RawMaps:
 
 
 def device_raw_maps(prepared: Prepared, maps: dict, cls_token: np.ndarray) -> RawMaps:
-    """The device's read-back ({head: (n, H, W) float32}, class token) -> RawMaps: (H, W, 3) strided views of the
-    channels-first maps (no copy; the solve and the finish take strides), the mask plane, the metric scale."""
+    """The device's read-back ({head: (n, H, W) float32, or uint16 bfloat16 bits}, class token) -> RawMaps: (H, W, 3)
+    strided views of the channels-first maps (no copy; the solve and the finish take strides), the mask plane, the
+    metric scale. bfloat16 bits become torch bfloat16 views (no copy, no widening: the native finish and solve read
+    bfloat16; see post.READBACK)."""
+
+    def tensor(array):
+        if array.dtype == np.uint16:
+            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(array)
 
     def hwc(name):
-        return torch.from_numpy(maps[name]).permute(1, 2, 0) if name in maps else None
+        return tensor(maps[name]).permute(1, 2, 0) if name in maps else None
 
-    mask = torch.from_numpy(maps["mask"])[0] if "mask" in maps else None
+    mask = tensor(maps["mask"])[0] if "mask" in maps else None
     return RawMaps(hwc("points"), hwc("normal"), mask, metric_scale(prepared, cls_token))
 
 
