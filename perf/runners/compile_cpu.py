@@ -12,23 +12,11 @@ fixed-shape graph with PyTorch's SDPA attention (no native kernel: what inductor
 from __future__ import annotations
 
 import argparse
-import platform
-import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-
-def _median_ms(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+from perf import common
 
 
 def _graph(args) -> torch.nn.Module:
@@ -39,9 +27,8 @@ def _graph(args) -> torch.nn.Module:
 
         return FixedShapeMoGe2(make_network(args.preset), (width, height), args.tokens, torch.bfloat16).eval()
     from tt_moge import MoGeModel
-    from tt_moge.testing.checkpoints import make_checkpoint
 
-    path = make_checkpoint(Path(tempfile.mkdtemp()) / "ckpt", args.preset)
+    path = common.full_size_checkpoint(None, args.preset)  # written once into the cache, reused
     model = MoGeModel.from_pretrained(
         str(path), device="cpu", resolution=(width, height), num_tokens=args.tokens, warmup=0, warmup_variants="none"
     )
@@ -74,14 +61,15 @@ def main() -> None:
         out = compiled(x)
         print(f"compile + first call: {time.perf_counter() - t:.1f} s")
         for _ in range(args.rounds):
-            e, c = _median_ms(lambda: graph(x), args.runs), _median_ms(lambda: compiled(x), args.runs)
+            e = common.median_min_ms(lambda: graph(x), args.runs)[0]
+            c = common.median_min_ms(lambda: compiled(x), args.runs)[0]
             print(f"eager {e:.1f} ms, compiled {c:.1f} ms, ratio {c / e:.3f} (medians of {args.runs})")
         for key in ("points", "normal", "mask"):
             if key in eager:
                 d = (out[key].float() - eager[key].float()).abs().flatten()
                 p99 = d.kthvalue(max(1, int(0.99 * d.numel()))).values.item()
                 print(f"{key}: compiled - eager, max abs {d.max().item():.3g}, p99 {p99:.3g}")
-    print(f"CPU: {platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}")
+    print(f"{common.cpu_line()}; {args.threads} threads, torch {torch.__version__}")
 
 
 if __name__ == "__main__":
