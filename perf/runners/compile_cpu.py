@@ -40,8 +40,8 @@ def _graph(args) -> torch.nn.Module:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny-vits-normal")
-    ap.add_argument("--size", default="448x252", help="canvas WxH")
-    ap.add_argument("--tokens", type=int, default=300)
+    ap.add_argument("--size", default="640x480", help="canvas WxH")
+    ap.add_argument("--tokens", type=int, default=1200, help="token budget (MoGeModel takes 1200-3600)")
     ap.add_argument("--graph", choices=("default", "sdpa"), default="default")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
