@@ -49,10 +49,10 @@ import weakref
 import numpy as np
 
 from .pre import device_split, exact_compute, intermediates, resize_matrix, split_matmul
+from .tiles import TILE, cdiv
 
 __all__ = ["DeviceOutput", "HEADS", "READBACK", "REMAPS", "host_view", "lend", "widen"]
 
-TILE = 32
 REMAPS = ("exp", "linear")  # the output remaps run on the device (MoGe-2's is "exp")
 HEADS = ("points", "normal", "mask")  # the heads the device output side knows the activations of
 NORMAL_EPS2 = 1e-24  # F.normalize's max(|n|, 1e-12), squared
@@ -115,10 +115,6 @@ def lend(arrays: list, on_release) -> list:
     return [np.asarray(_Loan(np.asarray(a), token)) for a in arrays]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class DeviceOutput:
     """The finest phase maps -> the raw maps at the canvas, on the device (see the module docstring)."""
 
@@ -133,8 +129,8 @@ class DeviceOutput:
         self.h, self.w = fin["in_height"], fin["in_width"]
         self.channels = fin["channels"]
         self.width, self.height = p["canvas"]
-        self.rows = _cdiv(2 * self.h, TILE) * TILE  # the interleaved rows 2 i + a, padded
-        self.cols = _cdiv(2 * self.w, TILE) * TILE  # the interleaved columns 2 j + b, padded
+        self.rows = cdiv(2 * self.h, TILE) * TILE  # the interleaved rows 2 i + a, padded
+        self.cols = cdiv(2 * self.w, TILE) * TILE  # the interleaved columns 2 j + b, padded
         self.heads, start = [], 0  # (name, first channel, channels)
         for head in p["heads"]:
             if head["name"] not in HEADS:
@@ -183,7 +179,7 @@ class DeviceOutput:
                 self.t.setdefault("cols", self._tensor(right, "bfloat16"))  # (cols, W)
                 self.t[f"rows.{n}"] = self._tensor(np.tile(left, (1, n, 1, 1)), "bfloat16")
         self.compute = exact_compute(T, self.device)
-        self.mem = intermediates(T, self.device, 3 * _cdiv(self.height, TILE) * TILE * self.width * 4)  # 3 maps
+        self.mem = intermediates(T, self.device, 3 * cdiv(self.height, TILE) * TILE * self.width * 4)  # 3 maps
         self.loaded = True
 
     def _interleaved(self, finest):

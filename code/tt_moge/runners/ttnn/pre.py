@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from .prepare import resize_taps
+from .tiles import TILE
 
 __all__ = [
     "DeviceInput",
@@ -43,7 +44,6 @@ __all__ = [
     "split_matmul",
 ]
 
-TILE = 32
 INPUT_DTYPES = ("uint8", "float32")  # the canvas's dtypes: a photo's 8-bit planes, a float image of the canvas size
 L1_MAP_BUDGET = 256 * 1024  # bytes per core of the largest intermediate map above which the sides keep it in DRAM
 

@@ -1,5 +1,6 @@
-"""Tile geometry shared by the device graph (`graph.py`) and its parts (`encoder.py`, `vit_block.py`,
-`decoder.py`): ttnn's 32x32 tile, the bytes of one tile in each data format, and a ceiling division."""
+"""Tile geometry shared by the device graph (`graph.py`), its parts (`encoder.py`, `vit_block.py`, `decoder.py`)
+and the input and output sides (`pre.py`, `post.py`): ttnn's 32x32 tile, the bytes of one tile in each data
+format, and a ceiling division."""
 
 from __future__ import annotations
 
