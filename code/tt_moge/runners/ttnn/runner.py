@@ -12,10 +12,10 @@ Per call (`forward`): the canvas (uint8 or float32, as the canvas fit made it) i
 device input of its dtype on command queue 0; its trace replays on queue 0: the canvas's antialiased resize to the
 token grid and its unfold into patches (`pre.DeviceInput`), the network (`graph.TtnnGraph`), then the phase
 interleave, the constant map, the bilinear resize to the canvas and the output activations (`post.DeviceOutput`);
-the raw maps (float32, channels-first) and the class token are read back, on queue 1 after an event when the chip
-was opened with two command queues (worker dispatch only), else on queue 0, into recycled host tensors
-(`post.DeviceOutput.read`). The host views the maps as (H, W, 3) through
-strides (no copy) and runs the scale MLP on the class token (a few thousand multiply-adds).
+the raw maps (channels-first, in `post.READBACK`'s formats: the normals bfloat16, the rest float32) and the class
+token are read back, on queue 1 after an event when the chip was opened with two command queues (worker dispatch
+only), else on queue 0, into recycled host tensors (`post.DeviceOutput.read`). The host views the maps as (H, W, 3)
+through strides (no copy) and runs the scale MLP on the class token (a few thousand multiply-adds).
 
 The timing boundary of `forward` (the spec's): from the canvas handed to the runner to the raw maps on the host:
 the upload, the device graph and the read-back. Decode, canvas fit, the focal / shift solve and the finish are
