@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import tt_moge  # noqa: F401  (before any benchmark imports torch: OpenMP's wait policy, see tt_moge.openmp)
+
 ROOT = Path(__file__).resolve().parents[1]  # the repository root
 DEMO_IMAGE = ROOT / "media" / "source.png"
 

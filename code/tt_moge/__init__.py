@@ -7,7 +7,14 @@
 `MoGeModel` (the model facade), `MoGeOutput` (one result) and `load_image` (any supported image input -> an
 (H, W, 3) RGB array, as the model decodes it) are imported on first use, so that subpackages that do not need
 torch (the Tenstorrent device graph, which runs in a ttnn environment) can be imported without it.
+
+Importing tt_moge before torch also sets OpenMP's wait policy for torch's CPU threads to passive, unless the
+caller chose one (`tt_moge.openmp`: why, and how to keep OpenMP's default).
 """
+
+from . import openmp as _openmp
+
+_openmp.set_wait_policy()
 
 __version__ = "0.1.0"
 

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Optional, Union
 import numpy as np
 import torch
 
-from . import __version__, native
+from . import __version__, native, openmp
 from .fields import signature
 from .host import CallOptions
 from .options import LoadOptions
@@ -149,6 +149,7 @@ class MoGeModel:
             "precision": self._runner.precision,
             "normal": self.has_normal,
             "host": native.host_path(),
+            **({"openmp_wait": openmp.describe()} if self.device == "cpu" else {}),  # threads sleep or spin
             "version": __version__,
         }
 

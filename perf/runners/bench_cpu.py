@@ -1,10 +1,12 @@
-"""CPU: our `model(array)` beside upstream MoGe-2 `infer(use_fp16=False)`, same weights, same image, one process.
+"""CPU: our `model(array)` beside upstream MoGe-2 `infer(use_fp16=False)`, same weights, same image, calls alternated.
 
 Both run ViT-L on a 1920x1080 photo with 1800 tokens (by default a random-weight, full-size checkpoint from
 `tt_moge.testing`, written once to ~/.cache/tt_moge/bench). Calls alternate (ours, upstream, ours, ...) so that
 a machine's changing load hits both alike; the script prints per-call medians, the ratio and the command to
-rerun it. Upstream's default `infer(use_fp16=True)` is far too slow on CPU to repeat: `--upstream-fp16-cap S`
-runs it once in a subprocess and reports its time or that it did not finish within S seconds.
+rerun it. Ours runs in this process, as `import tt_moge` sets it up (OpenMP's wait policy passive:
+`tt_moge.openmp`); upstream runs in a process of its own with the environment this script was started with, as
+its users run it. Upstream's default `infer(use_fp16=True)` is far too slow on CPU to repeat:
+`--upstream-fp16-cap S` runs it once in a subprocess and reports its time or that it did not finish within S s.
 
     python -m perf.runners.bench_cpu --repeats 5
     python -m perf.runners.bench_cpu --precision bf16,int8 --threads 1   # steadier on a shared machine
@@ -13,22 +15,86 @@ runs it once in a subprocess and reports its time or that it did not finish with
 `--busy` runs the same alternation twice: on the machine as it is ("quiet"), then with two CPU-bound processes
 per usable core beside it (`while True: pass`, started and stopped by this script: "busy"). In both phases it
 also times our first precision's model with its thread count pinned at 1 and at torch's count (the same model:
-`ThreadGovernor.pinned`), so the table shows what the per-forward thread governor (`runners/cpu_threads.py`,
-`MOGE_CPU_THREADS=auto`, which --busy sets unless the variable is set already) chose against both. Each
-phase prints the load average before and after it: a "quiet" phase is only as quiet as the machine's other
-jobs let it be.
+`ThreadGovernor.pinned`), so the table shows whether fewer threads would have been faster. With
+`MOGE_CPU_THREADS=auto` in the environment, "ours" is the per-forward thread governor (`runners/cpu_threads.py`)
+instead of the default fixed count. Each phase prints the load average before and after it: a "quiet" phase is
+only as quiet as the machine's other jobs let it be.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import time
 
 from perf import common
+from tt_moge import openmp
+
+# upstream's side: torch before anything of tt_moge (which would set OpenMP's wait policy), then requests on
+# stdin, one JSON line per answer on stdout
+_UPSTREAM_WORKER = r"""
+import json, os, sys
+import torch
+from perf import common
+
+path = sys.argv[1]
+width, height, tokens, threads = (int(v) for v in sys.argv[2:6])
+if threads:
+    torch.set_num_threads(threads)
+model = common.load_upstream(path)
+x = torch.from_numpy(common.photo((width, height))).permute(2, 0, 1).float().div(255)
+
+
+def call():
+    with torch.inference_mode():
+        model.infer(x, num_tokens=tokens, use_fp16=False)
+
+
+warm = common.timed(call)
+openmp = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME") if k in os.environ}
+info = {"warm_s": warm, "threads": torch.get_num_threads(), "openmp": openmp or "default"}
+print("@@" + json.dumps(info), flush=True)
+for _ in sys.stdin:
+    print("@@" + json.dumps(common.timed_both(call)), flush=True)
+"""
+
+
+class UpstreamProcess:
+    """Upstream's `infer(use_fp16=False)` in a process of its own, started with the environment as it was before
+    `import tt_moge` set OpenMP's wait policy: upstream as its users run it (a wait policy is per process; in
+    ours it would get our setting). `__call__` runs one call there and returns (wall s, CPU s) measured there."""
+
+    measures_itself = True
+
+    def __init__(self, path, size: tuple, tokens: int, threads: int):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _UPSTREAM_WORKER, str(path), str(size[0]), str(size[1]), str(tokens), str(threads)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=common.ROOT,
+            env=openmp.environment_before(),
+        )
+        self.info = self._answer()
+
+    def _answer(self):
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                return json.loads(line[2:])
+        raise RuntimeError(f"upstream's process ended (exit code {self.proc.wait()}); its error is above")
+
+    def __call__(self, timing=None) -> tuple:
+        self.proc.stdin.write("call\n")
+        self.proc.stdin.flush()
+        return tuple(self._answer())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def _upstream_fp16_capped(path, size, tokens, cap_s: float) -> str:
@@ -41,7 +107,12 @@ def _upstream_fp16_capped(path, size, tokens, cap_s: float) -> str:
     t = time.perf_counter()
     try:
         out = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=cap_s, cwd=common.ROOT
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=cap_s,
+            cwd=common.ROOT,
+            env=openmp.environment_before(),
         )
     except subprocess.TimeoutExpired:
         return f"did not finish in {cap_s:.0f} s (stopped; load + call)"
@@ -83,7 +154,10 @@ def alternate(calls: dict, repeats: int, label: str = "") -> tuple:
         line = []
         for name, call in calls.items():
             timing: dict = {}
-            times[name].append(common.timed_both(lambda: call(timing)))
+            if getattr(call, "measures_itself", False):  # runs in another process: (wall s, CPU s) from there
+                times[name].append(call(timing))
+            else:
+                times[name].append(common.timed_both(lambda: call(timing)))
             stages[name].append(timing)
             line.append(f"{name} {times[name][-1][0]:.2f} s ({times[name][-1][1]:.1f} CPU s)")
         print(f"{label}[{i + 1}/{repeats}] " + "   ".join(line), flush=True)
@@ -136,15 +210,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from tt_moge.runners.cpu_threads import THREADS_ENV
-
     path = common.full_size_checkpoint(args.checkpoint)
     size = tuple(args.size)
     image = common.photo(size)
     precisions = args.precision.split(",")
     fixed = args.fixed_threads or (f"1,{torch.get_num_threads()}" if args.busy else "none")
-    if args.busy:
-        os.environ.setdefault(THREADS_ENV, "auto")  # the governed model (read at load; opt-in elsewhere)
     models = {}
     for precision in precisions:
         t = time.perf_counter()
@@ -153,7 +223,7 @@ def main() -> None:
             device="cpu",
             resolution=size,
             num_tokens=args.tokens,
-            warmup=2,  # the second warm-up forward makes the thread governor's first choice
+            warmup=2,  # the second warm-up forward makes the thread governor's first choice (where it is on)
             warmup_variants="minimal",
             precision=precision,
         )
@@ -177,15 +247,13 @@ def main() -> None:
 
         calls[f"{first_name} {n}t"] = pinned_call
     if not args.no_upstream:
-        upstream = common.load_upstream(path)
-        x = torch.from_numpy(image).permute(2, 0, 1).float().div(255)
-
-        def run_upstream(timing):
-            with torch.inference_mode():
-                upstream.infer(x, num_tokens=args.tokens, use_fp16=False)
-
-        print(f"upstream warm call: {common.timed(lambda: run_upstream(None)):.2f} s", flush=True)
-        calls["upstream fp32"] = run_upstream
+        upstream = UpstreamProcess(path, size, args.tokens, args.threads)
+        print(
+            f"upstream (its own process, OpenMP {upstream.info['openmp']}, {upstream.info['threads']} threads) warm "
+            f"call: {upstream.info['warm_s']:.2f} s; ours: OpenMP {openmp.describe()}",
+            flush=True,
+        )
+        calls["upstream fp32"] = upstream
 
     phases = ["quiet", "busy"] if args.busy else ["quiet"]
     arch = next(iter(models.values())).info()["architecture"]
@@ -194,6 +262,7 @@ def main() -> None:
         "torch": torch.__version__,
         "cpu": common.cpu_line(),
         "kernels": {name: m.info()["runner"] for name, m in models.items()},
+        "openmp_wait": {"ours": openmp.describe(), "upstream": None if args.no_upstream else upstream.info["openmp"]},
     }
     for phase in phases:
         with busy_machine(args.busy_per_core) if phase == "busy" else contextlib.nullcontext(0) as extra:
@@ -239,7 +308,7 @@ def main() -> None:
         for name in (n for n in calls if n.startswith("ours")):
             print(f"  {name:16s} {result['quiet'][name]['ratio']:.3f} / {result['busy'][name]['ratio']:.3f}")
     if "upstream fp32" in calls:
-        del upstream
+        upstream.close()
     if args.upstream_fp16_cap > 0:
         result["upstream_fp16_capped"] = _upstream_fp16_capped(path, size, args.tokens, args.upstream_fp16_cap)
         print(f"upstream infer(use_fp16=True), one call: {result['upstream_fp16_capped']}")

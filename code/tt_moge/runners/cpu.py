@@ -3,8 +3,10 @@ work done at load; "int8" adds smoothed int8 ViT matmuls. Chosen by measurement 
 (`kernel_choice`): the attention kernel (PyTorch SDPA, head by head, or the fused native kernel of `cpu_kernels`
 where the CPU has AVX512-BF16); for "int8", the dtype of the rest of the graph (bfloat16, or float32 where
 bfloat16 is only emulated) and the ViT's matmul (`Int8Linear`'s per-token `_int_mm`, oneDNN's int8 linear
-`OnednnInt8Linear`, or no int8 at all where neither beats the plain GEMM). The thread count of each forward is
-chosen by measurement too, and re-checked under load (`cpu_threads`). See docs/devices-and-precision.md for
+`OnednnInt8Linear`, or no int8 at all where neither beats the plain GEMM). The thread count of each forward can
+be chosen by measurement too, and re-checked under load (`cpu_threads`, opt-in); OpenMP's idle threads sleep
+instead of spinning (`tt_moge.openmp`, set at `import tt_moge`) so that other jobs on the machine do not cost
+it twice. See docs/devices-and-precision.md for
 what it costs in accuracy against the float32 reference (`TorchRunner`, precision="fp32")."""
 
 from __future__ import annotations
