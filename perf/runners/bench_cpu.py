@@ -37,9 +37,11 @@ from tt_moge import openmp
 # upstream's side: torch before anything of tt_moge (which would set OpenMP's wait policy), then requests on
 # stdin, one JSON line per answer on stdout
 _UPSTREAM_WORKER = r"""
-import json, os, sys
+import json, os, sys, warnings
 import torch
 from perf import common
+
+warnings.filterwarnings("ignore", message="In CPU autocast")  # upstream's float32 autocast, once per call
 
 path = sys.argv[1]
 width, height, tokens, threads = (int(v) for v in sys.argv[2:6])
