@@ -14,7 +14,7 @@ processes inherit too) when both hold:
 * torch is not imported yet (else the runtime has read its settings already and the variable would lie);
 * the caller has not set OMP_WAIT_POLICY, GOMP_SPINCOUNT (libgomp) or KMP_BLOCKTIME (LLVM's and Intel's
   OpenMP) itself: the caller's choice always wins (`GOMP_SPINCOUNT=300000` restores libgomp's default).
-`describe()` says which of these decided it; the CPU runner reports it in `model.info()["runner"]`.
+`describe()` says which of these decided it; a CPU model reports it in `model.info()["openmp_wait"]`.
 
 This module imports nothing heavy: it runs at `import tt_moge`.
 """
