@@ -2,8 +2,9 @@
 
 On a quiet machine, one thread per usable core is fastest. On a machine whose cores other processes share, a
 team of that many threads can lose to a smaller one: every operator of the forward ends at a barrier, and a
-thread that the OS has descheduled holds the others there (spinning, with OpenMP's default wait policy) for
-as long as the others wait for a core. What a busy machine costs depends on the CPU, the OS scheduler and the
+thread that the OS has descheduled holds the others there for as long as it waits for a core (and with
+OpenMP's default wait policy the others spin meanwhile, on the cores it needs; `import tt_moge` makes them sleep:
+`tt_moge.openmp`). What a busy machine costs depends on the CPU, the OS scheduler and the
 other jobs, so it is measured, never guessed from the CPU's name (docs/performance.md has the numbers).
 
 `ThreadGovernor` runs each forward with the thread count it holds, times it, and probes another count (the next
