@@ -31,8 +31,7 @@ POLICY = "PASSIVE"
 DEFAULT = "OpenMP's default (threads spin before they sleep)"
 USER_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
-_decision: Optional[dict] = None
-_before: dict = {}  # the USER_VARIABLES as they were before tt_moge set any (absent: None)
+_decision: Optional[dict] = None  # set once, by tt_moge/__init__.py (which runs before this module can be used)
 
 
 def set_wait_policy() -> dict:
@@ -40,8 +39,7 @@ def set_wait_policy() -> dict:
     process. Returns `describe()`."""
     global _decision
     if _decision is None:
-        _before.update({name: os.environ.get(name) for name in USER_VARIABLES})
-        given = {name: value for name, value in _before.items() if value is not None}
+        given = {name: os.environ[name] for name in USER_VARIABLES if name in os.environ}
         if given:
             _decision = {"set_by": "environment", **given}
         elif "torch" in sys.modules:
@@ -54,16 +52,13 @@ def set_wait_policy() -> dict:
 
 def describe() -> dict:
     """How OpenMP's wait policy of this process came about: {"set_by": ..., and the variables in effect}."""
-    return dict(_decision) if _decision is not None else {"set_by": "not decided (tt_moge.openmp not run)"}
+    return dict(_decision)
 
 
 def environment_before() -> dict:
     """os.environ as it would be without tt_moge's setting: for a child process that should run as users run
     other programs (the benchmarks' upstream side)."""
     child = dict(os.environ)
-    for name, value in _before.items():
-        if value is None:
-            child.pop(name, None)
-        else:
-            child[name] = value
+    if _decision["set_by"] == "tt_moge":  # the only case in which tt_moge set anything
+        child.pop("OMP_WAIT_POLICY", None)
     return child

@@ -34,17 +34,18 @@ import time
 from perf import common
 from tt_moge import openmp
 
-# upstream's side: torch before anything of tt_moge (which would set OpenMP's wait policy), then requests on
-# stdin, one JSON line per answer on stdout
+# upstream's side: torch before anything of tt_moge (which would set OpenMP's wait policy), one warm call, then
+# one timed call per line on stdin; each answer is one JSON line on stdout, after "@@"
 _UPSTREAM_WORKER = r"""
 import json, os, sys, warnings
 import torch
 from perf import common
+from tt_moge.openmp import USER_VARIABLES
 
 warnings.filterwarnings("ignore", message="In CPU autocast")  # upstream's float32 autocast, once per call
 
 path = sys.argv[1]
-width, height, tokens, threads = (int(v) for v in sys.argv[2:6])
+width, height, tokens, threads, fp16 = (int(v) for v in sys.argv[2:7])
 if threads:
     torch.set_num_threads(threads)
 model = common.load_upstream(path)
@@ -53,11 +54,11 @@ x = torch.from_numpy(common.photo((width, height))).permute(2, 0, 1).float().div
 
 def call():
     with torch.inference_mode():
-        model.infer(x, num_tokens=tokens, use_fp16=False)
+        model.infer(x, num_tokens=tokens, use_fp16=bool(fp16))
 
 
 warm = common.timed(call)
-openmp = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME") if k in os.environ}
+openmp = {k: os.environ[k] for k in USER_VARIABLES if k in os.environ}
 info = {"warm_s": warm, "threads": torch.get_num_threads(), "openmp": openmp or "default"}
 print("@@" + json.dumps(info), flush=True)
 for _ in sys.stdin:
@@ -65,16 +66,26 @@ for _ in sys.stdin:
 """
 
 
+def _upstream_command(path, size: tuple, tokens: int, threads: int, fp16: bool) -> list:
+    return [sys.executable, "-c", _UPSTREAM_WORKER, str(path), *(str(v) for v in (*size, tokens, threads, int(fp16)))]
+
+
+def _answer(lines) -> "dict | None":
+    """The worker's next answer among its stdout lines."""
+    for line in lines:
+        if line.startswith("@@"):
+            return json.loads(line[2:])
+    return None
+
+
 class UpstreamProcess:
     """Upstream's `infer(use_fp16=False)` in a process of its own, started with the environment as it was before
     `import tt_moge` set OpenMP's wait policy: upstream as its users run it (a wait policy is per process; in
     ours it would get our setting). `__call__` runs one call there and returns (wall s, CPU s) measured there."""
 
-    measures_itself = True
-
     def __init__(self, path, size: tuple, tokens: int, threads: int):
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _UPSTREAM_WORKER, str(path), str(size[0]), str(size[1]), str(tokens), str(threads)],
+            _upstream_command(path, size, tokens, threads, fp16=False),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -84,10 +95,10 @@ class UpstreamProcess:
         self.info = self._answer()
 
     def _answer(self):
-        for line in self.proc.stdout:
-            if line.startswith("@@"):
-                return json.loads(line[2:])
-        raise RuntimeError(f"upstream's process ended (exit code {self.proc.wait()}); its error is above")
+        answer = _answer(self.proc.stdout)
+        if answer is None:
+            raise RuntimeError(f"upstream's process ended (exit code {self.proc.wait()}); its error is above")
+        return answer
 
     def __call__(self, timing=None) -> tuple:
         self.proc.stdin.write("call\n")
@@ -99,17 +110,13 @@ class UpstreamProcess:
         self.proc.wait()
 
 
-def _upstream_fp16_capped(path, size, tokens, cap_s: float) -> str:
-    code = (
-        "import time, torch; from perf import common; "
-        "m = common.load_upstream(%r); a = common.photo(%r); "
-        "x = torch.from_numpy(a).permute(2, 0, 1).float() / 255; t = time.perf_counter(); "
-        "m.infer(x, num_tokens=%d); print(time.perf_counter() - t)"
-    ) % (str(path), tuple(size), tokens)
+def _upstream_fp16_capped(path, size, tokens, threads: int, cap_s: float) -> str:
+    """Upstream's default `infer(use_fp16=True)`: the worker's first call only (no stdin: it ends after it)."""
     t = time.perf_counter()
     try:
         out = subprocess.run(
-            [sys.executable, "-c", code],
+            _upstream_command(path, size, tokens, threads, fp16=True),
+            input="",
             capture_output=True,
             text=True,
             timeout=cap_s,
@@ -120,10 +127,8 @@ def _upstream_fp16_capped(path, size, tokens, cap_s: float) -> str:
         return f"did not finish in {cap_s:.0f} s (stopped; load + call)"
     if out.returncode != 0:
         return f"failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
-    return (
-        f"{float(out.stdout.strip().splitlines()[-1]):.1f} s for "
-        f"one call ({time.perf_counter() - t:.0f} s with loading)"
-    )
+    seconds = _answer(out.stdout.splitlines())["warm_s"]
+    return f"{seconds:.1f} s for one call ({time.perf_counter() - t:.0f} s with loading)"
 
 
 @contextlib.contextmanager
@@ -156,10 +161,7 @@ def alternate(calls: dict, repeats: int, label: str = "") -> tuple:
         line = []
         for name, call in calls.items():
             timing: dict = {}
-            if getattr(call, "measures_itself", False):  # runs in another process: (wall s, CPU s) from there
-                times[name].append(call(timing))
-            else:
-                times[name].append(common.timed_both(lambda: call(timing)))
+            times[name].append(call(timing))
             stages[name].append(timing)
             line.append(f"{name} {times[name][-1][0]:.2f} s ({times[name][-1][1]:.1f} CPU s)")
         print(f"{label}[{i + 1}/{repeats}] " + "   ".join(line), flush=True)
@@ -238,14 +240,15 @@ def main() -> None:
     first_name, first = next(iter(models.items()))
     pinned = [int(n) for n in fixed.split(",") if n.strip()] if fixed != "none" else []
     print(f"{common.cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    calls = {
-        name: (lambda m: lambda timing: m.predict(image, timing=timing))(m) for name, m in models.items()
+    calls = {  # name -> call(timing dict) -> (wall s, CPU s), measured where it runs
+        name: (lambda m: lambda timing: common.timed_both(lambda: m.predict(image, timing=timing)))(m)
+        for name, m in models.items()
     }  # = model(array)
     for n in pinned:  # the same model, its thread governor pinned to n threads for these calls (not recorded)
 
         def pinned_call(timing, n=n):
             with first.service.runner.threads.pinned(n):
-                first.predict(image, timing=timing)
+                return common.timed_both(lambda: first.predict(image, timing=timing))
 
         calls[f"{first_name} {n}t"] = pinned_call
     if not args.no_upstream:
@@ -312,7 +315,9 @@ def main() -> None:
     if "upstream fp32" in calls:
         upstream.close()
     if args.upstream_fp16_cap > 0:
-        result["upstream_fp16_capped"] = _upstream_fp16_capped(path, size, args.tokens, args.upstream_fp16_cap)
+        result["upstream_fp16_capped"] = _upstream_fp16_capped(
+            path, size, args.tokens, args.threads, args.upstream_fp16_cap
+        )
         print(f"upstream infer(use_fp16=True), one call: {result['upstream_fp16_capped']}")
     for model in models.values():
         model.close()
