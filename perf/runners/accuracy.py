@@ -34,7 +34,7 @@ def _q(values: np.ndarray, q: float) -> float:
 def raw_errors(ours, ref) -> dict:
     p, q = ours.points.numpy(), ref.points.numpy()
     rel = np.abs(p - q) / (np.abs(q) + np.abs(q).max())
-    out = {"raw points rel max": rel.max(), "raw points rel p50": np.median(rel)}
+    out = {"raw points rel max": rel.max(), "raw points rel p50": np.median(rel), "raw points rel p99": _q(rel, 0.99)}
     if ref.normal is not None:
         ang = _angle_deg(ours.normal.numpy(), ref.normal.numpy())
         out.update(
