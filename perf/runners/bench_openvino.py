@@ -86,7 +86,8 @@ def main() -> None:
     network, _ = load_network(str(checkpoint))
     network = network.float().eval()
     onnx_path = _onnx_file(checkpoint, network, size, tokens)
-    canvas = prepare(common.photo(size), size, CallOptions()).canvas  # (1, 3, H, W) float32 in [0, 1]
+    photo = common.photo(size)
+    canvas = prepare(photo, size, CallOptions()).canvas  # (1, 3, H, W) float32 in [0, 1]
     with torch.inference_mode():
         reference = RawMaps.from_outputs(network(canvas, tokens))
     del network
@@ -100,8 +101,8 @@ def main() -> None:
         models.append(model)
         name = f"ours {model.info()['precision']}"
         service = model.service
-        ours_canvas = service.prepare(common.photo(size), CallOptions()).canvas  # the canvas as this runner takes it
-        calls[name] = (lambda s, c: lambda timing: common.timed_both(lambda: s.forward_raw(c)))(service, ours_canvas)
+        ours_canvas = service.prepare(photo, CallOptions()).canvas  # the canvas as this runner takes it
+        calls[name] = lambda timing, s=service, c=ours_canvas: common.timed_both(lambda: s.forward_raw(c))
         errors[name] = raw_errors(service.forward_raw(ours_canvas), reference)
         describe[name] = common.kernel_line(model.info()["runner"])
     core = ov.Core()
@@ -127,7 +128,7 @@ def main() -> None:
             f"{compiled.get_property('INFERENCE_PRECISION_HINT')}, {compiled.get_property('INFERENCE_NUM_THREADS')} "
             "threads"
         )
-        calls[name] = (lambda r: lambda timing: common.timed_both(r))(run)
+        calls[name] = lambda timing, run=run: common.timed_both(run)
 
     print(f"{common.cpu_line()}; torch {torch.__version__}, OpenVINO {ov.__version__}, {threads} threads")
     print(f"{size[0]}x{size[1]}, {tokens} tokens, {checkpoint}")
