@@ -231,8 +231,8 @@ def fidelity_name(config, default: str) -> str:
 
 def approx_exp(x: torch.Tensor) -> torch.Tensor:
     """Schraudolph's exp: the float whose bits are round(x * 2^23 / ln 2 + 127 * 2^23 - 486411), 0 below ~-87."""
-    a = x.double().clamp(min=-87.0) * (2**23 / math.log(2)) + (127 * 2**23 - 486411)
-    return a.clamp(min=0).round().to(torch.int32).view(torch.float32)
+    a = x.double().clamp_(min=-87.0).mul_(2**23 / math.log(2)).add_(127 * 2**23 - 486411)  # in place: one buffer
+    return a.clamp_(min=0).round_().to(torch.int32).view(torch.float32)
 
 
 class _Numerics:
@@ -296,6 +296,9 @@ class _Numerics:
 
     def exp(self, x: torch.Tensor, approx: bool) -> torch.Tensor:
         return approx_exp(x) if approx and not self.exact else torch.exp(x)
+
+
+FLASH_ROWS = 128  # query rows per block of the attention's emulation (see TtnnEmulator._flash_attention)
 
 
 class TtnnEmulator:
@@ -881,7 +884,14 @@ class TtnnEmulator:
 
     def _flash_attention(self, q, k, v, scale, fidelity, fp32_acc, approx, k_chunk) -> torch.Tensor:
         """Non-causal attention as the FlashAttention kernel computes it, key chunk by key chunk, with its
-        bfloat16 intermediates (exactly softmax attention in the exact mode)."""
+        bfloat16 intermediates (exactly softmax attention in the exact mode). Query rows do not depend on each
+        other, so they are emulated in blocks of FLASH_ROWS (as the kernel's query chunks): the intermediates of a
+        block stay in the CPU's cache, which makes the emulation several times faster than whole score matrices."""
+        rows = [q[..., i : i + FLASH_ROWS, :] for i in range(0, q.shape[-2], FLASH_ROWS)]
+        args = (k, v, scale, fidelity, fp32_acc, approx, k_chunk)
+        return torch.cat([self._flash_attention_rows(block, *args) for block in rows], dim=-2)
+
+    def _flash_attention_rows(self, q, k, v, scale, fidelity, fp32_acc, approx, k_chunk) -> torch.Tensor:
         N = self.num
         inter = (lambda z: z) if self.exact else round_bf16
         m = torch.full(q.shape[:-1] + (1,), -math.inf)
