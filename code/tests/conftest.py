@@ -84,21 +84,3 @@ def upstream():
         return cache[key]
 
     return get
-
-
-def pytest_collection_finish(session):
-    """A test module may define start_background_work(items): long subprocess work of its selected tests, started
-    now so that it overlaps the modules that run before it (tests/test_ttnn_mock.py)."""
-    by_module: dict = {}
-    for item in session.items:
-        module = getattr(item, "module", None)
-        if module is not None and hasattr(module, "start_background_work"):
-            by_module.setdefault(module, []).append(item)
-    for module, items in by_module.items():
-        module.start_background_work(items)
-
-
-def pytest_sessionfinish(session):
-    for module in {getattr(item, "module", None) for item in session.items}:
-        if hasattr(module, "stop_background_work"):
-            module.stop_background_work()

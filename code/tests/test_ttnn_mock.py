@@ -8,15 +8,11 @@ a missing mock into a failure.
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -38,107 +34,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run_check(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def _check(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "PYTHON": sys.executable,
         "MOGE_MOCK_DIR": str(WORK),
         "PYTHONPATH": os.pathsep.join([str(ROOT / "code"), os.environ.get("PYTHONPATH", "")]),
     }
-    return subprocess.run([str(CHECK), *args], capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def _show(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(CHECK), *args], capture_output=True, text=True, timeout=timeout, env=env)
     print(done.stdout[-600:], done.stderr[-1500:], sep="\n")  # shown with -s, and on failure
     return done
 
 
-def _check(*args: str) -> subprocess.CompletedProcess:
-    return _show(_run_check(*args))
-
-
-def _capture_calibration(path: Path) -> subprocess.CompletedProcess:
-    """A fresh capture of the calibration's demo models on the mock, written to `path`."""
-    script = ROOT / "code" / "tt_moge" / "ttnn_tools" / "mock_check.py"
-    command = ["bash", "-c", '. ./env.sh && exec python "$0" --capture-calibration "$1"', str(script), str(path)]
-    return subprocess.run(command, capture_output=True, text=True, cwd=WORK, timeout=900)
-
-
-CAPTURE = ("--capture-calibration",)
-
-
-def _run(key: tuple, folder: Path) -> tuple:
-    """(the finished run, its output file in `folder`) of one of the module's mock runs: the check with `key` as its
-    arguments and its report, or (CAPTURE) the calibration capture."""
-    if key == CAPTURE:
-        path = folder / "runs.json.gz"
-        return _capture_calibration(path), path
-    path = folder / "report.json"
-    return _run_check(*key, "--json", str(path)), path
-
-
-# The mock runs of the tests selected in this session, started one after another in a worker thread when the
-# session starts (`start_background_work`, called by conftest.py): each is a single-threaded subprocess of seconds
-# to half a minute, and the rest of the suite leaves a core idle much of the time, so the module's tests find
-# them done. key -> future of _run(key, path).
-_background: dict = {}
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _runs_of(item) -> list:
-    """The keys of the mock runs `item` (a test of this module) reads through _result."""
-    name = item.originalname
-    if name == "test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budget":
-        return [FAST_VITL[item.callspec.params["fast_vitl_report"]]]
-    if name == "test_no_normal_head_on_square_canvases_runs_on_the_mock_p150":
-        grid = item.callspec.params["grid"]
-        return [SQUARE_SMALL[grid]] + ([SQUARE_LARGE] if grid == GRIDS[0] else [])
-    return {
-        "test_the_safe_graph_still_runs_and_costs_more": [SAFE_VITL],
-        "test_the_stored_calibration_runs_are_what_the_mock_runs_now": [CAPTURE],
-        "test_vits_on_another_canvas_runs_on_the_mock_p150": [VITS_CANVAS],
-    }.get(name, [])
-
-
-def start_background_work(items: list) -> None:
-    """Start the mock runs that the selected tests of this module (`items`) will read, in their order."""
-    global _pool
-    if not _mock_ready() or _pool is not None:
-        return
-    keys = list(dict.fromkeys(key for item in items for key in _runs_of(item)))
-    if not keys:
-        return
-    folder = Path(tempfile.mkdtemp(prefix="tt_moge-mock-runs-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mock-runs")
-    for i, key in enumerate(keys):
-        (folder / str(i)).mkdir()
-        _background[key] = _pool.submit(_run, key, folder / str(i))
-
-
-def stop_background_work() -> None:
-    """At the session's end: runs not started are dropped (a session stopped early does not wait for them)."""
-    if _pool is not None:
-        _pool.shutdown(wait=True, cancel_futures=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _background_runs_done():
-    """The module's tests start once every background run has ended: a run of their own then never prepares the
-    same weights into the mock's cache at the same time as one of those."""
-    concurrent.futures.wait(list(_background.values()))
-
-
-def _result(tmp_path, key: tuple) -> tuple:
-    """(done, output path) of the mock run `key`: the one run in the background, else run now into tmp_path."""
-    job = _background.pop(key, None)
-    done, path = _run(key, tmp_path) if job is None else job.result()
-    return _show(done), path
-
-
 def _report(tmp_path, *args: str) -> dict:
-    """The check's report of `args` (run with --json), with the OK line's numbers under "summary"."""
-    done, path = _result(tmp_path, args)
+    """Run the check with --json; the report, with the OK line's numbers under "summary"."""
+    path = tmp_path / "report.json"
+    done = _check(*args, "--json", str(path))
     assert done.returncode == 0, done.stdout[-2000:]
     report = json.loads(path.read_text())
     report["summary"] = _summary(done)
@@ -179,13 +90,6 @@ INPUT_OUTPUT_BUDGET_MS = 1.6
 FORWARD_GOAL_MS = 15.0
 
 SPEC_CASE = ("--random", "vitl-normal", "--resolution", "1920x1080", "--num-tokens", "1800")
-# the check's runs, by test (the calibration with the first grid only: it does not depend on the grid)
-FAST_VITL = {grid: (*SPEC_CASE, "--grid", grid) + (() if grid == GRIDS[0] else ("--no-calibration",)) for grid in GRIDS}
-SAFE_VITL = (*SPEC_CASE, "--grid", GRIDS[0], "--config", "safe", "--no-calibration", "--no-l1-headroom")
-VITS_CANVAS = ("--random", "vits-normal", "--resolution", "640x480", "--num-tokens", "1200", "--no-calibration")
-SQUARE = {grid: ("--random", "vits", "--resolution", "896x896", "--grid", grid, "--no-calibration") for grid in GRIDS}
-SQUARE_SMALL = {grid: (*SQUARE[grid], "--num-tokens", "1600") for grid in GRIDS}
-SQUARE_LARGE = (*SQUARE[GRIDS[0]], "--num-tokens", "3600", "--no-l1-headroom")
 
 
 def _network_ms(est: dict) -> float:
@@ -198,7 +102,9 @@ def fast_vitl_report(request, tmp_path_factory) -> dict:
     """The mock check's report of the fast graph (the default) on ViT-L at 1920x1080 / 1800 tokens, run once per
     grid; the calibration (which does not depend on the grid: stored op lists) with the first grid only."""
     grid = request.param
-    return _report(tmp_path_factory.mktemp(f"fast-vitl-{grid}"), *FAST_VITL[grid])
+    tmp_path = tmp_path_factory.mktemp(f"fast-vitl-{grid}")
+    calibration = () if grid == GRIDS[0] else ("--no-calibration",)
+    return _report(tmp_path, *SPEC_CASE, "--grid", grid, *calibration)
 
 
 @pytest.mark.full_size
@@ -247,7 +153,9 @@ def test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budg
 def test_the_safe_graph_still_runs_and_costs_more(tmp_path):
     """$MOGE_TTNN_GRAPH=safe, the switch back: the first graph (DRAM activations, HiFi4) runs on the mock too (on
     the spec's grid; no L1 bisection), and the cost model sees what the fast graph buys."""
-    report = _report(tmp_path, *SAFE_VITL)
+    report = _report(
+        tmp_path, *SPEC_CASE, "--grid", GRIDS[0], "--config", "safe", "--no-calibration", "--no-l1-headroom"
+    )
     assert not report["graph"]["encoder_in_l1"] and not report["graph"]["decoder_chained"]
     assert _network_ms(report["estimate_ms"]) > 2 * FORWARD_BUDGET_MS[GRIDS[0]]
 
@@ -265,7 +173,10 @@ def test_the_stored_calibration_runs_are_what_the_mock_runs_now(tmp_path):
     from tt_moge.ttnn_tools import calibration
     from tt_moge.ttnn_tools.cost import ops_to_json
 
-    done, fresh = _result(tmp_path, CAPTURE)
+    fresh = tmp_path / "runs.json.gz"
+    script = ROOT / "code" / "tt_moge" / "ttnn_tools" / "mock_check.py"
+    command = ["bash", "-c", '. ./env.sh && exec python "$0" --capture-calibration "$1"', str(script), str(fresh)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=WORK, timeout=900)
     assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-1500:]
     stored, captured = calibration.load_runs(), calibration.load_runs(fresh)
     assert sorted(captured) == sorted(stored) == sorted({p.run for p in calibration.POINTS})
@@ -274,7 +185,9 @@ def test_the_stored_calibration_runs_are_what_the_mock_runs_now(tmp_path):
 
 
 def test_vits_on_another_canvas_runs_on_the_mock_p150(tmp_path):
-    report = _report(tmp_path, *VITS_CANVAS)
+    report = _report(
+        tmp_path, "--random", "vits-normal", "--resolution", "640x480", "--num-tokens", "1200", "--no-calibration"
+    )
     got = report["summary"]
     assert got["backbone"] == "dinov2_vits14" and got["canvas"] == (640, 480) and got["tokens"] == 1200
     assert got["calls"] > 300 and 0 < got["peak"] < got["bank"]
@@ -286,12 +199,13 @@ def test_no_normal_head_on_square_canvases_runs_on_the_mock_p150(tmp_path, grid)
     """A checkpoint without a normal head (two heads) on a square canvas, on each P150 grid: at 1600 tokens
     chained in L1, at the top of the token budget (3600; first grid only) the decoder falls back to DRAM slicing
     (its finest maps no longer fit L1)."""
-    small = _report(tmp_path, *SQUARE_SMALL[grid])
+    square = ("--random", "vits", "--resolution", "896x896", "--grid", grid, "--no-calibration")
+    small = _report(tmp_path, *square, "--num-tokens", "1600")
     assert small["grid"] == grid and small["summary"]["canvas"] == (896, 896) and small["graph"]["decoder_chained"]
     shapes = small["outputs"]["shapes"]  # channels-first planes, as the device reads them back
     assert shapes.get("normal") is None and shapes["mask"] == [1, 896, 896] and shapes["points"] == [3, 896, 896]
     if grid == GRIDS[0]:
-        large = _report(tmp_path, *SQUARE_LARGE)
+        large = _report(tmp_path, *square, "--num-tokens", "3600", "--no-l1-headroom")
         assert large["graph"]["encoder_in_l1"] and not large["graph"]["decoder_chained"]
 
 
