@@ -161,6 +161,19 @@ def test_sdpa_is_flash_attention_with_bfloat16_intermediates():
     assert not torch.equal(device, chunked)  # the key chunk size is part of the arithmetic
 
 
+def test_sdpa_emulated_in_query_blocks_is_the_whole_computation(monkeypatch):
+    """The attention is emulated FLASH_ROWS query rows at a time (for speed); each row's arithmetic does not depend
+    on the others, so blocks of any size give the same bits as all rows at once."""
+    from . import ttnn_emulator
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 200, 64, generator=gen) * s for s in (0.3, 0.3, 1.0))
+    blocked, _ = _sdpa(TtnnEmulator(), q, k, v, 64, approx=True)  # 128 + 72 rows
+    monkeypatch.setattr(ttnn_emulator, "FLASH_ROWS", 1000)
+    whole, _ = _sdpa(TtnnEmulator(), q, k, v, 64, approx=True)
+    assert ttnn_emulator.FLASH_ROWS > q.shape[-2] and torch.equal(blocked, whole)
+
+
 def test_conv_fidelity_matches_the_matmul_rule():
     gen = torch.Generator().manual_seed(4)
     T = TtnnEmulator()
