@@ -94,7 +94,12 @@ def _encoder_reference(net, image: torch.Tensor, plan: dict) -> tuple[np.ndarray
         features, cls_token = net.encoder(image, rows, cols)
         uv0 = net.uv_planes(rows, cols, image.shape[-1] / image.shape[-2], torch.float32, None)[0]
         level0 = net.neck.input_blocks[0](torch.cat([features, uv0], dim=1))
-    return level0[0].permute(1, 2, 0).reshape(rows * cols, -1).numpy(), cls_token[0].numpy()
+    return _level0_rows(level0, plan), cls_token[0].numpy()
+
+
+def _level0_rows(level0: torch.Tensor, plan: dict) -> np.ndarray:
+    """The neck's level-0 map (1, d0, rows, cols) as the device holds it: (rows * cols, d0), token order."""
+    return level0[0].permute(1, 2, 0).reshape(plan["rows"] * plan["cols"], -1).numpy()
 
 
 FLOAT32_READBACK = {"normal": "float32", "mask": "float32"}  # every map read back in float32
@@ -250,8 +255,7 @@ def _references(preset: str, seed: int, canvas, tokens) -> tuple:
             for hook in hooks:
                 hook.remove()
         ref["finished"] = _finish(ref, canvas)
-        level0 = seen["level0"][0].permute(1, 2, 0).reshape(plan["rows"] * plan["cols"], -1).numpy()
-        _REFERENCES[key] = (ref, level0, seen["cls_token"][0].numpy())
+        _REFERENCES[key] = (ref, _level0_rows(seen["level0"], plan), seen["cls_token"][0].numpy())
     return _REFERENCES[key]
 
 

@@ -146,15 +146,11 @@ def main() -> None:
             after = load_line()
         print(f"{phase}: median wall s / CPU s, and the ratio to {first} ({before} before, {after} after)")
         report: dict = {"busy_processes": extra, "load_before": before, "load_after": after}
-        for name in calls:
-            wall, cpu = (common.median([t[k] for t in times[name]]) for k in (0, 1))
-            report[name] = {"median_s": wall, "median_cpu_s": cpu}
-        for name in calls:
-            ratio = report[name]["median_s"] / report[first]["median_s"]
-            report[name]["ratio_to_first"] = ratio
-            print(
-                f"  {name:16s} {report[name]['median_s']:.2f} s / {report[name]['median_cpu_s']:.1f} CPU s  {ratio:.3f}"
-            )
+        medians = {name: [common.median([t[k] for t in times[name]]) for k in (0, 1)] for name in calls}
+        for name, (wall, cpu) in medians.items():
+            ratio = wall / medians[first][0]
+            report[name] = {"median_s": wall, "median_cpu_s": cpu, "ratio_to_first": ratio}
+            print(f"  {name:16s} {wall:.2f} s / {cpu:.1f} CPU s  {ratio:.3f}")
         result[phase] = report
     for model in models:
         model.close()
