@@ -168,6 +168,26 @@ def alternate(calls: dict, repeats: int, label: str = "") -> tuple:
     return times, stages
 
 
+def run_phase(calls: dict, repeats: int, phase: str, busy_per_core: int) -> tuple:
+    """One phase of a quiet/busy benchmark: the calls alternated `repeats` times, beside `busy_per_core`
+    CPU-bound processes per core when `phase` is "busy" -> (report {busy_processes, load_before, load_after},
+    {name: (median wall s, median CPU s)}, {name: [(wall s, CPU s)]}, {name: [stage timings]})."""
+    with busy_machine(busy_per_core) if phase == "busy" else contextlib.nullcontext(0) as extra:
+        before = load_line()
+        print(f"\n{phase}: {extra} busy processes; {before}", flush=True)
+        times, stages = alternate(calls, repeats, f"{phase} ")
+        after = load_line()
+    medians = {name: tuple(common.median([t[k] for t in times[name]]) for k in (0, 1)) for name in calls}
+    return {"busy_processes": extra, "load_before": before, "load_after": after}, medians, times, stages
+
+
+def stop_on_sigterm() -> None:
+    """Exit through Python on SIGTERM, so that a killed benchmark still stops its busy processes."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="a MoGe-2 model.pt (default: the cached random full-size ViT-L)")
@@ -203,9 +223,7 @@ def main() -> None:
     )
     ap.add_argument("--json", help="write the numbers to this file")
     args = ap.parse_args()
-    import signal
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed benchmark still stops its busy processes
+    stop_on_sigterm()
 
     import torch
 
@@ -270,19 +288,14 @@ def main() -> None:
         "openmp_wait": {"ours": openmp.describe(), "upstream": None if args.no_upstream else upstream.info["openmp"]},
     }
     for phase in phases:
-        with busy_machine(args.busy_per_core) if phase == "busy" else contextlib.nullcontext(0) as extra:
-            before = load_line()
-            print(f"\n{phase}: {extra} busy processes of ours; {before}", flush=True)
-            times, stages = alternate(calls, args.repeats, f"{phase} ")
-            after = load_line()
+        report, medians, times, stages = run_phase(calls, args.repeats, phase, args.busy_per_core)
         print(
-            f"\n{phase} ({extra} busy processes; {before} before, {after} after): {arch}, {size[0]}x{size[1]}, "
+            f"\n{phase} ({report['busy_processes']} busy processes; {report['load_before']} before, "
+            f"{report['load_after']} after): {arch}, {size[0]}x{size[1]}, "
             f"{args.tokens} tokens, {args.repeats} calls each, torch threads {torch.get_num_threads()}: "
             "median wall s / CPU s"
         )
-        report: dict = {"busy_processes": extra, "load_before": before, "load_after": after}
-        for name in calls:
-            wall, cpu = (common.median([t[k] for t in times[name]]) for k in (0, 1))
+        for name, (wall, cpu) in medians.items():
             report[name] = {"median_s": wall, "median_cpu_s": cpu, "calls_s": [round(t[0], 3) for t in times[name]]}
             extra_text = ""
             if stages[name][0]:

@@ -21,14 +21,13 @@ p99, max), normal angle, mask agreement at 0.5, metric scale (`perf.runners.accu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from pathlib import Path
 
 from perf import common
 from perf.runners.accuracy import raw_errors
-from perf.runners.bench_cpu import alternate, busy_machine, load_line
+from perf.runners.bench_cpu import run_phase, stop_on_sigterm
 
 
 def _onnx_file(checkpoint: Path, network, size: tuple, tokens: int) -> Path:
@@ -66,9 +65,7 @@ def main() -> None:
     ap.add_argument("--busy-per-core", type=int, default=2, metavar="N")
     ap.add_argument("--json", help="write the numbers to this file")
     args = ap.parse_args()
-    import signal
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed benchmark still stops its busy processes
+    stop_on_sigterm()
     try:
         import openvino as ov
     except ImportError:
@@ -139,14 +136,11 @@ def main() -> None:
         result["errors"][name] = {k: float(v) for k, v in errors[name].items()}
     first = next(iter(calls))
     for phase in ["quiet", "busy"] if args.busy else ["quiet"]:
-        with busy_machine(args.busy_per_core) if phase == "busy" else contextlib.nullcontext(0) as extra:
-            before = load_line()
-            print(f"\n{phase}: {extra} busy processes; {before}", flush=True)
-            times, _ = alternate(calls, args.repeats, f"{phase} ")
-            after = load_line()
-        print(f"{phase}: median wall s / CPU s, and the ratio to {first} ({before} before, {after} after)")
-        report: dict = {"busy_processes": extra, "load_before": before, "load_after": after}
-        medians = {name: [common.median([t[k] for t in times[name]]) for k in (0, 1)] for name in calls}
+        report, medians, _, _ = run_phase(calls, args.repeats, phase, args.busy_per_core)
+        print(
+            f"{phase}: median wall s / CPU s, and the ratio to {first} ({report['load_before']} before, "
+            f"{report['load_after']} after)"
+        )
         for name, (wall, cpu) in medians.items():
             ratio = wall / medians[first][0]
             report[name] = {"median_s": wall, "median_cpu_s": cpu, "ratio_to_first": ratio}
