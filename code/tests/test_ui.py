@@ -162,6 +162,50 @@ def test_page_results_are_the_api_results(model, tmp_path, image):
         assert page["view"]["vertices"] > 1000 and page["view"]["faces"] > 1000
 
 
+def test_measured_points_are_the_api_points(model, tmp_path, image):
+    """GET /ui/results/<id>/points (the page's measuring tool) gives the 3D point, depth and mask of POST
+    /predict's arrays at each pixel asked for, None where the mask took the point out; bad pixels get a 422
+    naming `at`, an unknown result a 404."""
+    from tt_moge import MoGeOutput
+    from tt_moge.server.ui import MEASURE_MAX_PIXELS
+
+    client, _ = make_client(model, tmp_path)
+    with client:
+        page = client.post("/ui/api/predict", content=image, headers={"Content-Type": PNG}).json()
+        api = MoGeOutput.from_npz(client.post("/predict", content=image, headers={"Content-Type": PNG}).content)
+        valid, invalid = np.argwhere(api.mask), np.argwhere(~api.mask)
+        assert len(valid) > 1000 and len(invalid) > 100  # both kinds of pixel are asked for
+        pixels = [(int(x), int(y)) for y, x in (*valid[:: len(valid) // 5][:5], *invalid[:: len(invalid) // 3][:3])]
+        pixels.append((639, 359))  # the last pixel
+        r = client.get(page["points"], params={"at": [f"{x},{y}" for x, y in pixels]})
+        assert r.status_code == 200, r.text
+        got = r.json()["points"]
+        assert [p["pixel"] for p in got] == [list(p) for p in pixels]
+        for (x, y), p in zip(pixels, got):
+            assert p["valid"] == bool(api.mask[y, x])
+            if api.mask[y, x]:
+                assert p["point"] == api.points[y, x].tolist() and p["depth_m"] == float(api.depth[y, x])
+            else:  # masked out: inf in the arrays
+                assert p["point"] is None and p["depth_m"] is None
+        a, b = (np.array(p["point"]) for p in got[:2])
+        assert np.linalg.norm(a - b) > 0  # two different points: a distance to measure
+
+        for at, expected in (
+            (["640,10"], "outside the 640x360 image"),
+            (["3,-1"], "outside"),
+            (["1.5,2"], "whole pixels"),
+            (["1,2,3"], "whole pixels"),
+            ([], "1 to"),
+            (["1,1"] * (MEASURE_MAX_PIXELS + 1), "1 to"),
+        ):
+            r = client.get(page["points"], params={"at": at})
+            assert r.status_code == 422 and r.json()["code"] == "invalid_option", (at, r.text)
+            assert r.json()["detail"].startswith("at: ") and expected in r.json()["detail"], r.json()
+        r = client.get(page["points"].replace(page["id"], "0" * 32), params={"at": "1,1"})
+        assert r.status_code == 404 and r.json()["code"] == "result_expired"
+        assert client.get(page["points"], params={"at": "1,1"}).status_code == 200  # still serving
+
+
 def test_page_requests_get_the_api_errors_and_need_its_key(model, tmp_path):
     settings = ServerSettings(queue_size=2, host_threads=2, max_body_bytes=300_000, max_pixels=1_000_000, api_key=KEY)
     client, _ = make_client(model, tmp_path, settings)

@@ -196,6 +196,64 @@ def test_numbers_on_the_page_equal_predict_summary(result_page, api):
     assert set(rows["timing"][0]) == set(expected["timing_ms"])
 
 
+def test_two_clicks_on_a_map_measure_the_distance_of_predict_points(result_page, api):
+    """Clicking two pixels of the depth map shows their depths and the distance between their 3D points: those of
+    POST /predict's arrays at the pixels the page reports; the marks are drawn on every map; a third click
+    starts a new pair, and a click on the colour bar is no pixel."""
+    import cv2
+
+    from tt_moge import MoGeOutput
+
+    browser = result_page
+    out = MoGeOutput.from_npz(
+        api.post("/predict", content=SOURCE.read_bytes(), headers={"Content-Type": "image/png"}).content
+    )
+    inside = cv2.erode(out.mask.astype(np.uint8), np.ones((41, 41), np.uint8)) > 0  # valid well around the click
+    rows, cols = np.nonzero(inside)
+    assert len(rows) > 10000
+    targets = [(int(cols[i]), int(rows[i])) for i in (len(rows) // 5, 4 * len(rows) // 5)]
+    img = browser.find_element(By.ID, "depth")
+    size = browser.execute_script(
+        "const i = arguments[0]; return [i.clientWidth, i.clientHeight, i.naturalWidth, i.naturalHeight]", img
+    )
+    text = browser.find_element(By.ID, "measure-text")
+
+    def click(x: float, y: float) -> None:  # at photo pixel (x, y); selenium's offsets are from the centre
+        dx, dy = ((x + 0.5) * size[0] / size[2] - size[0] / 2), ((y + 0.5) * size[1] / size[3] - size[1] / 2)
+        ActionChains(browser).move_to_element_with_offset(img, round(dx), round(dy)).click().perform()
+
+    def picked() -> list:
+        return json.loads(text.get_attribute("data-pixels"))
+
+    assert browser.find_element(By.ID, "measure").is_displayed()
+    for x, y in targets:
+        click(x, y)
+    WebDriverWait(browser, 30).until(lambda b: text.get_attribute("data-distance"))
+    pixels = picked()
+    per_css_px = size[2] / size[0]  # photo pixels per CSS pixel of the shown map
+    for (x, y), (px, py) in zip(targets, pixels):
+        assert abs(px - x) <= per_css_px + 1 and abs(py - y) <= per_css_px + 1, (targets, pixels)
+    a, b = (out.points[py, px].astype(np.float64) for px, py in pixels)
+    expected = float(np.linalg.norm(a - b))
+    assert expected > 0.01
+    assert float(text.get_attribute("data-distance")) == pytest.approx(expected, rel=1e-9)
+    assert f"A to B: {expected:.3f} m" in text.text
+    for (px, py), label in zip(pixels, "AB"):
+        assert f"{label} at ({px}, {py}): depth {out.depth[py, px]:.3f} m" in text.text
+    for name in ("depth", "normal", "mask"):  # the marks on every map
+        marks = browser.find_elements(By.CSS_SELECTOR, f"#{name} + svg circle, #{name} + svg line")
+        assert len(marks) == 3, name
+
+    click(size[2] - 5, size[3] / 2)  # the colour bar right of the photo: not a pixel, nothing changes
+    time.sleep(0.3)
+    assert picked() == pixels
+    click(*targets[0])  # a third point starts a new pair
+    WebDriverWait(browser, 30).until(lambda b: len(picked()) == 1 and "Click a second point" in text.text)
+    assert not text.get_attribute("data-distance")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#depth + svg circle")) == 1
+    assert console_errors(browser) == []
+
+
 def test_downloaded_npz_equals_predict_bit_for_bit(result_page, api, downloads):
     browser = result_page
     browser.find_element(By.CSS_SELECTOR, "#download-buttons button[data-file='result.npz']").click()

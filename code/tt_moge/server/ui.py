@@ -18,6 +18,9 @@ Routes (none is in the OpenAPI schema: the API is /predict and /predict/summary)
                                     (clip.npz, poses.json, trajectory.txt, scene.ply, scene.glb), made with it
     GET  /ui/results/<id>/<file>    depth.jpg, normal.jpg, mask.png, view.glb (made with the result), and the
                                     downloads result.npz, mesh.glb, points.ply, depth.exr (made on first request)
+    GET  /ui/results/<id>/points?at=X,Y&at=...
+                                    the result's 3D points (metres, camera space), depth and mask at those pixels,
+                                    read from its stored arrays: the page's measuring tool
 
 A page request goes through the API's own path, the app's `Serving`: the same bearer key, body and pixel
 limits, admission and query parameters (one per call option); the maps and the 3D view are made on the host
@@ -53,7 +56,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
 from .. import __version__
@@ -81,6 +84,7 @@ __all__ = [
     "KEEP_BYTES",
     "KEEP_SECONDS",
     "DOWNLOADS",
+    "MEASURE_MAX_PIXELS",
     "VIEW_FILES",
 ]
 
@@ -91,6 +95,7 @@ VIEW_MAX_BYTES = 14 * 1024**2  # view.glb never exceeds this (the texture shrink
 KEEP_RESULTS = 8  # results kept for the page's images and downloads
 KEEP_BYTES = 2 * 1024**3  # their files together (arrays, upload, pictures, view and the downloads made)
 KEEP_SECONDS = 3600
+MEASURE_MAX_PIXELS = 16  # pixels per GET /ui/results/<id>/points
 _PNG_FAST = 1  # zlib level of the page's mask PNG: quick to write
 _MAP_JPEG_QUALITY = 90  # the depth and normal pictures are viewed, not archived (the downloads hold the values);
 # JPEG writes these noisy colour maps much faster than PNG
@@ -374,6 +379,7 @@ def make_page_result(out: MoGeOutput, upload: ImageUpload, store: ResultStore) -
         },
         "view": {**view, "url": base + "view.glb" if glb is not None else None},
         "downloads": {name: base + name for name in (*DOWNLOADS, "view.glb") if name != "view.glb" or glb is not None},
+        "points": base + "points",
         "page_ms": times,
     }
 
@@ -403,6 +409,51 @@ def _make_download(store: ResultStore, entry: _Entry, name: str, compress: bool)
                 made.replace(target)
         store.added(entry, target)
     return target
+
+
+def parse_pixels(at: list, size: tuple) -> list:
+    """The `at` query values ("X,Y", pixel column and row from the top left) -> [(x, y)]; ApiError 422 naming
+    `at` and what it expects when one is malformed or outside the image of `size` (width, height)."""
+    width, height = size
+    if not 1 <= len(at) <= MEASURE_MAX_PIXELS:
+        raise ApiError(422, "invalid_option", f"at: expected 1 to {MEASURE_MAX_PIXELS} pixels, got {len(at)}")
+    pixels = []
+    for value in at:
+        try:
+            x, y = (int(v) for v in value.split(","))
+        except ValueError:
+            raise ApiError(
+                422, "invalid_option", f"at: expected X,Y in whole pixels (e.g. at=10,20), got {value!r}"
+            ) from None
+        if not (0 <= x < width and 0 <= y < height):
+            raise ApiError(
+                422,
+                "invalid_option",
+                f"at: pixel {x},{y} is outside the {width}x{height} image (0 <= X < {width}, 0 <= Y < {height})",
+            )
+        pixels.append((x, y))
+    return pixels
+
+
+def points_at(entry: _Entry, at: list) -> dict:
+    """The stored result's 3D point (camera space, metres: x right, y down, z forward), depth and mask at each
+    pixel of `at` (see `parse_pixels`); a point or depth that is not finite (masked out) is None."""
+    entry.saved.result()  # the arrays are written after the page's answer
+    with np.load(entry.path / _ARRAYS) as arrays:
+        mask = arrays["mask"]
+        pixels = parse_pixels(at, (mask.shape[1], mask.shape[0]))
+        rows, cols = [y for _, y in pixels], [x for x, _ in pixels]
+        points, depth, valid = arrays["points"][rows, cols], arrays["depth"][rows, cols], mask[rows, cols]
+
+    def finite(values: np.ndarray) -> Any:
+        return values.tolist() if np.isfinite(values).all() else None
+
+    return {
+        "points": [
+            {"pixel": [x, y], "valid": bool(v), "point": finite(p), "depth_m": finite(d)}
+            for (x, y), p, d, v in zip(pixels, points, depth, valid)
+        ]
+    }
 
 
 # ------------------------------------------------------------------------------------------------ routes
@@ -563,6 +614,14 @@ def mount_ui(app: MoGeApp, store: Optional[ResultStore] = None) -> ResultStore:
             done.ticket.done("answer")
             raise
         return serving.answer_json(record, done.timing, done.ticket)
+
+    @router.get("/ui/results/{rid}/points")
+    async def result_points(rid: str, at: list[str] = Query(default=[])) -> dict:
+        entry = store.acquire(rid)
+        try:  # a few pixels out of the stored arrays (tens of MB read): off the event loop
+            return await asyncio.get_running_loop().run_in_executor(None, points_at, entry, at)
+        finally:
+            store.release(entry)
 
     @router.get("/ui/results/{rid}/{name}")
     async def result_file(request: Request, rid: str, name: str) -> Response:

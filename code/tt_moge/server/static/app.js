@@ -172,7 +172,11 @@ async function run() {
 
 function clearResult() {
   state.result = null;
-  for (const id of ["depth", "normal", "mask"]) {
+  measure.picks = [];
+  measure.seq += 1;  // an answer still on its way is for the old result
+  drawPicks();
+  $("measure").hidden = true;
+  for (const id of MAPS) {
     $(id).hidden = true;
     $(id).closest("figure").hidden = false;
     $(id).removeAttribute("src");
@@ -189,7 +193,7 @@ function clearResult() {
 function showClipNumbers(result) {
   const s = result.summary, body = $("numbers-table").tBodies[0];
   body.replaceChildren();
-  for (const id of ["depth", "normal", "mask"]) $(id).closest("figure").hidden = true;
+  for (const id of MAPS) $(id).closest("figure").hidden = true;
   const t = s.timing_ms || {};
   const rows = [
     ["size", "Frames", `${s.frames} of ${s.width} × ${s.height} px${s.fps ? ` at ${s.fps.toFixed(2)} fps` : ""}`, [s.width, s.height]],
@@ -230,12 +234,92 @@ async function showScene(result, marks) {
 }
 
 function showMaps(result) {
-  for (const id of ["depth", "normal", "mask"]) {
+  for (const id of MAPS) {
     const url = result.images[id];
     $(id).hidden = !url;
     $(id).closest("figure").hidden = !url;  // no normal map from a model without a normal head
     if (url) $(id).src = url;
   }
+  showMeasure(null, []);
+  $("measure").hidden = false;
+}
+
+// ------------------------------------------------------------------------------------------------ measure
+// Click two pixels on a map (depth, normal or mask: each on the photo's pixel grid) -> their 3D points, read
+// from the result's arrays by GET /ui/results/<id>/points, and the distance between them in metres; a third
+// click starts a new pair.
+const MAPS = ["depth", "normal", "mask"];
+const measure = { picks: [], seq: 0 };
+
+function pixelAt(img, e) {  // the photo's pixel under the pointer, or null (outside it: the depth colour bar)
+  const rect = img.getBoundingClientRect();
+  const x = Math.floor((e.clientX - rect.left - img.clientLeft) * img.naturalWidth / img.clientWidth);
+  const y = Math.floor((e.clientY - rect.top - img.clientTop) * img.naturalHeight / img.clientHeight);
+  const s = state.result && state.result.summary;
+  return s && x >= 0 && y >= 0 && x < s.width && y < s.height ? [x, y] : null;
+}
+
+async function pick(img, e) {
+  const pixel = pixelAt(img, e);
+  if (!pixel || !state.result || !state.result.points) return;
+  if (measure.picks.length === 2) measure.picks = [];
+  measure.picks.push(pixel);
+  drawPicks();
+  const seq = ++measure.seq;
+  const query = measure.picks.map(([x, y]) => `at=${x},${y}`).join("&");
+  try {
+    const r = await fetch(`${state.result.points}?${query}`);
+    if (seq !== measure.seq) return;  // a newer click is on its way
+    if (!r.ok) { const d = await describe(r.status, await r.text()); showMeasure(`${d.title} ${d.detail}`); return; }
+    showMeasure(null, (await r.json()).points);
+  } catch (err) {
+    if (seq === measure.seq) showMeasure(`No answer from the server: ${err}`);
+  }
+}
+
+function showMeasure(error, points = []) {
+  const box = $("measure-text");
+  box.dataset.pixels = JSON.stringify(measure.picks);
+  delete box.dataset.distance;
+  const lines = [];
+  if (error) lines.push(error);
+  for (const [i, p] of points.entries()) {
+    const where = `${"AB"[i]} at (${p.pixel.join(", ")})`;
+    lines.push(p.point === null ? `${where}: no 3D point (masked out)`
+      : `${where}: depth ${p.depth_m.toFixed(3)} m${p.valid ? "" : " (outside the mask)"}`);
+  }
+  if (!error && points.length === 2 && points[0].point && points[1].point) {
+    const distance = Math.hypot(...points[0].point.map((v, k) => v - points[1].point[k]));
+    box.dataset.distance = String(distance);
+    lines.push(`A to B: ${distance.toFixed(3)} m`);
+  } else if (!error && points.length < 2) {
+    lines.push(points.length ? "Click a second point." : "Click two points on a map for their depth and the distance between them.");
+  }
+  box.replaceChildren(...lines.map((line) => Object.assign(document.createElement("div"), { textContent: line })));
+}
+
+function drawPicks() {
+  for (const id of MAPS) {
+    const img = $(id), svg = img.nextElementSibling;
+    svg.replaceChildren();
+    if (img.hidden || !img.naturalWidth || !measure.picks.length) continue;
+    svg.setAttribute("viewBox", `0 0 ${img.naturalWidth} ${img.naturalHeight}`);
+    svg.setAttribute("preserveAspectRatio", "none");
+    const unit = img.naturalWidth / Math.max(1, img.clientWidth);  // photo pixels per screen pixel
+    const add = (name, attrs) => {
+      const el = document.createElementNS(svg.namespaceURI, name);  // the SVG namespace
+      for (const [k, v] of Object.entries({ "stroke-width": 2 * unit, ...attrs })) el.setAttribute(k, v);
+      svg.append(el);
+    };
+    const [a, b] = measure.picks.map(([x, y]) => [x + 0.5, y + 0.5]);
+    if (b) add("line", { x1: a[0], y1: a[1], x2: b[0], y2: b[1] });
+    for (const [i, [x, y]] of [a, b].filter(Boolean).entries()) add("circle", { cx: x, cy: y, r: 6 * unit, class: i ? "b" : "a" });
+  }
+}
+
+function bindMeasure() {
+  for (const id of MAPS) $(id).addEventListener("click", (e) => pick($(id), e));
+  window.addEventListener("resize", drawPicks);  // the marks' size is in screen pixels
 }
 
 // ------------------------------------------------------------------------------------------------ numbers
@@ -423,6 +507,7 @@ function optionQuery(video) {
 
 async function start() {
   bindInput();
+  bindMeasure();
   try {
     state.config = await (await fetch("/ui/api/config")).json();
     if (state.config.auth) $("key-row").hidden = false;
