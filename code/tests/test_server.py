@@ -163,6 +163,63 @@ def test_summary_json_matches_the_api(client, reference):
     assert "device;dur=" in r.headers["server-timing"]
 
 
+def test_panorama_npz_and_summary_are_the_api_panorama(client, reference):
+    """POST /predict/panorama gives `model.predict_panorama` of the same bytes, array for array, and its
+    summary route the same summary; apply_mask=false keeps the fitted distance everywhere."""
+    from tt_moge.panorama.predict import PANORAMA_NPZ_LAYOUT
+    from tt_moge.testing.room import render_panorama
+
+    data = encode_image(render_panorama(256, 128).image, "PNG")
+    local = reference.predict_panorama(data)
+    assert 0.05 < local.valid_fraction < 0.999 and local.view_errors.count(None) >= 6  # not vacuous
+    r = client.post("/predict/panorama", content=data, headers={"Content-Type": PNG}, params={"compress": "false"})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/x-npz" and "decode;dur=" in r.headers["server-timing"]
+    served, expected = load_npz(r.content), local.npz_arrays()
+    assert set(served) == set(expected) == set(PANORAMA_NPZ_LAYOUT)
+    for key, value in expected.items():
+        assert served[key].dtype == value.dtype and np.array_equal(served[key], value), key
+    assert np.isinf(served["distance"][served["mask"] == 0]).all()
+
+    r = client.post("/predict/panorama/summary", content=data, headers={"Content-Type": PNG})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected = local.summary()
+    assert body["merge_residual"] == pytest.approx(expected["merge_residual"], rel=1e-9)  # a sum: last-ulp order
+    assert {k: v for k, v in body.items() if k not in ("seconds", "timing_ms", "merge_residual")} == {
+        k: v for k, v in expected.items() if k not in ("seconds", "merge_residual")
+    }
+    assert body["kind"] == "panorama" and body["timing_ms"]["panorama"] > 0
+
+    r = client.post("/predict/panorama", content=data, headers={"Content-Type": PNG}, params={"apply_mask": "false"})
+    unmasked = load_npz(r.content)
+    assert np.isfinite(unmasked["distance"]).all()
+    assert np.array_equal(unmasked["distance"], reference.predict_panorama(data, apply_mask=False).distance)
+
+
+def test_panorama_errors_name_what_was_expected(client, reference):
+    from fastapi.testclient import TestClient
+
+    from tt_moge.server.app import create_app
+
+    wide = client.post("/predict/panorama", content=_GOOD_PNG, headers={"Content-Type": PNG})
+    assert wide.status_code == 422 and wide.json()["code"] == "not_a_panorama", wide.text
+    assert wide.json()["detail"].startswith("image: a panorama must be") and "twice as wide" in wide.json()["detail"]
+    r = client.post("/predict/panorama/summary", content=_GOOD_PNG, headers={"Content-Type": PNG}, params={"fov_x": 60})
+    assert r.status_code == 422 and "fov_x" in r.json()["detail"]  # not an option of a panorama
+    r = client.post("/predict/panorama", content=b"not an image", headers={"Content-Type": PNG})
+    assert r.status_code == 415 and r.json()["code"] == "unsupported_image"
+    assert client.get("/health").json()["status"] == "ok"
+
+    small = ServerSettings(max_pixels=100_000, max_body_bytes=1_000_000, memory_budget_bytes=64 * 2**20)
+    with TestClient(create_app(reference, small)) as local:
+        pano = encode_image(photo(256, 128, 3), "PNG")
+        r = local.post("/predict/panorama", content=pano, headers={"Content-Type": PNG})
+        assert r.status_code == 413 and r.json()["code"] == "panorama_too_large", r.text
+        assert "--memory-budget-mb" in r.json()["detail"]
+        assert local.post("/predict", content=pano, headers={"Content-Type": PNG}).status_code == 200  # a photo fits
+
+
 def test_health_ready_info(client, server):
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["ready"] is True and health["queue_size"] == 2

@@ -28,15 +28,19 @@ EXAMPLES = int(os.environ.get("MOGE_FUZZ_EXAMPLES", "25"))
 
 
 def image_bodies(fmt: str) -> st.SearchStrategy:
-    """Bytes for an image/png or image/jpeg body: noise, a valid image (8..64 px a side), or a cut-off one."""
+    """Bytes for an image/png or image/jpeg body: noise, a valid image (8..64 px a side, or 2:1 for panoramas), or
+    a cut-off one."""
     valid = st.builds(
         lambda w, h, seed: encode_image(photo(w, h, seed), fmt),
         st.integers(8, 64),
         st.integers(8, 64),
         st.integers(0, 99),
     )
+    panorama = st.builds(  # twice as wide as high, so that some reach the model through /predict/panorama
+        lambda h, seed: encode_image(photo(2 * h, h, seed), fmt), st.integers(8, 32), st.integers(0, 99)
+    )
     truncated = st.builds(lambda data, keep: data[: max(1, int(len(data) * keep))], valid, st.floats(0.05, 0.95))
-    return st.one_of(st.binary(max_size=512), valid, truncated)
+    return st.one_of(st.binary(max_size=512), valid, panorama, truncated)
 
 
 def video_bodies() -> st.SearchStrategy:
@@ -67,6 +71,8 @@ OPERATIONS = [
     ("POST", "/predict/summary"),
     ("POST", "/predict/video"),
     ("POST", "/predict/video/summary"),
+    ("POST", "/predict/panorama"),
+    ("POST", "/predict/panorama/summary"),
     ("GET", "/health"),
     ("GET", "/ready"),
     ("GET", "/info"),
@@ -86,7 +92,7 @@ def test_every_operation_is_fuzzed(api_schema):
 
 # (schemathesis.pytest.from_fixture relies on a pytest internal that pytest 9 removed, so the strategy of each
 # operation is driven by hypothesis directly.)
-# Schema-violating requests exist only for operations with parameters or a body: the two /predict routes.
+# Schema-violating requests exist only for operations with parameters or a body: the /predict routes.
 CASES = [(m, p, "positive") for m, p in OPERATIONS] + [(m, p, "negative") for m, p in OPERATIONS if m == "POST"]
 
 

@@ -29,6 +29,7 @@ from ..npzio import DEFLATE_BACKEND, npz_parts
 from ..output import SUMMARY_FIELDS
 from .docs import install_docs
 from .errors import ERROR_RESPONSES, ApiError, ErrorBody, install_error_handlers
+from .panorama import add_panorama_routes
 from .protocol import log_accept_errors
 from .sending import ABORT_KEY, connection_aborter
 from .serving import (
@@ -244,6 +245,7 @@ def create_app(
         return serving.answer_json(record, done.timing, done.ticket)
 
     add_video_routes(app, serving, responses)
+    add_panorama_routes(app, serving, responses, _PREDICT_BODY)
 
     @app.get("/health", response_model=Health, summary="Liveness: the process answers (200 even while loading)")
     async def health() -> dict:

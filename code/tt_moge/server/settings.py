@@ -253,6 +253,15 @@ class ServerSettings:
         return BYTES_PER_PIXEL * pixels + body_bytes
 
     @staticmethod
+    def panorama_cost(pixels: int, body_bytes: int) -> int:
+        """The bytes an admitted panorama is counted for: a photo's cost for its own pixels, and BYTES_PER_PIXEL
+        per pixel of each of its views (all of them are predicted before the merge)."""
+        from ..panorama.geometry import VIEW_SIZE, view_cameras
+
+        views = len(view_cameras()) * VIEW_SIZE * VIEW_SIZE
+        return BYTES_PER_PIXEL * (pixels + views) + body_bytes
+
+    @staticmethod
     def clip_cost(frames: int, pixels: int, body_bytes: int, calibration_frames: int) -> int:
         """The bytes an admitted clip is counted for: CLIP_BYTES_PER_PIXEL per pixel of each of its frames (the
         answer), BYTES_PER_PIXEL per pixel of its calibration frames and CLIP_FRAMES_IN_FLIGHT more (the work),

@@ -1,0 +1,159 @@
+"""POST /predict/panorama and /predict/panorama/summary: an equirectangular photo in; the whole sphere's
+distance, points and mask (npz) or its summary (JSON) out.
+
+    curl --data-binary @pano.jpg -H 'Content-Type: image/jpeg' http://127.0.0.1:8000/predict/panorama -o pano.npz
+
+The body, its checks and limits are those of POST /predict (PNG or JPEG, raw or multipart; --max-body-mb,
+--max-pixels; `exif`). An image that is not twice as wide as high gets 422 `not_a_panorama` before it is
+admitted, and one that could never fit the memory budget 413 `panorama_too_large`. The work is
+`tt_moge.panorama.predict_panorama` on the server's model with the query's `apply_mask`, the same as
+`model.predict_panorama(<the same bytes>, apply_mask=...)`: 12 perspective views of 512x512 through the model
+(`--resolution 512x512` fits them best, docs/panorama.md), merged into one distance map. A panorama takes one
+queue slot and is counted in the memory budget for its own pixels and its views'
+(`ServerSettings.panorama_cost`). The npz holds `panorama.predict.PANORAMA_NPZ_LAYOUT`; the summary is
+`PanoramaOutput.summary()` plus timing_ms.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Literal
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.responses import Response
+
+from ..host import InputError
+from ..host.decode import decode_bytes
+from ..npzio import npz_parts
+from ..panorama.geometry import check_panorama_size
+from ..panorama.predict import PANORAMA_NPZ_LAYOUT, predict_panorama
+from .errors import ApiError
+from .serving import NPZ_MEDIA_TYPE, Prediction, Serving, check_query, client_is_loopback, timing_headers
+from .upload import EXIF_QUERY, exif_query, receive_image
+
+__all__ = ["PANORAMA_QUERY", "predict_pano", "add_panorama_routes"]
+
+PANORAMA_QUERY = ("apply_mask", EXIF_QUERY)  # the query parameters of both routes (the npz one adds compress)
+
+
+def _apply_mask(
+    apply_mask: bool = Query(
+        True, description="set the distance and points of invalid pixels to inf (false: the fitted values everywhere)"
+    ),
+) -> bool:
+    return apply_mask
+
+
+async def predict_pano(
+    serving: Serving, request: Request, apply_mask: bool, exif: bool, encode: Callable[[Any], Any]
+) -> Prediction:
+    """Receive, check and admit a panorama, run `predict_panorama` on a host thread and `encode(output)` there."""
+    settings = serving.settings
+    start = time.perf_counter()
+    reservation = serving.budget.reservation()
+    try:
+        upload = await receive_image(request, settings, serving.reserver(reservation), exif)
+        width, height = upload.size
+        try:
+            check_panorama_size(width, height, "image")
+        except InputError as exc:
+            raise ApiError(422, "not_a_panorama", str(exc)) from None
+        cost = settings.panorama_cost(width * height, len(upload.data))
+        if cost > settings.memory_budget_bytes:  # it could never be admitted: not a 503 to retry
+            raise ApiError(
+                413,
+                "panorama_too_large",
+                f"the panorama ({width}x{height} and its views) needs {cost / 2**20:.0f} MiB; the server's memory "
+                f"budget is {settings.memory_budget_bytes / 2**20:.0f} MiB (--memory-budget-mb): send a smaller one",
+            )
+        ticket = serving.admit(reservation, cost)
+    except BaseException:
+        reservation.release()
+        raise
+    admitted = time.perf_counter()
+    timing: dict = {"read": upload.read_ms}
+    model = serving.model
+
+    def job() -> Any:
+        timing["queue"] = (time.perf_counter() - admitted) * 1e3
+        t = time.perf_counter()
+        try:
+            rgb = decode_bytes(upload.data, exif=upload.exif)
+        except Exception as exc:  # untrusted bytes the decoder choked on: the image is bad, not the server
+            raise ApiError(400, "bad_image", f"could not decode the {upload.format} data ({exc})") from None
+        timing["decode"] = (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        try:
+            out = predict_panorama(model, rgb, apply_mask=apply_mask)
+        except InputError as exc:  # turned by its EXIF orientation, it is no longer 2:1
+            raise ApiError(422, "not_a_panorama", str(exc)) from None
+        except RuntimeError as exc:
+            if "no view of the panorama" not in str(exc):
+                raise
+            raise ApiError(422, "no_valid_view", str(exc)) from None
+        timing["panorama"] = (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        payload = encode(out)
+        timing["encode"] = (time.perf_counter() - t) * 1e3
+        return payload
+
+    payload = await serving.on_host(job, ticket)
+    timing["total"] = (time.perf_counter() - start) * 1e3
+    return Prediction(payload, timing, ticket)
+
+
+def add_panorama_routes(app: FastAPI, serving: Serving, responses: dict, body: dict) -> None:
+    """POST /predict/panorama (npz) and /predict/panorama/summary (JSON) on `app` (see the module docstring);
+    `body` is POST /predict's request body for the OpenAPI schema."""
+    layout = ", ".join(f"{k} {dt} {shape}" for k, (dt, shape) in PANORAMA_NPZ_LAYOUT.items())
+
+    @app.post(
+        "/predict/panorama",
+        dependencies=[Depends(serving.authorize)],
+        openapi_extra=body,
+        response_class=Response,
+        summary="Predict a panorama: an equirectangular image in, npz of the whole sphere's distance, points, mask out",
+        responses={
+            200: {
+                "description": f"The panorama's npz: {layout} (distance in metres from the viewpoint)",
+                "content": {NPZ_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+            },
+            **responses,
+        },
+    )
+    async def predict_panorama_npz(
+        request: Request,
+        apply_mask: bool = Depends(_apply_mask),
+        compress: Literal["auto", "true", "false"] = Query(
+            "auto", description="Deflate the arrays inside the npz; auto: unless the client is on this machine"
+        ),
+        exif: bool = Depends(exif_query),
+    ) -> Response:
+        check_query(request, (*PANORAMA_QUERY, "compress"))
+        deflate = compress == "true" or (compress == "auto" and not client_is_loopback(request))
+        done = await predict_pano(
+            serving, request, apply_mask, exif, lambda out: npz_parts(out.npz_arrays(), compress=deflate)
+        )
+        return serving.answer(done.payload, NPZ_MEDIA_TYPE, timing_headers(done.timing), done.ticket)
+
+    @app.post(
+        "/predict/panorama/summary",
+        dependencies=[Depends(serving.authorize)],
+        openapi_extra=body,
+        response_class=Response,
+        summary="Predict a panorama: an equirectangular image in, its summary out (no maps)",
+        responses={
+            200: {
+                "description": "PanoramaOutput.summary(): size, valid fraction, median distance, the views that "
+                "failed, the merge's solve, seconds, timing_ms",
+                "content": {"application/json": {"schema": {"type": "object"}}},
+            },
+            **responses,
+        },
+    )
+    async def predict_panorama_summary(
+        request: Request, apply_mask: bool = Depends(_apply_mask), exif: bool = Depends(exif_query)
+    ) -> Response:
+        check_query(request, PANORAMA_QUERY)
+        done = await predict_pano(serving, request, apply_mask, exif, lambda out: out.summary())
+        return serving.answer_json({**done.payload, "timing_ms": done.timing}, done.timing, done.ticket)
