@@ -296,6 +296,7 @@ function showMeasure(error, points = []) {
     lines.push(points.length ? "Click a second point." : "Click two points on a map for their depth and the distance between them.");
   }
   box.replaceChildren(...lines.map((line) => Object.assign(document.createElement("div"), { textContent: line })));
+  if (box.dataset.distance) box.lastChild.className = "distance";
 }
 
 function drawPicks() {
