@@ -162,6 +162,33 @@ def test_page_results_are_the_api_results(model, tmp_path, image):
         assert page["view"]["vertices"] > 1000 and page["view"]["faces"] > 1000
 
 
+def test_downloads_of_an_exif_turned_photo_are_of_the_turned_photo(model, tmp_path):
+    """A phone photo stored sideways (EXIF orientation 6): the page's mesh and point cloud are those of the photo
+    as shown, the one the model saw (`tt-moge predict` on the same file), not of its stored pixel order."""
+    from PIL import Image
+
+    from tt_moge.export import write_outputs
+    from tt_moge.host.decode import decode_bytes
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # turn 90 degrees clockwise to show
+    stored = io.BytesIO()
+    Image.fromarray(photo(360, 240, 5)).save(stored, format="JPEG", quality=92, exif=exif.tobytes())
+    data = stored.getvalue()
+    shown = decode_bytes(data, exif=True)
+    assert shown.shape[:2] == (360, 240)  # turned: 240 wide, 360 high
+    client, _ = make_client(model, tmp_path)
+    with client:
+        page = client.post("/ui/api/predict", content=data, headers={"Content-Type": "image/jpeg"}).json()
+        assert (page["summary"]["width"], page["summary"]["height"]) == (240, 360)
+        expected = write_outputs(model(shown), shown, tmp_path / "cli", formats=("ply", "glb"))
+        assert {"mesh.glb", "points.ply"} <= set(expected["files"])
+        for name in ("mesh.glb", "points.ply"):
+            r = client.get(page["downloads"][name])
+            assert r.status_code == 200, r.text
+            assert r.content == (tmp_path / "cli" / name).read_bytes(), name
+
+
 def test_measured_points_are_the_api_points(model, tmp_path, image):
     """GET /ui/results/<id>/points (the page's measuring tool) gives the 3D point, depth and mask of POST
     /predict's arrays at each pixel asked for, None where the mask took the point out; bad pixels get a 422

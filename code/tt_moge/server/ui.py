@@ -135,6 +135,7 @@ class _Entry:
     nbytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)  # one maker of each download at a time
     saved: Optional[Future] = None  # the arrays and the upload, written after the page's answer
+    exif: bool = False  # the stored upload is decoded turned by its EXIF orientation (as the model saw it)
 
 
 class ResultStore:
@@ -334,6 +335,7 @@ def make_page_result(out: MoGeOutput, upload: ImageUpload, store: ResultStore) -
     times: dict = {}
     t = time.perf_counter()
     entry = store.create()
+    entry.exif = upload.exif
     try:
         rgb = decode_bytes(upload.data, exif=upload.exif)  # the pixels the model saw (the same decoder)
         summary = out.summary(depth_percentiles=True)
@@ -400,7 +402,7 @@ def _make_download(store: ResultStore, entry: _Entry, name: str, compress: bool)
         if name == "depth.exr":
             write_depth_exr(target, out.depth)
         else:
-            rgb = decode_bytes(next(entry.path.glob("input.*")).read_bytes())
+            rgb = decode_bytes(next(entry.path.glob("input.*")).read_bytes(), exif=entry.exif)  # as the model saw it
             with tempfile.TemporaryDirectory(dir=entry.path) as tmp:
                 record = write_outputs(out, rgb, tmp, formats=("glb" if name == "mesh.glb" else "ply",))
                 made = Path(tmp) / name
