@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from tt_moge.server import ServerSettings  # noqa: E402
 
-from .server_harness import encode_image, photo  # noqa: E402
+from .server_harness import encode_image, micro_config, photo  # noqa: E402
 
 PNG = "image/png"
 KEY = "ui-test-key"
@@ -187,6 +187,80 @@ def test_downloads_of_an_exif_turned_photo_are_of_the_turned_photo(model, tmp_pa
             r = client.get(page["downloads"][name])
             assert r.status_code == 200, r.text
             assert r.content == (tmp_path / "cli" / name).read_bytes(), name
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    """The server tests' micro checkpoint on a small canvas: a panorama is 12 forwards."""
+    from tt_moge import MoGeModel
+    from tt_moge.testing import make_checkpoint
+
+    m = MoGeModel.from_pretrained(
+        make_checkpoint(tmp_path_factory.mktemp("micro"), micro_config()),
+        device="cpu",
+        resolution=(224, 224),
+        num_tokens=1200,
+        warmup=0,
+        warmup_variants="none",
+        precision="fp32",
+    )
+    yield m
+    m.close()
+
+
+def test_a_panorama_on_the_page_is_the_api_panorama(small_model, tmp_path):
+    """POST /ui/api/predict_panorama: the summary and npz of `model.predict_panorama` (those of the API's
+    panorama routes), the mesh and cloud of `tt-moge predict --panorama`'s writer, a view that closes around the viewer,
+    and the measure route on the panorama's points (distance from the viewpoint as its depth)."""
+    import dataclasses
+
+    from tt_moge.export import write_outputs
+    from tt_moge.server.ui import view_mesh
+    from tt_moge.testing.room import render_panorama
+
+    rgb = render_panorama(256, 128).image
+    data = encode_image(rgb, "PNG")
+    model = small_model
+    local = model.predict_panorama(data)
+    assert local.valid_fraction > 0.5 and np.std(local.distance[local.mask]) > 0.01  # not vacuous
+    client, _ = make_client(model, tmp_path)
+    with client:
+        r = client.post("/ui/api/predict_panorama", content=data, headers={"Content-Type": PNG})
+        assert r.status_code == 200, r.text
+        page = r.json()
+        assert page["kind"] == "panorama" and page["images"]["normal"] is None
+        # /predict/panorama's summary and npz are the Python API's (test_server.py): compared with that here
+        drop = ("seconds", "timing_ms", "merge_residual")
+        assert {k: v for k, v in page["summary"].items() if k not in drop} == {
+            k: v for k, v in local.summary().items() if k not in drop
+        }
+        npz = client.get(page["downloads"]["result.npz"])
+        assert npz.status_code == 200 and npz.content == local.to_npz_bytes(compress=True)  # not loopback: deflated
+
+        expected = write_outputs(local, rgb, tmp_path / "cli", formats=("ply", "glb"))
+        assert {"mesh.glb", "points.ply"} <= set(expected["files"])
+        for name in ("mesh.glb", "points.ply"):
+            assert client.get(page["downloads"][name]).content == (tmp_path / "cli" / name).read_bytes(), name
+        view = client.get(page["view"]["url"])
+        assert view.content[:4] == b"glTF" and page["view"]["faces"] > 1000
+
+        class Flat(type(local)):  # the same maps, not joined at the seam
+            is_panorama = False
+
+        _, flat = view_mesh(Flat(**{f.name: getattr(local, f.name) for f in dataclasses.fields(local)}), rgb)
+        assert page["view"]["faces"] > flat["faces"]  # the view's mesh closes around the viewer
+
+        valid = np.argwhere(local.mask)[:: max(1, int(local.mask.sum()) // 3)][:3]
+        at = [f"{x},{y}" for y, x in valid]
+        got = client.get(page["points"], params={"at": at}).json()["points"]
+        for (y, x), p in zip(valid, got):
+            assert p["point"] == local.points[y, x].tolist() and p["depth_m"] == float(local.distance[y, x])
+        wide = client.post(
+            "/ui/api/predict_panorama", content=encode_image(photo(300, 100, 1), "PNG"), headers={"Content-Type": PNG}
+        )
+        assert wide.status_code == 422 and wide.json()["code"] == "not_a_panorama"
+        r = client.post("/ui/api/predict_panorama", content=data, headers={"Content-Type": PNG}, params={"fit": "pad"})
+        assert r.status_code == 422 and "fit" in r.json()["detail"]  # not an option of a panorama
 
 
 def test_measured_points_are_the_api_points(model, tmp_path, image):

@@ -292,6 +292,48 @@ def test_bad_uploads_show_the_api_error_and_the_server_keeps_serving(result_page
     assert upload(browser, SOURCE) == "done"  # and the page works again
 
 
+def test_a_2_to_1_image_runs_as_a_panorama_with_the_apis_numbers(result_page, api, tmp_path):
+    """A rendered room panorama (2:1) dropped on the page: offered and run as a panorama, its numbers those of
+    POST /predict/panorama/summary, the sphere's mesh in the 3D view; unticked, it runs as a photo; a photo
+    hides the choice."""
+    from PIL import Image
+
+    from tt_moge.testing.room import render_panorama
+
+    browser = result_page
+    pano = tmp_path / "room.png"
+    Image.fromarray(render_panorama(256, 128).image).save(pano)
+    assert upload(browser, pano, timeout_s=300) == "done", browser.find_element(By.ID, "error").text
+    checkbox = browser.find_element(By.ID, "panorama")
+    assert browser.find_element(By.ID, "panorama-row").is_displayed() and checkbox.is_selected()
+    assert not browser.find_element(By.ID, "fov_x").is_enabled()  # a photo's option, not a panorama's
+    assert browser.find_element(By.ID, "apply_mask").is_enabled()
+    expected = api.post("/predict/panorama/summary", content=pano.read_bytes(), headers={"Content-Type": "image/png"})
+    assert expected.status_code == 200, expected.text
+    expected = expected.json()
+    shown = json.loads(browser.execute_script("return document.getElementById('summary-json').textContent"))
+    drop = ("seconds", "timing_ms", "merge_residual")
+    assert {k: v for k, v in shown.items() if k not in drop} == {k: v for k, v in expected.items() if k not in drop}
+    assert shown["kind"] == "panorama" and shown["valid_fraction"] > 0.05
+    rows = {r.get_attribute("data-key"): r.text for r in browser.find_elements(By.CSS_SELECTOR, "#numbers-table tr")}
+    assert f"{expected['median_distance_m']:.2f} m" in rows["median_distance_m"] and "12 of 12" in rows["views"]
+    assert not browser.find_element(By.ID, "normal").is_displayed()  # a panorama has no normal map
+    canvas = browser.find_element(By.ID, "view")
+    pixels = canvas_pixels(canvas).astype(np.int16)
+    assert (np.abs(pixels - BACKGROUND).max(axis=2) > 24).mean() > 0.5, "the panorama's view is blank"
+
+    checkbox.click()  # the same image as a photo
+    assert browser.find_element(By.ID, "fov_x").is_enabled()
+    runs = browser.execute_script("return window.ttMoge.runs")
+    browser.find_element(By.ID, "run").click()
+    WebDriverWait(browser, 120).until(lambda b: b.execute_script("return window.ttMoge.runs") > runs)
+    shown = json.loads(browser.execute_script("return document.getElementById('summary-json').textContent"))
+    assert state(browser) == "done" and "fov_x_deg" in shown and "kind" not in shown
+    assert upload(browser, SOURCE) == "done"
+    assert not browser.find_element(By.ID, "panorama-row").is_displayed()
+    assert console_errors(browser) == []
+
+
 def test_a_clip_shows_its_scene_and_the_apis_numbers(result_page, api, tmp_path):
     """A short clip dropped on the page: its numbers are POST /predict/video/summary's for the same bytes, and
     the 3D view shows the fused cloud with the camera path (not blank, red path pixels, moves when dragged)."""

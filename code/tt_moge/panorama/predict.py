@@ -9,6 +9,7 @@ unit direction x distance.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -115,8 +116,28 @@ class PanoramaOutput:
             f"{len(self.view_errors)} views{'' if self.merge_converged else ', merge not converged'})"
         )
 
+    def sliced(self, rows: slice, cols: slice) -> "PanoramaOutput":
+        """The same result with every map cut to `[rows, cols]` (views, no copy), as `MoGeOutput.sliced`."""
+        maps = {"distance": self.distance[rows, cols], "points": self.points[rows, cols], "mask": self.mask[rows, cols]}
+        return dataclasses.replace(self, **maps)
+
     def npz_arrays(self) -> dict:
         return {k: np.asarray(getattr(self, k), dtype=dt) for k, (dt, _) in PANORAMA_NPZ_LAYOUT.items()}
+
+    def to_npz_bytes(self, compress: bool = False) -> bytes:
+        """The npz file as bytes (the bytes of POST /predict/panorama); compress=True deflates the maps."""
+        from ..npzio import npz_bytes
+
+        return npz_bytes(self.npz_arrays(), compress=compress)
+
+    @classmethod
+    def from_npz(cls, source: Any) -> "PanoramaOutput":
+        """The maps of a panorama npz (`save_npz`, POST /predict/panorama) back as a PanoramaOutput (the views'
+        errors and the merge's numbers are not in the file)."""
+        with np.load(source) as arrays:
+            return cls(
+                distance=arrays["distance"], points=arrays["points"], mask=arrays["mask"].astype(bool), view_errors=[]
+            )
 
     def save_npz(self, path: Any, compress: bool = False) -> None:
         """points, distance (float32) and mask (uint8) to `path`; compress=True deflates them (as MoGeOutput)."""

@@ -31,23 +31,25 @@ from .errors import ApiError
 from .serving import NPZ_MEDIA_TYPE, Prediction, Serving, check_query, client_is_loopback, timing_headers
 from .upload import EXIF_QUERY, exif_query, receive_image
 
-__all__ = ["PANORAMA_QUERY", "predict_pano", "add_panorama_routes"]
+__all__ = ["PANORAMA_QUERY", "apply_mask_query", "predict_pano", "add_panorama_routes"]
 
 PANORAMA_QUERY = ("apply_mask", EXIF_QUERY)  # the query parameters of both routes (the npz one adds compress)
 
 
-def _apply_mask(
+def apply_mask_query(
     apply_mask: bool = Query(
         True, description="set the distance and points of invalid pixels to inf (false: the fitted values everywhere)"
     ),
 ) -> bool:
+    """A FastAPI dependency: the `apply_mask` query parameter of the panorama routes (the page's too)."""
     return apply_mask
 
 
 async def predict_pano(
-    serving: Serving, request: Request, apply_mask: bool, exif: bool, encode: Callable[[Any], Any]
+    serving: Serving, request: Request, apply_mask: bool, exif: bool, encode: Callable[..., Any]
 ) -> Prediction:
-    """Receive, check and admit a panorama, run `predict_panorama` on a host thread and `encode(output)` there."""
+    """Receive, check and admit a panorama, run `predict_panorama` on a host thread and `encode(output, upload,
+    rgb)` there (rgb: the decoded image)."""
     settings = serving.settings
     start = time.perf_counter()
     reservation = serving.budget.reservation()
@@ -93,7 +95,7 @@ async def predict_pano(
             raise ApiError(422, "no_valid_view", str(exc)) from None
         timing["panorama"] = (time.perf_counter() - t) * 1e3
         t = time.perf_counter()
-        payload = encode(out)
+        payload = encode(out, upload, rgb)
         timing["encode"] = (time.perf_counter() - t) * 1e3
         return payload
 
@@ -123,7 +125,7 @@ def add_panorama_routes(app: FastAPI, serving: Serving, responses: dict, body: d
     )
     async def predict_panorama_npz(
         request: Request,
-        apply_mask: bool = Depends(_apply_mask),
+        apply_mask: bool = Depends(apply_mask_query),
         compress: Literal["auto", "true", "false"] = Query(
             "auto", description="Deflate the arrays inside the npz; auto: unless the client is on this machine"
         ),
@@ -132,7 +134,7 @@ def add_panorama_routes(app: FastAPI, serving: Serving, responses: dict, body: d
         check_query(request, (*PANORAMA_QUERY, "compress"))
         deflate = compress == "true" or (compress == "auto" and not client_is_loopback(request))
         done = await predict_pano(
-            serving, request, apply_mask, exif, lambda out: npz_parts(out.npz_arrays(), compress=deflate)
+            serving, request, apply_mask, exif, lambda out, *_: npz_parts(out.npz_arrays(), compress=deflate)
         )
         return serving.answer(done.payload, NPZ_MEDIA_TYPE, timing_headers(done.timing), done.ticket)
 
@@ -152,8 +154,8 @@ def add_panorama_routes(app: FastAPI, serving: Serving, responses: dict, body: d
         },
     )
     async def predict_panorama_summary(
-        request: Request, apply_mask: bool = Depends(_apply_mask), exif: bool = Depends(exif_query)
+        request: Request, apply_mask: bool = Depends(apply_mask_query), exif: bool = Depends(exif_query)
     ) -> Response:
         check_query(request, PANORAMA_QUERY)
-        done = await predict_pano(serving, request, apply_mask, exif, lambda out: out.summary())
+        done = await predict_pano(serving, request, apply_mask, exif, lambda out, *_: out.summary())
         return serving.answer_json({**done.payload, "timing_ms": done.timing}, done.timing, done.ticket)

@@ -12,6 +12,9 @@ Routes (none is in the OpenAPI schema: the API is /predict and /predict/summary)
     GET  /ui/demo.png               the demo image: the pixels of media/source.png (tt_moge.testing.scene)
     POST /ui/api/predict            the image and the call options, as for POST /predict/summary -> JSON: the
                                     same summary, plus the URLs of the maps, the 3D view and the downloads
+    POST /ui/api/predict_panorama   an equirectangular photo and apply_mask, as for POST /predict/panorama/summary
+                                    -> JSON: that summary, plus the URLs of its distance map, mask, 3D view (the
+                                    sphere's mesh) and downloads
     POST /ui/api/predict_video      a short clip and the call and clip options, as for /predict/video/summary
                                     -> JSON: that summary, plus the URLs of its scene view and files
     GET  /ui/clips/<id>/<file>      a clip's view.glb (the fused cloud thinned, the camera path) and its files
@@ -65,9 +68,11 @@ from ..fields import options_of
 from ..host import CallOptions
 from ..host.decode import decode_bytes
 from ..output import SUMMARY_FIELDS, SUMMARY_SHOWN, MoGeOutput
+from ..panorama.geometry import ASPECT_TOLERANCE
 from ..video import VideoOptions
 from .app import MoGeApp, Summary
 from .errors import ApiError
+from .panorama import PANORAMA_QUERY, apply_mask_query, predict_pano
 from .serving import CALL_OPTION_NAMES, NPZ_MEDIA_TYPE, Serving, call_options_query, check_query, client_is_loopback
 from .upload import EXIF_QUERY, ImageUpload, exif_query
 from .video import add_video_page
@@ -258,7 +263,8 @@ def view_mesh(
     texture_side: int = TEXTURE_MAX_SIDE,
     max_bytes: int = VIEW_MAX_BYTES,
 ) -> tuple:
-    """(GLB bytes, record) of the light mesh for the page's 3D view.
+    """(GLB bytes, record) of the light mesh for the page's 3D view, of a photo's MoGeOutput or a PanoramaOutput
+    (whose mesh closes at the seam).
 
     Every `step`-th pixel (the centre pixel of each step x step block) becomes a vertex where it is kept at full
     resolution (`kept_pixels`) and is not on a depth edge of the coarse grid (the same relative rule, scaled by
@@ -276,14 +282,16 @@ def view_mesh(
     step = view_step((w, h), max_side)
     first = step // 2
     rows, cols = slice(first, None, step), slice(first, None, step)
-    coarse = dataclasses.replace(output.sliced(rows, cols), normal=None)  # unlit: no vertex normals
+    coarse = output.sliced(rows, cols)
+    if coarse.normal is not None:
+        coarse = dataclasses.replace(coarse, normal=None)  # unlit: no vertex normals
     keep = kept_pixels(coarse, rtol=DEPTH_EDGE_RTOL * step)
     if step > 1:
         keep &= kept_pixels(output)[rows, cols]
     record = {"step": step, "grid": [coarse.size[0], coarse.size[1]], "vertices": int(keep.sum()), "faces": 0}
     if not keep.any():
         return None, record
-    mesh = image_mesh(coarse, image_rgb[rows, cols], keep)
+    mesh = image_mesh(coarse, image_rgb[rows, cols], keep, wrap_columns=getattr(output, "is_panorama", False))
     r, c = np.nonzero(keep)
     mesh.visual.uv = np.stack([(first + c * step + 0.5) / w, 1.0 - (first + r * step + 0.5) / h], axis=1)
     side = texture_side
@@ -322,14 +330,25 @@ def _encode(rgb_or_gray: np.ndarray, kind: str) -> bytes:
     return data.tobytes()
 
 
-def _save_arrays(path: Path, out: MoGeOutput) -> Path:
+def _save_arrays(path: Path, out: Any) -> Path:
+    """Every array of a MoGeOutput as predicted, or a PanoramaOutput's npz arrays (float32 maps, the mask)."""
     with open(path, "wb") as f:
-        np.savez(f, **out.exact_arrays())
+        np.savez(f, **(out.npz_arrays() if getattr(out, "is_panorama", False) else out.exact_arrays()))
     return path
 
 
-def make_page_result(out: MoGeOutput, upload: ImageUpload, store: ResultStore) -> dict:
-    """On the request's host thread: the maps, the 3D view and the stored arrays of one result -> its record."""
+def _load_arrays(path: Path) -> Any:
+    """The result `_save_arrays` wrote: a PanoramaOutput when it has a distance map, else a MoGeOutput."""
+    from ..panorama.predict import PanoramaOutput
+
+    with np.load(path) as arrays:
+        panorama = "distance" in arrays.files
+    return PanoramaOutput.from_npz(path) if panorama else MoGeOutput.from_npz(path)
+
+
+def make_page_result(out: Any, upload: ImageUpload, store: ResultStore, rgb: Optional[np.ndarray] = None) -> dict:
+    """On the request's host thread: the maps, the 3D view and the stored arrays of one result (a photo's
+    MoGeOutput, or a PanoramaOutput with its decoded image `rgb`) -> its record."""
     from ..export import colorize_depth, colorize_normal
 
     times: dict = {}
@@ -337,7 +356,8 @@ def make_page_result(out: MoGeOutput, upload: ImageUpload, store: ResultStore) -
     entry = store.create()
     entry.exif = upload.exif
     try:
-        rgb = decode_bytes(upload.data, exif=upload.exif)  # the pixels the model saw (the same decoder)
+        if rgb is None:
+            rgb = decode_bytes(upload.data, exif=upload.exif)  # the pixels the model saw (the same decoder)
         summary = out.summary(depth_percentiles=True)
         known = (summary.pop("depth_p1_m"), summary.pop("depth_p99_m"))
         depth_picture, (near, far) = colorize_depth(out.depth, out.mask, None if None in known else known)
@@ -372,6 +392,7 @@ def make_page_result(out: MoGeOutput, upload: ImageUpload, store: ResultStore) -
     base = f"/ui/results/{entry.rid}/"
     return {
         "id": entry.rid,
+        "kind": "panorama" if getattr(out, "is_panorama", False) else "photo",
         "summary": summary,
         "depth_range_m": [None if not math.isfinite(v) else v for v in (near, far)],
         "images": {
@@ -393,12 +414,12 @@ def _make_download(store: ResultStore, entry: _Entry, name: str, compress: bool)
 
     entry.saved.result()  # the arrays are written
     if name == "result.npz":
-        return MoGeOutput.from_npz(entry.path / _ARRAYS).to_npz_bytes(compress=compress)
+        return _load_arrays(entry.path / _ARRAYS).to_npz_bytes(compress=compress)
     target = entry.path / name
     with entry.lock:
         if target.exists():
             return target
-        out = MoGeOutput.from_npz(entry.path / _ARRAYS)
+        out = _load_arrays(entry.path / _ARRAYS)
         if name == "depth.exr":
             write_depth_exr(target, out.depth)
         else:
@@ -438,14 +459,16 @@ def parse_pixels(at: list, size: tuple) -> list:
 
 
 def points_at(entry: _Entry, at: list) -> dict:
-    """The stored result's 3D point (camera space, metres: x right, y down, z forward), depth and mask at each
-    pixel of `at` (see `parse_pixels`); a point or depth that is not finite (masked out) is None."""
+    """The stored result's 3D point (camera space, metres: x right, y down, z forward; a panorama's axes are the
+    same), depth (a panorama's: the distance from the viewpoint) and mask at each pixel of `at` (see
+    `parse_pixels`); a point or depth that is not finite (masked out) is None."""
     entry.saved.result()  # the arrays are written after the page's answer
     with np.load(entry.path / _ARRAYS) as arrays:
         mask = arrays["mask"]
         pixels = parse_pixels(at, (mask.shape[1], mask.shape[0]))
         rows, cols = [y for _, y in pixels], [x for x, _ in pixels]
-        points, depth, valid = arrays["points"][rows, cols], arrays["depth"][rows, cols], mask[rows, cols]
+        depth = arrays["distance" if "distance" in arrays.files else "depth"][rows, cols]  # a panorama: distance
+        points, valid = arrays["points"][rows, cols], mask[rows, cols]
 
     def finite(values: np.ndarray) -> Any:
         return values.tolist() if np.isfinite(values).all() else None
@@ -590,6 +613,7 @@ def mount_ui(app: MoGeApp, store: Optional[ResultStore] = None) -> ResultStore:
             "options": controls,
             "video_options": video_controls,
             "numbers": numbers,
+            "panorama_aspect_tolerance": ASPECT_TOLERANCE,  # the page offers a 2:1 image as a panorama
         }
 
     @router.get("/ui/demo.png")
@@ -615,6 +639,18 @@ def mount_ui(app: MoGeApp, store: Optional[ResultStore] = None) -> ResultStore:
         except BaseException:
             done.ticket.done("answer")
             raise
+        return serving.answer_json(record, done.timing, done.ticket)
+
+    @router.post("/ui/api/predict_panorama", dependencies=[Depends(serving.authorize)])
+    async def predict_panorama_page(
+        request: Request, apply_mask: bool = Depends(apply_mask_query), exif: bool = Depends(exif_query)
+    ) -> Response:
+        check_query(request, PANORAMA_QUERY)
+        done = await predict_pano(
+            serving, request, apply_mask, exif, lambda out, upload, rgb: make_page_result(out, upload, store, rgb)
+        )
+        record = done.payload
+        record["summary"]["timing_ms"] = done.timing
         return serving.answer_json(record, done.timing, done.ticket)
 
     @router.get("/ui/results/{rid}/points")

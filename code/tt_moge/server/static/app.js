@@ -49,7 +49,7 @@ function authHeaders() {
 const VIDEO_NAME = /\.(mp4|mov|mkv|webm|avi|m4v|mpe?g)$/i;
 function isVideo(file) { return (file.type || "").startsWith("video/") || VIDEO_NAME.test(file.name || ""); }
 
-function choose(file) {
+async function choose(file) {
   if (!file) return;
   state.file = file;
   const preview = $("preview");
@@ -59,9 +59,33 @@ function choose(file) {
   $("video-options").hidden = !video;
   if (video) { preview.removeAttribute("src"); preview.hidden = true; }
   else { preview.src = URL.createObjectURL(file); preview.hidden = false; }
+  // An image twice as wide as high is offered as a 360-degree panorama (and run as one unless unticked).
+  const panorama = !video && isPanoramaSize(await imageSize(preview.src));
+  $("panorama-row").hidden = !panorama;
+  $("panorama").checked = panorama;
+  photoOptionsEnabled();
   $("drop-text").textContent = `${file.name} (${(file.size / 1024).toFixed(0)} KiB): drop or click for another`;
   $("run").disabled = false;
   run();
+}
+
+async function imageSize(url) {  // [width, height] of an image URL, or null when the browser cannot decode it
+  const img = new Image();
+  img.src = url;
+  try { await img.decode(); return [img.naturalWidth, img.naturalHeight]; } catch { return null; }
+}
+
+function isPanoramaSize(size) {  // the server's own rule (tt_moge.panorama.geometry.check_panorama_size)
+  const tolerance = (state.config && state.config.panorama_aspect_tolerance) || 0.01;
+  return !!size && size[1] >= 8 && Math.abs(size[0] / size[1] - 2) <= 2 * tolerance;
+}
+
+function asPanorama() { return !$("panorama-row").hidden && $("panorama").checked; }
+
+function photoOptionsEnabled() {  // a panorama takes apply_mask only: the other call options are greyed out
+  for (const o of (state.config && state.config.options) || []) {
+    if (o.name !== "apply_mask") $(o.name).disabled = asPanorama();
+  }
 }
 
 function bindInput() {
@@ -84,6 +108,7 @@ function bindInput() {
   });
   $("run").addEventListener("click", run);
   $("retry").addEventListener("click", run);
+  $("panorama").addEventListener("change", photoOptionsEnabled);
 }
 
 // ------------------------------------------------------------------------------------------------- run
@@ -127,10 +152,11 @@ async function run() {
   }, 1000);
   progress(stage);
   try {
-    const video = isVideo(state.file);
-    const query = optionQuery(video);
-    const route = video ? "/ui/api/predict_video" : "/ui/api/predict";
-    const r = await post(`${route}?${query}`, state.file, () => { stage = video ? "running the clip…" : "running the model…"; });
+    const video = isVideo(state.file), panorama = !video && asPanorama();
+    const query = panorama ? panoramaQuery() : optionQuery(video);
+    const route = video ? "/ui/api/predict_video" : panorama ? "/ui/api/predict_panorama" : "/ui/api/predict";
+    const running = video ? "running the clip…" : panorama ? "running the 12 views…" : "running the model…";
+    const r = await post(`${route}?${query}`, state.file, () => { stage = running; });
     marks.response = performance.now();
     if (r.status !== 200) {
       const d = await describe(r.status, r.text);
@@ -152,7 +178,7 @@ async function run() {
       return;
     }
     showMaps(result);
-    showNumbers(result);
+    if (panorama) showPanoramaNumbers(result); else showNumbers(result);
     showDownloads(result);
     stage = "loading the 3D view…";
     await showView(result, marks);
@@ -191,8 +217,7 @@ function clearResult() {
 }
 
 function showClipNumbers(result) {
-  const s = result.summary, body = $("numbers-table").tBodies[0];
-  body.replaceChildren();
+  const s = result.summary;
   for (const id of MAPS) $(id).closest("figure").hidden = true;
   const t = s.timing_ms || {};
   const rows = [
@@ -204,6 +229,13 @@ function showClipNumbers(result) {
     ["cloud_points", "Fused cloud", `${s.cloud_points.toLocaleString()} points (voxel ${fmt(3, " m")(s.voxel_size_m)})`, s.cloud_points],
     ["timing", "Server time", t.total ? `${(t.total / 1000).toFixed(2)} s` : "n/a", t],
   ];
+  fillNumbers(rows, s);
+}
+
+// rows: [key, label, text, value] -> the numbers table (each row keeps its value as JSON), and the summary JSON
+function fillNumbers(rows, summary) {
+  const body = $("numbers-table").tBodies[0];
+  body.replaceChildren();
   for (const [key, label, text, value] of rows) {
     const row = body.insertRow();
     row.dataset.key = key;
@@ -211,8 +243,22 @@ function showClipNumbers(result) {
     row.insertCell().textContent = label;
     row.insertCell().textContent = text;
   }
-  $("summary-json").textContent = JSON.stringify(s, null, 2);
+  $("summary-json").textContent = JSON.stringify(summary, null, 2);
   $("numbers").hidden = false;
+}
+
+function showPanoramaNumbers(result) {
+  const s = result.summary, t = s.timing_ms || {}, range = result.depth_range_m;
+  const merged = s.views - s.views_failed.length;
+  fillNumbers([
+    ["size", "Panorama", `${s.width} × ${s.height} px (360° × 180°)`, [s.width, s.height]],
+    ["valid_fraction", "Valid pixels", fmt(1, " %")(100 * s.valid_fraction), s.valid_fraction],
+    ["median_distance_m", "Median distance", fmt(2, " m")(s.median_distance_m), s.median_distance_m],
+    ["views", "Views merged", `${merged} of ${s.views}`, merged],
+    ["merge", "Merge", `${s.merge_iterations} CG steps, residual ${s.merge_residual === null ? "n/a" : s.merge_residual.toExponential(1)}${s.merge_converged ? "" : " (not converged)"}`, s.merge_converged],
+    ["depth_range", "Distance colour range", range[0] === null ? "n/a" : `${range[0].toFixed(2)} – ${range[1].toFixed(2)} m (1st – 99th percentile)`, range],
+    ["timing", "Server time", t.total ? `${(t.total / 1000).toFixed(2)} s (the 12 views and the merge ${(t.panorama / 1000).toFixed(2)} s)` : "n/a", t],
+  ], s);
 }
 
 async function showScene(result, marks) {
@@ -240,6 +286,8 @@ function showMaps(result) {
     $(id).closest("figure").hidden = !url;  // no normal map from a model without a normal head
     if (url) $(id).src = url;
   }
+  $("depth").closest("figure").querySelector("figcaption").textContent = result.kind === "panorama"
+    ? "Distance from the viewpoint (metres, colour bar on the right)" : "Depth (metres, colour bar on the right)";
   showMeasure(null, []);
   $("measure").hidden = false;
 }
@@ -286,18 +334,20 @@ function showMeasure(error, points = []) {
   for (const [i, p] of points.entries()) {
     const where = `${"AB"[i]} at (${p.pixel.join(", ")})`;
     lines.push(p.point === null ? `${where}: no 3D point (masked out)`
-      : `${where}: depth ${p.depth_m.toFixed(3)} m${p.valid ? "" : " (outside the mask)"}`);
+      : `${where}: ${depthWord()} ${p.depth_m.toFixed(3)} m${p.valid ? "" : " (outside the mask)"}`);
   }
   if (!error && points.length === 2 && points[0].point && points[1].point) {
     const distance = Math.hypot(...points[0].point.map((v, k) => v - points[1].point[k]));
     box.dataset.distance = String(distance);
     lines.push(`A to B: ${distance.toFixed(3)} m`);
   } else if (!error && points.length < 2) {
-    lines.push(points.length ? "Click a second point." : "Click two points on a map for their depth and the distance between them.");
+    lines.push(points.length ? "Click a second point." : `Click two points on a map for their ${depthWord()} and the distance between them.`);
   }
   box.replaceChildren(...lines.map((line) => Object.assign(document.createElement("div"), { textContent: line })));
   if (box.dataset.distance) box.lastChild.className = "distance";
 }
+
+function depthWord() { return state.result && state.result.kind === "panorama" ? "distance" : "depth"; }
 
 function drawPicks() {
   for (const id of MAPS) {
@@ -339,8 +389,7 @@ function numberRows() {
 }
 
 function showNumbers(result) {
-  const s = result.summary, body = $("numbers-table").tBodies[0];
-  body.replaceChildren();
+  const s = result.summary, rows = [];
   for (const [key, label, format] of numberRows()) {
     let text, value;
     if (key === "size") { value = [s.width, s.height]; text = format(s); }
@@ -352,14 +401,9 @@ function showNumbers(result) {
       const t = s.timing_ms;
       text = `${(t.total / 1000).toFixed(2)} s (model ${(t.device / 1000).toFixed(2)} s, queue ${(t.queue / 1000).toFixed(2)} s, maps and 3D view ${(t.encode / 1000).toFixed(2)} s)`;
     } else { value = s[key]; text = format(value); }
-    const row = body.insertRow();
-    row.dataset.key = key;
-    row.dataset.value = JSON.stringify(value);
-    row.insertCell().textContent = label;
-    row.insertCell().textContent = text;
+    rows.push([key, label, text, value]);
   }
-  $("summary-json").textContent = JSON.stringify(s, null, 2);
-  $("numbers").hidden = false;
+  fillNumbers(rows, s);
 }
 
 // ---------------------------------------------------------------------------------------------- downloads
@@ -441,7 +485,12 @@ async function showView(result, marks) {
   const glb = await r.arrayBuffer();
   marks.viewBytes = glb.byteLength;
   marks.viewFetched = performance.now();
-  await state.viewer.load(parseGLB(glb), { fovYDeg: result.summary.fov_y_deg, distance: result.summary.median_depth_m });
+  // a photo: from its own camera, orbiting its median depth; a panorama: from its centre (the orbit centre a
+  // step ahead, so that dragging looks around), 75 degrees high
+  const s = result.summary;
+  const camera = result.kind === "panorama" ? { fovYDeg: 75, distance: 0.02 * (s.median_distance_m || 1) }
+    : { fovYDeg: s.fov_y_deg, distance: s.median_depth_m };
+  await state.viewer.load(parseGLB(glb), camera);
   await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));  // drawn
   marks.view = performance.now();
   message.hidden = true;
@@ -493,6 +542,11 @@ function buildOptions(options, box = $("options")) {
     label.append(help);
     box.append(label);
   }
+}
+
+function panoramaQuery() {  // a panorama's only option (its views' field of view is fixed)
+  const mask = $("apply_mask");
+  return new URLSearchParams({ apply_mask: mask ? String(mask.checked) : "true" });
 }
 
 function optionQuery(video) {
