@@ -18,7 +18,7 @@ import threading
 from contextlib import asynccontextmanager
 from typing import Any, Callable, Literal, Optional, Union
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
@@ -34,6 +34,7 @@ from .protocol import log_accept_errors
 from .sending import ABORT_KEY, connection_aborter
 from .serving import (
     CALL_OPTION_NAMES,
+    COMPRESS_QUERY,
     NPZ_MEDIA_TYPE,
     TIMING_HEADER,
     TIMING_STAGES,
@@ -42,6 +43,8 @@ from .serving import (
     call_options_query,
     check_query,
     client_is_loopback,
+    deflate_query,
+    npz_response,
     summary_model,
     timing_headers,
 )
@@ -197,28 +200,20 @@ def create_app(
         response_class=Response,
         summary="Predict: image in, npz of MoGeOutput out",
         responses={
-            200: {
-                "description": "The npz layout of MoGeOutput (normal float16, mask uint8); timing in the headers",
-                "content": {NPZ_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
-                "headers": _TIMING_HEADERS,
-            },
+            200: npz_response(
+                "The npz layout of MoGeOutput (normal float16, mask uint8); timing in the headers",
+                headers=_TIMING_HEADERS,
+            ),
             **responses,
         },
     )
     async def predict(
         request: Request,
         options: CallOptions = Depends(call_query),
-        compress: Literal["auto", "true", "false"] = Query(
-            "auto",
-            description=(
-                "Deflate the maps inside the npz with ISA-L: smaller, and slower to make (docs/performance.md, "
-                "Server). auto: deflate unless the client is on this machine (loopback)"
-            ),
-        ),
+        deflate: bool = Depends(deflate_query),
         exif: bool = Depends(exif_query),
     ) -> Response:
-        check_query(request, (*CALL_OPTION_NAMES, "compress", EXIF_QUERY))
-        deflate = compress == "true" or (compress == "auto" and not client_is_loopback(request))
+        check_query(request, (*CALL_OPTION_NAMES, COMPRESS_QUERY, EXIF_QUERY))
         done = await serving.predict(
             request, options, lambda out, _: npz_parts(out.npz_arrays(), compress=deflate), exif
         )

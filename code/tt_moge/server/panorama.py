@@ -17,7 +17,7 @@ queue slot and is counted in the memory budget for its own pixels and its views'
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import Response
@@ -28,7 +28,17 @@ from ..npzio import npz_parts
 from ..panorama.geometry import check_panorama_size
 from ..panorama.predict import PANORAMA_NPZ_LAYOUT, predict_panorama
 from .errors import ApiError
-from .serving import NPZ_MEDIA_TYPE, Prediction, Serving, check_query, client_is_loopback, timing_headers
+from .serving import (
+    COMPRESS_QUERY,
+    NPZ_MEDIA_TYPE,
+    Prediction,
+    Serving,
+    check_query,
+    deflate_query,
+    json_response,
+    npz_response,
+    timing_headers,
+)
 from .upload import EXIF_QUERY, exif_query, receive_image
 
 __all__ = ["PANORAMA_QUERY", "apply_mask_query", "predict_pano", "add_panorama_routes"]
@@ -116,23 +126,17 @@ def add_panorama_routes(app: FastAPI, serving: Serving, responses: dict, body: d
         response_class=Response,
         summary="Predict a panorama: an equirectangular image in, npz of the whole sphere's distance, points, mask out",
         responses={
-            200: {
-                "description": f"The panorama's npz: {layout} (distance in metres from the viewpoint)",
-                "content": {NPZ_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
-            },
+            200: npz_response(f"The panorama's npz: {layout} (distance in metres from the viewpoint)"),
             **responses,
         },
     )
     async def predict_panorama_npz(
         request: Request,
         apply_mask: bool = Depends(apply_mask_query),
-        compress: Literal["auto", "true", "false"] = Query(
-            "auto", description="Deflate the arrays inside the npz; auto: unless the client is on this machine"
-        ),
+        deflate: bool = Depends(deflate_query),
         exif: bool = Depends(exif_query),
     ) -> Response:
-        check_query(request, (*PANORAMA_QUERY, "compress"))
-        deflate = compress == "true" or (compress == "auto" and not client_is_loopback(request))
+        check_query(request, (*PANORAMA_QUERY, COMPRESS_QUERY))
         done = await predict_pano(
             serving, request, apply_mask, exif, lambda out, *_: npz_parts(out.npz_arrays(), compress=deflate)
         )
@@ -145,11 +149,10 @@ def add_panorama_routes(app: FastAPI, serving: Serving, responses: dict, body: d
         response_class=Response,
         summary="Predict a panorama: an equirectangular image in, its summary out (no maps)",
         responses={
-            200: {
-                "description": "PanoramaOutput.summary(): size, valid fraction, median distance, the views that "
-                "failed, the merge's solve, seconds, timing_ms",
-                "content": {"application/json": {"schema": {"type": "object"}}},
-            },
+            200: json_response(
+                "PanoramaOutput.summary(): size, valid fraction, median distance, the views that failed, the "
+                "merge's solve, seconds, timing_ms"
+            ),
             **responses,
         },
     )

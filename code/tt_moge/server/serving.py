@@ -57,6 +57,10 @@ __all__ = [
     "NPZ_MEDIA_TYPE",
     "timing_headers",
     "client_is_loopback",
+    "COMPRESS_QUERY",
+    "deflate_query",
+    "npz_response",
+    "json_response",
 ]
 
 log = logging.getLogger("tt_moge.server")
@@ -80,6 +84,7 @@ Timing = create_model(
     __doc__="Stage times of one request in milliseconds.",
     **{stage: (float, Field(description=what)) for stage, what in TIMING_STAGES.items()},
 )
+_BINARY = {"type": "string", "format": "binary"}
 _BEARER = HTTPBearer(auto_error=False, description="Needed only when the server runs with an API key")
 
 
@@ -90,6 +95,33 @@ def client_is_loopback(request: Request) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+COMPRESS_QUERY = "compress"  # the npz routes' query parameter (deflate_query)
+
+
+def deflate_query(
+    request: Request,
+    compress: Literal["auto", "true", "false"] = Query(
+        "auto",
+        description=(
+            "Deflate the maps inside the npz with ISA-L: smaller, and slower to make (docs/performance.md, "
+            "Server). auto: deflate unless the client is on this machine (loopback)"
+        ),
+    ),
+) -> bool:
+    """A FastAPI dependency: the `compress` query parameter of the npz routes -> whether to deflate the npz."""
+    return compress == "true" or (compress == "auto" and not client_is_loopback(request))
+
+
+def npz_response(description: str, **extra: Any) -> dict:
+    """The OpenAPI 200 response of a route that answers an npz file."""
+    return {"description": description, "content": {NPZ_MEDIA_TYPE: {"schema": _BINARY}}, **extra}
+
+
+def json_response(description: str) -> dict:
+    """The OpenAPI 200 response of a route that answers a free-form JSON record."""
+    return {"description": description, "content": {"application/json": {"schema": {"type": "object"}}}}
 
 
 def timing_headers(timing_ms: dict) -> dict:

@@ -23,10 +23,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from ..constants import MIN_IMAGE_SIDE
@@ -38,12 +38,15 @@ from ..video.output import VIDEO_NPZ_LAYOUT
 from .errors import ApiError
 from .serving import (
     CALL_OPTION_NAMES,
+    COMPRESS_QUERY,
     NPZ_MEDIA_TYPE,
     Prediction,
     Serving,
     call_options_query,
     check_query,
-    client_is_loopback,
+    deflate_query,
+    json_response,
+    npz_response,
     options_query,
     timing_headers,
 )
@@ -241,24 +244,15 @@ def add_video_routes(app: FastAPI, serving: Serving, responses: dict) -> None:
         openapi_extra=_VIDEO_BODY,
         response_class=Response,
         summary="Predict a clip: video in, npz of the clip out (intrinsics, poses, scales, depth and mask per frame)",
-        responses={
-            200: {
-                "description": f"The clip's npz: {layout}",
-                "content": {NPZ_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
-            },
-            **responses,
-        },
+        responses={200: npz_response(f"The clip's npz: {layout}"), **responses},
     )
     async def predict_video(
         request: Request,
         options: CallOptions = Depends(call_query),
         video: VideoOptions = Depends(video_query),
-        compress: Literal["auto", "true", "false"] = Query(
-            "auto", description="Deflate the arrays inside the npz; auto: unless the client is on this machine"
-        ),
+        deflate: bool = Depends(deflate_query),
     ) -> Response:
-        check_query(request, (*names, "compress"))
-        deflate = compress == "true" or (compress == "auto" and not client_is_loopback(request))
+        check_query(request, (*names, COMPRESS_QUERY))
         done = await predict_clip(
             serving, request, options, video, lambda r, d, m: npz_parts(clip_npz_arrays(r, d, m), compress=deflate)
         )
@@ -271,11 +265,10 @@ def add_video_routes(app: FastAPI, serving: Serving, responses: dict) -> None:
         response_class=Response,
         summary="Predict a clip: video in, its summary out (intrinsics, poses, per-frame scales and registration)",
         responses={
-            200: {
-                "description": "VideoOutput.summary(): size, frames, intrinsics, per-frame poses, scales and "
-                "registration flags (poses), calibration, timing_ms",
-                "content": {"application/json": {"schema": {"type": "object"}}},
-            },
+            200: json_response(
+                "VideoOutput.summary(): size, frames, intrinsics, per-frame poses, scales and registration flags "
+                "(poses), calibration, timing_ms"
+            ),
             **responses,
         },
     )
