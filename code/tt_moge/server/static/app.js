@@ -60,7 +60,7 @@ async function choose(file) {
   if (video) { preview.removeAttribute("src"); preview.hidden = true; }
   else { preview.src = URL.createObjectURL(file); preview.hidden = false; }
   // An image twice as wide as high is offered as a 360-degree panorama (and run as one unless unticked).
-  const panorama = !video && isPanoramaSize(await imageSize(preview.src));
+  const panorama = !video && isPanoramaSize(await imageSize(preview));
   $("panorama-row").hidden = !panorama;
   $("panorama").checked = panorama;
   photoOptionsEnabled();
@@ -69,9 +69,7 @@ async function choose(file) {
   run();
 }
 
-async function imageSize(url) {  // [width, height] of an image URL, or null when the browser cannot decode it
-  const img = new Image();
-  img.src = url;
+async function imageSize(img) {  // [width, height] of the preview once decoded (its one decode), or null
   try { await img.decode(); return [img.naturalWidth, img.naturalHeight]; } catch { return null; }
 }
 
