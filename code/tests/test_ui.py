@@ -33,19 +33,24 @@ STATIC = Path(__file__).resolve().parents[1] / "tt_moge" / "server" / "static"
 
 @pytest.fixture(scope="module")
 def model(checkpoint):
+    m = load_fp32(checkpoint("tiny-vits-normal", well_posed=True), (448, 252))
+    yield m
+    m.close()
+
+
+def load_fp32(weights, resolution):
+    """A float32 CPU model of `weights` at `resolution` (1200 tokens), without warm-up: the page tests' model."""
     from tt_moge import MoGeModel
 
-    m = MoGeModel.from_pretrained(
-        checkpoint("tiny-vits-normal", well_posed=True),
+    return MoGeModel.from_pretrained(
+        weights,
         device="cpu",
-        resolution=(448, 252),
+        resolution=resolution,
         num_tokens=1200,
         warmup=0,
         warmup_variants="none",
         precision="fp32",
     )
-    yield m
-    m.close()
 
 
 def make_client(model, tmp_path, settings=None, keep=None, ui=True):
@@ -192,18 +197,9 @@ def test_downloads_of_an_exif_turned_photo_are_of_the_turned_photo(model, tmp_pa
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory):
     """The server tests' micro checkpoint on a small canvas: a panorama is 12 forwards."""
-    from tt_moge import MoGeModel
     from tt_moge.testing import make_checkpoint
 
-    m = MoGeModel.from_pretrained(
-        make_checkpoint(tmp_path_factory.mktemp("micro"), micro_config()),
-        device="cpu",
-        resolution=(224, 224),
-        num_tokens=1200,
-        warmup=0,
-        warmup_variants="none",
-        precision="fp32",
-    )
+    m = load_fp32(make_checkpoint(tmp_path_factory.mktemp("micro"), micro_config()), (224, 224))
     yield m
     m.close()
 
