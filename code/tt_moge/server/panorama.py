@@ -60,34 +60,25 @@ async def predict_pano(
 ) -> Prediction:
     """Receive, check and admit a panorama, run `predict_panorama` on a host thread and `encode(output, upload,
     rgb)` there (rgb: the decoded image)."""
-    settings = serving.settings
-    start = time.perf_counter()
-    reservation = serving.budget.reservation()
-    try:
-        upload = await receive_image(request, settings, serving.reserver(reservation), exif)
+    settings, model = serving.settings, serving.model
+
+    def cost(upload: Any) -> int:
         width, height = upload.size
         try:
             check_panorama_size(width, height, "image")
         except InputError as exc:
             raise ApiError(422, "not_a_panorama", str(exc)) from None
-        cost = settings.panorama_cost(width * height, len(upload.data))
-        if cost > settings.memory_budget_bytes:  # it could never be admitted: not a 503 to retry
+        need = settings.panorama_cost(width * height, len(upload.data))
+        if need > settings.memory_budget_bytes:  # it could never be admitted: not a 503 to retry
             raise ApiError(
                 413,
                 "panorama_too_large",
-                f"the panorama ({width}x{height} and its views) needs {cost / 2**20:.0f} MiB; the server's memory "
+                f"the panorama ({width}x{height} and its views) needs {need / 2**20:.0f} MiB; the server's memory "
                 f"budget is {settings.memory_budget_bytes / 2**20:.0f} MiB (--memory-budget-mb): send a smaller one",
             )
-        ticket = serving.admit(reservation, cost)
-    except BaseException:
-        reservation.release()
-        raise
-    admitted = time.perf_counter()
-    timing: dict = {"read": upload.read_ms}
-    model = serving.model
+        return need
 
-    def job() -> Any:
-        timing["queue"] = (time.perf_counter() - admitted) * 1e3
+    def job(upload: Any, timing: dict) -> Any:
         t = time.perf_counter()
         try:
             rgb = decode_bytes(upload.data, exif=upload.exif)
@@ -109,9 +100,7 @@ async def predict_pano(
         timing["encode"] = (time.perf_counter() - t) * 1e3
         return payload
 
-    payload = await serving.on_host(job, ticket)
-    timing["total"] = (time.perf_counter() - start) * 1e3
-    return Prediction(payload, timing, ticket)
+    return await serving.serve(lambda reserve: receive_image(request, settings, reserve, exif), cost, job)
 
 
 def add_panorama_routes(app: FastAPI, serving: Serving, responses: dict, body: dict) -> None:

@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Awaitable, Callable, Literal, Optional
 
 from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -337,27 +337,49 @@ class Serving:
             )
 
     # -------------------------------------------------------------------------------------- work
-    async def predict(
-        self, request: Request, options: CallOptions, encode: Callable[[Any, ImageUpload], Any], exif: bool = False
+    async def serve(
+        self,
+        receive: Callable[[Callable[[int], None]], Awaitable[Any]],
+        cost: Callable[[Any], int],
+        job: Callable[[Any, dict], Any],
+        discard: Optional[Callable[[Any], None]] = None,
     ) -> Prediction:
-        """Receive the image, admit it, run the PredictionService with `options` (the image turned by its EXIF
-        orientation when `exif`) and `encode(output, upload)` on a host thread. On any error here the ticket's
-        answer part ends at once, and its slot frees when the work has ended too."""
+        """The one path of every upload route: `receive(reserve)` the body within the memory budget, admit it at
+        `cost(upload)` bytes (`cost` may refuse it by raising), then run `job(upload, timing)` on a host thread.
+        The timing gets read, queue and total here; the job adds its own stages. On any error before the work
+        starts the reservation is released; `discard(upload)` (an upload held on disk) runs once the work has
+        ended or will never start, whatever happened."""
         start = time.perf_counter()
         reservation = self.budget.reservation()
+        upload = None
         try:
-            upload: ImageUpload = await receive_image(request, self.settings, self.reserver(reservation), exif)
-            width, height = upload.size
-            ticket = self.admit(reservation, self.settings.request_cost(width * height, len(upload.data)))
+            upload = await receive(self.reserver(reservation))
+            ticket = self.admit(reservation, cost(upload))
         except BaseException:
             reservation.release()
+            if upload is not None and discard is not None:
+                discard(upload)
             raise
         admitted = time.perf_counter()
         timing: dict = {"read": upload.read_ms}
-        service = self.service
 
-        def job() -> Any:
+        def work() -> Any:
             timing["queue"] = (time.perf_counter() - admitted) * 1e3
+            return job(upload, timing)
+
+        after = None if discard is None else lambda: discard(upload)
+        payload = await self.on_host(work, ticket, after)
+        timing["total"] = (time.perf_counter() - start) * 1e3
+        return Prediction(payload, timing, ticket)
+
+    async def predict(
+        self, request: Request, options: CallOptions, encode: Callable[[Any, ImageUpload], Any], exif: bool = False
+    ) -> Prediction:
+        """POST /predict's work: receive the image, admit it, run the PredictionService with `options` (the image
+        turned by its EXIF orientation when `exif`) and `encode(output, upload)` on a host thread."""
+        settings, service = self.settings, self.service
+
+        def job(upload: ImageUpload, timing: dict) -> Any:
             try:
                 out = service.predict(upload.data, options, timing, exif=upload.exif)
             except InputError as exc:
@@ -374,20 +396,31 @@ class Serving:
             timing["encode"] = (time.perf_counter() - t) * 1e3
             return payload
 
-        payload = await self.on_host(job, ticket)
-        timing["total"] = (time.perf_counter() - start) * 1e3
-        return Prediction(payload, timing, ticket)
+        return await self.serve(
+            lambda reserve: receive_image(request, settings, reserve, exif),
+            lambda upload: settings.request_cost(upload.size[0] * upload.size[1], len(upload.data)),
+            job,
+        )
 
-    async def on_host(self, work: Callable[[], Any], ticket: Ticket) -> Any:
+    async def on_host(self, work: Callable[[], Any], ticket: Ticket, after: Optional[Callable[[], None]] = None) -> Any:
         """Run `work` on a host thread for an admitted request; its ticket's work part ends with it (even if the
-        client left), and its answer part at once if there is nothing to answer."""
+        client left), and its answer part at once if there is nothing to answer. `after()` runs when the work
+        has ended, failed or was cancelled before it started."""
+
+        def ended(_: Any = None) -> None:
+            try:
+                if after is not None:
+                    after()
+            finally:
+                ticket.done("work")
+
         try:
             future = self.executor.submit(work)
         except BaseException:  # the executor is shut down (the server is stopping)
-            ticket.done("work")
+            ended()
             ticket.done("answer")
             raise
-        future.add_done_callback(lambda _: ticket.done("work"))  # even if the client left or the route was cancelled
+        future.add_done_callback(ended)  # even if the client left or the route was cancelled
         try:
             return await asyncio.wrap_future(future)
         except BaseException:

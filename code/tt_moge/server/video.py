@@ -160,34 +160,23 @@ async def predict_clip(
 ) -> Prediction:
     """Receive and admit a clip, run it through `tt_moge.video` on a host thread, and `encode(result, depth,
     mask)` (the VideoOutput, (N, H, W) float32 depth and uint8 mask) there."""
-    settings = serving.settings
-    start = time.perf_counter()
-    reservation = serving.budget.reservation()
-    upload = None
-    try:
-        upload = await receive_clip(request, settings, serving.reserver(reservation), video)
+    settings, model = serving.settings, serving.model
+
+    def cost(upload: ClipUpload) -> int:
         w, h = upload.size
-        cost = settings.clip_cost(upload.frames, w * h, upload.nbytes, video.calibration_frames)
-        if cost > settings.memory_budget_bytes:
+        need = settings.clip_cost(upload.frames, w * h, upload.nbytes, video.calibration_frames)
+        if need > settings.memory_budget_bytes:
             raise ApiError(
                 413,
                 "clip_too_large",
-                f"the clip ({upload.frames} frames of {w}x{h}) needs {cost / 2**20:.0f} MiB; the server's memory "
+                f"the clip ({upload.frames} frames of {w}x{h}) needs {need / 2**20:.0f} MiB; the server's memory "
                 f"budget is {settings.memory_budget_bytes / 2**20:.0f} MiB (--memory-budget-mb): send fewer or "
                 "smaller frames (stride, max_frames)",
             )
-        ticket = serving.admit(reservation, cost)
-    except BaseException:
-        reservation.release()
-        if upload is not None:
-            upload.discard()
-        raise
-    admitted = time.perf_counter()
-    timing: dict = {"read": upload.read_ms}
-    model = serving.model
+        return need
 
-    def job() -> Any:
-        timing["queue"] = (time.perf_counter() - admitted) * 1e3
+    def job(upload: ClipUpload, timing: dict) -> Any:
+        started = time.perf_counter()
         try:
             w, h = upload.size
             depth = np.empty((upload.frames, h, w), np.float32)
@@ -200,20 +189,18 @@ async def predict_clip(
                     depth[frame.index] = frame.output.depth
                     mask[frame.index] = frame.output.mask
                 result = stream.result
-            n = len(result)
-            timing["video"] = (time.perf_counter() - admitted) * 1e3 - timing["queue"]
-            t = time.perf_counter()
-            payload = encode(result, depth[:n], mask[:n])
-            timing["encode"] = (time.perf_counter() - t) * 1e3
-            return payload
         except InputError as exc:
             raise ApiError(400, "bad_video", str(exc)) from None
-        finally:
-            upload.discard()
+        n = len(result)
+        timing["video"] = (time.perf_counter() - started) * 1e3
+        t = time.perf_counter()
+        payload = encode(result, depth[:n], mask[:n])
+        timing["encode"] = (time.perf_counter() - t) * 1e3
+        return payload
 
-    payload = await serving.on_host(job, ticket)
-    timing["total"] = (time.perf_counter() - start) * 1e3
-    return Prediction(payload, timing, ticket)
+    return await serving.serve(
+        lambda reserve: receive_clip(request, settings, reserve, video), cost, job, ClipUpload.discard
+    )
 
 
 def clip_npz_arrays(result: Any, depth: np.ndarray, mask: np.ndarray) -> dict:
