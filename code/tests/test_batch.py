@@ -420,6 +420,9 @@ def test_the_package_imports_without_ray():
         (["--format", "csv"], "invalid choice"),
         (["--fov-x", "60", "--intrinsics", "100,100,50,50"], "give one of them"),
         (["--calibration-frames", "8", "--window", "4"], "must be at least calibration_frames"),
+        (["--panorama", "--fov-x", "60"], "do not apply to --panorama"),
+        (["--panorama", "--intrinsics", "100,100,50,50"], "do not apply to --panorama"),
+        (["--panorama", "--format", "parquet"], "--panorama writes files"),
     ],
 )
 def test_bad_command_lines_exit_2(photos, tmp_path, args, message):
@@ -747,3 +750,72 @@ def test_exif_orientation_is_applied_as_predict_does(local_ray, ckpt, tmp_path):
         with np.load(out / "turned" / "result.npz") as npz:
             assert npz["depth"].shape == shape, flag
         assert json.loads((out / "batch.json").read_text())["options"]["exif"] is (not flag)
+
+
+# ------------------------------------------------------------------------------------------- panoramas
+def test_panoramas_are_written_as_predict_writes_them_and_resume(local_ray, checkpoint, tmp_path):
+    """`tt-moge batch --panorama`: two rendered room panoramas and a 3:1 image. Each panorama's npz equals
+    model.predict_panorama's arrays exactly (the canvas defaults to the views' 512x512, as predict --panorama),
+    its result.json is predict's; the 3:1 image is in the failures file, and a rerun retries only it. Through
+    the API, parquet and video files are refused with a ValueError naming the option."""
+    import cv2
+    import torch
+
+    from tt_moge import MoGeModel
+    from tt_moge.panorama import PANORAMA_CANVAS
+    from tt_moge.testing.room import render_panorama
+
+    ckpt = checkpoint("tiny-vits-normal", invalid_share=0.6)  # some views' pixels invalid: the mask says something
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    room = render_panorama(256, 128).image
+    panoramas = {"room": room, "turned": np.ascontiguousarray(np.roll(room, 64, axis=1)[:, ::-1])}
+    for name, image in panoramas.items():
+        cv2.imwrite(str(inputs / f"{name}.png"), image[..., ::-1])
+    cv2.imwrite(str(inputs / "wide.png"), np.full((60, 180, 3), 90, np.uint8))
+    out = tmp_path / "out"
+    args = ["batch", inputs, "-o", out, "--panorama", "--weights", ckpt, "--device", "cpu", "--num-tokens", TOKENS]
+    args += ["--npz", "--replicas", 2]
+    code, stdout, stderr = run_cli(args)
+    assert code == 1, stderr
+    assert "2 done, 1 failed, 0 skipped (already done) of 3 panoramas" in stdout, stdout
+    failures = [json.loads(line) for line in (out / FAILURES_FILE).read_text().splitlines()]
+    assert [f["name"] for f in failures] == ["wide"] and "twice as wide as high" in failures[0]["error"]
+    record = json.loads((out / "batch.json").read_text())
+    assert record["options"]["panorama"] is True and record["model"]["resolution"] == list(PANORAMA_CANVAS)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # like each replica (the CPU kernels' summation order depends on the thread count)
+    try:
+        with MoGeModel.from_pretrained(
+            ckpt, device="cpu", resolution=PANORAMA_CANVAS, num_tokens=TOKENS, warmup=0, warmup_variants="none"
+        ) as model:
+            expected = {name: model.predict_panorama(image) for name, image in panoramas.items()}
+    finally:
+        torch.set_num_threads(threads)
+    for name, pano in expected.items():
+        result = json.loads((out / name / "result.json").read_text())
+        assert result["kind"] == "panorama" and set(result["files"]) == {"result.npz", "result.json"}, result
+        with np.load(out / name / "result.npz") as npz:
+            for key, want in pano.npz_arrays().items():
+                assert np.array_equal(npz[key], want, equal_nan=True), f"{name}: {key}"
+        valid = pano.mask.mean()
+        assert 0.05 < valid < 0.995, f"{name}: valid share {valid} proves little"
+        assert np.isfinite(pano.distance[pano.mask]).all()
+    assert not np.array_equal(expected["room"].distance, expected["turned"].distance)
+
+    before = file_times(out)
+    code, stdout, _ = run_cli(args)
+    assert code == 1 and "0 done, 1 failed, 2 skipped (already done) of 3 panoramas" in stdout, stdout
+    assert all(file_times(out)[k] == t for k, t in before.items() if k.startswith(("room/", "turned/")))
+
+    job = dict(inputs=[inputs], out=tmp_path / "api", model=model_args(ckpt), panorama=True)
+    with pytest.raises(ValueError, match="output_format: panoramas are written as files"):
+        run_batch(BatchJob(**job, output_format="parquet"))
+    with pytest.raises(ValueError, match="fov_x and intrinsics do not apply"):
+        run_batch(BatchJob(**job, fov_x=60.0))
+    clip = tmp_path / "clips" / "a.mp4"
+    clip.parent.mkdir()
+    clip.write_bytes(b"")
+    with pytest.raises(ValueError, match="not video files"):
+        run_batch(BatchJob(**{**job, "inputs": [clip]}))

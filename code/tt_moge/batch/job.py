@@ -22,7 +22,7 @@ from ..host import CallOptions
 from ..options import LoadOptions
 from ..runs import OutputLock
 from ..video import VideoOptions
-from .replica import ClipReplica, Replica, read_images
+from .replica import ClipReplica, PanoramaReplica, Replica, read_images
 from .session import (
     DEFAULT_OBJECT_STORE_MB,
     MIN_OBJECT_STORE_MB,
@@ -122,6 +122,11 @@ class BatchJob:
     `video.VideoOptions`: stride, max_frames, calibration_frames, window, voxel_size). A rerun skips the clips
     whose OUT/NAME/result.json exists (written last), so an interrupted job resumes clip by clip.
 
+    `panorama`: every input is a 360-degree equirectangular photo, run and written as `tt-moge predict --panorama`
+    runs and writes it (`jobs.predict_panoramas`: 12 views through one replica's model, OUT/NAME/ with
+    result.json last; "files" only), one panorama per replica call. A missing `resolution` in `model` is then
+    PANORAMA_CANVAS; the call options fov_x and intrinsics do not apply (the views' camera is known).
+
     output_format "files": OUT/NAME/ as `tt-moge predict` writes it (`formats` picks the files); "parquet":
     OUT/parquet/part-*.parquet, one row per image (name, source, result = result.json text, npz = the npz bytes).
     Ray: `address` (or $RAY_ADDRESS) joins a cluster; without one a local Ray starts on this machine (loopback
@@ -143,6 +148,12 @@ class BatchJob:
         "files: a folder per image, as tt-moge predict (default); parquet: sharded Parquet rows",
         flag="--format",
         choices=OUTPUT_FORMATS,
+        group="output",
+    )
+    panorama: bool = option(
+        False,
+        "the inputs are 360-degree equirectangular panoramas (width = 2 x height), each written as tt-moge predict "
+        "--panorama writes it (--format files only; the canvas defaults to 512x512, the views' size)",
         group="output",
     )
     address: Optional[str] = option(
@@ -269,12 +280,22 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     unusable.
     """
     from ..inputs import InputPathError, collect_images
+    from ..panorama.predict import PANORAMA_CANVAS
     from ..video import is_video_file
     from ..video.files import VIDEO_FRAME_FORMATS
 
     formats = job.checked_formats()
     call = job.call_options()  # checked now, not in every replica for every image
+    if job.panorama:
+        if job.output_format != "files":
+            raise ValueError(
+                "output_format: panoramas are written as files (OUT/NAME/, as tt-moge predict writes them)"
+            )
+        if call.fov_x is not None or call.intrinsics is not None:
+            raise ValueError("fov_x and intrinsics do not apply to panoramas (the views' camera is known: 90 degrees)")
     model_kwargs = job.model_arguments()
+    if job.panorama and job.model.get("resolution") is None:
+        model_kwargs["resolution"] = PANORAMA_CANVAS  # the views' own size, as tt-moge predict --panorama
     out = Path(job.out)
     images = collect_images([os.fspath(i) for i in job.inputs], exclude=out)
     if not images:
@@ -282,6 +303,8 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     clips = [im for im in images if is_video_file(im.path)]
     if clips and len(clips) != len(images):
         raise ValueError("inputs: photos and video files go in separate batch jobs")
+    if clips and job.panorama:
+        raise ValueError("inputs: panorama takes 360-degree photos, not video files")
     if clips and job.output_format != "files":
         raise ValueError("output_format: clips are written as files (OUT/NAME/, as tt-moge predict writes them)")
     if clips and tuple(formats) == tuple(DEFAULT_FORMATS):
@@ -336,7 +359,7 @@ def _run_locked(
             for im in images
             if im.renamed
         ],
-        unit="clips" if clips else "images",
+        unit="clips" if clips else "panoramas" if job.panorama else "images",
     )
     files = job.output_format == "files"
     options = {
@@ -346,6 +369,7 @@ def _run_locked(
         "mesh_faces": job.mesh_faces if files and "glb" in formats else None,
         **call.kwargs(),
         **(video.kwargs() if video is not None else {"exif": job.exif}),
+        "panorama": job.panorama,
         "batch_size": job.batch_size,
         "max_retries": job.max_retries,
     }
@@ -355,7 +379,7 @@ def _run_locked(
         write_record(out, summary, "nowhere (nothing to do)", None, options)
         return summary
 
-    per_call = 1 if clips else job.batch_size  # a clip is one replica call
+    per_call = 1 if clips or job.panorama else job.batch_size  # a clip, or a panorama's 12 views, per replica call
     replicas = min(job.replicas, math.ceil(len(todo) / per_call))  # no idle replicas for a short remainder
     summary.replicas = replicas
     address = job.address or os.environ.get("RAY_ADDRESS") or None
@@ -393,9 +417,15 @@ def _run_locked(
             )
         t0 = time.perf_counter()
         with ray_data_output(ray, ray_quiet):
-            if clips:
-                dataset = _clip_dataset(
-                    ray, job, todo, out, formats, call, video, model_kwargs, replicas, cpus, gpus, address is None
+            if clips or job.panorama:
+                actor, settings = (
+                    (ClipReplica, dict(options=call, video=video, writers=job.writers))
+                    if clips
+                    else (PanoramaReplica, dict(exif=job.exif, mesh_faces=job.mesh_faces))
+                )
+                kwargs = dict(model_kwargs=model_kwargs, out=str(out.resolve()), formats=formats, threads=int(cpus))
+                dataset = _one_per_call_dataset(
+                    ray, job, todo, actor, {**kwargs, **settings}, replicas, cpus, gpus, address is None
                 )
             else:
                 dataset = _build_dataset(
@@ -418,21 +448,19 @@ def _runtime_env(local: bool) -> Optional[dict]:
     return {"env_vars": env} if env else None
 
 
-def _clip_dataset(
+def _one_per_call_dataset(
     ray: Any,
     job: BatchJob,
     todo: list,
-    out: Path,
-    formats: tuple,
-    call: CallOptions,
-    video: VideoOptions,
-    model_kwargs: dict,
+    actor: type,
+    actor_kwargs: dict,
     replicas: int,
     cpus: float,
     gpus: float,
     local: bool,
 ) -> Any:
-    """One item per clip, one clip per replica call (`replica.ClipReplica`: it reads the video file itself)."""
+    """One item per input, one input per call of `actor` (`replica.ClipReplica` for clips, `PanoramaReplica` for
+    panoramas: each reads its file itself, and one input is already a batch of frames or views)."""
     runtime_env = _runtime_env(local)
     items = [{"path": str(im.path.resolve()), "name": im.name} for im in todo]
     try:
@@ -442,19 +470,10 @@ def _clip_dataset(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
         return dataset.map_batches(
-            ClipReplica,
+            actor,
             batch_size=1,
-            compute=ray.data.ActorPoolStrategy(size=replicas),
-            fn_constructor_kwargs=dict(
-                model_kwargs=model_kwargs,
-                out=str(out.resolve()),
-                formats=formats,
-                options=call,
-                video=video,
-                writers=job.writers,
-                threads=int(cpus),
-                mesh_step=job.mesh_step,
-            ),
+            compute=_actor_pool(ray, replicas),
+            fn_constructor_kwargs=dict(actor_kwargs, mesh_step=job.mesh_step),
             num_cpus=cpus,
             num_gpus=gpus or None,
             runtime_env=runtime_env,

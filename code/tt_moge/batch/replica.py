@@ -1,6 +1,7 @@
 """The Ray stages of a batch job: `read_images` (Ray tasks: files -> RGB arrays) and `Replica` (an actor: one
 model, loaded once; each call predicts a batch with the model's PredictionService and writes it); for clips,
-`ClipReplica` (an actor: one model; each call runs one video file through `tt_moge.video` into its folder)."""
+`ClipReplica` (an actor: one model; each call runs one video file through `tt_moge.video` into its folder); for
+panoramas, `PanoramaReplica` (an actor: one model; each call runs one panorama's 12 views and writes it)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,21 @@ from ..export import DEFAULT_MESH_STEP
 from ..host import CallOptions
 from .sinks import write_files, write_shard
 
-__all__ = ["read_images", "Replica", "ClipReplica"]
+__all__ = ["read_images", "Replica", "ClipReplica", "PanoramaReplica"]
+
+
+def load_replica_model(model_kwargs: dict, threads: int) -> object:
+    """One replica's MoGeModel (from_pretrained arguments, no warm-up), with torch and the native host kernels
+    on the replica's share of the cores (`threads`)."""
+    import torch
+
+    from .. import env, native
+    from ..model import MoGeModel
+
+    torch.set_num_threads(max(1, threads))
+    if not env.get("MOGE_SERVE_THREADS"):
+        native.set_threads(max(1, threads))
+    return MoGeModel.from_pretrained(**{**model_kwargs, "warmup": 0, "warmup_variants": "none"})
 
 
 def read_images(batch: dict, exif: bool = False) -> dict:
@@ -49,16 +64,8 @@ class Replica:
         mesh_step: int = DEFAULT_MESH_STEP,
         mesh_faces: Optional[int] = None,
     ):
-        import torch
-
-        from .. import env, native
-        from ..model import MoGeModel
-
         self.mesh_faces = mesh_faces
-        torch.set_num_threads(max(1, threads))  # this replica's share of the cores, for torch ...
-        if not env.get("MOGE_SERVE_THREADS"):
-            native.set_threads(max(1, threads))  # ... and for the native host kernels
-        self.model = MoGeModel.from_pretrained(**{**model_kwargs, "warmup": 0, "warmup_variants": "none"})
+        self.model = load_replica_model(model_kwargs, threads)
         self.out, self.output_format, self.formats, self.mesh_step = Path(out), output_format, formats, mesh_step
         self.options = options
         self.writer = ThreadPoolExecutor(writers, thread_name_prefix="tt_moge-write")
@@ -112,15 +119,7 @@ class ClipReplica:
         threads: int,
         mesh_step: int = DEFAULT_MESH_STEP,
     ):
-        import torch
-
-        from .. import env, native
-        from ..model import MoGeModel
-
-        torch.set_num_threads(max(1, threads))
-        if not env.get("MOGE_SERVE_THREADS"):
-            native.set_threads(max(1, threads))
-        self.model = MoGeModel.from_pretrained(**{**model_kwargs, "warmup": 0, "warmup_variants": "none"})
+        self.model = load_replica_model(model_kwargs, threads)
         self.out, self.formats, self.mesh_step, self.writers = Path(out), formats, mesh_step, writers
         self.options, self.video = options, video
 
@@ -147,3 +146,42 @@ class ClipReplica:
                     writer.abort()
                 errors.append(f"{path}: {exc}" if str(path) not in str(exc) else str(exc))
         return {"name": names, "path": paths, "error": errors}
+
+
+class PanoramaReplica:
+    """Ray actor: one MoGeModel (as `Replica`, on the panorama canvas); each call runs the panoramas of its batch
+    ({name, path} of equirectangular images) through `jobs.predict_panoramas`, the very loop of `tt-moge predict
+    --panorama`, into OUT/NAME/ (result.json last). Only a returned status counts: a replica that dies has its
+    batch retried."""
+
+    def __init__(
+        self,
+        model_kwargs: dict,
+        out: str,
+        formats: tuple,
+        threads: int,
+        exif: bool = True,
+        mesh_step: int = DEFAULT_MESH_STEP,
+        mesh_faces: Optional[int] = None,
+    ):
+        self.model = load_replica_model(model_kwargs, threads)
+        self.out, self.formats, self.exif = Path(out), formats, exif
+        self.mesh_step, self.mesh_faces = mesh_step, mesh_faces
+
+    def __call__(self, batch: dict) -> dict:
+        from types import SimpleNamespace
+
+        from ..jobs import predict_panoramas
+
+        names, paths = [str(n) for n in batch["name"]], [str(p) for p in batch["path"]]
+        images = [SimpleNamespace(path=Path(p), name=n) for n, p in zip(names, paths)]
+        status = predict_panoramas(
+            self.model,
+            images,
+            self.out,
+            self.formats,
+            mesh_step=self.mesh_step,
+            exif=self.exif,
+            mesh_faces=self.mesh_faces,
+        )
+        return {"name": names, "path": paths, "error": [status.get(i) or "" for i in range(len(images))]}

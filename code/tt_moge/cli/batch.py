@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from ..batch import FAILURES_FILE, RECORD_FILE, SHARDS_DIR, BatchJob
+from ..constants import DEFAULT_CANVAS
+from ..panorama.predict import PANORAMA_CANVAS
 from ..video.options import VideoOptions
 from .commands import summary as command_summary
 from .common import (
@@ -69,6 +71,7 @@ examples:
   tt-moge batch photos/ -o {default_output}/           # a local Ray, 1 replica, the default files of predict
   tt-moge batch photos/ --replicas 2 --npz             # 2 CPU replicas, only result.npz (+ result.json)
   tt-moge batch 'frames/**/*.jpg' --format parquet --device cuda --replicas 4 --gpus-per-replica 0.25
+  tt-moge batch panoramas/ --panorama --replicas 2  # 360-degree photos, written as tt-moge predict --panorama
   tt-moge batch /data/frames --address ray://head:10001 --device cuda --replicas 8
   RAY_ADDRESS=ray://head:10001 tt-moge batch /data/frames --device cuda
 
@@ -97,6 +100,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     )
     add_model_arguments(parser)
     add_options(parser.add_argument_group("Ray"), BatchJob)  # the job's own settings, one flag each
+    parser.set_defaults(resolution=None)  # resolved in run(): the photo canvas, or the views' canvas with --panorama
     return parser
 
 
@@ -109,6 +113,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     # Every option reaches the job from its definition: the model flags as from_pretrained's arguments, and each
     # field of BatchJob that is an option (the call and clip options it includes, its own settings) by name.
+    if args.resolution is None:
+        args.resolution = PANORAMA_CANVAS if args.panorama else DEFAULT_CANVAS
     options = option_values(args, BatchJob)
     formats = chosen_formats(args)
     if options["output_format"] == "parquet" and formats:
@@ -130,6 +136,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         **dict(zip(("mesh_step", "mesh_faces"), mesh_choice(args))),
         **options,
     )
+    if args.panorama and (args.fov_x is not None or args.intrinsics is not None):
+        parser.error("--fov-x and --intrinsics do not apply to --panorama (the views' camera is known: 90 degrees)")
+    if args.panorama and options["output_format"] != "files":
+        parser.error("--panorama writes files (OUT/NAME/, as tt-moge predict --panorama): not --format parquet")
     try:  # options that are wrong together (fov_x and intrinsics; window < calibration_frames) are usage errors
         job.call_options()
         job.video_options()
