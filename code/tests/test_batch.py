@@ -420,8 +420,9 @@ def test_the_package_imports_without_ray():
         (["--format", "csv"], "invalid choice"),
         (["--fov-x", "60", "--intrinsics", "100,100,50,50"], "give one of them"),
         (["--calibration-frames", "8", "--window", "4"], "must be at least calibration_frames"),
-        (["--panorama", "--fov-x", "60"], "do not apply to --panorama"),
-        (["--panorama", "--intrinsics", "100,100,50,50"], "do not apply to --panorama"),
+        (["--panorama", "--fov-x", "60"], "--fov-x does not apply to --panorama"),
+        (["--panorama", "--intrinsics", "100,100,50,50"], "--intrinsics does not apply to --panorama"),
+        (["--panorama", "--fit", "stretch", "--no-force-projection"], "--fit and --no-force-projection do not apply"),
         (["--panorama", "--format", "parquet"], "--panorama writes files"),
     ],
 )
@@ -755,9 +756,10 @@ def test_exif_orientation_is_applied_as_predict_does(local_ray, ckpt, tmp_path):
 # ------------------------------------------------------------------------------------------- panoramas
 def test_panoramas_are_written_as_predict_writes_them_and_resume(local_ray, checkpoint, tmp_path):
     """`tt-moge batch --panorama`: two rendered room panoramas and a 3:1 image. Each panorama's npz equals
-    model.predict_panorama's arrays exactly (the canvas defaults to the views' 512x512, as predict --panorama),
-    its result.json is predict's; the 3:1 image is in the failures file, and a rerun retries only it. Through
-    the API, parquet and video files are refused with a ValueError naming the option."""
+    model.predict_panorama's arrays exactly (the canvas defaults to the views' 512x512, as predict --panorama;
+    --no-apply-mask reaches the replicas), its result.json is predict's; the 3:1 image is in the failures file,
+    and a rerun retries only it. Through the API, parquet, call options other than apply_mask and video files are
+    refused with a ValueError naming the option."""
     import cv2
     import torch
 
@@ -775,7 +777,7 @@ def test_panoramas_are_written_as_predict_writes_them_and_resume(local_ray, chec
     cv2.imwrite(str(inputs / "wide.png"), np.full((60, 180, 3), 90, np.uint8))
     out = tmp_path / "out"
     args = ["batch", inputs, "-o", out, "--panorama", "--weights", ckpt, "--device", "cpu", "--num-tokens", TOKENS]
-    args += ["--npz", "--replicas", 2]
+    args += ["--npz", "--replicas", 2, "--no-apply-mask"]
     code, stdout, stderr = run_cli(args)
     assert code == 1, stderr
     assert "2 done, 1 failed, 0 skipped (already done) of 3 panoramas" in stdout, stdout
@@ -790,7 +792,7 @@ def test_panoramas_are_written_as_predict_writes_them_and_resume(local_ray, chec
         with MoGeModel.from_pretrained(
             ckpt, device="cpu", resolution=PANORAMA_CANVAS, num_tokens=TOKENS, warmup=0, warmup_variants="none"
         ) as model:
-            expected = {name: model.predict_panorama(image) for name, image in panoramas.items()}
+            expected = {name: model.predict_panorama(image, apply_mask=False) for name, image in panoramas.items()}
     finally:
         torch.set_num_threads(threads)
     for name, pano in expected.items():
@@ -801,7 +803,7 @@ def test_panoramas_are_written_as_predict_writes_them_and_resume(local_ray, chec
                 assert np.array_equal(npz[key], want, equal_nan=True), f"{name}: {key}"
         valid = pano.mask.mean()
         assert 0.05 < valid < 0.995, f"{name}: valid share {valid} proves little"
-        assert np.isfinite(pano.distance[pano.mask]).all()
+        assert np.isfinite(pano.distance).all()  # apply_mask=False: the fitted values on invalid pixels too
     assert not np.array_equal(expected["room"].distance, expected["turned"].distance)
 
     before = file_times(out)
@@ -812,8 +814,8 @@ def test_panoramas_are_written_as_predict_writes_them_and_resume(local_ray, chec
     job = dict(inputs=[inputs], out=tmp_path / "api", model=model_args(ckpt), panorama=True)
     with pytest.raises(ValueError, match="output_format: panoramas are written as files"):
         run_batch(BatchJob(**job, output_format="parquet"))
-    with pytest.raises(ValueError, match="fov_x and intrinsics do not apply"):
-        run_batch(BatchJob(**job, fov_x=60.0))
+    with pytest.raises(ValueError, match="fit and fov_x: not for panoramas"):
+        run_batch(BatchJob(**job, fov_x=60.0, fit="stretch"))
     clip = tmp_path / "clips" / "a.mp4"
     clip.parent.mkdir()
     clip.write_bytes(b"")

@@ -599,6 +599,70 @@ def test_cli_panorama_writes_every_format(tmp_path, monkeypatch):
     assert np.allclose(np.sort(np.abs(mesh.vertices).max(0)), np.sort([3.4, 1.5, 4.2]), rtol=0.02)
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--fov-x", "60"], "--fov-x does not apply to --panorama"),
+        (["--intrinsics", "100,100,50,50"], "--intrinsics does not apply to --panorama"),
+        (["--fit", "stretch"], "--fit does not apply to --panorama"),
+        (["--no-force-projection", "--fov-x", "70"], "--fov-x and --no-force-projection do not apply"),
+    ],
+)
+def test_cli_panorama_refuses_the_photo_options_by_name(tmp_path, capsys, flags, message):
+    from tt_moge.cli import main
+
+    code = main(["predict", "--panorama", str(tmp_path / "pano.png"), "-o", str(tmp_path / "out"), *flags])
+    assert code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_panorama_passes_apply_mask(tmp_path, monkeypatch):
+    """--no-apply-mask reaches predict_panorama (it used to be ignored): the npz keeps the fitted distance on
+    the pixels the mask rejects."""
+    import cv2
+
+    from tt_moge.cli import main
+    from tt_moge.cli import predict as predict_command
+
+    room = render_panorama(128, 64)
+    pano = tmp_path / "pano.png"
+    cv2.imwrite(str(pano), room.image[..., ::-1])
+    seen = []
+
+    class Holey(RoomOracle):
+        """The room oracle with its farthest pixels invalid in every view."""
+
+        def __init__(self):
+            super().__init__(hole=lambda index, distance: distance > np.quantile(distance, 0.8))
+
+        def predict_panorama(self, image, **kwargs):
+            seen.append(kwargs)
+            return super().predict_panorama(image, **kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def info(self):
+            return {"model": "room oracle"}
+
+    monkeypatch.setattr(predict_command, "load_model", lambda args: Holey())
+    for flag, name in (([], "masked"), (["--no-apply-mask"], "fitted")):
+        args = ["predict", "--panorama", str(pano), "-o", str(tmp_path / name), "-q", "--npz", *flag]
+        assert main(args) == 0
+    assert seen == [{"apply_mask": True}, {"apply_mask": False}]
+    with (
+        np.load(tmp_path / "masked" / "pano" / "result.npz") as a,
+        np.load(tmp_path / "fitted" / "pano" / "result.npz") as b,
+    ):
+        invalid = ~a["mask"].astype(bool)
+        assert invalid.any() and np.array_equal(a["mask"], b["mask"])
+        assert np.isinf(a["distance"][invalid]).all() and np.isfinite(b["distance"][invalid]).all()
+        assert np.array_equal(a["distance"][~invalid], b["distance"][~invalid])
+
+
 def test_metric_offsets_restore_the_views_scale():
     """The solve leaves one constant free; metric_offsets puts it back from the views (here: x off by 0.7)."""
     from tt_moge.panorama.merge import metric_offsets

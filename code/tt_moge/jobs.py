@@ -171,6 +171,7 @@ def predict_panoramas(
     exif: bool = False,
     mesh_faces: Optional[int] = None,
     on_stage: Optional[Callable[[str], None]] = None,
+    apply_mask: bool = True,
 ) -> dict:
     """`predict_images` for 360-degree equirectangular panoramas: per image, `model.predict_panorama` (whose 12
     views already keep the device busy through predict_many) and `write_outputs`; the writing of one panorama
@@ -196,7 +197,7 @@ def predict_panoramas(
                 rgb = _decode(image.path, exif)
                 if on_stage is not None:
                     on_stage(f"model on panorama {index + 1}")
-                output = model.predict_panorama(rgb)
+                output = model.predict_panorama(rgb, apply_mask=apply_mask)
             except Exception as exc:
                 settle()
                 status[index] = _reason(image, exc)

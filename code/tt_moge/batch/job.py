@@ -125,7 +125,8 @@ class BatchJob:
     `panorama`: every input is a 360-degree equirectangular photo, run and written as `tt-moge predict --panorama`
     runs and writes it (`jobs.predict_panoramas`: 12 views through one replica's model, OUT/NAME/ with
     result.json last; "files" only), one panorama per replica call. A missing `resolution` in `model` is then
-    PANORAMA_CANVAS; the call options fov_x and intrinsics do not apply (the views' camera is known).
+    PANORAMA_CANVAS; of the call options only apply_mask applies (the others, set, are refused: the views' camera
+    and canvas are fixed).
 
     output_format "files": OUT/NAME/ as `tt-moge predict` writes it (`formats` picks the files); "parquet":
     OUT/parquet/part-*.parquet, one row per image (name, source, result = result.json text, npz = the npz bytes).
@@ -280,7 +281,7 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     unusable.
     """
     from ..inputs import InputPathError, collect_images
-    from ..panorama.predict import PANORAMA_CANVAS
+    from ..panorama.predict import PANORAMA_CANVAS, options_not_for_panoramas
     from ..video import is_video_file
     from ..video.files import VIDEO_FRAME_FORMATS
 
@@ -291,8 +292,12 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
             raise ValueError(
                 "output_format: panoramas are written as files (OUT/NAME/, as tt-moge predict writes them)"
             )
-        if call.fov_x is not None or call.intrinsics is not None:
-            raise ValueError("fov_x and intrinsics do not apply to panoramas (the views' camera is known: 90 degrees)")
+        wrong = [info.argument for info in options_not_for_panoramas(call)]
+        if wrong:
+            raise ValueError(
+                f"{' and '.join(wrong)}: not for panoramas (their views' camera and canvas are fixed); only "
+                "apply_mask applies"
+            )
     model_kwargs = job.model_arguments()
     if job.panorama and job.model.get("resolution") is None:
         model_kwargs["resolution"] = PANORAMA_CANVAS  # the views' own size, as tt-moge predict --panorama
@@ -421,7 +426,7 @@ def _run_locked(
                 actor, settings = (
                     (ClipReplica, dict(options=call, video=video, writers=job.writers))
                     if clips
-                    else (PanoramaReplica, dict(exif=job.exif, mesh_faces=job.mesh_faces))
+                    else (PanoramaReplica, dict(exif=job.exif, mesh_faces=job.mesh_faces, apply_mask=call.apply_mask))
                 )
                 kwargs = dict(model_kwargs=model_kwargs, out=str(out.resolve()), formats=formats, threads=int(cpus))
                 dataset = _one_per_call_dataset(

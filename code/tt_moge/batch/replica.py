@@ -163,9 +163,10 @@ class PanoramaReplica:
         exif: bool = True,
         mesh_step: int = DEFAULT_MESH_STEP,
         mesh_faces: Optional[int] = None,
+        apply_mask: bool = True,
     ):
         self.model = load_replica_model(model_kwargs, threads)
-        self.out, self.formats, self.exif = Path(out), formats, exif
+        self.out, self.formats, self.exif, self.apply_mask = Path(out), formats, exif, apply_mask
         self.mesh_step, self.mesh_faces = mesh_step, mesh_faces
 
     def __call__(self, batch: dict) -> dict:
@@ -183,5 +184,6 @@ class PanoramaReplica:
             mesh_step=self.mesh_step,
             exif=self.exif,
             mesh_faces=self.mesh_faces,
+            apply_mask=self.apply_mask,
         )
         return {"name": names, "path": paths, "error": [status.get(i) or "" for i in range(len(images))]}

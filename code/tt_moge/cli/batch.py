@@ -33,6 +33,7 @@ from .common import (
     mesh_choice,
     model_kwargs,
     option_values,
+    refuse_options_not_for_panoramas,
     say,
 )
 
@@ -136,15 +137,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         **dict(zip(("mesh_step", "mesh_faces"), mesh_choice(args))),
         **options,
     )
-    if args.panorama and (args.fov_x is not None or args.intrinsics is not None):
-        parser.error("--fov-x and --intrinsics do not apply to --panorama (the views' camera is known: 90 degrees)")
     if args.panorama and options["output_format"] != "files":
         parser.error("--panorama writes files (OUT/NAME/, as tt-moge predict --panorama): not --format parquet")
     try:  # options that are wrong together (fov_x and intrinsics; window < calibration_frames) are usage errors
-        job.call_options()
+        call = job.call_options()
         job.video_options()
     except ValueError as exc:
         parser.error(str(exc))
+    if args.panorama:
+        refuse_options_not_for_panoramas(call, parser)
     try:
         with SignalGuard():
             summary = run_batch(job, on_failure=on_failure)

@@ -240,6 +240,19 @@ def model_kwargs(args: argparse.Namespace, only: Optional[tuple] = None) -> dict
     }
 
 
+def refuse_options_not_for_panoramas(options: CallOptions, parser: argparse.ArgumentParser) -> None:
+    """Exit 2 naming the flags of `options` that do not apply to --panorama (only --[no-]apply-mask does)."""
+    from ..panorama.predict import options_not_for_panoramas
+
+    wrong = options_not_for_panoramas(options)
+    if wrong:
+        flags = [f"--no-{info.flag[2:]}" if info.default is True else info.flag for info in wrong]
+        parser.error(
+            f"{' and '.join(flags)} {'does' if len(flags) == 1 else 'do'} not apply to --panorama (its views' "
+            "camera and canvas are fixed: 90 degrees, square; only --[no-]apply-mask applies)"
+        )
+
+
 def call_options(args: argparse.Namespace) -> CallOptions:
     """The options of `model(image, ...)` that the per-image flags stand for (checked by their flags' types)."""
     return CallOptions.make(**{info.argument: getattr(args, _dest(info)) for info in options_of(CallOptions)})

@@ -36,6 +36,7 @@ from .common import (
     format_group_title,
     load_model,
     mesh_choice,
+    refuse_options_not_for_panoramas,
     say,
 )
 from .video import VIDEO_EPILOG, add_video_arguments, run_videos, wants_video
@@ -177,9 +178,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         except Interrupted as exc:  # between two clips' steps, outside run_videos' own handling
             say(f"{exc}: stopped")
             return 128 + exc.signum
-    if args.panorama and (args.fov_x is not None or args.intrinsics is not None):
-        parser.error("--fov-x and --intrinsics do not apply to --panorama (the views' camera is known: 90 degrees)")
     options = call_options(args)
+    if args.panorama:
+        refuse_options_not_for_panoramas(options, parser)
     formats = chosen_formats(args) or list(DEFAULT_FORMATS)
     out_root = Path(args.output)
     try:
@@ -299,6 +300,7 @@ def _run_locked(
                         mesh_faces=mesh_faces,
                         on_stage=on_stage,
                         exif=args.exif,
+                        apply_mask=options.apply_mask,
                     )
                 else:
                     predict_images(

@@ -21,10 +21,26 @@ from ..output import depth_p1_p99, finite_or_none
 from .geometry import VIEW_FOV_DEG, check_panorama_size, panorama_directions, split_panorama, view_cameras
 from .merge import merge_distance_maps
 
-__all__ = ["PanoramaOutput", "predict_panorama", "MERGE_MAX_SIZE", "PANORAMA_CANVAS"]
+__all__ = ["PanoramaOutput", "predict_panorama", "MERGE_MAX_SIZE", "PANORAMA_CANVAS", "options_not_for_panoramas"]
 
 MERGE_MAX_SIZE = (1920, 960)  # (width, height): the merge runs at the panorama's size, at most this (upstream's)
 PANORAMA_CANVAS = (512, 512)  # the canvas that fits the views: square, the views' own size (docs/panorama.md)
+PANORAMA_CALL_OPTIONS = ("apply_mask",)  # the one option of model(image, ...) that a panorama takes too
+
+
+def options_not_for_panoramas(call: Any) -> list:
+    """The options of a `host.CallOptions` that are set away from their defaults but mean nothing for a
+    panorama (as `fields.OptionInfo`s; [] when none). Its views have a known camera (fov_x and intrinsics), a
+    fixed square size (fit) and their own projection; only `apply_mask` applies. The command line and the batch
+    job refuse these by name instead of ignoring them."""
+    from ..fields import options_of
+
+    return [
+        info
+        for info in options_of(type(call))
+        if info.argument not in PANORAMA_CALL_OPTIONS and getattr(call, info.name) != info.default
+    ]
+
 
 # The npz layout of a panorama (PanoramaOutput.save_npz, `tt-moge predict --panorama`).
 PANORAMA_NPZ_LAYOUT: dict = {
