@@ -596,6 +596,8 @@ def test_cli_panorama_writes_every_format(tmp_path, monkeypatch):
     # closed around the viewer: triangles join the last column to the first across the seam (lon = +-pi)
     lon = np.arctan2(mesh.vertices[:, 0], -mesh.vertices[:, 2])[mesh.faces]  # glTF (x, -y, -z) -> our x, z
     assert ((lon.max(1) > 3.0) & (lon.min(1) < -3.0)).sum() > 20
+    u = mesh.visual.uv[mesh.faces, 0]  # the seam's faces show the seam's texture, not the whole panorama squeezed
+    assert np.ptp(u, axis=1).max() < 2.5 / 256 and (u > 1).any()
     assert np.allclose(np.sort(np.abs(mesh.vertices).max(0)), np.sort([3.4, 1.5, 4.2]), rtol=0.02)
 
 

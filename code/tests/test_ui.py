@@ -245,6 +245,11 @@ def test_a_panorama_on_the_page_is_the_api_panorama(small_model, tmp_path):
 
         _, flat = view_mesh(Flat(**{f.name: getattr(local, f.name) for f in dataclasses.fields(local)}), rgb)
         assert page["view"]["faces"] > flat["faces"]  # the view's mesh closes around the viewer
+        import trimesh
+
+        seen = trimesh.load(io.BytesIO(view.content), file_type="glb", force="mesh")
+        u = seen.visual.uv[seen.faces, 0]  # no face spans the texture: the seam's copies sit past u = 1
+        assert np.ptp(u, axis=1).max() < 0.05 and (u > 1).any()
 
         valid = np.argwhere(local.mask)[:: max(1, int(local.mask.sum()) // 3)][:3]
         at = [f"{x},{y}" for y, x in valid]

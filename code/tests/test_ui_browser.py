@@ -15,8 +15,10 @@ Run: cd code && python -m pytest tests/test_ui_browser.py -q
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -254,6 +256,61 @@ def test_two_clicks_on_a_map_measure_the_distance_of_predict_points(result_page,
     assert console_errors(browser) == []
 
 
+def test_clicks_on_the_3d_view_measure_the_pixels_under_them(result_page, api):
+    """From the first view (the photo's own camera), a click where a pixel's 3D point is drawn picks that pixel
+    (within the view mesh's grid step), the page measures there as on the maps (predict's points at the picked
+    pixels) and marks both points in the view; a drag and a double click pick nothing."""
+    import cv2
+
+    from tt_moge import MoGeOutput
+
+    browser = result_page
+    out = MoGeOutput.from_npz(
+        api.post("/predict", content=SOURCE.read_bytes(), headers={"Content-Type": "image/png"}).content
+    )
+    summary = api.post("/predict/summary", content=SOURCE.read_bytes(), headers={"Content-Type": "image/png"}).json()
+    inside = cv2.erode(out.mask.astype(np.uint8), np.ones((61, 61), np.uint8)) > 0  # valid well around the click
+    rows, cols = np.nonzero(inside)
+    targets = [(int(cols[i]), int(rows[i])) for i in (len(rows) // 4, 3 * len(rows) // 4)]
+    canvas = browser.find_element(By.ID, "view")
+    width, height = browser.execute_script("return [arguments[0].clientWidth, arguments[0].clientHeight]", canvas)
+    f = 1 / np.tan(np.radians(summary["fov_y_deg"]) / 2)  # the first view: from the camera, the photo's fov_y
+    text = browser.find_element(By.ID, "measure-text")
+
+    def screen(x: int, y: int) -> tuple:  # CSS offset from the canvas centre where pixel (x, y)'s point is drawn
+        px, py, pz = out.points[y, x].astype(np.float64)
+        return round(f * height / width * px / pz * width / 2), round(f * py / pz * height / 2)
+
+    def click(x: int, y: int) -> None:
+        ActionChains(browser).move_to_element_with_offset(canvas, *screen(x, y)).click().perform()
+
+    def picked() -> list:
+        return json.loads(text.get_attribute("data-pixels") or "[]")
+
+    before = picked()
+    click(*targets[0])  # reported after the double-click interval
+    WebDriverWait(browser, 30).until(lambda b: picked() != before)
+    if len(picked()) != 1:  # a pick left by the test before: this click completed its pair; start a new one
+        click(*targets[0])
+        WebDriverWait(browser, 30).until(lambda b: len(picked()) == 1)
+    click(*targets[1])
+    WebDriverWait(browser, 30).until(lambda b: len(picked()) == 2 and text.get_attribute("data-distance"))
+    pixels = picked()
+    step = int(re.search(r"a vertex per (\d+)×", browser.find_element(By.ID, "view-info").text).group(1))
+    tolerance = step + 1920 / width + 1  # the mesh's grid, and one CSS pixel of the view in photo pixels
+    for (x, y), (px, py) in zip(targets, pixels):
+        assert abs(px - x) <= tolerance and abs(py - y) <= tolerance, (targets, pixels, tolerance)
+    a, b = (out.points[py, px].astype(np.float64) for px, py in pixels)
+    assert float(text.get_attribute("data-distance")) == pytest.approx(float(np.linalg.norm(a - b)), rel=1e-9)
+    assert canvas.get_attribute("data-marks") == "2"
+
+    ActionChains(browser).move_to_element(canvas).click_and_hold().move_by_offset(80, 30).release().perform()
+    ActionChains(browser).double_click(canvas).perform()
+    time.sleep(0.8)
+    assert picked() == pixels  # neither the drag nor the double click picked
+    assert console_errors(browser) == []
+
+
 def test_downloaded_npz_equals_predict_bit_for_bit(result_page, api, downloads):
     browser = result_page
     browser.find_element(By.CSS_SELECTOR, "#download-buttons button[data-file='result.npz']").click()
@@ -296,6 +353,7 @@ def test_a_2_to_1_image_runs_as_a_panorama_with_the_apis_numbers(result_page, ap
     """A rendered room panorama (2:1) dropped on the page: offered and run as a panorama, its numbers those of
     POST /predict/panorama/summary, the sphere's mesh in the 3D view; unticked, it runs as a photo; a photo
     hides the choice."""
+    import cv2
     from PIL import Image
 
     from tt_moge.testing.room import render_panorama
@@ -321,6 +379,30 @@ def test_a_2_to_1_image_runs_as_a_panorama_with_the_apis_numbers(result_page, ap
     canvas = browser.find_element(By.ID, "view")
     pixels = canvas_pixels(canvas).astype(np.int16)
     assert (np.abs(pixels - BACKGROUND).max(axis=2) > 24).mean() > 0.5, "the panorama's view is blank"
+    with np.load(
+        io.BytesIO(
+            api.post("/predict/panorama", content=pano.read_bytes(), headers={"Content-Type": "image/png"}).content
+        )
+    ) as npz:
+        points, mask = npz["points"].astype(np.float64), npz["mask"].astype(bool)
+    # a click where a pixel's point is drawn (the first view: from the centre, forward, 75 degrees high) picks it
+    width, height = browser.execute_script("return [arguments[0].clientWidth, arguments[0].clientHeight]", canvas)
+    f = 1 / np.tan(np.radians(75) / 2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sx, sy = f * height / width * points[..., 0] / points[..., 2], f * points[..., 1] / points[..., 2]
+    ahead = (points[..., 2] > 0) & (np.abs(sx) < 0.7) & (np.abs(sy) < 0.7)
+    rows, cols = np.nonzero(ahead & (cv2.erode(mask.astype(np.uint8), np.ones((7, 7), np.uint8)) > 0))
+    assert len(rows) > 20
+    far = int(np.argmax(np.abs(rows - mask.shape[0] / 2)))  # off the horizon: a flipped row would not pass
+    y, x = int(rows[far]), int(cols[far])
+    text = browser.find_element(By.ID, "measure-text")
+    ActionChains(browser).move_to_element_with_offset(
+        canvas, round(sx[y, x] * width / 2), round(sy[y, x] * height / 2)
+    ).click().perform()
+    WebDriverWait(browser, 30).until(lambda b: "A at" in text.text)
+    px, py = json.loads(text.get_attribute("data-pixels"))[-1]
+    step = int(re.search(r"a vertex per (\d+)×", browser.find_element(By.ID, "view-info").text).group(1))
+    assert min(abs(px - x), 256 - abs(px - x)) <= step + 1 and abs(py - y) <= step + 1, ((x, y), (px, py))
 
     checkbox.click()  # the same image as a photo
     assert browser.find_element(By.ID, "fov_x").is_enabled()

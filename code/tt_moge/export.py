@@ -238,13 +238,19 @@ def image_mesh(
     keep: Optional[np.ndarray] = None,
     step: int = 1,
     wrap_columns: bool = False,
+    uv_grid: Optional[tuple] = None,
 ) -> Any:
     """A textured trimesh.Trimesh: the kept pixels as vertices (OpenGL axes), triangles between neighbouring
     kept pixels (see the module docstring), UVs at pixel centres, the image as the base colour texture.
 
     step: sample every `step`-th row and column, starting at the first; the mesh is that of the sub-sampled
     output (its kept pixels, its triangles), with UVs into the full image. `keep`, when given, is on that grid.
-    `wrap_columns` (panoramas): the last column is also joined to the first, closing the sphere at the seam."""
+    `uv_grid` = (first, step, (width, height)): the output is already a grid of an image of that size, its
+    pixel (i, j) that image's (first + i step, first + j step); the UVs point there (the page's light view).
+    `wrap_columns` (panoramas): the last column is also joined to the first, closing the sphere at the seam.
+    The seam's triangles take copies of the first column's vertices whose u is one more (past the right edge):
+    with glTF's default repeating sampler they show the seam's own strip of texture, not the whole panorama
+    squeezed backwards into it."""
     import trimesh
     from PIL import Image
 
@@ -258,27 +264,36 @@ def image_mesh(
         valid = output.mask[::step, ::step] & np.isfinite(depth)
         keep = valid & ~depth_edges(depth, valid)
     h, w = keep.shape
+    count = int(keep.sum())
     index = np.full((h, w), -1, dtype=np.int32)  # glTF indices are 32-bit
-    index[keep] = np.arange(int(keep.sum()), dtype=np.int32)
+    index[keep] = np.arange(count, dtype=np.int32)
+    rows, cols = np.nonzero(keep)
+    vertices = points[keep] * _OPENGL_AXES
+    # no kept pixel on the grid (a tiny photo, all on depth edges): trimesh takes no empty normals array
+    normals = None if normal is None or not keep.any() else normal[keep] * _OPENGL_AXES
+    first, uv_step, (uv_w, uv_h) = (0, step, (full_w, full_h)) if uv_grid is None else uv_grid
+    # trimesh's UV origin is the bottom-left (v up); its glTF export flips v to glTF's top-left origin.
+    uv = np.stack([(first + cols * uv_step + 0.5) / uv_w, 1.0 - (first + rows * uv_step + 0.5) / uv_h], axis=1)
     grid, kept = index, keep
-    if wrap_columns:  # the column after the last is the first
-        grid, kept = np.concatenate([index, index[:, :1]], axis=1), np.concatenate([keep, keep[:, :1]], axis=1)
+    if wrap_columns:  # the column after the last is the first, as copies one texture width to the right
+        seam = index[:, 0][keep[:, 0]]
+        wrap = np.full((h, 1), -1, dtype=np.int32)
+        wrap[keep[:, 0], 0] = np.arange(count, count + len(seam), dtype=np.int32)
+        grid, kept = np.concatenate([index, wrap], axis=1), np.concatenate([keep, keep[:, :1]], axis=1)
+        vertices = np.concatenate([vertices, vertices[seam]])
+        normals = None if normals is None else np.concatenate([normals, normals[seam]])
+        uv = np.concatenate([uv, uv[seam] + np.array([1.0, 0.0])])
     tl, tr, bl, br = grid[:-1, :-1], grid[:-1, 1:], grid[1:, :-1], grid[1:, 1:]
     k_tl, k_tr, k_bl, k_br = kept[:-1, :-1], kept[:-1, 1:], kept[1:, :-1], kept[1:, 1:]
     upper, lower = k_tl & k_bl & k_tr, k_tr & k_bl & k_br
     faces = np.concatenate(
         [np.stack([tl[upper], bl[upper], tr[upper]], 1), np.stack([tr[lower], bl[lower], br[lower]], 1)]
     )
-    rows, cols = np.nonzero(keep)
-    # trimesh's UV origin is the bottom-left (v up); its glTF export flips v to glTF's top-left origin.
-    uv = np.stack([(cols * step + 0.5) / full_w, 1.0 - (rows * step + 0.5) / full_h], axis=1)
     material = trimesh.visual.material.PBRMaterial(
         baseColorTexture=Image.fromarray(rgb), metallicFactor=0.0, roughnessFactor=1.0, doubleSided=True
     )
-    # no kept pixel on the grid (a tiny photo, all on depth edges): trimesh takes no empty normals array
-    normals = None if normal is None or not keep.any() else normal[keep] * _OPENGL_AXES
     return trimesh.Trimesh(
-        vertices=points[keep] * _OPENGL_AXES,
+        vertices=vertices,
         faces=faces,
         vertex_normals=normals,
         visual=trimesh.visual.TextureVisuals(uv=uv, material=material),

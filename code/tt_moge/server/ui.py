@@ -291,9 +291,13 @@ def view_mesh(
     record = {"step": step, "grid": [coarse.size[0], coarse.size[1]], "vertices": int(keep.sum()), "faces": 0}
     if not keep.any():
         return None, record
-    mesh = image_mesh(coarse, image_rgb[rows, cols], keep, wrap_columns=getattr(output, "is_panorama", False))
-    r, c = np.nonzero(keep)
-    mesh.visual.uv = np.stack([(first + c * step + 0.5) / w, 1.0 - (first + r * step + 0.5) / h], axis=1)
+    mesh = image_mesh(
+        coarse,
+        image_rgb[rows, cols],
+        keep,
+        wrap_columns=getattr(output, "is_panorama", False),
+        uv_grid=(first, step, (w, h)),
+    )
     side = texture_side
     while True:
         scale = min(1.0, side / max(w, h))

@@ -261,9 +261,7 @@ function showPanoramaNumbers(result) {
 
 async function showScene(result, marks) {
   const message = $("view-message");
-  if (!state.viewer) {
-    try { state.viewer = new MeshViewer($("view")); } catch (err) { message.textContent = String(err.message); return; }
-  }
+  if (!makeViewer(message)) return;
   const r = await fetch(result.view.url);
   if (!r.ok) { const d = await describe(r.status, await r.text()); message.textContent = `${d.title} ${d.detail}`; return; }
   const glb = await r.arrayBuffer();
@@ -305,8 +303,16 @@ function pixelAt(img, e) {  // the photo's pixel under the pointer, or null (out
   return s && x >= 0 && y >= 0 && x < s.width && y < s.height ? [x, y] : null;
 }
 
-async function pick(img, e) {
-  const pixel = pixelAt(img, e);
+// The photo's pixel at the texture coordinates [u, v] of the 3D view (glTF's, v down; a panorama's seam
+// faces reach past u = 1), or null
+function pixelAtUV(uv) {
+  const s = state.result && state.result.summary;
+  if (!uv || !s) return null;
+  const x = ((Math.floor(uv[0] * s.width) % s.width) + s.width) % s.width, y = Math.floor(uv[1] * s.height);
+  return y >= 0 && y < s.height ? [x, y] : null;
+}
+
+async function pick(pixel) {
   if (!pixel || !state.result || !state.result.points) return;
   if (measure.picks.length === 2) measure.picks = [];
   measure.picks.push(pixel);
@@ -317,7 +323,9 @@ async function pick(img, e) {
     const r = await fetch(`${state.result.points}?${query}`);
     if (seq !== measure.seq) return;  // a newer click is on its way
     if (!r.ok) { const d = await describe(r.status, await r.text()); showMeasure(`${d.title} ${d.detail}`); return; }
-    showMeasure(null, (await r.json()).points);
+    const points = (await r.json()).points;
+    showMeasure(null, points);
+    if (state.viewer) state.viewer.setMarks(points.map((p) => p.point));
   } catch (err) {
     if (seq === measure.seq) showMeasure(`No answer from the server: ${err}`);
   }
@@ -339,7 +347,7 @@ function showMeasure(error, points = []) {
     box.dataset.distance = String(distance);
     lines.push(`A to B: ${distance.toFixed(3)} m`);
   } else if (!error && points.length < 2) {
-    lines.push(points.length ? "Click a second point." : `Click two points on a map for their ${depthWord()} and the distance between them.`);
+    lines.push(points.length ? "Click a second point." : `Click two points on a map or on the 3D view for their ${depthWord()} and the distance between them.`);
   }
   box.replaceChildren(...lines.map((line) => Object.assign(document.createElement("div"), { textContent: line })));
   if (box.dataset.distance) box.lastChild.className = "distance";
@@ -367,7 +375,7 @@ function drawPicks() {
 }
 
 function bindMeasure() {
-  for (const id of MAPS) $(id).addEventListener("click", (e) => pick($(id), e));
+  for (const id of MAPS) $(id).addEventListener("click", (e) => pick(pixelAt($(id), e)));
   window.addEventListener("resize", drawPicks);  // the marks' size is in screen pixels
 }
 
@@ -469,15 +477,23 @@ async function download(button, url, filename) {
 }
 
 // ------------------------------------------------------------------------------------------------ 3D view
+// The page's one MeshViewer (made at start-up, tried again at each result; a click on its mesh measures there),
+// or false after saying why there is none (no WebGL 2)
+function makeViewer(message) {
+  if (!state.viewer) {
+    try { state.viewer = new MeshViewer($("view")); } catch (err) { message.textContent = String(err.message); return false; }
+    state.viewer.onClick = (x, y) => pick(pixelAtUV(state.viewer.pickUV(x, y)));
+  }
+  return true;
+}
+
 async function showView(result, marks) {
   const message = $("view-message");
   if (!result.view.url) {
     message.textContent = "No 3D view: no valid pixel off depth edges";
     return;
   }
-  if (!state.viewer) {
-    try { state.viewer = new MeshViewer($("view")); } catch (err) { message.textContent = String(err.message); return; }
-  }
+  if (!makeViewer(message)) return;
   const r = await fetch(result.view.url);
   if (!r.ok) { const d = await describe(r.status, await r.text()); message.textContent = `${d.title} ${d.detail}`; return; }
   const glb = await r.arrayBuffer();
@@ -486,7 +502,7 @@ async function showView(result, marks) {
   // a photo: from its own camera, orbiting its median depth; a panorama: from its centre (the orbit centre a
   // step ahead, so that dragging looks around), 75 degrees high
   const s = result.summary;
-  const camera = result.kind === "panorama" ? { fovYDeg: 75, distance: 0.02 * (s.median_distance_m || 1) }
+  const camera = result.kind === "panorama" ? { fovYDeg: 75, distance: 0.02 * (s.median_distance_m || 1), wrap: true }
     : { fovYDeg: s.fov_y_deg, distance: s.median_depth_m };
   await state.viewer.load(parseGLB(glb), camera);
   await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));  // drawn
@@ -567,7 +583,7 @@ async function start() {
     buildOptions(state.config.options || []);
     buildOptions(state.config.video_options || [], $("video-options"));
   } catch { /* the page still works with the server's defaults; a 401 shows the key field */ }
-  try { state.viewer = new MeshViewer($("view")); } catch (err) { $("view-message").textContent = String(err.message); }
+  makeViewer($("view-message"));
   watchServer();
 }
 

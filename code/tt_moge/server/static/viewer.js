@@ -3,7 +3,9 @@
 // Reads the GLB the server writes for the view (tt_moge.server.ui.view_mesh): one mesh, one primitive with
 // POSITION, TEXCOORD_0 and uint32 indices, a base colour texture (JPEG or PNG) embedded in the binary chunk.
 // Drawn unlit: the texture is the photo, so the first frame, from the camera's own position and field of
-// view, looks like the photo itself.
+// view, looks like the photo itself. A click (not a drag, not a double click) on the mesh reports the texture
+// coordinates under it (pickUV: the mesh drawn once more into an integer target, read at that one pixel), so
+// the page can measure there; marks (setMarks) show the measured points and the segment between them.
 
 const GLB_MAGIC = 0x46546c67, CHUNK_JSON = 0x4e4f534a, CHUNK_BIN = 0x004e4942;
 const COMPONENTS = { SCALAR: 1, VEC2: 2, VEC3: 3, VEC4: 4 };
@@ -108,6 +110,13 @@ const FRAGMENT_SHADER = `#version 300 es
 precision mediump float; in vec2 v_uv; uniform sampler2D tex; out vec4 color;
 void main() { color = vec4(texture(tex, v_uv).rgb, 1.0); }`;
 
+// the texture coordinates of the nearest surface, bit for bit, and a hit flag, into an RGBA32UI target
+const PICK_FRAGMENT_SHADER = `#version 300 es
+precision highp float; in vec2 v_uv; out uvec4 color;
+void main() { color = uvec4(floatBitsToUint(v_uv.x), floatBitsToUint(v_uv.y), 1u, 0u); }`;
+const CLICK_SLOP_PX = 4, DOUBLE_CLICK_MS = 300;
+const MARK_COLORS = [[0.95, 0.2, 0.1, 1], [0.1, 0.45, 0.95, 1]];  // A, B: those of the marks on the maps
+
 const POINT_VERTEX_SHADER = `#version 300 es
 in vec3 position; in vec4 color; uniform mat4 mvp; uniform float size; out vec4 v_color;
 void main() { v_color = color; gl_Position = mvp * vec4(position, 1.0); gl_PointSize = size; }`;
@@ -123,6 +132,10 @@ export class MeshViewer {
     this.gl = gl;
     this.program = this.#program(VERTEX_SHADER, FRAGMENT_SHADER);
     this.pointProgram = this.#program(POINT_VERTEX_SHADER, POINT_FRAGMENT_SHADER);
+    this.pickProgram = this.#program(VERTEX_SHADER, PICK_FRAGMENT_SHADER);
+    this.pickTarget = null;
+    this.marks = null;
+    this.onClick = null;  // (clientX, clientY) of a click on the view: set by the page
     this.mesh = null;
     this.scene = null;
     this.frames = 0;
@@ -144,8 +157,9 @@ export class MeshViewer {
     return program;
   }
 
-  // Show a parsed GLB (parseGLB). camera: {fovYDeg, distance}: the photo's vertical field of view and the
-  // distance of the orbit centre (the median depth); the first view is from the photo's camera.
+  // Show a parsed GLB (parseGLB). camera: {fovYDeg, distance, wrap}: the photo's vertical field of view and the
+  // distance of the orbit centre (the median depth); the first view is from the photo's camera. wrap (a
+  // panorama): the texture repeats across u, as glTF's default sampler does, for the seam's faces past u = 1.
   async load(mesh, camera) {
     const gl = this.gl;
     this.clear();
@@ -179,7 +193,7 @@ export class MeshViewer {
     } else {
       gl.texImage2D(gl.TEXTURE_2D, 0, gl.RGB, 1, 1, 0, gl.RGB, gl.UNSIGNED_BYTE, new Uint8Array([160, 160, 160]));
     }
-    gl.texParameteri(gl.TEXTURE_2D, gl.TEXTURE_WRAP_S, gl.CLAMP_TO_EDGE);
+    gl.texParameteri(gl.TEXTURE_2D, gl.TEXTURE_WRAP_S, camera.wrap ? gl.REPEAT : gl.CLAMP_TO_EDGE);
     gl.texParameteri(gl.TEXTURE_2D, gl.TEXTURE_WRAP_T, gl.CLAMP_TO_EDGE);
 
     const lo = mesh.position.min || [-1, -1, -1], hi = mesh.position.max || [1, 1, 1];
@@ -246,7 +260,88 @@ export class MeshViewer {
     }
     this.mesh = null;
     this.scene = null;
+    this.setMarks([]);
+  }
+
+  // The measured points, [x, y, z] in the camera space of tt_moge (x right, y down, z forward; null: none),
+  // drawn over the mesh as dots and, for two, the segment between them; [] removes them.
+  setMarks(points) {
+    const gl = this.gl;
+    if (this.marks) { gl.deleteVertexArray(this.marks.vao); this.marks.buffers.forEach((b) => gl.deleteBuffer(b)); }
+    this.marks = null;
+    const shown = points.map((p, i) => [p, i]).filter(([p]) => p);
+    if (shown.length) {
+      const position = new Float32Array(shown.flatMap(([p]) => [p[0], -p[1], -p[2]]));  // to the GLB's axes
+      const color = new Float32Array(shown.flatMap(([, i]) => MARK_COLORS[i]));
+      const vao = gl.createVertexArray(), buffers = [];
+      gl.bindVertexArray(vao);
+      for (const [name, data, size] of [["position", position, 3], ["color", color, 4]]) {
+        const buffer = gl.createBuffer();
+        gl.bindBuffer(gl.ARRAY_BUFFER, buffer);
+        gl.bufferData(gl.ARRAY_BUFFER, data, gl.STATIC_DRAW);
+        const location = gl.getAttribLocation(this.pointProgram, name);
+        gl.enableVertexAttribArray(location);
+        gl.vertexAttribPointer(location, size, gl.FLOAT, false, 0, 0);
+        buffers.push(buffer);
+      }
+      gl.bindVertexArray(null);
+      this.marks = { vao, buffers, count: shown.length };
+    }
+    this.canvas.dataset.marks = String(shown.length);
     this.draw();
+  }
+
+  // The texture coordinates [u, v] (glTF's: v down from the top) of the mesh under the client point (x, y),
+  // or null where no face is: the mesh is drawn once more, for that one pixel, into an integer target.
+  pickUV(clientX, clientY) {
+    if (!this.mesh) return null;
+    const gl = this.gl, canvas = this.canvas, rect = canvas.getBoundingClientRect();
+    const x = Math.floor((clientX - rect.left) * canvas.width / rect.width);
+    const y = canvas.height - 1 - Math.floor((clientY - rect.top) * canvas.height / rect.height);
+    if (x < 0 || y < 0 || x >= canvas.width || y >= canvas.height) return null;
+    const target = this.#pickTarget(canvas.width, canvas.height);
+    gl.bindFramebuffer(gl.FRAMEBUFFER, target.framebuffer);
+    gl.viewport(0, 0, canvas.width, canvas.height);
+    gl.enable(gl.SCISSOR_TEST);
+    gl.scissor(x, y, 1, 1);
+    gl.clearBufferuiv(gl.COLOR, 0, new Uint32Array(4));
+    gl.clearBufferfi(gl.DEPTH_STENCIL, 0, 1, 0);
+    gl.enable(gl.DEPTH_TEST);
+    gl.useProgram(this.pickProgram);
+    gl.uniformMatrix4fv(gl.getUniformLocation(this.pickProgram, "mvp"), false, new Float32Array(this.#mvp(canvas.width, canvas.height)));
+    gl.bindVertexArray(this.mesh.vao);
+    gl.drawElements(gl.TRIANGLES, this.mesh.count, gl.UNSIGNED_INT, 0);
+    gl.bindVertexArray(null);
+    const out = new Uint32Array(4);
+    gl.readPixels(x, y, 1, 1, gl.RGBA_INTEGER, gl.UNSIGNED_INT, out);
+    gl.disable(gl.SCISSOR_TEST);
+    gl.bindFramebuffer(gl.FRAMEBUFFER, null);
+    if (!out[2]) return null;
+    const uv = new Float32Array(out.buffer, 0, 2);
+    return [uv[0], uv[1]];
+  }
+
+  #pickTarget(width, height) {
+    const gl = this.gl;
+    if (this.pickTarget && this.pickTarget.width === width && this.pickTarget.height === height) return this.pickTarget;
+    if (this.pickTarget) {
+      gl.deleteFramebuffer(this.pickTarget.framebuffer);
+      gl.deleteTexture(this.pickTarget.color);
+      gl.deleteRenderbuffer(this.pickTarget.depth);
+    }
+    const color = gl.createTexture();
+    gl.bindTexture(gl.TEXTURE_2D, color);
+    gl.texStorage2D(gl.TEXTURE_2D, 1, gl.RGBA32UI, width, height);
+    const depth = gl.createRenderbuffer();
+    gl.bindRenderbuffer(gl.RENDERBUFFER, depth);
+    gl.renderbufferStorage(gl.RENDERBUFFER, gl.DEPTH24_STENCIL8, width, height);
+    const framebuffer = gl.createFramebuffer();
+    gl.bindFramebuffer(gl.FRAMEBUFFER, framebuffer);
+    gl.framebufferTexture2D(gl.FRAMEBUFFER, gl.COLOR_ATTACHMENT0, gl.TEXTURE_2D, color, 0);
+    gl.framebufferRenderbuffer(gl.FRAMEBUFFER, gl.DEPTH_STENCIL_ATTACHMENT, gl.RENDERBUFFER, depth);
+    gl.bindFramebuffer(gl.FRAMEBUFFER, null);
+    this.pickTarget = { framebuffer, color, depth, width, height };
+    return this.pickTarget;
   }
 
   reset() {
@@ -267,13 +362,8 @@ export class MeshViewer {
     gl.viewport(0, 0, width, height);
     gl.clearColor(0.94, 0.94, 0.95, 1);
     gl.clear(gl.COLOR_BUFFER_BIT | gl.DEPTH_BUFFER_BIT);
-    const shown = this.mesh || this.scene;
-    if (!shown) return;
-    const o = this.orbit, cp = Math.cos(o.pitch);
-    const eye = [o.target[0] + o.distance * Math.sin(o.yaw) * cp, o.target[1] + o.distance * Math.sin(o.pitch),
-                 o.target[2] + o.distance * Math.cos(o.yaw) * cp];
-    const near = Math.max(o.distance * 0.01, 1e-4), far = (o.distance + shown.extent) * 4;
-    const mvp = multiply(perspective(this.home.fovY, width / height, near, far), lookAt(eye, o.target, [0, 1, 0]));
+    if (!(this.mesh || this.scene)) return;
+    const mvp = this.#mvp(width, height);
     gl.enable(gl.DEPTH_TEST);
     gl.disable(gl.CULL_FACE);
     if (this.scene) {
@@ -297,8 +387,30 @@ export class MeshViewer {
     gl.bindVertexArray(this.mesh.vao);
     gl.drawElements(gl.TRIANGLES, this.mesh.count, gl.UNSIGNED_INT, 0);
     gl.bindVertexArray(null);
+    if (this.marks) this.#drawMarks(mvp, ratio);
     this.frames += 1;
     this.canvas.dataset.frames = String(this.frames);
+  }
+
+  #mvp(width, height) {  // the orbit camera's projection x view, for a drawing buffer of width x height
+    const o = this.orbit, cp = Math.cos(o.pitch), shown = this.mesh || this.scene;
+    const eye = [o.target[0] + o.distance * Math.sin(o.yaw) * cp, o.target[1] + o.distance * Math.sin(o.pitch),
+                 o.target[2] + o.distance * Math.cos(o.yaw) * cp];
+    const near = Math.max(o.distance * 0.01, 1e-4), far = (o.distance + shown.extent) * 4;
+    return multiply(perspective(this.home.fovY, width / height, near, far), lookAt(eye, o.target, [0, 1, 0]));
+  }
+
+  #drawMarks(mvp, ratio) {  // over everything: a measured point stays visible behind the surface
+    const gl = this.gl;
+    gl.disable(gl.DEPTH_TEST);
+    gl.useProgram(this.pointProgram);
+    gl.uniformMatrix4fv(gl.getUniformLocation(this.pointProgram, "mvp"), false, new Float32Array(mvp));
+    gl.uniform1f(gl.getUniformLocation(this.pointProgram, "size"), Math.round(9 * ratio));
+    gl.bindVertexArray(this.marks.vao);
+    if (this.marks.count === 2) gl.drawArrays(gl.LINES, 0, 2);
+    gl.drawArrays(gl.POINTS, 0, this.marks.count);
+    gl.bindVertexArray(null);
+    gl.enable(gl.DEPTH_TEST);
   }
 
   #pan(dx, dy) {
@@ -316,9 +428,11 @@ export class MeshViewer {
     const canvas = this.canvas, pointers = new Map();
     let pinch = 0;
     canvas.addEventListener("contextmenu", (e) => e.preventDefault());
+    let clickTimer = 0;
     canvas.addEventListener("pointerdown", (e) => {
       canvas.setPointerCapture(e.pointerId);
-      pointers.set(e.pointerId, { x: e.clientX, y: e.clientY, pan: e.button === 2 || e.shiftKey });
+      pointers.set(e.pointerId, { x: e.clientX, y: e.clientY, x0: e.clientX, y0: e.clientY, single: pointers.size === 0 && e.button === 0,
+                                  pan: e.button === 2 || e.shiftKey });
       if (pointers.size === 2) { const [a, b] = [...pointers.values()]; pinch = Math.hypot(a.x - b.x, a.y - b.y); }
     });
     canvas.addEventListener("pointermove", (e) => {
@@ -339,7 +453,16 @@ export class MeshViewer {
       this.draw();
     });
     const up = (e) => { pointers.delete(e.pointerId); pinch = 0; };
-    canvas.addEventListener("pointerup", up);
+    // a click: one button-0 pointer that did not move; reported after DOUBLE_CLICK_MS unless a second click
+    // (a double click: back to the first view) comes first
+    canvas.addEventListener("pointerup", (e) => {
+      const p = pointers.get(e.pointerId);
+      up(e);
+      if (!p || !p.single || Math.hypot(e.clientX - p.x0, e.clientY - p.y0) > CLICK_SLOP_PX) return;
+      if (clickTimer) { clearTimeout(clickTimer); clickTimer = 0; return; }
+      const [x, y] = [e.clientX, e.clientY];
+      clickTimer = setTimeout(() => { clickTimer = 0; if (this.onClick) this.onClick(x, y); }, DOUBLE_CLICK_MS);
+    });
     canvas.addEventListener("pointercancel", up);
     canvas.addEventListener("wheel", (e) => {
       if (!(this.mesh || this.scene)) return;
