@@ -14,8 +14,10 @@ import torch
 from PIL import Image
 
 from tt_moge import MoGeModel, MoGeOutput
+from tt_moge.host import CallOptions
 from tt_moge.host.decode import InputError
 from tt_moge.output import INFER_KEYS, NPZ_LAYOUT
+from tt_moge.runners.base import PendingMaps
 from tt_moge.runners.ttnn.device import chips_here
 from tt_moge.warmup import PRESETS, synthetic_photo
 from tt_moge.weights import DEFAULT_REPO, DEFAULT_REVISION, WEIGHTS_DIR_ENV
@@ -433,6 +435,44 @@ def test_predict_many_equals_single_calls(tiny_model, photo, tmp_path):
         tiny_model.predict_many([photo, np.zeros((4, 4, 3), np.uint8)])
     with pytest.raises(FileNotFoundError, match=r"images\[1\]: no such file"):
         tiny_model.predict_many([photo, "/nonexistent/photo.png"])
+
+
+def test_predict_many_finishes_the_previous_image_while_the_device_runs_the_next(tiny_model, monkeypatch):
+    """With a runner whose forward returns only when done (CPU, Tenstorrent), image i-1's finish starts before
+    image i's forward ends (it used to wait for image i+1's), and the results are those of single calls."""
+    import time
+
+    from tt_moge import service as service_module
+
+    images = [synthetic_photo((48, 64 + 16 * i), seed=i) for i in range(4)]  # their sizes name them
+    service = tiny_model.service.replaying(
+        tiny_model.service.forward_raw(tiny_model.service.prepare(images[0], CallOptions()).canvas)
+    )
+    runner, forward_ends, finish_starts = service.runner, [], {}
+    plain_forward = runner.forward
+
+    def slow_forward(canvas):
+        time.sleep(0.2)  # the device's time
+        maps = plain_forward(canvas)
+        forward_ends.append(time.perf_counter())
+        return maps
+
+    def recorded(raw, plan, options, *args, **kwargs):
+        finish_starts[tuple(plan.image_size)] = time.perf_counter()
+        return plain_postprocess(raw, plan, options, *args, **kwargs)
+
+    plain_postprocess = service_module.postprocess
+    monkeypatch.setattr(runner, "forward", slow_forward)
+    monkeypatch.setattr(runner, "submit", lambda canvas: PendingMaps(slow_forward(canvas)))
+    monkeypatch.setattr(service_module, "postprocess", recorded)
+    outs = service.predict_many(images, CallOptions())
+    assert len(forward_ends) == 4 and len(finish_starts) == 4
+    for i in range(1, 4):
+        h, w = images[i - 1].shape[:2]
+        assert finish_starts[(w, h)] < forward_ends[i], f"image {i - 1} waited for the forward of image {i}"
+    monkeypatch.setattr(service_module, "postprocess", plain_postprocess)
+    for image, out in zip(images, outs):
+        assert_same(out, service.predict(image, CallOptions()))
 
 
 def test_infer_is_a_drop_in(tiny_model, photo):

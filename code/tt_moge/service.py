@@ -98,6 +98,10 @@ class PredictionService:
                 prepared = next_prepared.result()
                 if i + 1 < len(images):
                     next_prepared = pool.submit(self.prepare, images[i + 1], options, None, f"images[{i + 1}]")
+                if running is not None and running[0].ready:  # image i-1's maps are back (a runner whose submit
+                    # waits for its forward: the CPU, Tenstorrent): finish it while the device runs image i
+                    finishing.append(pool.submit(postprocess, running[0].result(), running[1], options))
+                    running = None
                 pending = self.submit(prepared.canvas)  # on CUDA, starts while image i-1 still copies back
                 if running is not None:
                     finishing.append(pool.submit(postprocess, running[0].result(), running[1], options))

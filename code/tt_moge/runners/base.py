@@ -36,6 +36,11 @@ class PendingMaps:
     def __init__(self, maps: RawMaps):
         self._maps = maps
 
+    @property
+    def ready(self) -> bool:
+        """True when `result()` would not wait (the maps are on the host)."""
+        return True
+
     def result(self) -> RawMaps:
         return self._maps
 

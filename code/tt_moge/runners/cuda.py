@@ -44,6 +44,10 @@ class _PendingCopy(PendingMaps):
         self._host = host
         self._copied = copied
 
+    @property
+    def ready(self) -> bool:
+        return self._copied.query()
+
     def result(self) -> RawMaps:
         self._copied.synchronize()
         return RawMaps.from_outputs(self._host)
