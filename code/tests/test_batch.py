@@ -90,6 +90,14 @@ def ckpt(checkpoint):
 def expected(ckpt, photos) -> dict:
     """{output name: npz arrays} from MoGeModel in this process, same checkpoint and options, one torch thread
     like each replica (the CPU kernels' summation order depends on the thread count)."""
+    with one_thread_model(ckpt) as model:
+        return {name: model(path, **CALL).npz_arrays() for name, path in photos["valid"].items()}
+
+
+@contextlib.contextmanager
+def one_thread_model(ckpt, resolution=CANVAS):
+    """The test model in this process with one torch thread, like each replica (the CPU kernels' summation order
+    depends on the thread count), so that its arrays are the replicas' bit for bit."""
     import torch
 
     from tt_moge import MoGeModel
@@ -98,9 +106,9 @@ def expected(ckpt, photos) -> dict:
     torch.set_num_threads(1)
     try:
         with MoGeModel.from_pretrained(
-            ckpt, device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0, warmup_variants="none"
+            ckpt, device="cpu", resolution=resolution, num_tokens=TOKENS, warmup=0, warmup_variants="none"
         ) as model:
-            return {name: model(path, **CALL).npz_arrays() for name, path in photos["valid"].items()}
+            yield model
     finally:
         torch.set_num_threads(threads)
 
@@ -683,10 +691,8 @@ def test_video_files_are_one_job_each_and_resume_clip_by_clip(local_ray, ckpt, t
     frames' depth the API's exactly); a rerun does nothing; after one clip's result.json is removed, a rerun
     does that clip only. Photos and videos in one job: refused before anything starts."""
     import cv2
-    import torch
     from OpenEXR import File as ExrFile
 
-    from tt_moge import MoGeModel
     from tt_moge.testing.scene import camera_path, render_path
 
     clips = {}
@@ -702,15 +708,8 @@ def test_video_files_are_one_job_each_and_resume_clip_by_clip(local_ray, ckpt, t
     code, stdout, stderr = run_cli(args)
     assert code == 0, stderr
     assert "2 done, 0 failed, 0 skipped (already done) of 2 clips" in stdout, stdout
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # like the replica (the CPU kernels' summation order depends on the thread count)
-    try:
-        with MoGeModel.from_pretrained(
-            ckpt, device="cpu", resolution=CANVAS, num_tokens=TOKENS, warmup=0, warmup_variants="none"
-        ) as model:
-            expected = {name: model.predict_video(path, calibration_frames=2) for name, path in clips.items()}
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread_model(ckpt) as model:
+        expected = {name: model.predict_video(path, calibration_frames=2) for name, path in clips.items()}
     for name, clip in expected.items():
         record = json.loads((out / name / "result.json").read_text())
         assert record["frames"] == len(clip) == 3 and record["registered"] == int(clip.registered.sum())
@@ -761,9 +760,7 @@ def test_panoramas_are_written_as_predict_writes_them_and_resume(local_ray, chec
     and a rerun retries only it. Through the API, parquet, call options other than apply_mask and video files are
     refused with a ValueError naming the option."""
     import cv2
-    import torch
 
-    from tt_moge import MoGeModel
     from tt_moge.panorama import PANORAMA_CANVAS
     from tt_moge.testing.room import render_panorama
 
@@ -786,15 +783,8 @@ def test_panoramas_are_written_as_predict_writes_them_and_resume(local_ray, chec
     record = json.loads((out / "batch.json").read_text())
     assert record["options"]["panorama"] is True and record["model"]["resolution"] == list(PANORAMA_CANVAS)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # like each replica (the CPU kernels' summation order depends on the thread count)
-    try:
-        with MoGeModel.from_pretrained(
-            ckpt, device="cpu", resolution=PANORAMA_CANVAS, num_tokens=TOKENS, warmup=0, warmup_variants="none"
-        ) as model:
-            expected = {name: model.predict_panorama(image, apply_mask=False) for name, image in panoramas.items()}
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread_model(ckpt, PANORAMA_CANVAS) as model:
+        expected = {name: model.predict_panorama(image, apply_mask=False) for name, image in panoramas.items()}
     for name, pano in expected.items():
         result = json.loads((out / name / "result.json").read_text())
         assert result["kind"] == "panorama" and set(result["files"]) == {"result.npz", "result.json"}, result

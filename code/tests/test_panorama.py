@@ -525,6 +525,19 @@ def test_on_upstreams_own_equations_our_merge_is_at_their_minimum(kind):
 
 
 # ----------------------------------------------------------------------------------------------------- CLI
+class LoadedRoom(RoomOracle):
+    """The room oracle as `tt-moge predict` holds a loaded model (a context manager with info())."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def info(self):
+        return {"model": "room oracle"}
+
+
 def test_cli_panorama_writes_every_format(tmp_path, monkeypatch):
     import cv2
 
@@ -538,19 +551,9 @@ def test_cli_panorama_writes_every_format(tmp_path, monkeypatch):
     cv2.imwrite(str(tmp_path / "wide.png"), np.zeros((100, 300, 3), np.uint8))
     seen = {}
 
-    class Loaded(RoomOracle):
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-        def info(self):
-            return {"model": "room oracle"}
-
     def load_model(args):
         seen["resolution"] = args.resolution
-        return Loaded()
+        return LoadedRoom()
 
     monkeypatch.setattr(predict_command, "load_model", load_model)
     code = main(
@@ -631,7 +634,7 @@ def test_cli_panorama_passes_apply_mask(tmp_path, monkeypatch):
     cv2.imwrite(str(pano), room.image[..., ::-1])
     seen = []
 
-    class Holey(RoomOracle):
+    class Holey(LoadedRoom):
         """The room oracle with its farthest pixels invalid in every view."""
 
         def __init__(self):
@@ -640,15 +643,6 @@ def test_cli_panorama_passes_apply_mask(tmp_path, monkeypatch):
         def predict_panorama(self, image, **kwargs):
             seen.append(kwargs)
             return super().predict_panorama(image, **kwargs)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-        def info(self):
-            return {"model": "room oracle"}
 
     monkeypatch.setattr(predict_command, "load_model", lambda args: Holey())
     for flag, name in (([], "masked"), (["--no-apply-mask"], "fitted")):
