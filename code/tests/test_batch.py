@@ -431,7 +431,6 @@ def test_the_package_imports_without_ray():
         (["--panorama", "--fov-x", "60"], "--fov-x does not apply to --panorama"),
         (["--panorama", "--intrinsics", "100,100,50,50"], "--intrinsics does not apply to --panorama"),
         (["--panorama", "--fit", "stretch", "--no-force-projection"], "--fit and --no-force-projection do not apply"),
-        (["--panorama", "--format", "parquet"], "--panorama writes files"),
     ],
 )
 def test_bad_command_lines_exit_2(photos, tmp_path, args, message):
@@ -757,8 +756,8 @@ def test_panoramas_are_written_as_predict_writes_them_and_resume(local_ray, chec
     """`tt-moge batch --panorama`: two rendered room panoramas and a 3:1 image. Each panorama's npz equals
     model.predict_panorama's arrays exactly (the canvas defaults to the views' 512x512, as predict --panorama;
     --no-apply-mask reaches the replicas), its result.json is predict's; the 3:1 image is in the failures file,
-    and a rerun retries only it. Through the API, parquet, call options other than apply_mask and video files are
-    refused with a ValueError naming the option."""
+    and a rerun retries only it. Through the API, --format parquet gives one row per panorama with the same
+    arrays; call options other than apply_mask and video files are refused with a ValueError naming them."""
     import cv2
 
     from tt_moge.panorama import PANORAMA_CANVAS
@@ -801,9 +800,20 @@ def test_panoramas_are_written_as_predict_writes_them_and_resume(local_ray, chec
     assert code == 1 and "0 done, 1 failed, 2 skipped (already done) of 3 panoramas" in stdout, stdout
     assert all(file_times(out)[k] == t for k, t in before.items() if k.startswith(("room/", "turned/")))
 
-    job = dict(inputs=[inputs], out=tmp_path / "api", model=model_args(ckpt), panorama=True)
-    with pytest.raises(ValueError, match="output_format: panoramas are written as files"):
-        run_batch(BatchJob(**job, output_format="parquet"))
+    import pyarrow.parquet as pq
+
+    from tt_moge.panorama import PanoramaOutput
+
+    weights = {"pretrained_model_name_or_path": ckpt, "device": "cpu", "num_tokens": TOKENS}
+    job = dict(inputs=[inputs], out=tmp_path / "api", model=weights, panorama=True, cpus_per_replica=1.0)
+    summary = run_batch(BatchJob(**job, output_format="parquet", apply_mask=False, progress=False, quiet=True))
+    assert (summary.done, summary.failed, summary.unit) == (2, 1, "panoramas")
+    rows = pq.read_table(tmp_path / "api" / SHARDS_DIR).to_pylist()
+    assert sorted(row["name"] for row in rows) == ["room", "turned"]
+    for row in rows:  # each row: the panorama's npz and summary, the API's arrays bit for bit
+        got, want = PanoramaOutput.from_npz(row["npz"]).npz_arrays(), expected[row["name"]].npz_arrays()
+        assert all(np.array_equal(got[k], want[k], equal_nan=True) for k in want), row["name"]
+        assert json.loads(row["result"])["kind"] == "panorama"
     with pytest.raises(ValueError, match="fit and fov_x: not for panoramas"):
         run_batch(BatchJob(**job, fov_x=60.0, fit="stretch"))
     clip = tmp_path / "clips" / "a.mp4"

@@ -124,9 +124,10 @@ class BatchJob:
 
     `panorama`: every input is a 360-degree equirectangular photo, run and written as `tt-moge predict --panorama`
     runs and writes it (`jobs.predict_panoramas`: 12 views through one replica's model, OUT/NAME/ with
-    result.json last; "files" only), one panorama per replica call. A missing `resolution` in `model` is then
-    PANORAMA_CANVAS; of the call options only apply_mask applies (the others, set, are refused: the views' camera
-    and canvas are fixed).
+    result.json last), one panorama per replica call; with output_format "parquet", one shard per panorama
+    whose npz is `PanoramaOutput.to_npz_bytes()` (`PanoramaOutput.from_npz(row["npz"])` reads it back). A
+    missing `resolution` in `model` is then PANORAMA_CANVAS; of the call options only apply_mask applies (the
+    others, set, are refused: the views' camera and canvas are fixed).
 
     output_format "files": OUT/NAME/ as `tt-moge predict` writes it (`formats` picks the files); "parquet":
     OUT/parquet/part-*.parquet, one row per image (name, source, result = result.json text, npz = the npz bytes).
@@ -154,7 +155,7 @@ class BatchJob:
     panorama: bool = option(
         False,
         "the inputs are 360-degree equirectangular panoramas (width = 2 x height), each written as tt-moge predict "
-        "--panorama writes it (--format files only; the canvas defaults to 512x512, the views' size)",
+        "--panorama writes it, or as a Parquet row (--format parquet); the canvas defaults to 512x512, the views' size",
         group="output",
     )
     address: Optional[str] = option(
@@ -288,10 +289,6 @@ def run_batch(job: BatchJob, on_failure: Optional[Callable[[str, str], None]] = 
     formats = job.checked_formats()
     call = job.call_options()  # checked now, not in every replica for every image
     if job.panorama:
-        if job.output_format != "files":
-            raise ValueError(
-                "output_format: panoramas are written as files (OUT/NAME/, as tt-moge predict writes them)"
-            )
         wrong = [info.argument for info in options_not_for_panoramas(call)]
         if wrong:
             raise ValueError(
@@ -426,7 +423,15 @@ def _run_locked(
                 actor, settings = (
                     (ClipReplica, dict(options=call, video=video, writers=job.writers))
                     if clips
-                    else (PanoramaReplica, dict(exif=job.exif, mesh_faces=job.mesh_faces, apply_mask=call.apply_mask))
+                    else (
+                        PanoramaReplica,
+                        dict(
+                            exif=job.exif,
+                            mesh_faces=job.mesh_faces,
+                            apply_mask=call.apply_mask,
+                            output_format=job.output_format,
+                        ),
+                    )
                 )
                 kwargs = dict(model_kwargs=model_kwargs, out=str(out.resolve()), formats=formats, threads=int(cpus))
                 dataset = _one_per_call_dataset(

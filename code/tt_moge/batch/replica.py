@@ -150,9 +150,10 @@ class ClipReplica:
 
 class PanoramaReplica:
     """Ray actor: one MoGeModel (as `Replica`, on the panorama canvas); each call runs the panoramas of its batch
-    ({name, path} of equirectangular images) through `jobs.predict_panoramas`, the very loop of `tt-moge predict
-    --panorama`, into OUT/NAME/ (result.json last). Only a returned status counts: a replica that dies has its
-    batch retried."""
+    ({name, path} of equirectangular images). `output_format` "files": through `jobs.predict_panoramas`, the very
+    loop of `tt-moge predict --panorama`, into OUT/NAME/ (result.json last); "parquet": `model.predict_panorama`
+    on each, the batch one shard (`sinks.write_shard`: the row's npz is `PanoramaOutput.to_npz_bytes()`). Only
+    a returned status counts: a replica that dies has its batch retried."""
 
     def __init__(
         self,
@@ -164,10 +165,11 @@ class PanoramaReplica:
         mesh_step: int = DEFAULT_MESH_STEP,
         mesh_faces: Optional[int] = None,
         apply_mask: bool = True,
+        output_format: str = "files",
     ):
         self.model = load_replica_model(model_kwargs, threads)
         self.out, self.formats, self.exif, self.apply_mask = Path(out), formats, exif, apply_mask
-        self.mesh_step, self.mesh_faces = mesh_step, mesh_faces
+        self.mesh_step, self.mesh_faces, self.output_format = mesh_step, mesh_faces, output_format
 
     def __call__(self, batch: dict) -> dict:
         from types import SimpleNamespace
@@ -175,6 +177,8 @@ class PanoramaReplica:
         from ..jobs import predict_panoramas
 
         names, paths = [str(n) for n in batch["name"]], [str(p) for p in batch["path"]]
+        if self.output_format == "parquet":
+            return {"name": names, "path": paths, "error": self._shard(names, paths)}
         images = [SimpleNamespace(path=Path(p), name=n) for n, p in zip(names, paths)]
         status = predict_panoramas(
             self.model,
@@ -187,3 +191,18 @@ class PanoramaReplica:
             apply_mask=self.apply_mask,
         )
         return {"name": names, "path": paths, "error": [status.get(i) or "" for i in range(len(images))]}
+
+    def _shard(self, names: list, paths: list) -> list:
+        """The panoramas of one call as one Parquet shard -> each one's error ('' when done)."""
+        from ..host.decode import read_image_file
+
+        results, errors = {}, [""] * len(paths)
+        for i, path in enumerate(paths):
+            try:
+                rgb = read_image_file(path, exif=self.exif)
+                results[i] = self.model.predict_panorama(rgb, apply_mask=self.apply_mask)
+            except Exception as exc:  # unreadable, not 2:1, no valid view: it costs only itself
+                text = str(exc) or type(exc).__name__
+                errors[i] = text if path in text else f"{path}: {text}"
+        write_shard(self.out, results, names, paths, errors)
+        return errors

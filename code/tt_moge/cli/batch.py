@@ -137,8 +137,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         **dict(zip(("mesh_step", "mesh_faces"), mesh_choice(args))),
         **options,
     )
-    if args.panorama and options["output_format"] != "files":
-        parser.error("--panorama writes files (OUT/NAME/, as tt-moge predict --panorama): not --format parquet")
     try:  # options that are wrong together (fov_x and intrinsics; window < calibration_frames) are usage errors
         call = job.call_options()
         job.video_options()

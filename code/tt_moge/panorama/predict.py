@@ -148,8 +148,13 @@ class PanoramaOutput:
 
     @classmethod
     def from_npz(cls, source: Any) -> "PanoramaOutput":
-        """The maps of a panorama npz (`save_npz`, POST /predict/panorama) back as a PanoramaOutput (the views'
-        errors and the merge's numbers are not in the file)."""
+        """The maps of a panorama npz (a path or file, or its bytes: `save_npz`, POST /predict/panorama, a
+        `tt-moge batch --panorama --format parquet` row) back as a PanoramaOutput (the views' errors and the
+        merge's numbers are not in the file)."""
+        import io
+
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            source = io.BytesIO(source)
         with np.load(source) as arrays:
             return cls(
                 distance=arrays["distance"], points=arrays["points"], mask=arrays["mask"].astype(bool), view_errors=[]
