@@ -584,6 +584,8 @@ class _DeferredRunner(TorchRunner):
         runner = self
 
         class Deferred(PendingMaps):
+            ready = False  # still on the device, as a CUDA forward that has not copied back yet
+
             def result(self):
                 runner.events.append(("result", index))
                 return TorchRunner.forward(runner, canvas)
