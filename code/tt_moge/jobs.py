@@ -38,9 +38,14 @@ def _decoded_chunks(images: Sequence, size: int, reader: ThreadPoolExecutor, exi
         yield list(zip(chunk, current))
 
 
-def _reason(image: Any, exc: BaseException) -> str:
+def failure_text(path: Any, exc: BaseException) -> str:
+    """Why an input failed, naming its file once: the error's text, prefixed by the path unless it names it."""
     text = str(exc) or type(exc).__name__
-    return text if str(image.path) in text else f"{image.path}: {text}"
+    return text if str(path) in text else f"{path}: {text}"
+
+
+def _reason(image: Any, exc: BaseException) -> str:
+    return failure_text(image.path, exc)
 
 
 def _write_reason(image: Any, folder: Path, exc: BaseException) -> str:

@@ -11,6 +11,7 @@ from typing import Optional
 
 from ..export import DEFAULT_MESH_STEP
 from ..host import CallOptions
+from ..jobs import failure_text
 from .sinks import write_files, write_shard
 
 __all__ = ["read_images", "Replica", "ClipReplica", "PanoramaReplica"]
@@ -144,7 +145,7 @@ class ClipReplica:
             except Exception as exc:  # a bad clip costs only itself
                 if writer is not None:
                     writer.abort()
-                errors.append(f"{path}: {exc}" if str(path) not in str(exc) else str(exc))
+                errors.append(failure_text(path, exc))
         return {"name": names, "path": paths, "error": errors}
 
 
@@ -202,7 +203,6 @@ class PanoramaReplica:
                 rgb = read_image_file(path, exif=self.exif)
                 results[i] = self.model.predict_panorama(rgb, apply_mask=self.apply_mask)
             except Exception as exc:  # unreadable, not 2:1, no valid view: it costs only itself
-                text = str(exc) or type(exc).__name__
-                errors[i] = text if path in text else f"{path}: {text}"
+                errors[i] = failure_text(path, exc)
         write_shard(self.out, results, names, paths, errors)
         return errors
