@@ -256,6 +256,19 @@ def test_two_clicks_on_a_map_measure_the_distance_of_predict_points(result_page,
     assert console_errors(browser) == []
 
 
+def first_view_ndc(points: np.ndarray, fov_y_deg: float, width: int, height: int) -> tuple:
+    """(x, y) in [-1, 1], y down, where camera-space points are drawn in the 3D view's first frame: a pinhole at
+    the origin looking forward with the given vertical field of view, on a width x height canvas."""
+    f = 1 / np.tan(np.radians(fov_y_deg) / 2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return f * height / width * points[..., 0] / points[..., 2], f * points[..., 1] / points[..., 2]
+
+
+def view_step(browser) -> int:
+    """The 3D view mesh's grid step in photo pixels, from the line under the view."""
+    return int(re.search(r"a vertex per (\d+)×", browser.find_element(By.ID, "view-info").text).group(1))
+
+
 def test_clicks_on_the_3d_view_measure_the_pixels_under_them(result_page, api):
     """From the first view (the photo's own camera), a click where a pixel's 3D point is drawn picks that pixel
     (within the view mesh's grid step), the page measures there as on the maps (predict's points at the picked
@@ -274,12 +287,11 @@ def test_clicks_on_the_3d_view_measure_the_pixels_under_them(result_page, api):
     targets = [(int(cols[i]), int(rows[i])) for i in (len(rows) // 4, 3 * len(rows) // 4)]
     canvas = browser.find_element(By.ID, "view")
     width, height = browser.execute_script("return [arguments[0].clientWidth, arguments[0].clientHeight]", canvas)
-    f = 1 / np.tan(np.radians(summary["fov_y_deg"]) / 2)  # the first view: from the camera, the photo's fov_y
     text = browser.find_element(By.ID, "measure-text")
 
     def screen(x: int, y: int) -> tuple:  # CSS offset from the canvas centre where pixel (x, y)'s point is drawn
-        px, py, pz = out.points[y, x].astype(np.float64)
-        return round(f * height / width * px / pz * width / 2), round(f * py / pz * height / 2)
+        sx, sy = first_view_ndc(out.points[y, x].astype(np.float64), summary["fov_y_deg"], width, height)
+        return round(sx * width / 2), round(sy * height / 2)  # the first view: from the camera, the photo's fov_y
 
     def click(x: int, y: int) -> None:
         ActionChains(browser).move_to_element_with_offset(canvas, *screen(x, y)).click().perform()
@@ -296,7 +308,7 @@ def test_clicks_on_the_3d_view_measure_the_pixels_under_them(result_page, api):
     click(*targets[1])
     WebDriverWait(browser, 30).until(lambda b: len(picked()) == 2 and text.get_attribute("data-distance"))
     pixels = picked()
-    step = int(re.search(r"a vertex per (\d+)×", browser.find_element(By.ID, "view-info").text).group(1))
+    step = view_step(browser)
     tolerance = step + 1920 / width + 1  # the mesh's grid, and one CSS pixel of the view in photo pixels
     for (x, y), (px, py) in zip(targets, pixels):
         assert abs(px - x) <= tolerance and abs(py - y) <= tolerance, (targets, pixels, tolerance)
@@ -387,9 +399,7 @@ def test_a_2_to_1_image_runs_as_a_panorama_with_the_apis_numbers(result_page, ap
         points, mask = npz["points"].astype(np.float64), npz["mask"].astype(bool)
     # a click where a pixel's point is drawn (the first view: from the centre, forward, 75 degrees high) picks it
     width, height = browser.execute_script("return [arguments[0].clientWidth, arguments[0].clientHeight]", canvas)
-    f = 1 / np.tan(np.radians(75) / 2)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sx, sy = f * height / width * points[..., 0] / points[..., 2], f * points[..., 1] / points[..., 2]
+    sx, sy = first_view_ndc(points, 75, width, height)
     ahead = (points[..., 2] > 0) & (np.abs(sx) < 0.7) & (np.abs(sy) < 0.7)
     rows, cols = np.nonzero(ahead & (cv2.erode(mask.astype(np.uint8), np.ones((7, 7), np.uint8)) > 0))
     assert len(rows) > 20
@@ -401,7 +411,7 @@ def test_a_2_to_1_image_runs_as_a_panorama_with_the_apis_numbers(result_page, ap
     ).click().perform()
     WebDriverWait(browser, 30).until(lambda b: "A at" in text.text)
     px, py = json.loads(text.get_attribute("data-pixels"))[-1]
-    step = int(re.search(r"a vertex per (\d+)×", browser.find_element(By.ID, "view-info").text).group(1))
+    step = view_step(browser)
     assert min(abs(px - x), 256 - abs(px - x)) <= step + 1 and abs(py - y) <= step + 1, ((x, y), (px, py))
 
     checkbox.click()  # the same image as a photo

@@ -143,6 +143,17 @@ export class MeshViewer {
     new ResizeObserver(() => this.draw()).observe(canvas);
   }
 
+  // A vertex buffer of `data` bound to the attribute `name` of `program`, in the bound vertex array.
+  #attribute(program, name, data, size, type, normalized = false) {
+    const gl = this.gl, buffer = gl.createBuffer();
+    gl.bindBuffer(gl.ARRAY_BUFFER, buffer);
+    gl.bufferData(gl.ARRAY_BUFFER, data, gl.STATIC_DRAW);
+    const location = gl.getAttribLocation(program, name);
+    gl.enableVertexAttribArray(location);
+    gl.vertexAttribPointer(location, size, type, normalized, 0, 0);
+    return buffer;
+  }
+
   #program(vs, fs) {
     const gl = this.gl, program = gl.createProgram();
     for (const [type, source] of [[gl.VERTEX_SHADER, vs], [gl.FRAGMENT_SHADER, fs]]) {
@@ -165,16 +176,8 @@ export class MeshViewer {
     this.clear();
     const vao = gl.createVertexArray();
     gl.bindVertexArray(vao);
-    const buffers = [];
-    for (const [name, acc, size] of [["position", mesh.position, 3], ["uv", mesh.uv, 2]]) {
-      const buffer = gl.createBuffer();
-      gl.bindBuffer(gl.ARRAY_BUFFER, buffer);
-      gl.bufferData(gl.ARRAY_BUFFER, acc.data, gl.STATIC_DRAW);
-      const location = gl.getAttribLocation(this.program, name);
-      gl.enableVertexAttribArray(location);
-      gl.vertexAttribPointer(location, size, gl.FLOAT, false, 0, 0);
-      buffers.push(buffer);
-    }
+    const buffers = [["position", mesh.position, 3], ["uv", mesh.uv, 2]].map(
+      ([name, acc, size]) => this.#attribute(this.program, name, acc.data, size, gl.FLOAT));
     const indices = gl.createBuffer();
     gl.bindBuffer(gl.ELEMENT_ARRAY_BUFFER, indices);
     gl.bufferData(gl.ELEMENT_ARRAY_BUFFER, mesh.indices.data, gl.STATIC_DRAW);
@@ -214,25 +217,9 @@ export class MeshViewer {
     for (const part of scene.parts) {
       const vao = gl.createVertexArray();
       gl.bindVertexArray(vao);
-      const buffers = [];
-      const position = gl.createBuffer();
-      gl.bindBuffer(gl.ARRAY_BUFFER, position);
-      gl.bufferData(gl.ARRAY_BUFFER, part.position.data, gl.STATIC_DRAW);
-      let location = gl.getAttribLocation(this.pointProgram, "position");
-      gl.enableVertexAttribArray(location);
-      gl.vertexAttribPointer(location, 3, gl.FLOAT, false, 0, 0);
-      buffers.push(position);
-      location = gl.getAttribLocation(this.pointProgram, "color");
-      if (part.color) {
-        const color = gl.createBuffer();
-        gl.bindBuffer(gl.ARRAY_BUFFER, color);
-        gl.bufferData(gl.ARRAY_BUFFER, part.color.data, gl.STATIC_DRAW);
-        gl.enableVertexAttribArray(location);
-        gl.vertexAttribPointer(location, 4, gl.UNSIGNED_BYTE, true, 0, 0);
-        buffers.push(color);
-      } else {
-        gl.vertexAttrib4f(location, 0.6, 0.6, 0.6, 1);
-      }
+      const buffers = [this.#attribute(this.pointProgram, "position", part.position.data, 3, gl.FLOAT)];
+      if (part.color) buffers.push(this.#attribute(this.pointProgram, "color", part.color.data, 4, gl.UNSIGNED_BYTE, true));
+      else gl.vertexAttrib4f(gl.getAttribLocation(this.pointProgram, "color"), 0.6, 0.6, 0.6, 1);
       gl.bindVertexArray(null);
       parts.push({ vao, buffers, mode: part.mode === 0 ? gl.POINTS : gl.LINES, count: part.position.count });
     }
@@ -273,17 +260,10 @@ export class MeshViewer {
     if (shown.length) {
       const position = new Float32Array(shown.flatMap(([p]) => [p[0], -p[1], -p[2]]));  // to the GLB's axes
       const color = new Float32Array(shown.flatMap(([, i]) => MARK_COLORS[i]));
-      const vao = gl.createVertexArray(), buffers = [];
+      const vao = gl.createVertexArray();
       gl.bindVertexArray(vao);
-      for (const [name, data, size] of [["position", position, 3], ["color", color, 4]]) {
-        const buffer = gl.createBuffer();
-        gl.bindBuffer(gl.ARRAY_BUFFER, buffer);
-        gl.bufferData(gl.ARRAY_BUFFER, data, gl.STATIC_DRAW);
-        const location = gl.getAttribLocation(this.pointProgram, name);
-        gl.enableVertexAttribArray(location);
-        gl.vertexAttribPointer(location, size, gl.FLOAT, false, 0, 0);
-        buffers.push(buffer);
-      }
+      const buffers = [this.#attribute(this.pointProgram, "position", position, 3, gl.FLOAT),
+                       this.#attribute(this.pointProgram, "color", color, 4, gl.FLOAT)];
       gl.bindVertexArray(null);
       this.marks = { vao, buffers, count: shown.length };
     }
