@@ -90,6 +90,13 @@ def api(server):
         yield client
 
 
+def click_at(browser, element, dx: float, dy: float) -> None:
+    """A click dx, dy CSS pixels from the element's centre, with the element scrolled to the middle of the window
+    first, as a person would scroll to it: an earlier test may have left the page where the point is off-screen."""
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center', inline: 'center'})", element)
+    ActionChains(browser).move_to_element_with_offset(element, round(dx), round(dy)).click().perform()
+
+
 def state(browser) -> str:
     return browser.find_element(By.TAG_NAME, "body").get_attribute("data-state")
 
@@ -222,7 +229,7 @@ def test_two_clicks_on_a_map_measure_the_distance_of_predict_points(result_page,
 
     def click(x: float, y: float) -> None:  # at photo pixel (x, y); selenium's offsets are from the centre
         dx, dy = ((x + 0.5) * size[0] / size[2] - size[0] / 2), ((y + 0.5) * size[1] / size[3] - size[1] / 2)
-        ActionChains(browser).move_to_element_with_offset(img, round(dx), round(dy)).click().perform()
+        click_at(browser, img, dx, dy)
 
     def picked() -> list:
         return json.loads(text.get_attribute("data-pixels"))
@@ -294,7 +301,7 @@ def test_clicks_on_the_3d_view_measure_the_pixels_under_them(result_page, api):
         return round(sx * width / 2), round(sy * height / 2)  # the first view: from the camera, the photo's fov_y
 
     def click(x: int, y: int) -> None:
-        ActionChains(browser).move_to_element_with_offset(canvas, *screen(x, y)).click().perform()
+        click_at(browser, canvas, *screen(x, y))
 
     def picked() -> list:
         return json.loads(text.get_attribute("data-pixels") or "[]")
@@ -406,9 +413,7 @@ def test_a_2_to_1_image_runs_as_a_panorama_with_the_apis_numbers(result_page, ap
     far = int(np.argmax(np.abs(rows - mask.shape[0] / 2)))  # off the horizon: a flipped row would not pass
     y, x = int(rows[far]), int(cols[far])
     text = browser.find_element(By.ID, "measure-text")
-    ActionChains(browser).move_to_element_with_offset(
-        canvas, round(sx[y, x] * width / 2), round(sy[y, x] * height / 2)
-    ).click().perform()
+    click_at(browser, canvas, sx[y, x] * width / 2, sy[y, x] * height / 2)
     WebDriverWait(browser, 30).until(lambda b: "A at" in text.text)
     px, py = json.loads(text.get_attribute("data-pixels"))[-1]
     step = view_step(browser)
