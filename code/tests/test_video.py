@@ -264,6 +264,64 @@ def test_textureless_frames_are_flagged_and_the_clip_comes_back(walk):
     assert len(clip.trajectory_tum().splitlines()) == 1 + ok.sum()
 
 
+def test_a_jump_the_tracks_cannot_follow_is_relocalised(walk, monkeypatch):
+    """Eleven textureless frames in a row: the camera moves 1.2 m and turns while they fail, too far for the
+    tracks to follow it from the last good frame; the first frame after them is found again by descriptor
+    matches (flagged `relocalised`), and the rest of the clip registers on the true trajectory. A relocalisation
+    the two frames do not confirm (here: a bar raised out of reach) is refused, and says why."""
+    from dataclasses import replace
+
+    from tt_moge.video import registration
+
+    poses, renders = walk
+    renders = list(renders)
+    gap = range(5, 16)
+    for i in gap:
+        renders[i] = replace(renders[i], image=np.full_like(renders[i].image, 60 + 5 * i))
+    with monkeypatch.context() as patch:
+        patch.setattr(registration, "MIN_CORRELATION", 1.01)
+        refused = predict_video(oracle(renders[:17]), [r.image for r in renders[:17]], calibration_frames=4)
+    assert not refused.registered[16] and "grey levels correlate" in refused.failures[16], refused.failures[16]
+    clip = predict_video(oracle(renders), [r.image for r in renders], calibration_frames=4)
+    assert not clip.registered[list(gap)].any() and clip.registered[16:].all(), clip.failures
+    relocalised = [i for i, r in enumerate(clip.records) if r["relocalised"]]
+    assert relocalised == [16], relocalised
+    assert "not relocalised either" in clip.failures[5]
+    ok = clip.registered
+    ate, rotation = trajectory_errors(clip.poses[ok], poses[ok])
+    assert ate <= 0.01 and rotation <= 1.0, (ate, rotation)
+
+
+def test_relocalisation_refuses_a_pose_the_frames_contradict(walk):
+    """The check that guards relocalisation against a consistent set of wrong descriptor matches (a repeated
+    pattern shifted by one period): the reference seen through the true motion agrees with the frame, in depth
+    and in grey levels; through a motion 0.3 m or 3 degrees off, the grey levels do not (the depth of a floor and
+    a wall hardly changes with a shift along them)."""
+    import cv2
+
+    from tt_moge.video.registration import MIN_AGREEMENT, MIN_CORRELATION, Registration, _agreement
+
+    poses, renders = walk
+    ref, cur = renders[4], renders[16]
+    true = np.linalg.inv(poses[16]) @ poses[4]  # reference camera -> this camera
+    grey = [cv2.cvtColor(r.image, cv2.COLOR_RGB2GRAY) for r in (ref, cur)]
+    reference = (ref.depth, ref.mask, ref.intrinsics, 0.0, 1.0, grey[0])
+    current = (cur.depth, cur.mask, cur.intrinsics, 0.0, grey[1])
+
+    def check(motion: np.ndarray) -> tuple:
+        return _agreement(reference, current, Registration(True, 1.0, motion[:3, :3], motion[:3, 3]))
+
+    share, correlation = check(true)
+    assert share >= 0.95 and correlation >= 0.95
+    sideways, turned = true.copy(), true.copy()
+    sideways[0, 3] += 0.3
+    c, s = math.cos(math.radians(3)), math.sin(math.radians(3))
+    turned[:3, :3] = np.array([[c, 0, s], [0, 1, 0], [-s, 0, c]]) @ true[:3, :3]
+    for wrong in (sideways, turned):
+        share, correlation = check(wrong)
+        assert share >= MIN_AGREEMENT and correlation < MIN_CORRELATION, (share, correlation)
+
+
 def test_a_video_file_through_opencv(walk, tmp_path):
     """The frames written to an mp4 by OpenCV (lossy) come back through the same path, in order, with the
     file's frame rate in the times."""

@@ -21,6 +21,12 @@ Checks (`Registration.ok`): at least MIN_INLIERS inliers, an inlier share of at 
 inside SCALE_RANGE and a residual (root mean square of the inliers' residuals / depth) of at most MAX_RESIDUAL.
 A frame that fails them is flagged; the reference stays, and the next frame is tracked from it.
 
+Relocalisation (`Tracker._relocalise`): when the tracks cannot follow a frame (a jump, or failed frames while the
+camera moved on), ORB descriptors matched between the reference and the frame give a first fit; the reference's
+tracks are followed by KLT from where that fit puts them, and the result must pass the checks above and be
+confirmed by the two frames seen through it (`_agreement`: depth, and grey levels, which see a shift along a
+floor or a wall that the depth hardly sees).
+
 `Tracker` keeps the reference: its shrunk grey image and its features with their consistent 3D points. After a
 good fit the current frame becomes the reference: its inlier tracks are kept and new corners fill the image
 where tracks are missing. Each feature has an id it keeps while it is followed (`Tracker.features`), so a feature
@@ -58,6 +64,11 @@ TRACK_POINTS = 300  # features kept per reference frame
 _REFILL = 0.4  # new corners are looked for when fewer than this share of TRACK_POINTS are left
 _MIN_DISTANCE = 8  # pixels (shrunk image) between features
 _LK = dict(winSize=(15, 15), maxLevel=3, criteria=(3, 20, 0.03))  # cv2.TERM_CRITERIA_COUNT | EPS
+ORB_FEATURES = 1500  # relocalisation: ORB keypoints per frame (shrunk image)
+ORB_RATIO = 0.8  # relocalisation: a descriptor match is kept when its distance is below this share of the 2nd best
+MIN_AGREEMENT = 0.6  # relocalisation: the share of the reference's view whose depth this frame must confirm
+AGREEMENT_RTOL = 0.05  # ... within this share of the depth
+MIN_CORRELATION = 0.8  # relocalisation: the correlation of the grey levels the fit puts on each other
 INLIER_RTOL = 0.03  # RANSAC: a match is an inlier when its 3D residual is below this share of its depth
 INLIER_SIGMAS = 3.0  # the refit's threshold: this many robust standard deviations of the inliers' residuals,
 MIN_INLIER_RTOL = 0.002  # but at least this share of the depth (and at most INLIER_RTOL)
@@ -73,7 +84,8 @@ class Registration:
     """The fit of one frame against its reference: X_this = scale * rotation @ X_reference + translation (metres
     of the clip). ok: the fit passed the checks (else `reason` says which failed); matches: features followed
     into this frame with a depth in both; inliers, inlier_ratio = inliers / matches; residual: root mean square
-    of the inliers' residuals / depth."""
+    of the inliers' residuals / depth; relocalised: the features could not be followed and the fit comes from
+    descriptor matches against the reference (`Tracker.register`)."""
 
     ok: bool
     scale: float = math.nan
@@ -84,6 +96,7 @@ class Registration:
     inlier_ratio: float = 0.0
     residual: float = math.nan
     reason: Optional[str] = None
+    relocalised: bool = False
 
     def record(self) -> dict:
         """The JSON-ready numbers of this fit."""
@@ -98,8 +111,74 @@ class Registration:
             "inlier_ratio": round(float(self.inlier_ratio), 4),
             "residual": finite(self.residual),
             "relative_scale": finite(self.scale),
+            "relocalised": bool(self.relocalised),
             "error": self.reason,
         }
+
+
+def _agreement(reference: tuple, current: tuple, reg: Registration, samples: int = 2500) -> tuple:
+    """How well the current frame confirms the reference seen through the fit: the reference's pixels (a grid of
+    about `samples`) moved by the fit into the current camera, among those that land in its view where it sees a
+    surface and are not hidden behind it (a point farther than the current depth may be occluded; one nearer
+    contradicts it) -> (the share whose depth agrees within AGREEMENT_RTOL, the correlation of their grey levels
+    in the two frames). Depth alone hardly sees a shift along a floor or a wall; the grey levels do.
+    `reference`: (depth, mask, pixel intrinsics, offset, scale, grey); `current`: (depth, mask, pixel intrinsics,
+    offset, grey); the grey images may be shrunk copies of the frames."""
+    depth, mask, k, offset, scale, grey = reference
+    h, w = depth.shape
+    step = max(1, int(math.sqrt(h * w / samples)))
+    rows, cols = np.mgrid[step // 2 : h : step, step // 2 : w : step]
+    z = depth[rows, cols].astype(np.float64) + offset
+    seen = mask[rows, cols] & np.isfinite(z) & (z > 0)
+    rows, cols, z = rows[seen], cols[seen], z[seen]
+    pixels = np.stack([cols + 0.5, rows + 0.5, np.ones(len(z))], axis=1)
+    points = (pixels @ np.linalg.inv(np.asarray(k, np.float64)).T) * (z * scale)[:, None]
+    moved = reg.scale * points @ reg.rotation.T + reg.translation
+    depth2, mask2, k2, offset2, grey2 = current
+    h2, w2 = depth2.shape
+    with np.errstate(divide="ignore", invalid="ignore"):
+        pixels = moved @ np.asarray(k2, np.float64).T
+        col, row = np.floor(pixels[:, 0] / pixels[:, 2]), np.floor(pixels[:, 1] / pixels[:, 2])
+    inside = (moved[:, 2] > 0) & (col >= 0) & (col < w2) & (row >= 0) & (row < h2)
+    col, row, ahead = col[inside].astype(np.intp), row[inside].astype(np.intp), moved[inside, 2]
+    there = depth2[row, col].astype(np.float64) + offset2
+    judged = mask2[row, col] & np.isfinite(there) & (there > 0)
+    judged[judged] = ahead[judged] <= there[judged] * (1 + AGREEMENT_RTOL)  # else hidden: no evidence either way
+    if judged.sum() < max(3, 0.05 * len(z)):
+        return 0.0, 0.0
+    agree = np.abs(ahead[judged] - there[judged]) <= AGREEMENT_RTOL * there[judged]
+
+    def level(image: np.ndarray, r: np.ndarray, c: np.ndarray, shape: tuple) -> np.ndarray:
+        rr = np.minimum((r + 0.5) * image.shape[0] / shape[0], image.shape[0] - 1).astype(np.intp)
+        cc = np.minimum((c + 0.5) * image.shape[1] / shape[1], image.shape[1] - 1).astype(np.intp)
+        return image[rr, cc].astype(np.float64)
+
+    a = level(grey, rows[inside][judged], cols[inside][judged], (h, w))
+    b = level(grey2, row[judged], col[judged], (h2, w2))
+    spread = a.std() * b.std()
+    correlation = float(np.mean((a - a.mean()) * (b - b.mean())) / spread) if spread > 0 else 0.0
+    return float(agree.mean()), correlation
+
+
+def _shrunk(shape: tuple, depth: np.ndarray, mask: np.ndarray, k_pixels: np.ndarray) -> tuple:
+    """(depth, mask, pixel intrinsics) of a frame at the size (h, w) of its shrunk grey image, nearest-neighbour
+    (no depth mixed across an edge): what relocalisation keeps of the reference. A copy in any case, and a small
+    one: callers may scale their depth in place afterwards."""
+    import cv2
+
+    sy, sx = depth.shape[0] / shape[0], depth.shape[1] / shape[1]
+    k = np.diag([1.0 / sx, 1.0 / sy, 1.0]) @ np.asarray(k_pixels, np.float64)  # centres at +0.5 in both
+    size = (shape[1], shape[0])
+    small = cv2.resize(np.ascontiguousarray(depth, np.float32), size, interpolation=cv2.INTER_NEAREST)
+    return small, cv2.resize(mask.astype(np.uint8), size, interpolation=cv2.INTER_NEAREST).astype(bool), k
+
+
+def _orb(grey: np.ndarray) -> tuple:
+    """ORB keypoints of a shrunk grey frame: (positions (N, 2) float32, shrunk-image pixels, descriptors)."""
+    import cv2
+
+    keypoints, descriptors = cv2.ORB_create(nfeatures=ORB_FEATURES).detectAndCompute(grey, None)
+    return np.array([k.pt for k in keypoints], np.float32).reshape(-1, 2), descriptors
 
 
 def shrink_grey(rgb: np.ndarray, side: int = TRACK_SIDE) -> np.ndarray:
@@ -259,6 +338,9 @@ class Tracker:
         self._pending: Optional[tuple] = None  # what `register` found, for `advance`
         self.ids = np.zeros(0, np.int64)  # a number per feature, kept while it is followed from frame to frame
         self._next_id = 0
+        # the reference's geometry at the size of `grey`, to lift its descriptor keypoints (`_shrunk`)
+        self._geometry: Optional[tuple] = None
+        self._keypoints: Optional[tuple] = None  # the reference's ORB (positions, descriptors), found when needed
 
     @property
     def started(self) -> bool:
@@ -299,6 +381,7 @@ class Tracker:
         xyz = lift(self._full(tracks, depth.shape), depth, mask, k_pixels, offset) * scale
         keep = np.isfinite(xyz).all(axis=1)
         self.tracks, self.xyz, self.ids, self._pending = tracks[keep], xyz[keep], self._new_ids(len(tracks))[keep], None
+        self._geometry, self._keypoints = (*_shrunk(self.grey.shape, depth, mask, k_pixels), offset, scale), None
 
     def _new_ids(self, count: int) -> np.ndarray:
         self._next_id += count
@@ -312,15 +395,34 @@ class Tracker:
 
     def register(self, rgb: np.ndarray, depth: np.ndarray, mask: np.ndarray, k_pixels: np.ndarray, offset=0.0):
         """The fit of this frame (its depth as the model gave it, + offset) against the reference."""
-        import cv2
-
         grey = shrink_grey(rgb, self.side)
         if grey.shape != self.grey.shape:
             raise ValueError(f"frame of {grey.shape[::-1]} (shrunk) against a reference of {self.grey.shape[::-1]}")
         self._pending = None
         if len(self.tracks) == 0:
             return Registration(False, reason="the reference frame has no feature with a depth")
-        moved, status, _ = cv2.calcOpticalFlowPyrLK(self.grey, grey, self.tracks.reshape(-1, 1, 2), None, **_LK)
+        reg, kept = self._follow(grey, depth, mask, k_pixels, offset)
+        if not reg.ok:  # the tracks were lost (a jump, or failed frames between): find the reference again
+            found = self._relocalise(grey, depth, mask, k_pixels, offset)
+            if not found[0].ok:
+                reg.reason = f"{reg.reason}; not relocalised either: {found[0].reason}"
+                return reg
+            reg, kept = found
+        self._pending = (grey, *kept, depth.shape, depth, mask, k_pixels, offset)
+        return reg
+
+    def _follow(self, grey, depth, mask, k_pixels, offset, guess: Optional[np.ndarray] = None) -> tuple:
+        """(Registration, (positions, points, ids) of its inliers) from the reference's tracks followed into this
+        frame by pyramidal Lucas-Kanade, from where they were or from `guess` (their predicted positions)."""
+        import cv2
+
+        start = self.tracks.reshape(-1, 1, 2)
+        if guess is None:
+            moved, status, _ = cv2.calcOpticalFlowPyrLK(self.grey, grey, start, None, **_LK)
+        else:
+            moved = guess.astype(np.float32).reshape(-1, 1, 2).copy()
+            flags = cv2.OPTFLOW_USE_INITIAL_FLOW
+            moved, status, _ = cv2.calcOpticalFlowPyrLK(self.grey, grey, start, moved, flags=flags, **_LK)
         moved = moved.reshape(-1, 2)
         h, w = grey.shape
         ok = (status.ravel() == 1) & (moved[:, 0] >= 0) & (moved[:, 0] <= w - 1)
@@ -329,9 +431,54 @@ class Tracker:
         xyz[ok] = lift(self._full(moved[ok], depth.shape), depth, mask, k_pixels, offset)
         ok &= np.isfinite(xyz).all(axis=1)
         reg, inliers = _check(self.xyz[ok], xyz[ok], self.seed)
-        kept = (moved[ok][inliers], xyz[ok][inliers], self.ids[ok][inliers])
-        self._pending = (grey, *kept, depth.shape, depth, mask, k_pixels, offset)
-        return reg
+        return reg, (moved[ok][inliers], xyz[ok][inliers], self.ids[ok][inliers])
+
+    def _relocalise(self, grey: np.ndarray, depth, mask, k_pixels, offset) -> tuple:
+        """`_follow` from where a fit of ORB descriptor matches (Lowe's ratio test) puts the reference's tracks:
+        descriptors find a feature anywhere in the frame, not only near where it was. A repeated pattern (tiles,
+        windows) can make a consistent set of wrong matches, so the fit must pass three checks: its own, the
+        tracks followed from its prediction (sub-pixel, the usual checks), and the reference's depth seen through
+        the fit agreeing with this frame's, in depth and in grey levels (`_agreement`)."""
+        import cv2
+
+        if self._keypoints is None:
+            self._keypoints = _orb(self.grey)
+        (ref_xy, ref_desc), (xy, desc) = self._keypoints, _orb(grey)
+        if len(ref_xy) < 2 or len(xy) < 2 or len(self.tracks) == 0:
+            return Registration(False, reason="no ORB keypoints to match"), None
+        pairs = cv2.BFMatcher(cv2.NORM_HAMMING).knnMatch(desc, ref_desc, k=2)
+        good = [p[0] for p in pairs if len(p) == 2 and p[0].distance < ORB_RATIO * p[1].distance]
+        here = xy[[m.queryIdx for m in good]].reshape(-1, 2)
+        there = ref_xy[[m.trainIdx for m in good]].reshape(-1, 2)
+        ref_depth, ref_mask, ref_k, ref_offset, ref_scale = self._geometry
+        src = lift(there + 0.5, ref_depth, ref_mask, ref_k, ref_offset) * ref_scale  # shrunk pixels, centres +0.5
+        dst = lift(self._full(here, depth.shape), depth, mask, k_pixels, offset)
+        ok = np.isfinite(src).all(axis=1) & np.isfinite(dst).all(axis=1)
+        coarse, _ = _check(src[ok], dst[ok], self.seed)
+        if not coarse.ok:
+            coarse.reason = f"descriptor matches: {coarse.reason}"
+            return coarse, None
+        moved = coarse.scale * self.xyz @ coarse.rotation.T + coarse.translation  # the tracks, this frame's camera
+        pixels = moved @ np.asarray(k_pixels, np.float64).T
+        with np.errstate(divide="ignore", invalid="ignore"):
+            pixels = pixels[:, :2] / pixels[:, 2:3]
+        sy, sx = depth.shape[0] / self.grey.shape[0], depth.shape[1] / self.grey.shape[1]
+        guess = np.stack([pixels[:, 0] / sx - 0.5, pixels[:, 1] / sy - 0.5], axis=1)
+        guess = np.where(np.isfinite(guess) & (moved[:, 2:3] > 0), guess, self.tracks)
+        reg, kept = self._follow(grey, depth, mask, k_pixels, offset, guess)
+        reg.relocalised = True
+        if not reg.ok:
+            reg.reason = f"tracks from the descriptor matches' fit: {reg.reason}"
+            return reg, None
+        share, correlation = _agreement((*self._geometry, self.grey), (depth, mask, k_pixels, offset, grey), reg)
+        if share < MIN_AGREEMENT or correlation < MIN_CORRELATION:
+            reg.ok = False
+            reg.reason = (
+                f"the frames seen through the fit disagree: depth agrees on {share:.2f} of the view (at least "
+                f"{MIN_AGREEMENT}), grey levels correlate {correlation:.2f} (at least {MIN_CORRELATION})"
+            )
+            return reg, None
+        return reg, kept
 
     def advance(self, correction: float) -> None:
         """After a good `register`: that frame becomes the reference, its points x `correction` (1 / the fit's
@@ -345,3 +492,4 @@ class Tracker:
         ids = np.concatenate([ids, self._new_ids(len(tracks) - kept)])
         keep = np.isfinite(xyz).all(axis=1)
         self.tracks, self.xyz, self.ids = tracks[keep], xyz[keep], ids[keep]
+        self._geometry, self._keypoints = (*_shrunk(grey.shape, depth, mask, k_pixels), offset, correction), None
