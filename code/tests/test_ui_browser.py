@@ -185,6 +185,37 @@ def test_maps_and_an_interactive_3d_view_are_shown(result_page):
     assert console_errors(browser) == []
 
 
+def test_the_3d_view_draws_the_points_alone_on_request(result_page):
+    """'points only' draws the photo's mesh as its vertices: close up, the background shows between the dots where
+    the triangles covered it; unticked, the same view is the mesh again, pixel for pixel."""
+    browser = result_page
+    canvas, box = browser.find_element(By.ID, "view"), browser.find_element(By.ID, "view-points")
+    assert browser.find_element(By.ID, "view-points-row").is_displayed() and not box.is_selected()
+
+    def redrawn(act) -> np.ndarray:
+        frames = int(canvas.get_attribute("data-frames"))
+        act()
+        WebDriverWait(browser, 10).until(lambda b: int(canvas.get_attribute("data-frames")) > frames)
+        time.sleep(0.3)
+        return canvas_pixels(canvas).astype(np.int16)
+
+    def background(pixels: np.ndarray) -> float:
+        return float((np.abs(pixels - BACKGROUND).max(axis=2) <= 24).mean())
+
+    redrawn(lambda: ActionChains(browser).double_click(canvas).perform())  # the photo's own camera
+    closer = ActionChains(browser).scroll_from_origin(ScrollOrigin.from_element(canvas), 0, -1500)
+    mesh = redrawn(closer.perform)
+    points = redrawn(box.click)
+    assert canvas.get_attribute("data-mode") == "points"
+    assert background(points) > background(mesh) + 0.2, (background(points), background(mesh))
+    dots = points[np.abs(points - BACKGROUND).max(axis=2) > 24]
+    assert len(dots) > 0.01 * points.shape[0] * points.shape[1] and len(np.unique(dots, axis=0)) > 100  # the photo's
+    again = redrawn(box.click)
+    assert canvas.get_attribute("data-mode") == "mesh" and np.array_equal(again, mesh)
+    redrawn(lambda: ActionChains(browser).double_click(canvas).perform())
+    assert console_errors(browser) == []
+
+
 def test_numbers_on_the_page_equal_predict_summary(result_page, api):
     browser = result_page
     expected = api.post("/predict/summary", content=SOURCE.read_bytes(), headers={"Content-Type": "image/png"}).json()

@@ -208,6 +208,7 @@ function clearResult() {
   $("numbers").hidden = true;
   $("downloads").hidden = true;
   $("view-info").textContent = "";
+  $("view-points-row").hidden = true;
   $("view-message").hidden = false;
   $("view-message").textContent = "The 3D scene appears here";
   delete document.body.dataset.errorCode;
@@ -505,6 +506,8 @@ async function showView(result, marks) {
   const camera = result.kind === "panorama" ? { fovYDeg: 75, distance: 0.02 * (s.median_distance_m || 1), wrap: true }
     : { fovYDeg: s.fov_y_deg, distance: s.median_depth_m };
   await state.viewer.load(parseGLB(glb), camera);
+  state.viewer.setPointMode($("view-points").checked);  // as the reader left it for the previous photo
+  $("view-points-row").hidden = false;
   await new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve)));  // drawn
   marks.view = performance.now();
   message.hidden = true;
@@ -584,6 +587,7 @@ async function start() {
     buildOptions(state.config.video_options || [], $("video-options"));
   } catch { /* the page still works with the server's defaults; a 401 shows the key field */ }
   makeViewer($("view-message"));
+  $("view-points").addEventListener("change", (e) => state.viewer && state.viewer.setPointMode(e.target.checked));
   watchServer();
 }
 

@@ -104,8 +104,8 @@ function multiply(a, b) {  // column-major a * b
 }
 
 const VERTEX_SHADER = `#version 300 es
-in vec3 position; in vec2 uv; uniform mat4 mvp; out vec2 v_uv;
-void main() { v_uv = uv; gl_Position = mvp * vec4(position, 1.0); }`;
+in vec3 position; in vec2 uv; uniform mat4 mvp; uniform float size; out vec2 v_uv;
+void main() { v_uv = uv; gl_Position = mvp * vec4(position, 1.0); gl_PointSize = size; }`;
 const FRAGMENT_SHADER = `#version 300 es
 precision mediump float; in vec2 v_uv; uniform sampler2D tex; out vec4 color;
 void main() { color = vec4(texture(tex, v_uv).rgb, 1.0); }`;
@@ -138,6 +138,7 @@ export class MeshViewer {
     this.onClick = null;  // (clientX, clientY) of a click on the view: set by the page
     this.mesh = null;
     this.scene = null;
+    this.pointMode = false;  // a photo's mesh drawn as its vertices only (setPointMode)
     this.frames = 0;
     this.#bindInput();
     new ResizeObserver(() => this.draw()).observe(canvas);
@@ -202,7 +203,7 @@ export class MeshViewer {
     const lo = mesh.position.min || [-1, -1, -1], hi = mesh.position.max || [1, 1, 1];
     const extent = Math.hypot(hi[0] - lo[0], hi[1] - lo[1], hi[2] - lo[2]) || 1;
     const distance = camera.distance > 0 && isFinite(camera.distance) ? camera.distance : Math.max(-lo[2], 1e-3);
-    this.mesh = { vao, buffers, texture, count: mesh.indices.count, extent };
+    this.mesh = { vao, buffers, texture, count: mesh.indices.count, vertices: mesh.position.count, extent };
     this.home = { fovY: (camera.fovYDeg > 0 ? camera.fovYDeg : 50) * Math.PI / 180, distance,
                   target: [0, 0, -distance], yaw: 0, pitch: 0 };
     this.reset();
@@ -324,6 +325,15 @@ export class MeshViewer {
     return this.pickTarget;
   }
 
+  // Draw the mesh as its vertices (on: each kept pixel of the mesh's grid as a dot in its colour, no surface
+  // between them: what the model measured, without the triangles' interpolation) or as its triangles (off).
+  // Picking stays on the triangles: a click between dots still finds the surface there.
+  setPointMode(on) {
+    this.pointMode = Boolean(on);
+    this.canvas.dataset.mode = this.pointMode ? "points" : "mesh";
+    this.draw();
+  }
+
   reset() {
     if (!this.home) return;
     this.orbit = { target: [...this.home.target], distance: this.home.distance, yaw: 0, pitch: 0 };
@@ -364,8 +374,10 @@ export class MeshViewer {
     gl.activeTexture(gl.TEXTURE0);
     gl.bindTexture(gl.TEXTURE_2D, this.mesh.texture);
     gl.uniform1i(gl.getUniformLocation(this.program, "tex"), 0);
+    gl.uniform1f(gl.getUniformLocation(this.program, "size"), Math.max(1, Math.round(3 * ratio)));  // dots
     gl.bindVertexArray(this.mesh.vao);
-    gl.drawElements(gl.TRIANGLES, this.mesh.count, gl.UNSIGNED_INT, 0);
+    if (this.pointMode) gl.drawArrays(gl.POINTS, 0, this.mesh.vertices);
+    else gl.drawElements(gl.TRIANGLES, this.mesh.count, gl.UNSIGNED_INT, 0);
     gl.bindVertexArray(null);
     if (this.marks) this.#drawMarks(mvp, ratio);
     this.frames += 1;
