@@ -292,6 +292,25 @@ def test_a_jump_the_tracks_cannot_follow_is_relocalised(walk, monkeypatch):
     assert ate <= 0.01 and rotation <= 1.0, (ate, rotation)
 
 
+@pytest.mark.parametrize("jump", [8, 12])
+def test_a_fit_across_failed_frames_is_the_true_motion(jump):
+    """The last good frame, one failed frame, then a frame `jump` frames on (640x480, exact depth): the tracks
+    followed across such a jump can lock onto the scene's repeated floor tiles and windows and pass the fit's own
+    checks with a motion 1.7 m off (8 frames on). Such a fit must be confirmed by the two frames seen through it;
+    here the wrong one is refused, and the frame is found again by descriptors, with the true motion."""
+    from tt_moge.video.registration import Tracker
+
+    poses = camera_path(FRAMES)
+    ref, failed, cur = render_path(poses[[4, 5, 4 + jump]], 640, 480)
+    tracker = Tracker()
+    tracker.start(ref.image, ref.depth.astype(np.float32), ref.mask, ref.intrinsics)
+    assert not tracker.register(np.full_like(failed.image, 90), failed.depth, failed.mask, failed.intrinsics).ok
+    reg = tracker.register(cur.image, cur.depth.astype(np.float32), cur.mask, cur.intrinsics)
+    true = np.linalg.inv(poses[4 + jump]) @ poses[4]  # the reference camera -> this one
+    assert reg.ok and reg.relocalised, reg.reason
+    assert np.linalg.norm(reg.translation / reg.scale - true[:3, 3]) < 0.03 * np.linalg.norm(true[:3, 3])
+
+
 def test_relocalisation_refuses_a_pose_the_frames_contradict(walk):
     """The check that guards relocalisation against a consistent set of wrong descriptor matches (a repeated
     pattern shifted by one period): the reference seen through the true motion agrees with the frame, in depth

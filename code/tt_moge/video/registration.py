@@ -25,7 +25,8 @@ Relocalisation (`Tracker._relocalise`): when the tracks cannot follow a frame (a
 camera moved on), ORB descriptors matched between the reference and the frame give a first fit; the reference's
 tracks are followed by KLT from where that fit puts them, and the result must pass the checks above and be
 confirmed by the two frames seen through it (`_agreement`: depth, and grey levels, which see a shift along a
-floor or a wall that the depth hardly sees).
+floor or a wall that the depth hardly sees). The tracks' own fit needs that confirmation too when failed frames
+lie between the frame and its reference: across a jump, tracks can lock onto a repeated pattern as well.
 
 `Tracker` keeps the reference: its shrunk grey image and its features with their consistent 3D points. After a
 good fit the current frame becomes the reference: its inlier tracks are kept and new corners fill the image
@@ -66,6 +67,7 @@ _MIN_DISTANCE = 8  # pixels (shrunk image) between features
 _LK = dict(winSize=(15, 15), maxLevel=3, criteria=(3, 20, 0.03))  # cv2.TERM_CRITERIA_COUNT | EPS
 ORB_FEATURES = 1500  # relocalisation: ORB keypoints per frame (shrunk image)
 ORB_RATIO = 0.8  # relocalisation: a descriptor match is kept when its distance is below this share of the 2nd best
+GUESS_INLIERS, GUESS_INLIER_RATIO = 12, 0.15  # relocalisation: the descriptor fit is only a guess, checked after
 MIN_AGREEMENT = 0.6  # relocalisation: the share of the reference's view whose depth this frame must confirm
 AGREEMENT_RTOL = 0.05  # ... within this share of the depth
 MIN_CORRELATION = 0.8  # relocalisation: the correlation of the grey levels the fit puts on each other
@@ -299,11 +301,14 @@ def fit_similarity(src: np.ndarray, dst: np.ndarray, seed: int = 0) -> tuple:
     return float(fit[0][0]), fit[1][0], fit[2][0], inliers
 
 
-def _check(src: np.ndarray, dst: np.ndarray, seed: int) -> tuple:
-    """(Registration, inlier mask) of the fit of matched points, with the checks applied."""
+def _check(
+    src: np.ndarray, dst: np.ndarray, seed: int, least: int = MIN_INLIERS, share: float = MIN_INLIER_RATIO
+) -> tuple:
+    """(Registration, inlier mask) of the fit of matched points, with the checks applied: at least `least`
+    inliers, an inlier share of at least `share` (lower for relocalisation's first guess, which is checked later)."""
     matches = len(src)
-    if matches < MIN_INLIERS:
-        reason = f"too few features followed into this frame with a depth ({matches} < {MIN_INLIERS})"
+    if matches < least:
+        reason = f"too few features followed into this frame with a depth ({matches} < {least})"
         return Registration(False, matches=matches, reason=reason), np.zeros(matches, bool)
     scale, rotation, translation, inliers = fit_similarity(src, dst, seed)
     count = int(inliers.sum())
@@ -312,10 +317,10 @@ def _check(src: np.ndarray, dst: np.ndarray, seed: int) -> tuple:
         res = _residual(src[inliers], dst[inliers], np.array([scale]), rotation[None], translation[None])[0]
         residual = float(np.sqrt(np.mean(res * res)))
     reg = Registration(True, scale, rotation, translation, matches, count, count / matches, residual)
-    if count < MIN_INLIERS:
-        reg.ok, reg.reason = False, f"too few inliers ({count} < {MIN_INLIERS})"
-    elif reg.inlier_ratio < MIN_INLIER_RATIO:
-        reg.ok, reg.reason = False, f"inlier share {reg.inlier_ratio:.2f} < {MIN_INLIER_RATIO}"
+    if count < least:
+        reg.ok, reg.reason = False, f"too few inliers ({count} < {least})"
+    elif reg.inlier_ratio < share:
+        reg.ok, reg.reason = False, f"inlier share {reg.inlier_ratio:.2f} < {share}"
     elif not SCALE_RANGE[0] <= scale <= SCALE_RANGE[1]:
         reg.ok, reg.reason = False, f"scale change {scale:.3f} outside {SCALE_RANGE}"
     elif not residual <= MAX_RESIDUAL:
@@ -341,6 +346,7 @@ class Tracker:
         # the reference's geometry at the size of `grey`, to lift its descriptor keypoints (`_shrunk`)
         self._geometry: Optional[tuple] = None
         self._keypoints: Optional[tuple] = None  # the reference's ORB (positions, descriptors), found when needed
+        self._tries = 0  # frames registered against this reference so far (more than 1: failed frames between)
 
     @property
     def started(self) -> bool:
@@ -382,6 +388,7 @@ class Tracker:
         keep = np.isfinite(xyz).all(axis=1)
         self.tracks, self.xyz, self.ids, self._pending = tracks[keep], xyz[keep], self._new_ids(len(tracks))[keep], None
         self._geometry, self._keypoints = (*_shrunk(self.grey.shape, depth, mask, k_pixels), offset, scale), None
+        self._tries = 0
 
     def _new_ids(self, count: int) -> np.ndarray:
         self._next_id += count
@@ -399,9 +406,12 @@ class Tracker:
         if grey.shape != self.grey.shape:
             raise ValueError(f"frame of {grey.shape[::-1]} (shrunk) against a reference of {self.grey.shape[::-1]}")
         self._pending = None
+        self._tries += 1
         if len(self.tracks) == 0:
             return Registration(False, reason="the reference frame has no feature with a depth")
         reg, kept = self._follow(grey, depth, mask, k_pixels, offset)
+        if reg.ok and self._tries > 1:  # failed frames between: a jump, where tracks can lock onto a repeat
+            reg = self._confirmed(reg, grey, depth, mask, k_pixels, offset)
         if not reg.ok:  # the tracks were lost (a jump, or failed frames between): find the reference again
             found = self._relocalise(grey, depth, mask, k_pixels, offset)
             if not found[0].ok:
@@ -454,7 +464,7 @@ class Tracker:
         src = lift(there + 0.5, ref_depth, ref_mask, ref_k, ref_offset) * ref_scale  # shrunk pixels, centres +0.5
         dst = lift(self._full(here, depth.shape), depth, mask, k_pixels, offset)
         ok = np.isfinite(src).all(axis=1) & np.isfinite(dst).all(axis=1)
-        coarse, _ = _check(src[ok], dst[ok], self.seed)
+        coarse, _ = _check(src[ok], dst[ok], self.seed, GUESS_INLIERS, GUESS_INLIER_RATIO)
         if not coarse.ok:
             coarse.reason = f"descriptor matches: {coarse.reason}"
             return coarse, None
@@ -470,6 +480,12 @@ class Tracker:
         if not reg.ok:
             reg.reason = f"tracks from the descriptor matches' fit: {reg.reason}"
             return reg, None
+        reg = self._confirmed(reg, grey, depth, mask, k_pixels, offset)
+        return reg, kept if reg.ok else None
+
+    def _confirmed(self, reg: Registration, grey, depth, mask, k_pixels, offset) -> Registration:
+        """`reg`, failed unless the two frames seen through it agree (`_agreement`): the check of a fit across a
+        jump, where a repeated pattern (tiles, windows) can give a consistent set of wrong matches."""
         share, correlation = _agreement((*self._geometry, self.grey), (depth, mask, k_pixels, offset, grey), reg)
         if share < MIN_AGREEMENT or correlation < MIN_CORRELATION:
             reg.ok = False
@@ -477,8 +493,7 @@ class Tracker:
                 f"the frames seen through the fit disagree: depth agrees on {share:.2f} of the view (at least "
                 f"{MIN_AGREEMENT}), grey levels correlate {correlation:.2f} (at least {MIN_CORRELATION})"
             )
-            return reg, None
-        return reg, kept
+        return reg
 
     def advance(self, correction: float) -> None:
         """After a good `register`: that frame becomes the reference, its points x `correction` (1 / the fit's
@@ -493,3 +508,4 @@ class Tracker:
         keep = np.isfinite(xyz).all(axis=1)
         self.tracks, self.xyz, self.ids = tracks[keep], xyz[keep], ids[keep]
         self._geometry, self._keypoints = (*_shrunk(grey.shape, depth, mask, k_pixels), offset, correction), None
+        self._tries = 0
