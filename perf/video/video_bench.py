@@ -23,9 +23,15 @@ whole clip beside plain `predict_many` on the same frames.
    On the CPU the forward dominates; on a Tenstorrent chip or a GPU the host work of part 1 is what must stay
    below the device's time per frame.
 
-    python -m perf.video.video_bench                        # all three parts, defaults
+4. relocalise: what one registration costs when the tracks are lost (`registration.Tracker.register`, timed
+   alone on a fresh reference each time, exact depth at --size, median of --repeats x 4): the next frame of the
+   walk (the tracks follow it), a textureless frame (the tracks and then the descriptor search fail) and the frame
+   12 on after one failed frame (the tracks' fit refused or failed, the frame found again by descriptors).
+
+    python -m perf.video.video_bench                        # all four parts, defaults
     python -m perf.video.video_bench --part host --frames 24
     python -m perf.video.video_bench --part calibration --calibration-frames 16
+    python -m perf.video.video_bench --part relocalise
 """
 
 from __future__ import annotations
@@ -215,10 +221,42 @@ def clip_part(size: tuple, frames: int, repeats: int, canvas: tuple) -> dict:
     return result
 
 
+def relocalise_part(size: tuple, repeats: int) -> dict:
+    import numpy as np
+
+    from tt_moge.testing.scene import camera_path, render_path
+    from tt_moge.video.registration import Tracker
+
+    ref, after, jump = render_path(camera_path(24)[[4, 5, 16]], *size)
+    cases = {
+        "next frame (tracks follow)": [after],
+        "textureless (tracks and descriptors fail)": [None],
+        "12 frames on, after a failed frame (relocalised)": [None, jump],
+    }
+    result = {}
+    for name, frames in cases.items():
+        walls, cpus, outcome = [], [], None
+        for _ in range(4 * repeats):
+            tracker = Tracker()
+            tracker.start(ref.image, ref.depth.astype(np.float32), ref.mask, ref.intrinsics)
+            for frame in frames:
+                image = np.full_like(ref.image, 90) if frame is None else frame.image
+                geometry = (after if frame is None else frame).depth.astype(np.float32), after.mask, ref.intrinsics
+                w0, c0 = time.perf_counter(), time.process_time()
+                reg = tracker.register(image, *geometry)
+                wall, cpu = (time.perf_counter() - w0) * 1e3, (time.process_time() - c0) * 1e3
+            walls.append(wall)
+            cpus.append(cpu)
+            outcome = "relocalised" if reg.relocalised and reg.ok else "registered" if reg.ok else "failed"
+        result[name] = {"wall_ms": round(median(walls), 2), "cpu_ms": round(median(cpus), 2), "outcome": outcome}
+        print(f"  {name}: {median(walls):.2f} ms wall, {median(cpus):.2f} ms CPU ({outcome})", flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--part", choices=("host", "calibration", "clip", "both"), default="both", help="both: all three parts"
+        "--part", choices=("host", "calibration", "clip", "relocalise", "both"), default="both", help="both: all four"
     )
     parser.add_argument("--size", type=_size, default=(1920, 1080), help="host part: frame size (default 1920x1080)")
     parser.add_argument("--frames", type=int, default=16, help="host part: frames (default 16)")
@@ -228,7 +266,9 @@ def main() -> None:
     parser.add_argument("--clip-size", type=_size, default=(640, 360), help="clip part: frame size (default 640x360)")
     parser.add_argument("--clip-frames", type=int, default=32, help="clip part: frames (default 32)")
     parser.add_argument("--canvas", type=_size, default=(448, 252), help="clip part: the model's canvas")
-    parser.add_argument("--repeats", type=int, default=2, help="clip part: alternated calls of each (default 2)")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="clip part: alternated calls of each; relocalise: x 4 (default 2)"
+    )
     parser.add_argument("--json", help="also write the numbers to this JSON file")
     args = parser.parse_args()
     print(cpu_line())
@@ -240,6 +280,9 @@ def main() -> None:
         result["calibration"] = calibration_part(args.size, args.calibration_frames)
     if args.part in ("clip", "both"):
         result["clip"] = clip_part(args.clip_size, args.clip_frames, args.repeats, args.canvas)
+    if args.part in ("relocalise", "both"):
+        print(f"one registration of a {args.size[0]}x{args.size[1]} frame against the walk's frame 4:")
+        result["relocalise"] = relocalise_part(args.size, args.repeats)
     result["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
     finish_report(result, args.json)
