@@ -86,8 +86,9 @@ class Registration:
     """The fit of one frame against its reference: X_this = scale * rotation @ X_reference + translation (metres
     of the clip). ok: the fit passed the checks (else `reason` says which failed); matches: features followed
     into this frame with a depth in both; inliers, inlier_ratio = inliers / matches; residual: root mean square
-    of the inliers' residuals / depth; relocalised: the features could not be followed and the fit comes from
-    descriptor matches against the reference (`Tracker.register`)."""
+    of the inliers' residuals / depth; relocalised: the tracks could not follow this frame, and it was found again
+    by descriptor matches against the reference (the fit is that of the reference's tracks followed from where
+    those matches put them: `Tracker._relocalise`)."""
 
     ok: bool
     scale: float = math.nan
