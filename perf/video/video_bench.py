@@ -28,10 +28,17 @@ whole clip beside plain `predict_many` on the same frames.
    walk (the tracks follow it), a textureless frame (the tracks and then the descriptor search fail) and the frame
    12 on after one failed frame (the tracks' fit refused or failed, the frame found again by descriptors).
 
+5. gaps (not in "both"): the walk (24 frames at --size) through the stand-in model with the tests' errors (metric
+   scale +-15 %, focal +-10 %, shifts, noise, holes), with runs of textureless frames of several lengths: the share
+   of the frames after each run that register, which are relocalised, and the largest camera position error
+   against the truth over the registered frames (after a similarity alignment): a wrong registration would show
+   there.
+
     python -m perf.video.video_bench                        # all four parts, defaults
     python -m perf.video.video_bench --part host --frames 24
     python -m perf.video.video_bench --part calibration --calibration-frames 16
     python -m perf.video.video_bench --part relocalise
+    python -m perf.video.video_bench --part gaps --size 640x480
 """
 
 from __future__ import annotations
@@ -253,10 +260,53 @@ def relocalise_part(size: tuple, repeats: int) -> dict:
     return result
 
 
+def gaps_part(size: tuple) -> list:
+    import dataclasses
+
+    import numpy as np
+
+    from tt_moge.testing.scene import camera_path, render_path
+    from tt_moge.testing.video import VideoOracle, symmetric_errors
+    from tt_moge.video import predict_video
+    from tt_moge.video.registration import umeyama
+
+    frames = 24
+    poses = camera_path(frames)
+    renders = render_path(poses, *size)
+    errors = dict(scale_errors=symmetric_errors(frames, 0.15, 1), focal_errors=symmetric_errors(frames, 0.10, 2))
+    errors.update(shifts=np.linspace(-0.3, 0.3, frames), noise=0.005, holes=0.05)
+    rows = []
+    for start, length in ((3, 2), (3, 5), (3, 8), (3, 11), (3, 14), (6, 2), (6, 5), (6, 8), (6, 11), (6, 14)):
+        frames_in = list(renders)
+        for i in range(start, start + length):
+            frames_in[i] = dataclasses.replace(frames_in[i], image=np.full_like(frames_in[i].image, 60 + 5 * i))
+        clip = predict_video(VideoOracle(frames_in, **errors), [r.image for r in frames_in], calibration_frames=4)
+        ok = clip.registered
+        s, r, t = umeyama(clip.poses[ok][:, :3, 3], poses[ok][:, :3, 3])
+        aligned = (s * (r @ clip.poses[ok][:, :3, 3].T)).T + t
+        worst = float(np.linalg.norm(aligned - poses[ok][:, :3, 3], axis=1).max())
+        row = {
+            "failed": [start, start + length - 1],
+            "registered_after": round(float(ok[start + length :].mean()), 3),
+            "relocalised": [i for i, record in enumerate(clip.records) if record["relocalised"]],
+            "max_position_error_m": round(worst, 4),
+        }
+        rows.append(row)
+        print(
+            f"  frames {start}-{start + length - 1} textureless: {row['registered_after']:.0%} of the later frames "
+            f"registered, relocalised {row['relocalised']}, largest position error {worst:.3f} m",
+            flush=True,
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--part", choices=("host", "calibration", "clip", "relocalise", "both"), default="both", help="both: all four"
+        "--part",
+        choices=("host", "calibration", "clip", "relocalise", "gaps", "both"),
+        default="both",
+        help="both: the first four",
     )
     parser.add_argument("--size", type=_size, default=(1920, 1080), help="host part: frame size (default 1920x1080)")
     parser.add_argument("--frames", type=int, default=16, help="host part: frames (default 16)")
@@ -283,6 +333,9 @@ def main() -> None:
     if args.part in ("relocalise", "both"):
         print(f"one registration of a {args.size[0]}x{args.size[1]} frame against the walk's frame 4:")
         result["relocalise"] = relocalise_part(args.size, args.repeats)
+    if args.part == "gaps":
+        print(f"the walk at {args.size[0]}x{args.size[1]} (24 frames, 2.4 m) with runs of textureless frames:")
+        result["gaps"] = gaps_part(args.size)
     result["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
     finish_report(result, args.json)
