@@ -97,6 +97,20 @@ def click_at(browser, element, dx: float, dy: float) -> None:
     ActionChains(browser).move_to_element_with_offset(element, round(dx), round(dy)).click().perform()
 
 
+def drawn(pixels: np.ndarray) -> np.ndarray:
+    """(H, W) bool: the view's pixels that differ from its clear colour (something was drawn there)."""
+    return np.abs(pixels.astype(np.int16) - BACKGROUND).max(axis=2) > 24
+
+
+def redrawn(browser, canvas, act) -> np.ndarray:
+    """The view's pixels (int16) after `act` and the frame it causes."""
+    frames = int(canvas.get_attribute("data-frames"))
+    act()
+    WebDriverWait(browser, 10).until(lambda b: int(canvas.get_attribute("data-frames")) > frames)
+    time.sleep(0.3)
+    return canvas_pixels(canvas).astype(np.int16)
+
+
 def state(browser) -> str:
     return browser.find_element(By.TAG_NAME, "body").get_attribute("data-state")
 
@@ -160,17 +174,13 @@ def test_maps_and_an_interactive_3d_view_are_shown(result_page):
     canvas = browser.find_element(By.ID, "view")
     assert not browser.find_element(By.ID, "view-message").is_displayed()
     first = canvas_pixels(canvas).astype(np.int16)
-    off_background = (np.abs(first - BACKGROUND).max(axis=2) > 24).mean()
+    off_background = drawn(first).mean()
     assert off_background > 0.5, f"the 3D view is blank: {off_background:.0%} of it differs from the background"
     assert first.std() > 20 and len(np.unique(first.reshape(-1, 3), axis=0)) > 500  # a textured picture, not a fill
 
     def changed_after(act) -> float:
-        frames = int(canvas.get_attribute("data-frames"))
         before = canvas_pixels(canvas).astype(np.int16)
-        act()
-        WebDriverWait(browser, 10).until(lambda b: int(canvas.get_attribute("data-frames")) > frames)
-        time.sleep(0.3)
-        return float(np.abs(canvas_pixels(canvas).astype(np.int16) - before).mean())
+        return float(np.abs(redrawn(browser, canvas, act) - before).mean())
 
     orbit = changed_after(
         lambda: (
@@ -192,27 +202,23 @@ def test_the_3d_view_draws_the_points_alone_on_request(result_page):
     canvas, box = browser.find_element(By.ID, "view"), browser.find_element(By.ID, "view-points")
     assert browser.find_element(By.ID, "view-points-row").is_displayed() and not box.is_selected()
 
-    def redrawn(act) -> np.ndarray:
-        frames = int(canvas.get_attribute("data-frames"))
-        act()
-        WebDriverWait(browser, 10).until(lambda b: int(canvas.get_attribute("data-frames")) > frames)
-        time.sleep(0.3)
-        return canvas_pixels(canvas).astype(np.int16)
-
     def background(pixels: np.ndarray) -> float:
-        return float((np.abs(pixels - BACKGROUND).max(axis=2) <= 24).mean())
+        return float(1 - drawn(pixels).mean())
 
-    redrawn(lambda: ActionChains(browser).double_click(canvas).perform())  # the photo's own camera
+    def reset() -> None:  # the photo's own camera
+        redrawn(browser, canvas, lambda: ActionChains(browser).double_click(canvas).perform())
+
+    reset()
     closer = ActionChains(browser).scroll_from_origin(ScrollOrigin.from_element(canvas), 0, -1500)
-    mesh = redrawn(closer.perform)
-    points = redrawn(box.click)
+    mesh = redrawn(browser, canvas, closer.perform)
+    points = redrawn(browser, canvas, box.click)
     assert canvas.get_attribute("data-mode") == "points"
     assert background(points) > background(mesh) + 0.2, (background(points), background(mesh))
-    dots = points[np.abs(points - BACKGROUND).max(axis=2) > 24]
+    dots = points[drawn(points)]
     assert len(dots) > 0.01 * points.shape[0] * points.shape[1] and len(np.unique(dots, axis=0)) > 100  # the photo's
-    again = redrawn(box.click)
+    again = redrawn(browser, canvas, box.click)
     assert canvas.get_attribute("data-mode") == "mesh" and np.array_equal(again, mesh)
-    redrawn(lambda: ActionChains(browser).double_click(canvas).perform())
+    reset()
     assert console_errors(browser) == []
 
 
@@ -428,7 +434,7 @@ def test_a_2_to_1_image_runs_as_a_panorama_with_the_apis_numbers(result_page, ap
     assert not browser.find_element(By.ID, "normal").is_displayed()  # a panorama has no normal map
     canvas = browser.find_element(By.ID, "view")
     pixels = canvas_pixels(canvas).astype(np.int16)
-    assert (np.abs(pixels - BACKGROUND).max(axis=2) > 24).mean() > 0.5, "the panorama's view is blank"
+    assert drawn(pixels).mean() > 0.5, "the panorama's view is blank"
     with np.load(
         io.BytesIO(
             api.post("/predict/panorama", content=pano.read_bytes(), headers={"Content-Type": "image/png"}).content
@@ -487,12 +493,9 @@ def test_a_clip_shows_its_scene_and_the_apis_numbers(result_page, api, tmp_path)
     canvas = browser.find_element(By.ID, "view")
     assert not browser.find_element(By.ID, "view-message").is_displayed()
     pixels = canvas_pixels(canvas).astype(np.int16)
-    assert (np.abs(pixels - BACKGROUND).max(axis=2) > 24).mean() > 0.02, "the scene view is blank"
-    frames = int(canvas.get_attribute("data-frames"))
-    ActionChains(browser).move_to_element(canvas).click_and_hold().move_by_offset(120, 40).release().perform()
-    WebDriverWait(browser, 10).until(lambda b: int(canvas.get_attribute("data-frames")) > frames)
-    time.sleep(0.3)
-    assert np.abs(canvas_pixels(canvas).astype(np.int16) - pixels).mean() > 1
+    assert drawn(pixels).mean() > 0.02, "the scene view is blank"
+    orbit = ActionChains(browser).move_to_element(canvas).click_and_hold().move_by_offset(120, 40).release()
+    assert np.abs(redrawn(browser, canvas, orbit.perform) - pixels).mean() > 1
     names = [b.get_attribute("data-file") for b in browser.find_elements(By.CSS_SELECTOR, "#download-buttons button")]
     assert set(names) == {"clip.npz", "poses.json", "trajectory.txt", "scene.ply", "scene.glb"}
     assert console_errors(browser) == []
