@@ -44,10 +44,6 @@ def failure_text(path: Any, exc: BaseException) -> str:
     return text if str(path) in text else f"{path}: {text}"
 
 
-def _reason(image: Any, exc: BaseException) -> str:
-    return failure_text(image.path, exc)
-
-
 def _write_reason(image: Any, folder: Path, exc: BaseException) -> str:
     return f"{image.path}: writing {folder} failed: {str(exc) or type(exc).__name__}"
 
@@ -108,14 +104,14 @@ def predict_images(
                 if exc is None:
                     decoded.append((index, image, future.result()))
                 else:
-                    finish(index, image, _reason(image, exc))
+                    finish(index, image, failure_text(image.path, exc))
                 index += 1
             if on_stage is not None and decoded:
                 first, last = decoded[0][0] + 1, decoded[-1][0] + 1
                 on_stage(f"model on image {first}" if first == last else f"model on images {first}-{last}")
             for (i, image, rgb), output in zip(decoded, predict_chunk(service, [d[2] for d in decoded], options)):
                 if isinstance(output, BaseException):
-                    finish(i, image, _reason(image, output))
+                    finish(i, image, failure_text(image.path, output))
                     continue
                 job: Future = writer.submit(
                     write_outputs,
@@ -192,7 +188,7 @@ def predict_panoramas(
             index, image, future = pending[0]
             exc = future.exception()
             pending.pop(0)
-            status[index] = None if exc is None else _reason(image, exc)
+            status[index] = None if exc is None else failure_text(image.path, exc)
             if on_done is not None:
                 on_done(image, status[index])
 
@@ -205,7 +201,7 @@ def predict_panoramas(
                 output = model.predict_panorama(rgb, apply_mask=apply_mask)
             except Exception as exc:
                 settle()
-                status[index] = _reason(image, exc)
+                status[index] = failure_text(image.path, exc)
                 if on_done is not None:
                     on_done(image, status[index])
                 continue

@@ -94,19 +94,23 @@ class PredictionService:
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tt_moge-host") as pool:
             next_prepared = pool.submit(self.prepare, images[0], options, None, "images[0]")
             finishing, running = [], None  # running: (pending raw maps, plan) of the image on the device
+
+            def finish(pending, plan) -> None:  # on a host thread, once the maps are back
+                finishing.append(pool.submit(postprocess, pending.result(), plan, options))
+
             for i in range(len(images)):
                 prepared = next_prepared.result()
                 if i + 1 < len(images):
                     next_prepared = pool.submit(self.prepare, images[i + 1], options, None, f"images[{i + 1}]")
                 if running is not None and running[0].ready:  # image i-1's maps are back (a runner whose submit
                     # waits for its forward: the CPU, Tenstorrent): finish it while the device runs image i
-                    finishing.append(pool.submit(postprocess, running[0].result(), running[1], options))
+                    finish(*running)
                     running = None
                 pending = self.submit(prepared.canvas)  # on CUDA, starts while image i-1 still copies back
                 if running is not None:
-                    finishing.append(pool.submit(postprocess, running[0].result(), running[1], options))
+                    finish(*running)
                 running = (pending, prepared.plan)
-            finishing.append(pool.submit(postprocess, running[0].result(), running[1], options))
+            finish(*running)
             return [f.result() for f in finishing]
 
     def forward(self, image: Any) -> RawMaps:

@@ -455,7 +455,7 @@ class Tracker:
         if self._keypoints is None:
             self._keypoints = _orb(self.grey)
         (ref_xy, ref_desc), (xy, desc) = self._keypoints, _orb(grey)
-        if len(ref_xy) < 2 or len(xy) < 2 or len(self.tracks) == 0:
+        if len(ref_xy) < 2 or len(xy) < 2:
             return Registration(False, reason="no ORB keypoints to match"), None
         pairs = cv2.BFMatcher(cv2.NORM_HAMMING).knnMatch(desc, ref_desc, k=2)
         good = [p[0] for p in pairs if len(p) == 2 and p[0].distance < ORB_RATIO * p[1].distance]
