@@ -65,6 +65,8 @@ def test_the_cli_writes_the_apis_clip(api_clip, clip, checkpoint, tmp_path):
     assert record["registered"] == int(api_clip.registered.sum())
     run = json.loads((out / "run.json").read_text())
     assert run["kind"] == "video" and run["clips"][0]["status"] == "done" and run["clips"][0]["output"] == "walk"
+    row = run["clips"][0]
+    assert (row["registered"], row["relocalised"]) == (record["registered"], api_clip.summary()["relocalised"])
     for i, expected in enumerate(api_clip.frames):
         with OpenEXR.File(str(folder / "frames" / f"{i:06d}" / "depth.exr")) as exr:
             depth = exr.channels()["Y"].pixels

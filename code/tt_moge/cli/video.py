@@ -1,7 +1,7 @@
 """`tt-moge predict clip.mp4` and `tt-moge predict --sequence frames/`: each clip -> one folder of consistent frames,
 its trajectory and its fused scene (`tt_moge.video`; docs/video.md).
 
-    OUT/run.json                 the run: options, model, every clip with its folder, status, frames, registered
+    OUT/run.json                 the run: options, model, each clip (folder, status, frames, registered, relocalised)
     OUT/NAME/frames/000000/...   each frame's files, as for a photo (the format flags; --maps by default)
     OUT/NAME/depth.mp4 poses.json trajectory.txt scene.ply scene.glb result.json (written last)
 
@@ -155,7 +155,12 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                             writer.add(frame.index, frame.output, frame.image, frame.record(), frame.depth_range)
                             bar.update(1)
                     record = writer.finish(stream.result)
-                row.update(status="done", frames=record["frames"], registered=record["registered"])
+                row.update(
+                    status="done",
+                    frames=record["frames"],
+                    registered=record["registered"],
+                    relocalised=record["relocalised"],
+                )
                 frames_done += record["frames"]
                 if record["failed"] and not args.quiet:
                     say(f"{name}: {len(record['failed'])} frame(s) not registered (flagged in {name}/poses.json)")

@@ -160,6 +160,7 @@ class VideoOutput:
             "fps": finite_or_none(self.fps) if self.fps is not None else None,
             "frames": len(self),
             "registered": int(self.registered.sum()),
+            "relocalised": sum(1 for r in self.records if r.get("registered") and r.get("relocalised")),
             "failed": [{"frame": i, "error": e} for i, e in enumerate(self.failures) if e],
             "intrinsics": [[round(float(v), 9) for v in row] for row in self.intrinsics],
             "intrinsics_pixels": [[round(float(v), 6) for v in row] for row in self.intrinsics_pixels],
