@@ -18,7 +18,7 @@ import weakref
 import numpy as np
 import pytest
 
-from tt_moge.testing.scene import camera_path, intrinsics_for, render_path
+from tt_moge.testing.scene import camera_path, intrinsics_for, pan_path, render_path
 from tt_moge.testing.video import VideoOracle, symmetric_errors
 from tt_moge.video import iter_video, predict_video
 from tt_moge.video.registration import umeyama
@@ -285,7 +285,8 @@ def test_a_jump_the_tracks_cannot_follow_is_relocalised(walk, monkeypatch):
     clip = predict_video(oracle(renders), [r.image for r in renders], calibration_frames=4)
     assert not clip.registered[list(gap)].any() and clip.registered[16:].all(), clip.failures
     relocalised = [i for i, r in enumerate(clip.records) if r["relocalised"]]
-    assert relocalised == [16], relocalised
+    assert relocalised == [16] and clip.summary()["relocalised"] == 1, relocalised
+    assert refused.summary()["relocalised"] == 0  # the refused frame is not counted
     assert "not relocalised either" in clip.failures[5]
     ok = clip.registered
     ate, rotation = trajectory_errors(clip.poses[ok], poses[ok])
@@ -309,6 +310,64 @@ def test_a_fit_across_failed_frames_is_the_true_motion(jump):
     true = np.linalg.inv(poses[4 + jump]) @ poses[4]  # the reference camera -> this one
     assert reg.ok and reg.relocalised, reg.reason
     assert np.linalg.norm(reg.translation / reg.scale - true[:3, 3]) < 0.03 * np.linalg.norm(true[:3, 3])
+
+
+# a pan right to 40 degrees at 4 degrees a frame, then back at 14 degrees a frame, past the start to 30 degrees
+# left (frame 15, which sees nothing of frame 10's view), then on at 3 degrees a frame
+PAN = [0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 26, 12, -2, -16, -30, -33, -36, -39]
+
+
+def test_a_camera_back_where_it_was_is_found_by_an_older_keyframe(monkeypatch):
+    """The pan of PAN with its frames 11-14 textureless: the last registered frame (10) saw the right of the
+    scene and none of what frame 15 sees, but the first frames saw it. Frame 15 is found against an older
+    keyframe (its `reference`), and the clip goes on, on the true trajectory; with the keyframe search off, the
+    only candidate is a wrong fit that the checkered ground lets through."""
+    from dataclasses import replace
+
+    from tt_moge.video import registration
+
+    poses = pan_path(PAN)
+    renders = render_path(poses, *SIZE)
+    gap = range(11, 15)
+    for i in gap:
+        renders[i] = replace(renders[i], image=np.full_like(renders[i].image, 80 + 5 * i))
+    clip = predict_video(oracle(renders), [r.image for r in renders], calibration_frames=4)
+    assert not clip.registered[list(gap)].any() and clip.registered[15:].all(), clip.failures
+    back = clip.records[15]
+    assert back["relocalised"] and back["reference"] < 8, back  # an older keyframe, not the last good frame (10)
+    assert [r["reference"] for r in clip.records[16:]] == list(range(15, len(PAN) - 1))
+    ok = clip.registered
+    ate, rotation = trajectory_errors(clip.poses[ok], poses[ok])
+    assert ate <= 0.02 and rotation <= 1.0, (ate, rotation)  # the path: 0.9 m forward, 80 degrees of pan
+
+    # with the keyframe search off, the last good frame is all there is: the checkered ground turned by 90 degrees
+    # gives a fit that its checks pass (grey levels correlate 0.88), and the rest of the clip is turned with it
+    monkeypatch.setattr(registration, "KEYFRAME_TRIES", 0)
+    alone = predict_video(oracle(renders), [r.image for r in renders], calibration_frames=4)
+    assert alone.records[15]["reference"] == 10
+    assert trajectory_errors(alone.poses[ok], poses[ok])[1] > 45
+
+
+def test_a_tracks_fit_the_frames_do_not_confirm_is_replaced(monkeypatch):
+    """The pan of PAN, every frame textured: at 14 degrees a frame (frame 11) the tracks lock onto the checkered
+    ground turned by 90 degrees, a fit that passes its own checks 1.5 m off, but whose grey levels do not agree
+    with the frame's. It is replaced by the fit the frames confirm (descriptor matches against the reference,
+    `relocalised`), and every frame stays on the true trajectory. A refused fit with nothing better stays, as
+    before the check: with the grey levels' bar out of reach (and so no fit confirmed), every frame registers."""
+    from tt_moge.video import registration
+
+    poses = pan_path(PAN)
+    renders = render_path(poses, *SIZE)
+    clip = predict_video(oracle(renders), [r.image for r in renders], calibration_frames=4)
+    assert clip.registered.all(), clip.failures
+    assert clip.records[11]["relocalised"] and clip.records[11]["reference"] == 10, clip.records[11]
+    ate, rotation = trajectory_errors(clip.poses, poses)
+    assert ate <= 0.02 and rotation <= 1.0, (ate, rotation)
+
+    monkeypatch.setattr(registration, "MIN_CORRELATION", 1.01)
+    unchecked = predict_video(oracle(renders), [r.image for r in renders], calibration_frames=4)
+    assert unchecked.registered.all() and not any(r["relocalised"] for r in unchecked.records)
+    assert trajectory_errors(unchecked.poses, poses)[0] > 0.1  # the wrong fit at frame 11 is back
 
 
 def test_relocalisation_refuses_a_pose_the_frames_contradict(walk):

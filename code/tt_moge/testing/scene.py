@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["SceneRender", "render", "intrinsics_for", "camera_path", "render_path", "DEMO_FOV_X_DEG"]
+__all__ = ["SceneRender", "render", "intrinsics_for", "camera_path", "pan_path", "render_path", "DEMO_FOV_X_DEG"]
 
 DEMO_FOV_X_DEG = 70.0
 GROUND_Y = 1.6  # metres below the camera (y points down)
@@ -192,6 +192,17 @@ def camera_path(frames: int, length: float = 2.4, yaw_deg: float = 12.0, turn: b
         poses[i, :3, :3] = _rotation(yaw, pitch, roll) if turn else np.eye(3)
         poses[i, :3, 3] = (0.4 * math.sin(2 * math.pi * s), -0.1 * math.sin(math.pi * s), length * s)
         poses[i, 3, 3] = 1.0
+    return poses
+
+
+def pan_path(yaws_deg, forward: float = 0.05) -> np.ndarray:
+    """(len(yaws_deg), 4, 4) camera-to-world poses (metres) of a camera panning through `yaws_deg` (degrees about
+    the vertical, positive to the right) while it creeps `forward` metres a frame along z; the first pose is at
+    the origin."""
+    poses = np.tile(np.eye(4), (len(yaws_deg), 1, 1))
+    for i, yaw in enumerate(yaws_deg):
+        poses[i, :3, :3] = _rotation(math.radians(yaw), 0.0, 0.0)
+        poses[i, 2, 3] = forward * i
     return poses
 
 

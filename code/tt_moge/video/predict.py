@@ -261,7 +261,6 @@ class ClipChain:
         self.tracker = Tracker(seed=seed)
         self.cloud = VoxelCloud(voxel_size)
         self.level = math.nan
-        self.reference_pose = np.eye(4)
         self.depth_range = (math.nan, math.nan)
         self.calibrations: list = []
         self.rows: list = []  # per frame: (source index, time, pose, scale, model scale, registration, (K, K pixels))
@@ -299,14 +298,12 @@ class ClipChain:
                 motion = np.eye(4)
                 motion[:3, :3] = registration.rotation
                 motion[:3, 3] = registration.translation / registration.scale
-                pose = self.reference_pose @ np.linalg.inv(motion)
+                pose = self.rows[registration.reference][2] @ np.linalg.inv(motion)  # its reference's pose
                 # a new window's first frame is re-anchored at its calibrated level
                 correction = self.level if calibration is not None else 1.0 / registration.scale
                 self.tracker.advance(correction)
             else:
                 pose, correction = np.full((4, 4), np.nan), self.level
-        if registration.ok:
-            self.reference_pose = pose
         watch.lap("register")
         model_scale = float(out.metric_scale)
         out.depth *= np.float32(correction)

@@ -25,18 +25,26 @@ Relocalisation (`Tracker._relocalise`): when the tracks cannot follow a frame (a
 camera moved on), ORB descriptors matched between the reference and the frame give a first fit; the reference's
 tracks are followed by KLT from where that fit puts them, and the result must pass the checks above and be
 confirmed by the two frames seen through it (`_agreement`: depth, and grey levels, which see a shift along a
-floor or a wall that the depth hardly sees). The tracks' own fit needs that confirmation too when failed frames
-lie between the frame and its reference: across a jump, tracks can lock onto a repeated pattern as well.
+floor or a wall that the depth hardly sees). Every tracks' fit is put to that confirmation too: tracks can lock
+onto a repeated pattern (across a jump, or a fast pan over a checkered floor) and pass the checks above. Where a
+fit is not confirmed, or the tracks are lost, the fits against the reference and against the older keyframes
+with the most descriptor matches are compared, and the one whose grey levels agree best is kept: a symmetric
+pattern can confirm a wrong fit against one frame while a frame that saw more of the scene confirms the right
+one better, and a camera that comes back to where it was is found by the keyframe that saw the place
+(`Tracker._relocalised`). A tracks' fit with no failed frame between that is not confirmed still stays when no
+other fit is, as it did before the confirmation was asked of it.
 
 `Tracker` keeps the reference: its shrunk grey image and its features with their consistent 3D points. After a
 good fit the current frame becomes the reference: its inlier tracks are kept and new corners fill the image
-where tracks are missing. Each feature has an id it keeps while it is followed (`Tracker.features`), so a feature
-seen in several references is one track: the calibration's focal search (selfcal.py) reads tracks over several
-frames.
+where tracks are missing; it is also kept as a keyframe when fewer than KEYFRAME_OVERLAP of the last keyframe's
+features are among its own (at most MAX_KEYFRAMES, thinned out over the clip). Each feature has an id it keeps
+while it is followed (`Tracker.features`), so a feature seen in several references is one track: the
+calibration's focal search (selfcal.py) reads tracks over several frames.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -68,9 +76,13 @@ _LK = dict(winSize=(15, 15), maxLevel=3, criteria=(3, 20, 0.03))  # cv2.TERM_CRI
 ORB_FEATURES = 1500  # relocalisation: ORB keypoints per frame (shrunk image)
 ORB_RATIO = 0.8  # relocalisation: a descriptor match is kept when its distance is below this share of the 2nd best
 GUESS_INLIERS, GUESS_INLIER_RATIO = 12, 0.15  # relocalisation: the descriptor fit is only a guess, checked after
-MIN_AGREEMENT = 0.6  # relocalisation: the share of the reference's view whose depth this frame must confirm
+MIN_AGREEMENT = 0.6  # confirmation: the share of the reference's view whose depth this frame must confirm
 AGREEMENT_RTOL = 0.05  # ... within this share of the depth
-MIN_CORRELATION = 0.8  # relocalisation: the correlation of the grey levels the fit puts on each other
+MIN_CORRELATION = 0.8  # confirmation: the correlation of the grey levels the fit puts on each other
+KEYFRAME_OVERLAP = 0.5  # a reference is kept as a keyframe when fewer than this share of the last one's
+# features are among its own
+MAX_KEYFRAMES = 32  # keyframes kept at most (about 1.5 MB each at 1080p)
+KEYFRAME_TRIES = 3  # relocalisation against older keyframes: the ones with the most descriptor matches tried
 INLIER_RTOL = 0.03  # RANSAC: a match is an inlier when its 3D residual is below this share of its depth
 INLIER_SIGMAS = 3.0  # the refit's threshold: this many robust standard deviations of the inliers' residuals,
 MIN_INLIER_RTOL = 0.002  # but at least this share of the depth (and at most INLIER_RTOL)
@@ -86,9 +98,10 @@ class Registration:
     """The fit of one frame against its reference: X_this = scale * rotation @ X_reference + translation (metres
     of the clip). ok: the fit passed the checks (else `reason` says which failed); matches: features followed
     into this frame with a depth in both; inliers, inlier_ratio = inliers / matches; residual: root mean square
-    of the inliers' residuals / depth; relocalised: the tracks could not follow this frame, and it was found again
-    by descriptor matches against the reference (the fit is that of the reference's tracks followed from where
-    those matches put them: `Tracker._relocalise`)."""
+    of the inliers' residuals / depth; relocalised: the tracks could not follow this frame (or their fit was not
+    confirmed), and it was found again by descriptor matches (the fit is that of the reference's tracks followed
+    from where those matches put them: `Tracker._relocalise`); reference: the number of the frame it was fitted against
+    (the last registered frame, or an older keyframe: `Tracker`)."""
 
     ok: bool
     scale: float = math.nan
@@ -100,6 +113,8 @@ class Registration:
     residual: float = math.nan
     reason: Optional[str] = None
     relocalised: bool = False
+    reference: Optional[int] = None
+    correlation: float = math.nan  # of the grey levels the fit puts on each other, where it was checked (`_agreement`)
 
     def record(self) -> dict:
         """The JSON-ready numbers of this fit."""
@@ -115,6 +130,7 @@ class Registration:
             "residual": finite(self.residual),
             "relative_scale": finite(self.scale),
             "relocalised": bool(self.relocalised),
+            "reference": self.reference,
             "error": self.reason,
         }
 
@@ -174,6 +190,12 @@ def _shrunk(shape: tuple, depth: np.ndarray, mask: np.ndarray, k_pixels: np.ndar
     size = (shape[1], shape[0])
     small = cv2.resize(np.ascontiguousarray(depth, np.float32), size, interpolation=cv2.INTER_NEAREST)
     return small, cv2.resize(mask.astype(np.uint8), size, interpolation=cv2.INTER_NEAREST).astype(bool), k
+
+
+def _full(tracks: np.ndarray, small: tuple, shape: tuple) -> np.ndarray:
+    """Positions in an image shrunk to `small` (h, w) -> pixel positions at `shape` (H, W) (centres at +0.5)."""
+    sy, sx = shape[0] / small[0], shape[1] / small[1]
+    return np.stack([(tracks[:, 0] + 0.5) * sx, (tracks[:, 1] + 0.5) * sy], axis=1).astype(np.float64)
 
 
 def _orb(grey: np.ndarray) -> tuple:
@@ -329,34 +351,54 @@ def _check(
     return reg, inliers
 
 
+class _Reference:
+    """A frame the registration fits against: its shrunk grey image, its features (shrunk-image positions, their
+    consistent 3D points in its camera axes, ids), its geometry at the grey image's size with the offset and
+    scale its points were lifted with (`_shrunk`; relocalisation lifts its descriptor keypoints with it), its ORB
+    keypoints (found when first needed) and its frame number (the Tracker's count: 0 for `start`)."""
+
+    def __init__(self, frame: int, grey: np.ndarray, tracks, xyz, ids, geometry: tuple):
+        self.frame, self.grey, self.tracks, self.xyz, self.ids, self.geometry = frame, grey, tracks, xyz, ids, geometry
+        self._keypoints: Optional[tuple] = None
+
+    @property
+    def keypoints(self) -> tuple:
+        if self._keypoints is None:
+            self._keypoints = _orb(self.grey)
+        return self._keypoints
+
+
 class Tracker:
     """The reference frame of the registration chain and the features followed from it.
 
     `start` makes a frame the reference (the first frame of a clip); `register` fits a frame against the
     reference; `advance` makes the registered frame the new reference. Geometry comes in as each frame's depth,
-    mask and pixel intrinsics (its own, or the clip's), with `offset` metres added to the depth."""
+    mask and pixel intrinsics (its own, or the clip's), with `offset` metres added to the depth. Frames are
+    numbered in the order they come (0 for `start`, then one per `register`); a Registration names the frame it
+    was fitted against (`reference`): the last registered one, or, when the frame could not be found there, an
+    older keyframe (`keyframes`: a reference is kept as one when fewer than KEYFRAME_OVERLAP of the last
+    keyframe's features are still followed)."""
 
     def __init__(self, side: int = TRACK_SIDE, points: int = TRACK_POINTS, seed: int = 0):
         self.side, self.points, self.seed = side, points, seed
-        self.grey: Optional[np.ndarray] = None  # the reference's shrunk grey image
-        self.tracks = np.zeros((0, 2), np.float32)  # its features, shrunk-image pixels (OpenCV: centres at 0, 1, ...)
-        self.xyz = np.zeros((0, 3))  # their consistent 3D points, the reference's camera axes
+        self.ref: Optional[_Reference] = None
+        self.keyframes: list = []  # older references, searched by descriptors when the last one fails
         self._pending: Optional[tuple] = None  # what `register` found, for `advance`
-        self.ids = np.zeros(0, np.int64)  # a number per feature, kept while it is followed from frame to frame
         self._next_id = 0
-        # the reference's geometry at the size of `grey`, to lift its descriptor keypoints (`_shrunk`)
-        self._geometry: Optional[tuple] = None
-        self._keypoints: Optional[tuple] = None  # the reference's ORB (positions, descriptors), found when needed
+        self._frame = -1  # the number of the last frame seen
         self._tries = 0  # frames registered against this reference so far (more than 1: failed frames between)
 
     @property
     def started(self) -> bool:
-        return self.grey is not None
+        return self.ref is not None
+
+    @property
+    def grey(self) -> Optional[np.ndarray]:
+        """The reference's shrunk grey image."""
+        return None if self.ref is None else self.ref.grey
 
     def _full(self, tracks: np.ndarray, shape: tuple) -> np.ndarray:
-        """Shrunk-image positions -> full-resolution pixel positions (centres at +0.5)."""
-        sy, sx = shape[0] / self.grey.shape[0], shape[1] / self.grey.shape[1]
-        return np.stack([(tracks[:, 0] + 0.5) * sx, (tracks[:, 1] + 0.5) * sy], axis=1).astype(np.float64)
+        return _full(tracks, self.grey.shape, shape)
 
     def _fill(self, grey: np.ndarray, tracks: np.ndarray) -> np.ndarray:
         """`tracks` plus new corners of `grey` away from them, up to `self.points` in all."""
@@ -382,14 +424,15 @@ class Tracker:
         return np.concatenate([tracks, corners.reshape(-1, 2).astype(np.float32)])
 
     def start(self, rgb: np.ndarray, depth: np.ndarray, mask: np.ndarray, k_pixels: np.ndarray, offset=0.0, scale=1.0):
-        """Make this frame the reference; its points are its depth's x `scale` (the clip's scale)."""
-        self.grey = shrink_grey(rgb, self.side)
-        tracks = self._fill(self.grey, np.zeros((0, 2), np.float32))
-        xyz = lift(self._full(tracks, depth.shape), depth, mask, k_pixels, offset) * scale
+        """Make this frame the reference (frame 0); its points are its depth's x `scale` (the clip's scale)."""
+        grey = shrink_grey(rgb, self.side)
+        tracks = self._fill(grey, np.zeros((0, 2), np.float32))
+        xyz = lift(_full(tracks, grey.shape, depth.shape), depth, mask, k_pixels, offset) * scale
         keep = np.isfinite(xyz).all(axis=1)
-        self.tracks, self.xyz, self.ids, self._pending = tracks[keep], xyz[keep], self._new_ids(len(tracks))[keep], None
-        self._geometry, self._keypoints = (*_shrunk(self.grey.shape, depth, mask, k_pixels), offset, scale), None
-        self._tries = 0
+        geometry = (*_shrunk(grey.shape, depth, mask, k_pixels), offset, scale)
+        self._frame, self._pending, self._tries = 0, None, 0
+        self.ref = _Reference(0, grey, tracks[keep], xyz[keep], self._new_ids(len(tracks))[keep], geometry)
+        self.keyframes = [self.ref]
 
     def _new_ids(self, count: int) -> np.ndarray:
         self._next_id += count
@@ -399,41 +442,71 @@ class Tracker:
         """(ids (N,), full-resolution pixel positions (N, 2), centres at +0.5) of the reference's features, for a
         frame of `shape` (H, W): a feature keeps its id while it is followed, so the positions of one id in
         successive references are one track (the calibration's focal search reads them, calibrate.py)."""
-        return self.ids, self._full(self.tracks, shape)
+        return self.ref.ids, self._full(self.ref.tracks, shape)
 
     def register(self, rgb: np.ndarray, depth: np.ndarray, mask: np.ndarray, k_pixels: np.ndarray, offset=0.0):
-        """The fit of this frame (its depth as the model gave it, + offset) against the reference."""
+        """The fit of this frame (its depth as the model gave it, + offset) against the reference, else (the
+        frame was not found there) against the keyframe that finds it."""
         grey = shrink_grey(rgb, self.side)
         if grey.shape != self.grey.shape:
             raise ValueError(f"frame of {grey.shape[::-1]} (shrunk) against a reference of {self.grey.shape[::-1]}")
         self._pending = None
+        self._frame += 1
         self._tries += 1
-        if len(self.tracks) == 0:
+        ref = self.ref
+        if len(ref.tracks) == 0:
             return Registration(False, reason="the reference frame has no feature with a depth")
-        reg, kept = self._follow(grey, depth, mask, k_pixels, offset)
-        if reg.ok and self._tries > 1:  # failed frames between: a jump, where tracks can lock onto a repeat
-            reg = self._confirmed(reg, grey, depth, mask, k_pixels, offset)
-        if not reg.ok:  # the tracks were lost (a jump, or failed frames between): find the reference again
-            found = self._relocalise(grey, depth, mask, k_pixels, offset)
-            if not found[0].ok:
-                reg.reason = f"{reg.reason}; not relocalised either: {found[0].reason}"
+        frame = (grey, depth, mask, k_pixels, offset)
+        reg, kept = self._follow(ref, frame)
+        checked = self._confirmed(ref, dataclasses.replace(reg), frame) if reg.ok else reg
+        if checked.ok and self._tries == 1:
+            reg = checked
+        else:  # lost, a jump (failed frames between), or a fit the two frames do not confirm: candidates compared
+            reg, kept = self._relocalised(ref, frame, reg, checked, kept)
+            if not reg.ok:
                 return reg
-            reg, kept = found
         self._pending = (grey, *kept, depth.shape, depth, mask, k_pixels, offset)
         return reg
 
-    def _follow(self, grey, depth, mask, k_pixels, offset, guess: Optional[np.ndarray] = None) -> tuple:
-        """(Registration, (positions, points, ids) of its inliers) from the reference's tracks followed into this
-        frame by pyramidal Lucas-Kanade, from where they were or from `guess` (their predicted positions)."""
+    def _relocalised(self, ref: _Reference, frame: tuple, reg: Registration, checked: Registration, kept) -> tuple:
+        """A frame the tracks could not follow, one after failed frames (a jump), or one whose tracks' fit the
+        two frames seen through it do not confirm (`checked`: `reg` through `_confirmed`): the tracks can lock onto
+        a repeated pattern and pass the fit's own checks. The fits that the frames confirm among the tracks' own,
+        `_relocalise` against the reference and against the keyframes with the most descriptor matches; the one
+        whose grey levels agree best. A scene with a symmetric pattern (a checkered floor turned by 90 degrees
+        looks the same) can confirm a wrong fit against one frame while another frame, which saw more of the
+        scene, confirms the right one better. A tracks' fit with no failed frame between (steady) that passed its
+        own checks stays, unconfirmed, when no fit is confirmed: so that a scene whose depth or grey levels agree
+        less than the bars loses no frame it registered before the check."""
+        candidates = []  # (confirmed, Registration, kept)
+        if reg.ok and (checked.ok or self._tries == 1):
+            candidates.append((checked.ok, checked if checked.ok else reg, kept))
+        keypoints = _orb(frame[0])
+        own = self._relocalise(ref, frame, keypoints)
+        candidates += [(True, *own)] if own[0].ok else []
+        for older, matches in self._ranked_keyframes(keypoints):
+            found = self._relocalise(older, frame, keypoints, matches)
+            candidates += [(True, *found)] if found[0].ok else []
+        if not candidates:  # the tracks' fit failed (its reason says why), or was refused by _confirmed
+            checked.reason = f"{checked.reason}; not relocalised either: {own[0].reason}"
+            return checked, None
+        _, reg, kept = max(candidates, key=lambda c: (c[0], c[1].correlation))
+        return reg, kept
+
+    def _follow(self, ref: _Reference, frame: tuple, guess: Optional[np.ndarray] = None) -> tuple:
+        """(Registration, (positions, points, ids) of its inliers) from `ref`'s tracks followed into `frame` (grey,
+        depth, mask, k_pixels, offset) by pyramidal Lucas-Kanade, from where they were or from `guess` (their
+        predicted positions)."""
         import cv2
 
-        start = self.tracks.reshape(-1, 1, 2)
+        grey, depth, mask, k_pixels, offset = frame
+        start = ref.tracks.reshape(-1, 1, 2)
         if guess is None:
-            moved, status, _ = cv2.calcOpticalFlowPyrLK(self.grey, grey, start, None, **_LK)
+            moved, status, _ = cv2.calcOpticalFlowPyrLK(ref.grey, grey, start, None, **_LK)
         else:
             moved = guess.astype(np.float32).reshape(-1, 1, 2).copy()
             flags = cv2.OPTFLOW_USE_INITIAL_FLOW
-            moved, status, _ = cv2.calcOpticalFlowPyrLK(self.grey, grey, start, moved, flags=flags, **_LK)
+            moved, status, _ = cv2.calcOpticalFlowPyrLK(ref.grey, grey, start, moved, flags=flags, **_LK)
         moved = moved.reshape(-1, 2)
         h, w = grey.shape
         ok = (status.ravel() == 1) & (moved[:, 0] >= 0) & (moved[:, 0] <= w - 1)
@@ -441,53 +514,77 @@ class Tracker:
         xyz = np.full((len(moved), 3), np.nan)
         xyz[ok] = lift(self._full(moved[ok], depth.shape), depth, mask, k_pixels, offset)
         ok &= np.isfinite(xyz).all(axis=1)
-        reg, inliers = _check(self.xyz[ok], xyz[ok], self.seed)
-        return reg, (moved[ok][inliers], xyz[ok][inliers], self.ids[ok][inliers])
+        reg, inliers = _check(ref.xyz[ok], xyz[ok], self.seed)
+        reg.reference = ref.frame
+        return reg, (moved[ok][inliers], xyz[ok][inliers], ref.ids[ok][inliers])
 
-    def _relocalise(self, grey: np.ndarray, depth, mask, k_pixels, offset) -> tuple:
-        """`_follow` from where a fit of ORB descriptor matches (Lowe's ratio test) puts the reference's tracks:
-        descriptors find a feature anywhere in the frame, not only near where it was. A repeated pattern (tiles,
-        windows) can make a consistent set of wrong matches, so the fit must pass three checks: its own, the
-        tracks followed from its prediction (sub-pixel, the usual checks), and the reference's depth seen through
-        the fit agreeing with this frame's, in depth and in grey levels (`_agreement`)."""
+    @staticmethod
+    def _matches(ref: _Reference, keypoints: tuple) -> list:
+        """The frame's ORB keypoints matched to `ref`'s (brute force, Lowe's ratio test): (frame index, ref index)."""
         import cv2
 
-        if self._keypoints is None:
-            self._keypoints = _orb(self.grey)
-        (ref_xy, ref_desc), (xy, desc) = self._keypoints, _orb(grey)
+        (ref_xy, ref_desc), (xy, desc) = ref.keypoints, keypoints
         if len(ref_xy) < 2 or len(xy) < 2:
-            return Registration(False, reason="no ORB keypoints to match"), None
+            return []
         pairs = cv2.BFMatcher(cv2.NORM_HAMMING).knnMatch(desc, ref_desc, k=2)
-        good = [p[0] for p in pairs if len(p) == 2 and p[0].distance < ORB_RATIO * p[1].distance]
-        here = xy[[m.queryIdx for m in good]].reshape(-1, 2)
-        there = ref_xy[[m.trainIdx for m in good]].reshape(-1, 2)
-        ref_depth, ref_mask, ref_k, ref_offset, ref_scale = self._geometry
+        return [
+            (p[0].queryIdx, p[0].trainIdx) for p in pairs if len(p) == 2 and p[0].distance < ORB_RATIO * p[1].distance
+        ]
+
+    def _relocalise(self, ref: _Reference, frame: tuple, keypoints: tuple, matches: Optional[list] = None) -> tuple:
+        """`_follow` from where a fit of ORB descriptor matches (Lowe's ratio test) puts `ref`'s tracks:
+        descriptors find a feature anywhere in the frame, not only near where it was. A repeated pattern (tiles,
+        windows) can make a consistent set of wrong matches, so the fit must pass three checks: its own, the
+        tracks followed from its prediction (sub-pixel, the usual checks), and `ref`'s depth seen through
+        the fit agreeing with this frame's, in depth and in grey levels (`_agreement`)."""
+        grey, depth, mask, k_pixels, offset = frame
+        matches = self._matches(ref, keypoints) if matches is None else matches
+        if not matches:
+            return Registration(False, reason="no ORB keypoints to match", reference=ref.frame), None
+        here = keypoints[0][[m[0] for m in matches]].reshape(-1, 2)
+        there = ref.keypoints[0][[m[1] for m in matches]].reshape(-1, 2)
+        ref_depth, ref_mask, ref_k, ref_offset, ref_scale = ref.geometry
         src = lift(there + 0.5, ref_depth, ref_mask, ref_k, ref_offset) * ref_scale  # shrunk pixels, centres +0.5
         dst = lift(self._full(here, depth.shape), depth, mask, k_pixels, offset)
         ok = np.isfinite(src).all(axis=1) & np.isfinite(dst).all(axis=1)
         coarse, _ = _check(src[ok], dst[ok], self.seed, GUESS_INLIERS, GUESS_INLIER_RATIO)
+        coarse.reference = ref.frame
         if not coarse.ok:
             coarse.reason = f"descriptor matches: {coarse.reason}"
             return coarse, None
-        moved = coarse.scale * self.xyz @ coarse.rotation.T + coarse.translation  # the tracks, this frame's camera
+        moved = coarse.scale * ref.xyz @ coarse.rotation.T + coarse.translation  # the tracks, this frame's camera
         pixels = moved @ np.asarray(k_pixels, np.float64).T
         with np.errstate(divide="ignore", invalid="ignore"):
             pixels = pixels[:, :2] / pixels[:, 2:3]
-        sy, sx = depth.shape[0] / self.grey.shape[0], depth.shape[1] / self.grey.shape[1]
+        sy, sx = depth.shape[0] / grey.shape[0], depth.shape[1] / grey.shape[1]
         guess = np.stack([pixels[:, 0] / sx - 0.5, pixels[:, 1] / sy - 0.5], axis=1)
-        guess = np.where(np.isfinite(guess) & (moved[:, 2:3] > 0), guess, self.tracks)
-        reg, kept = self._follow(grey, depth, mask, k_pixels, offset, guess)
+        guess = np.where(np.isfinite(guess) & (moved[:, 2:3] > 0), guess, ref.tracks)
+        reg, kept = self._follow(ref, frame, guess)
         reg.relocalised = True
         if not reg.ok:
             reg.reason = f"tracks from the descriptor matches' fit: {reg.reason}"
             return reg, None
-        reg = self._confirmed(reg, grey, depth, mask, k_pixels, offset)
+        reg = self._confirmed(ref, reg, frame)
         return reg, kept if reg.ok else None
 
-    def _confirmed(self, reg: Registration, grey, depth, mask, k_pixels, offset) -> Registration:
+    def _ranked_keyframes(self, keypoints: tuple) -> list:
+        """[(keyframe, its descriptor matches)] of the keyframes other than the reference with at least
+        GUESS_INLIERS matches, the KEYFRAME_TRIES with the most (the later first among equals)."""
+        ranked = []
+        for ref in self.keyframes:
+            if ref is not self.ref:
+                matches = self._matches(ref, keypoints)
+                if len(matches) >= GUESS_INLIERS:
+                    ranked.append((len(matches), ref.frame, ref, matches))
+        ranked.sort(key=lambda r: r[:2], reverse=True)
+        return [(ref, matches) for _, _, ref, matches in ranked[:KEYFRAME_TRIES]]
+
+    def _confirmed(self, ref: _Reference, reg: Registration, frame: tuple) -> Registration:
         """`reg`, failed unless the two frames seen through it agree (`_agreement`): the check of a fit across a
         jump, where a repeated pattern (tiles, windows) can give a consistent set of wrong matches."""
-        share, correlation = _agreement((*self._geometry, self.grey), (depth, mask, k_pixels, offset, grey), reg)
+        grey, depth, mask, k_pixels, offset = frame
+        share, correlation = _agreement((*ref.geometry, ref.grey), (depth, mask, k_pixels, offset, grey), reg)
+        reg.correlation = correlation
         if share < MIN_AGREEMENT or correlation < MIN_CORRELATION:
             reg.ok = False
             reg.reason = (
@@ -498,15 +595,21 @@ class Tracker:
 
     def advance(self, correction: float) -> None:
         """After a good `register`: that frame becomes the reference, its points x `correction` (1 / the fit's
-        scale: consistent with the clip), its inlier tracks kept and new corners added."""
+        scale: consistent with the clip), its inlier tracks kept and new corners added; and a keyframe, when
+        fewer than KEYFRAME_OVERLAP of the last keyframe's features are among its own."""
         grey, tracks, xyz, ids, shape, depth, mask, k_pixels, offset = self._pending
-        self.grey, self._pending = grey, None
+        self._pending = None
         kept = len(tracks)
         tracks = self._fill(grey, tracks.astype(np.float32))
         new_xyz = lift(self._full(tracks[kept:], shape), depth, mask, k_pixels, offset)
         xyz = np.concatenate([xyz, new_xyz]) * correction
         ids = np.concatenate([ids, self._new_ids(len(tracks) - kept)])
         keep = np.isfinite(xyz).all(axis=1)
-        self.tracks, self.xyz, self.ids = tracks[keep], xyz[keep], ids[keep]
-        self._geometry, self._keypoints = (*_shrunk(grey.shape, depth, mask, k_pixels), offset, correction), None
+        geometry = (*_shrunk(grey.shape, depth, mask, k_pixels), offset, correction)
+        self.ref = _Reference(self._frame, grey, tracks[keep], xyz[keep], ids[keep], geometry)
         self._tries = 0
+        last = self.keyframes[-1].ids
+        if np.isin(last, self.ref.ids).sum() < KEYFRAME_OVERLAP * len(last):
+            self.keyframes.append(self.ref)
+            if len(self.keyframes) > MAX_KEYFRAMES:  # thinned out over the whole clip: every other one goes
+                del self.keyframes[1:-1:2]
