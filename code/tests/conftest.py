@@ -94,7 +94,7 @@ def pytest_collection_finish(session):
     modules = {getattr(item, "module", None) for item in session.items}
     for module in modules:
         if hasattr(module, "background_runs"):
-            runs.update(module.background_runs([item for item in session.items if item.module is module]))
+            runs.update(module.background_runs([i for i in session.items if getattr(i, "module", None) is module]))
     background.start(runs)
 
 

@@ -609,7 +609,7 @@ class Tracker:
         self.ref = _Reference(self._frame, grey, tracks[keep], xyz[keep], ids[keep], geometry)
         self._tries = 0
         last = self.keyframes[-1].ids
-        if np.isin(last, self.ref.ids).sum() < KEYFRAME_OVERLAP * len(last):
+        if len(last) == 0 or np.isin(last, self.ref.ids).sum() < KEYFRAME_OVERLAP * len(last):
             self.keyframes.append(self.ref)
             if len(self.keyframes) > MAX_KEYFRAMES:  # thinned out over the whole clip: every other one goes
                 del self.keyframes[1:-1:2]
