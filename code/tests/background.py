@@ -1,9 +1,10 @@
 """Subprocess checks started when the session's tests are collected and run, one at a time, while other tests run.
 
 The mock P150 runs (tests/test_ttnn_mock.py) are single-threaded and take minutes in all, and the test session
-keeps the 2 cores of a CI machine only about 60 % busy: started at collection, they are done by the time their
-tests come, which then only read the result. A test whose run was not started (its module ran alone, or with
--k) runs it itself, the same way; so does one whose run is still going when it comes (it waits for it).
+keeps the 2 cores of a CI machine only about 60 % busy: started at collection (at a lower priority, `nice`, so that
+the tests running meanwhile keep their speed), they are done by the time their tests come, which then only read
+the result. A test whose run was not started (its module ran alone, or with -k) runs it itself, the same way;
+so does one whose run is still going when it comes (it waits for it).
 
 A module takes part with `background_runs(items) -> {key: command}` (the runs its selected items will ask for)
 and asks for a result with `run(key, command)`. Each command runs with its own scratch folder as `{tmp}`.
@@ -32,9 +33,10 @@ class Done:
         self.process, self.folder = process, folder
 
 
-def _execute(command: list, env: dict | None, timeout: float, folder: Path) -> Done:
+def _execute(command: list, env: dict | None, timeout: float, folder: Path, nice: bool = False) -> Done:
     folder.mkdir(parents=True, exist_ok=True)
     args = [str(a).replace("{tmp}", str(folder)) for a in command]
+    args = ["nice", "-n", "10", *args] if nice and shutil.which("nice") else args
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     with _lock:
         _running.add(proc)
@@ -58,7 +60,7 @@ def start(runs: dict) -> None:
     _scratch = Path(tempfile.mkdtemp(prefix="tt_moge-background-"))
     _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-check")
     for i, (key, (command, env, timeout)) in enumerate(runs.items()):
-        _futures[key] = _pool.submit(_execute, command, env, timeout, _scratch / str(i))
+        _futures[key] = _pool.submit(_execute, command, env, timeout, _scratch / str(i), True)
 
 
 def run(key, command: list, env: dict | None, timeout: float, folder: Path) -> Done:
