@@ -580,8 +580,9 @@ class Tracker:
         return [(ref, matches) for _, _, ref, matches in ranked[:KEYFRAME_TRIES]]
 
     def _confirmed(self, ref: _Reference, reg: Registration, frame: tuple) -> Registration:
-        """`reg`, failed unless the two frames seen through it agree (`_agreement`): the check of a fit across a
-        jump, where a repeated pattern (tiles, windows) can give a consistent set of wrong matches."""
+        """`reg`, failed unless the two frames seen through it agree (`_agreement`; its grey levels' correlation
+        kept in `reg.correlation`): a repeated pattern (tiles, windows) can give a consistent set of wrong matches
+        that pass the fit's own checks."""
         grey, depth, mask, k_pixels, offset = frame
         share, correlation = _agreement((*ref.geometry, ref.grey), (depth, mask, k_pixels, offset, grey), reg)
         reg.correlation = correlation
