@@ -8,8 +8,6 @@ import warnings
 
 import pytest
 
-from . import background
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 # CPU kernel choices of this test session (and of the servers it starts) in a file of their own
 os.environ.setdefault("MOGE_KERNEL_CACHE", os.path.join(tempfile.mkdtemp(prefix="tt_moge-kernels-"), "kernels.json"))
@@ -86,17 +84,3 @@ def upstream():
         return cache[key]
 
     return get
-
-
-def pytest_collection_finish(session):
-    """Start the subprocess checks that the selected tests will ask for (tests/background.py)."""
-    runs: dict = {}
-    modules = {getattr(item, "module", None) for item in session.items}
-    for module in modules:
-        if hasattr(module, "background_runs"):
-            runs.update(module.background_runs([i for i in session.items if getattr(i, "module", None) is module]))
-    background.start(runs)
-
-
-def pytest_sessionfinish(session):
-    background.stop()
