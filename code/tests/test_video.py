@@ -19,12 +19,10 @@ import numpy as np
 import pytest
 
 from tt_moge.testing.scene import camera_path, intrinsics_for, pan_path, render_path
-from tt_moge.testing.video import VideoOracle, symmetric_errors
+from tt_moge.testing.video import aligned_positions, stand_in
 from tt_moge.video import iter_video, predict_video
-from tt_moge.video.registration import umeyama
 
 FRAMES, SIZE = 24, (320, 240)
-SCALE_ERROR, FOCAL_ERROR = 0.15, 0.10
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +31,7 @@ def walk():
     return poses, render_path(poses, *SIZE)
 
 
-def oracle(renders, **overrides):
-    n = len(renders)
-    errors = dict(
-        scale_errors=symmetric_errors(n, SCALE_ERROR, 1),
-        focal_errors=symmetric_errors(n, FOCAL_ERROR, 2),
-        shifts=np.linspace(-0.3, 0.3, n),
-        noise=0.005,
-        holes=0.05,
-    )
-    return VideoOracle(renders, **{**errors, **overrides})
+oracle = stand_in  # the stand-in model with the errors of the module docstring
 
 
 def scale_spread(frames, renders) -> np.ndarray:
@@ -56,8 +45,7 @@ def scale_spread(frames, renders) -> np.ndarray:
 
 def trajectory_errors(poses, truth) -> tuple:
     """(ATE / path length, worst rotation error in degrees) after a similarity alignment of the positions."""
-    s, r, t = umeyama(poses[:, :3, 3], truth[:, :3, 3])
-    aligned = (s * (r @ poses[:, :3, 3].T)).T + t
+    aligned = aligned_positions(poses, truth)
     ate = math.sqrt(np.mean(np.sum((aligned - truth[:, :3, 3]) ** 2, axis=1)))
     length = np.linalg.norm(np.diff(truth[:, :3, 3], axis=0), axis=1).sum()
     angles = [

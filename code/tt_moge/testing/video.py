@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["VideoOracle", "symmetric_errors"]
+__all__ = ["VideoOracle", "symmetric_errors", "stand_in", "aligned_positions"]
 
 _THUMB = (16, 12)
 
@@ -180,3 +180,27 @@ class VideoOracle:
             if abs(f_a1 / f0 - target) < 1e-5:
                 break
         return 1.0 + a1 * shape
+
+
+def stand_in(renders: Sequence[Any], **overrides: Any) -> "VideoOracle":
+    """The video tests' stand-in model on `renders`: metric scale off by up to +-15 % per frame, focal by up to
+    +-10 %, a shift from -0.3 to 0.3 over the clip, pixel noise 0.005, holes 5 % (`overrides` replace any of these
+    VideoOracle arguments). The perf scripts' gaps bench uses the same, so its numbers are the tests' case."""
+    n = len(renders)
+    errors = dict(
+        scale_errors=symmetric_errors(n, 0.15, 1),
+        focal_errors=symmetric_errors(n, 0.10, 2),
+        shifts=np.linspace(-0.3, 0.3, n),
+        noise=0.005,
+        holes=0.05,
+    )
+    return VideoOracle(renders, **{**errors, **overrides})
+
+
+def aligned_positions(poses: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """The camera positions of `poses` (N, 4, 4) after the similarity that best maps them onto `truth`'s
+    (Umeyama): what a trajectory error is measured on, the clip's world being arbitrary up to a similarity."""
+    from ..video.registration import umeyama
+
+    s, r, t = umeyama(poses[:, :3, 3], truth[:, :3, 3])
+    return (s * (r @ poses[:, :3, 3].T)).T + t
