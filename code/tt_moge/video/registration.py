@@ -355,11 +355,12 @@ class _Reference:
     """A frame the registration fits against: its shrunk grey image, its features (shrunk-image positions, their
     consistent 3D points in its camera axes, ids), its geometry at the grey image's size with the offset and
     scale its points were lifted with (`_shrunk`; relocalisation lifts its descriptor keypoints with it), its ORB
-    keypoints (found when first needed) and its frame number (the Tracker's count: 0 for `start`)."""
+    keypoints (kept from its own relocalisation, else found when first needed) and its frame number (the
+    Tracker's count: 0 for `start`)."""
 
-    def __init__(self, frame: int, grey: np.ndarray, tracks, xyz, ids, geometry: tuple):
+    def __init__(self, frame: int, grey: np.ndarray, tracks, xyz, ids, geometry: tuple, keypoints=None):
         self.frame, self.grey, self.tracks, self.xyz, self.ids, self.geometry = frame, grey, tracks, xyz, ids, geometry
-        self._keypoints: Optional[tuple] = None
+        self._keypoints: Optional[tuple] = keypoints
 
     @property
     def keypoints(self) -> tuple:
@@ -459,13 +460,14 @@ class Tracker:
         frame = (grey, depth, mask, k_pixels, offset)
         reg, kept = self._follow(ref, frame)
         checked = self._confirmed(ref, dataclasses.replace(reg), frame) if reg.ok else reg
+        keypoints = None  # this frame's ORB keypoints, where they were found: kept for when it is a reference
         if checked.ok and self._tries == 1:
             reg = checked
         else:  # lost, a jump (failed frames between), or a fit the two frames do not confirm: candidates compared
-            reg, kept = self._relocalised(ref, frame, reg, checked, kept)
+            reg, kept, keypoints = self._relocalised(ref, frame, reg, checked, kept)
             if not reg.ok:
                 return reg
-        self._pending = (grey, *kept, depth.shape, depth, mask, k_pixels, offset)
+        self._pending = (grey, *kept, depth.shape, depth, mask, k_pixels, offset, keypoints)
         return reg
 
     def _relocalised(self, ref: _Reference, frame: tuple, reg: Registration, checked: Registration, kept) -> tuple:
@@ -489,9 +491,9 @@ class Tracker:
             candidates += [(True, *found)] if found[0].ok else []
         if not candidates:  # the tracks' fit failed (its reason says why), or was refused by _confirmed
             checked.reason = f"{checked.reason}; not relocalised either: {own[0].reason}"
-            return checked, None
+            return checked, None, keypoints
         _, reg, kept = max(candidates, key=lambda c: (c[0], c[1].correlation))
-        return reg, kept
+        return reg, kept, keypoints
 
     def _follow(self, ref: _Reference, frame: tuple, guess: Optional[np.ndarray] = None) -> tuple:
         """(Registration, (positions, points, ids) of its inliers) from `ref`'s tracks followed into `frame` (grey,
@@ -598,7 +600,7 @@ class Tracker:
         """After a good `register`: that frame becomes the reference, its points x `correction` (1 / the fit's
         scale: consistent with the clip), its inlier tracks kept and new corners added; and a keyframe, when
         fewer than KEYFRAME_OVERLAP of the last keyframe's features are among its own."""
-        grey, tracks, xyz, ids, shape, depth, mask, k_pixels, offset = self._pending
+        grey, tracks, xyz, ids, shape, depth, mask, k_pixels, offset, keypoints = self._pending
         self._pending = None
         kept = len(tracks)
         tracks = self._fill(grey, tracks.astype(np.float32))
@@ -607,7 +609,7 @@ class Tracker:
         ids = np.concatenate([ids, self._new_ids(len(tracks) - kept)])
         keep = np.isfinite(xyz).all(axis=1)
         geometry = (*_shrunk(grey.shape, depth, mask, k_pixels), offset, correction)
-        self.ref = _Reference(self._frame, grey, tracks[keep], xyz[keep], ids[keep], geometry)
+        self.ref = _Reference(self._frame, grey, tracks[keep], xyz[keep], ids[keep], geometry, keypoints)
         self._tries = 0
         last = self.keyframes[-1].ids
         if len(last) == 0 or np.isin(last, self.ref.ids).sum() < KEYFRAME_OVERLAP * len(last):
