@@ -8,6 +8,8 @@ import warnings
 
 import pytest
 
+from . import background
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 # CPU kernel choices of this test session (and of the servers it starts) in a file of their own
 os.environ.setdefault("MOGE_KERNEL_CACHE", os.path.join(tempfile.mkdtemp(prefix="tt_moge-kernels-"), "kernels.json"))
@@ -84,3 +86,24 @@ def upstream():
         return cache[key]
 
     return get
+
+
+def pytest_collection_finish(session):
+    """Start the subprocess checks that the selected tests will ask for (tests/background.py)."""
+    runs: dict = {}
+    modules = {getattr(item, "module", None) for item in session.items}
+    for module in modules:
+        if hasattr(module, "background_runs"):
+            runs.update(module.background_runs([i for i in session.items if getattr(i, "module", None) is module]))
+    background.start(runs)
+
+
+def pytest_sessionfinish(session):
+    background.stop()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How the background runs were used (tests/background.py), when there were any."""
+    if background.tally():
+        counts = ", ".join(f"{n} {what}" for what, n in sorted(background.tally().items()))
+        terminalreporter.write_line(f"background runs: {counts}")

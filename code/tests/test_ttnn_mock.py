@@ -19,6 +19,8 @@ import pytest
 
 from tt_moge import env as environment
 
+from . import background
+
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "scripts" / "tt-mock-check"
 WORK = Path(environment.get("MOGE_MOCK_DIR") or Path.home() / ".cache" / "tt_moge" / "tt-mock")
@@ -34,25 +36,35 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _check(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {
+def _env() -> dict:
+    return {
         **os.environ,
         "PYTHON": sys.executable,
         "MOGE_MOCK_DIR": str(WORK),
         "PYTHONPATH": os.pathsep.join([str(ROOT / "code"), os.environ.get("PYTHONPATH", "")]),
     }
-    done = subprocess.run([str(CHECK), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _shown(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     print(done.stdout[-600:], done.stderr[-1500:], sep="\n")  # shown with -s, and on failure
     return done
 
 
+def _check(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return _shown(subprocess.run([str(CHECK), *args], capture_output=True, text=True, timeout=timeout, env=_env()))
+
+
+def _report_command(*args: str) -> list:
+    return [str(CHECK), *args, "--json", "{tmp}/report.json"]
+
+
 def _report(tmp_path, *args: str) -> dict:
-    """Run the check with --json; the report, with the OK line's numbers under "summary"."""
-    path = tmp_path / "report.json"
-    done = _check(*args, "--json", str(path))
-    assert done.returncode == 0, done.stdout[-2000:]
-    report = json.loads(path.read_text())
-    report["summary"] = _summary(done)
+    """Run the check with --json (or take the run started at collection: tests/background.py); the report, with
+    the OK line's numbers under "summary"."""
+    done = background.run(args, _report_command(*args), _env(), 900, tmp_path)
+    assert _shown(done.process).returncode == 0, done.process.stdout[-2000:]
+    report = json.loads((done.folder / "report.json").read_text())
+    report["summary"] = _summary(done.process)
     return report
 
 
@@ -102,9 +114,12 @@ def fast_vitl_report(request, tmp_path_factory) -> dict:
     """The mock check's report of the fast graph (the default) on ViT-L at 1920x1080 / 1800 tokens, run once per
     grid; the calibration (which does not depend on the grid: stored op lists) with the first grid only."""
     grid = request.param
-    tmp_path = tmp_path_factory.mktemp(f"fast-vitl-{grid}")
+    return _report(tmp_path_factory.mktemp(f"fast-vitl-{grid}"), *_fast_vitl_args(grid))
+
+
+def _fast_vitl_args(grid: str) -> tuple:
     calibration = () if grid == GRIDS[0] else ("--no-calibration",)
-    return _report(tmp_path, *SPEC_CASE, "--grid", grid, *calibration)
+    return (*SPEC_CASE, "--grid", grid, *calibration)
 
 
 @pytest.mark.full_size
@@ -149,13 +164,14 @@ def test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budg
     assert calibration["held_out_mean_abs_error"] <= 0.08 and calibration["held_out_max_abs_error"] <= 0.15
 
 
+SAFE_ARGS = (*SPEC_CASE, "--grid", GRIDS[0], "--config", "safe", "--no-calibration", "--no-l1-headroom")
+
+
 @pytest.mark.full_size
 def test_the_safe_graph_still_runs_and_costs_more(tmp_path):
     """$MOGE_TTNN_GRAPH=safe, the switch back: the first graph (DRAM activations, HiFi4) runs on the mock too (on
     the spec's grid; no L1 bisection), and the cost model sees what the fast graph buys."""
-    report = _report(
-        tmp_path, *SPEC_CASE, "--grid", GRIDS[0], "--config", "safe", "--no-calibration", "--no-l1-headroom"
-    )
+    report = _report(tmp_path, *SAFE_ARGS)
     assert not report["graph"]["encoder_in_l1"] and not report["graph"]["decoder_chained"]
     assert _network_ms(report["estimate_ms"]) > 2 * FORWARD_BUDGET_MS[GRIDS[0]]
 
@@ -167,31 +183,44 @@ def test_an_impossible_grid_is_refused_before_anything_runs():
         assert done.returncode == 2 and f"--grid {grid}: expected CxR" in done.stderr
 
 
+CAPTURE_COMMAND = [
+    "bash",
+    "-c",
+    'cd "$2" && . ./env.sh && exec python "$0" --capture-calibration "$1"',
+    str(ROOT / "code" / "tt_moge" / "ttnn_tools" / "mock_check.py"),
+    "{tmp}/runs.json.gz",
+    str(WORK),
+]
+
+
 def test_the_stored_calibration_runs_are_what_the_mock_runs_now(tmp_path):
     """The calibration reads the demo models' op lists from `calibration.RUNS_FILE` (so that it does not depend on
     the mock's grid); a fresh capture of every demo model on the mock must give the same op lists."""
     from tt_moge.ttnn_tools import calibration
     from tt_moge.ttnn_tools.cost import ops_to_json
 
-    fresh = tmp_path / "runs.json.gz"
-    script = ROOT / "code" / "tt_moge" / "ttnn_tools" / "mock_check.py"
-    command = ["bash", "-c", '. ./env.sh && exec python "$0" --capture-calibration "$1"', str(script), str(fresh)]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=WORK, timeout=900)
-    assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-1500:]
-    stored, captured = calibration.load_runs(), calibration.load_runs(fresh)
+    done = background.run("capture-calibration", CAPTURE_COMMAND, None, 900, tmp_path)
+    assert done.process.returncode == 0, done.process.stdout[-1500:] + done.process.stderr[-1500:]
+    stored, captured = calibration.load_runs(), calibration.load_runs(done.folder / "runs.json.gz")
     assert sorted(captured) == sorted(stored) == sorted({p.run for p in calibration.POINTS})
     for run in stored:
         assert ops_to_json(captured[run]) == ops_to_json(stored[run]), run
 
 
+VITS_ARGS = ("--random", "vits-normal", "--resolution", "640x480", "--num-tokens", "1200", "--no-calibration")
+
+
 def test_vits_on_another_canvas_runs_on_the_mock_p150(tmp_path):
-    report = _report(
-        tmp_path, "--random", "vits-normal", "--resolution", "640x480", "--num-tokens", "1200", "--no-calibration"
-    )
+    report = _report(tmp_path, *VITS_ARGS)
     got = report["summary"]
     assert got["backbone"] == "dinov2_vits14" and got["canvas"] == (640, 480) and got["tokens"] == 1200
     assert got["calls"] > 300 and 0 < got["peak"] < got["bank"]
     assert report["graph"]["decoder_chained"] and report["estimate_ms"]["total"] > 0
+
+
+def _square_args(grid: str, tokens: int) -> tuple:
+    square = ("--random", "vits", "--resolution", "896x896", "--grid", grid, "--no-calibration")
+    return (*square, "--num-tokens", str(tokens), *(("--no-l1-headroom",) if tokens > 1600 else ()))
 
 
 @pytest.mark.parametrize("grid", GRIDS)
@@ -199,13 +228,12 @@ def test_no_normal_head_on_square_canvases_runs_on_the_mock_p150(tmp_path, grid)
     """A checkpoint without a normal head (two heads) on a square canvas, on each P150 grid: at 1600 tokens
     chained in L1, at the top of the token budget (3600; first grid only) the decoder falls back to DRAM slicing
     (its finest maps no longer fit L1)."""
-    square = ("--random", "vits", "--resolution", "896x896", "--grid", grid, "--no-calibration")
-    small = _report(tmp_path, *square, "--num-tokens", "1600")
+    small = _report(tmp_path, *_square_args(grid, 1600))
     assert small["grid"] == grid and small["summary"]["canvas"] == (896, 896) and small["graph"]["decoder_chained"]
     shapes = small["outputs"]["shapes"]  # channels-first planes, as the device reads them back
     assert shapes.get("normal") is None and shapes["mask"] == [1, 896, 896] and shapes["points"] == [3, 896, 896]
     if grid == GRIDS[0]:
-        large = _report(tmp_path, *square, "--num-tokens", "3600", "--no-l1-headroom")
+        large = _report(tmp_path, *_square_args(grid, 3600))
         assert large["graph"]["encoder_in_l1"] and not large["graph"]["decoder_chained"]
 
 
@@ -214,3 +242,33 @@ def test_an_oversized_config_is_refused_by_the_mock():
     done = _check("--random", "vits-normal", "--resolution", "640x480", "--num-tokens", "1200", "--oversize")
     assert done.returncode == 0 and "refused for its L1 use" in done.stdout
     assert "beyond max L1 size" in done.stdout
+
+
+def background_runs(items) -> dict:
+    """The mock runs the selected `items` will ask for, keyed as they ask (tests/background.py): started at
+    collection, one at a time, while the tests before them run. None where the mock is not set up (the tests
+    skip, or fail under MOGE_REQUIRE_MOCK=1, without them)."""
+    if not _mock_ready():
+        return {}
+    runs = {}
+    for item in items:
+        grid = getattr(item, "callspec", None) and item.callspec.params.get(
+            "fast_vitl_report", item.callspec.params.get("grid")
+        )
+        name = item.originalname
+        if name.startswith("test_vitl_at_the_spec_canvas"):
+            arg_sets = [_fast_vitl_args(grid)]
+        elif name == "test_the_safe_graph_still_runs_and_costs_more":
+            arg_sets = [SAFE_ARGS]
+        elif name == "test_vits_on_another_canvas_runs_on_the_mock_p150":
+            arg_sets = [VITS_ARGS]
+        elif name == "test_no_normal_head_on_square_canvases_runs_on_the_mock_p150":
+            arg_sets = [_square_args(grid, 1600)] + ([_square_args(grid, 3600)] if grid == GRIDS[0] else [])
+        elif name == "test_the_stored_calibration_runs_are_what_the_mock_runs_now":
+            runs["capture-calibration"] = (CAPTURE_COMMAND, None, 900)
+            continue
+        else:
+            continue
+        for args in arg_sets:
+            runs[args] = (_report_command(*args), _env(), 900)
+    return runs
