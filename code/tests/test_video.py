@@ -189,16 +189,12 @@ def test_streaming_keeps_no_frame(walk):
     assert result.frames is None and len(result) == 8 and len(result.cloud_points) > 1000
 
 
-def test_fused_cloud_lies_on_the_scene(walk):
-    """The fused cloud, seen from the first camera, lies on the first frame's true surfaces (the clip's scale
-    aligned by its median first-frame depth ratio)."""
-    _, renders = walk
-    clip = predict_video(oracle(renders[:12]), [r.image for r in renders[:12]], calibration_frames=12)
-    first = renders[0]
-    level = np.median(
-        clip.frames[0].depth[first.mask & clip.frames[0].mask] / first.depth[first.mask & clip.frames[0].mask]
-    )
-    points = clip.cloud_points / level
+def cloud_error(points, output, first) -> tuple:
+    """(points seen, median |depth / true depth - 1|) of a fused cloud `points` in the world of the frame whose
+    output is `output` and whose render is `first` (the clip's scale aligned by their median depth ratio): the
+    points in front of that camera, inside its view and not behind its true surface (occluded there)."""
+    level = np.median(output.depth[first.mask & output.mask] / first.depth[first.mask & output.mask])
+    points = points / level
     k = first.intrinsics
     ahead = points[:, 2] > 0.5
     u = np.floor(points[ahead, 0] / points[ahead, 2] * k[0, 0] + k[0, 2]).astype(int)
@@ -207,8 +203,80 @@ def test_fused_cloud_lies_on_the_scene(walk):
     z = points[ahead, 2][inside]
     truth = first.depth[v[inside], u[inside]]
     seen = np.isfinite(truth) & (z <= truth * 1.02)  # occluded points are behind the first frame's surface
-    assert seen.sum() > 2000
-    assert np.median(np.abs(z[seen] / truth[seen] - 1)) < 0.01
+    return int(seen.sum()), float(np.median(np.abs(z[seen] / truth[seen] - 1)))
+
+
+def test_fused_cloud_lies_on_the_scene(walk):
+    """The fused cloud, seen from the first camera, lies on the first frame's true surfaces."""
+    _, renders = walk
+    clip = predict_video(oracle(renders[:12]), [r.image for r in renders[:12]], calibration_frames=12)
+    seen, error = cloud_error(clip.cloud_points, clip.frames[0], renders[0])
+    assert seen > 2000 and error < 0.01, (seen, error)
+
+
+def test_a_cut_starts_a_new_chain(walk, tmp_path):
+    """A cut after 8 frames of the walk to another shot: a pan (in inverted grey levels, so that nothing of the
+    first shot can be found in it). The first new_chain_after - 1 frames after the cut fail; the next one starts
+    chain 1, in its own world (its pose the identity), and the rest of the clip registers in it on the true
+    trajectory of that shot relative to that frame, at one scale. The second shot has the most registered frames:
+    the fused cloud, the trajectory and the 3D files are its. With new_chain_after=0 every frame after the cut
+    stays flagged."""
+    from dataclasses import replace
+
+    poses, renders = walk
+    cut, after = 8, 3
+    pan = pan_path(range(0, 42, 3))  # 14 frames, 3 degrees apart
+    shot = [replace(r, image=255 - r.image) for r in render_path(pan, *SIZE)]
+    clip_renders = list(renders[:cut]) + shot
+    images = [r.image for r in clip_renders]
+    # the clip's camera is calibrated on the first shot (the whole of it: with 4 frames of the walk its focal is
+    # 2.8 % off, which the second shot's trajectory and cloud then show); the second shot keeps it
+    clip = predict_video(oracle(clip_renders), images, calibration_frames=cut, new_chain_after=after)
+    start = cut + after - 1  # the frame that starts chain 1
+    assert list(clip.chain) == [0] * start + [1] * (len(images) - start)
+    assert clip.registered[:cut].all() and clip.registered[start:].all(), clip.failures
+    assert not clip.registered[cut:start].any() and all(clip.failures[cut:start])
+    assert np.allclose(clip.poses[start], np.eye(4)) and clip.records[start]["reference"] is None
+    truth = np.linalg.inv(pan[start - cut]) @ pan[start - cut :]  # the second shot in its first frame's camera
+    ate, rotation = trajectory_errors(clip.poses[start:], truth)
+    assert ate <= 0.02 and rotation <= 1.0, (ate, rotation)  # as for the pans below: 0.5 m forward, 33 degrees
+    ratio = scale_spread(clip.frames[start:], shot[start - cut :])
+    assert ratio.std() / ratio.mean() <= 0.01, ratio
+    ate, rotation = trajectory_errors(clip.poses[:cut], poses[:cut])  # the first shot keeps its own
+    assert ate <= 0.01 and rotation <= 0.5, (ate, rotation)
+
+    summary = clip.summary()
+    assert clip.main_chain == summary["main_chain"] == 1
+    assert [(c["first_frame"], c["frames"], c["registered"]) for c in summary["chains"]] == [
+        (0, start, cut),
+        (start, len(images) - start, len(images) - start),
+    ]
+    assert summary["path_length_m"] == pytest.approx(sum(c["path_length_m"] for c in summary["chains"]), abs=1e-5)
+    seen, error = cloud_error(clip.cloud_points, clip.frames[start], shot[start - cut])
+    assert seen > 2000 and error < 0.01, (seen, error)
+    lines = [line for line in clip.trajectory_tum().splitlines() if not line.startswith("#")]
+    assert len(lines) == len(images) - start
+    assert [r["chain"] for r in clip.records] == list(clip.chain)
+    assert np.array_equal(clip.npz_arrays()["chain"], clip.chain)
+    clip.save(tmp_path / "clip", formats=())
+    assert f"element edge {len(images) - start - 1}".encode() in (tmp_path / "clip" / "scene.ply").read_bytes()
+
+    never = predict_video(oracle(clip_renders), images, calibration_frames=cut, new_chain_after=0)
+    assert never.registered[:cut].all() and not never.registered[cut:].any()
+    assert not never.chain.any() and never.main_chain == 0
+
+
+def test_frames_without_texture_do_not_start_a_chain(walk):
+    """Six textureless frames in a row with new_chain_after=2: none of them has the features a chain needs, so
+    none starts one; the frame after them is found again in the first chain."""
+    from dataclasses import replace
+
+    _, renders = walk
+    renders = list(renders[:14])
+    for i in range(5, 11):
+        renders[i] = replace(renders[i], image=np.full_like(renders[i].image, 60 + 5 * i))
+    clip = predict_video(oracle(renders), [r.image for r in renders], calibration_frames=4, new_chain_after=2)
+    assert not clip.chain.any() and clip.registered[11:].all() and not clip.registered[5:11].any(), clip.failures
 
 
 def test_a_zoom_is_followed_with_a_window(walk):
@@ -268,7 +336,9 @@ def test_a_jump_the_tracks_cannot_follow_is_relocalised(walk, monkeypatch):
         renders[i] = replace(renders[i], image=np.full_like(renders[i].image, 60 + 5 * i))
     with monkeypatch.context() as patch:
         patch.setattr(registration, "MIN_CORRELATION", 1.01)
-        refused = predict_video(oracle(renders[:17]), [r.image for r in renders[:17]], calibration_frames=4)
+        # new_chain_after=0: a frame not found after 11 failed ones would otherwise start a new chain
+        images = [r.image for r in renders[:17]]
+        refused = predict_video(oracle(renders[:17]), images, calibration_frames=4, new_chain_after=0)
     assert not refused.registered[16] and "grey levels correlate" in refused.failures[16], refused.failures[16]
     clip = predict_video(oracle(renders), [r.image for r in renders], calibration_frames=4)
     assert not clip.registered[list(gap)].any() and clip.registered[16:].all(), clip.failures

@@ -66,7 +66,13 @@ def test_the_cli_writes_the_apis_clip(api_clip, clip, checkpoint, tmp_path):
     run = json.loads((out / "run.json").read_text())
     assert run["kind"] == "video" and run["clips"][0]["status"] == "done" and run["clips"][0]["output"] == "walk"
     row = run["clips"][0]
-    assert (row["registered"], row["relocalised"]) == (record["registered"], api_clip.summary()["relocalised"])
+    summary = api_clip.summary()
+    assert (row["registered"], row["relocalised"], row["chains"]) == (
+        record["registered"],
+        summary["relocalised"],
+        len(summary["chains"]),
+    )
+    assert record["chains"] == summary["chains"] and record["main_chain"] == summary["main_chain"]
     for i, expected in enumerate(api_clip.frames):
         with OpenEXR.File(str(folder / "frames" / f"{i:06d}" / "depth.exr")) as exr:
             depth = exr.channels()["Y"].pixels

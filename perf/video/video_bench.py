@@ -34,7 +34,7 @@ whole clip beside plain `predict_many` on the same frames.
    scale +-15 %, focal +-10 %, shifts, noise, holes), with runs of textureless frames of several lengths: the share
    of the frames after each run that register, which are relocalised, and the largest camera position error
    against the truth over the registered frames (after a similarity alignment): a wrong registration would show
-   there.
+   there. New chains are off here (`new_chain_after=0`): a frame that is not found stays flagged.
 
     python -m perf.video.video_bench                        # all four parts, defaults
     python -m perf.video.video_bench --part host --frames 24
@@ -285,7 +285,10 @@ def gaps_part(size: tuple) -> list:
         frames_in = list(renders)
         for i in range(start, start + length):
             frames_in[i] = dataclasses.replace(frames_in[i], image=np.full_like(frames_in[i].image, 60 + 5 * i))
-        clip = predict_video(stand_in(frames_in), [r.image for r in frames_in], calibration_frames=4)
+        # new_chain_after=0: a frame after the run that is not found stays flagged instead of starting a new chain
+        # (whose poses are in another world): this part measures the relocalisation
+        images = [r.image for r in frames_in]
+        clip = predict_video(stand_in(frames_in), images, calibration_frames=4, new_chain_after=0)
         ok = clip.registered
         aligned = aligned_positions(clip.poses[ok], poses[ok])
         worst = float(np.linalg.norm(aligned - poses[ok][:, :3, 3], axis=1).max())

@@ -1,7 +1,8 @@
 """`tt-moge predict clip.mp4` and `tt-moge predict --sequence frames/`: each clip -> one folder of consistent frames,
 its trajectory and its fused scene (`tt_moge.video`; docs/video.md).
 
-    OUT/run.json                 the run: options, model, each clip (folder, status, frames, registered, relocalised)
+    OUT/run.json                 the run: options, model, each clip (folder, status, frames, registered,
+                                 relocalised, chains)
     OUT/NAME/frames/000000/...   each frame's files, as for a photo (the format flags; --maps by default)
     OUT/NAME/depth.mp4 poses.json trajectory.txt scene.ply scene.glb result.json (written last)
 
@@ -160,6 +161,7 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                     frames=record["frames"],
                     registered=record["registered"],
                     relocalised=record["relocalised"],
+                    chains=len(record["chains"]),
                 )
                 frames_done += record["frames"]
                 if record["failed"] and not args.quiet:

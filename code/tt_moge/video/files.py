@@ -11,6 +11,8 @@
     OUT/clip/trajectory.txt      the registered frames' poses, TUM format (time tx ty tz qx qy qz qw)
     OUT/clip/scene.ply           the fused cloud (xyz, RGB) with the camera path as edges between its positions
     OUT/clip/scene.glb           the fused cloud, the camera path and a frustum per camera (a sample of them)
+    (after a cut: trajectory.txt and the scenes are the main chain's, `VideoOutput.main_chain`; poses.json holds
+    every chain, each frame with its chain)
     OUT/clip/result.json         the clip's summary (`VideoOutput.summary`) and the files; written last
 
 3D files use glTF / OpenGL axes as the photo exports do: the first camera at the origin looking down -z, y up.
@@ -113,8 +115,7 @@ def scene_glb_bytes(points: np.ndarray, colours: np.ndarray, poses: np.ndarray, 
 def scene_files(result: Any, max_points: Optional[int] = None) -> dict:
     """{name: bytes} of a clip's poses.json, trajectory.txt, scene.ply and scene.glb (`max_points`: the cloud
     thinned to at most that many points, evenly, as the web page's view does)."""
-    registered = result.registered
-    poses = result.poses[registered]
+    poses = result.poses[result.registered & (result.chain == result.main_chain)]  # the cloud's chain
     points, colours = result.cloud_points.astype(np.float64) * _OPENGL, result.cloud_colors
     if max_points is not None and len(points) > max_points:
         keep = np.linspace(0, len(points) - 1, max_points).astype(int)

@@ -16,9 +16,10 @@ from typing import Any, Optional
 from ..fields import bind, checked, option, options_of, signature
 from ..host import InputError
 
-__all__ = ["VideoOptions", "DEFAULT_CALIBRATION_FRAMES"]
+__all__ = ["VideoOptions", "DEFAULT_CALIBRATION_FRAMES", "DEFAULT_NEW_CHAIN_AFTER"]
 
 DEFAULT_CALIBRATION_FRAMES = 16
+DEFAULT_NEW_CHAIN_AFTER = 3  # failed frames in a row before a new chain starts
 
 
 def _count(name: str, minimum: int, optional: bool):
@@ -90,6 +91,15 @@ class VideoOptions:
         metavar="N",
         parse=_count_text(2),
         check=_count("window", 2, True),
+    )
+    new_chain_after: int = option(
+        DEFAULT_NEW_CHAIN_AFTER,
+        "when N frames in a row fail registration (a cut to another scene), the Nth starts a new chain of poses in "
+        "a world of its own, if it has the texture to register against (default %(default)s; 0: never, the frames "
+        "after a cut stay flagged)",
+        metavar="N",
+        parse=_count_text(0),
+        check=_count("new_chain_after", 0, False),
     )
     voxel_size: Optional[float] = option(
         None,

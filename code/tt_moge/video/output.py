@@ -3,6 +3,10 @@
 Poses are camera-to-world 4x4 rigid transforms in metres; the world is the first frame's camera (OpenCV axes:
 x right, y down, z forward), so the first pose is the identity. A frame whose registration failed has a pose of
 NaN and `registered` False; it is left out of the trajectory and of the fused cloud, and `failures` says why.
+After a cut (frames in a row that fail: `VideoOptions.new_chain_after`) a new chain starts: `chain[i]` numbers
+the chain of frame i, and each chain's poses are in its own world, its first frame's camera (identity). The
+trajectory, the fused cloud and the 3D files are the main chain's (`main_chain`: the one with the most
+registered frames); the per-frame arrays and poses.json hold every chain.
 `scale[i]` is the metric scale applied to frame i (its `MoGeOutput.metric_scale`: depth = scale x the network's
 affine depth), `model_scale[i]` the one the model predicted for it alone.
 """
@@ -17,7 +21,7 @@ import numpy as np
 
 from ..output import finite_or_none
 
-__all__ = ["VideoFrame", "VideoOutput", "VIDEO_NPZ_LAYOUT", "rotation_to_quaternion"]
+__all__ = ["VideoFrame", "VideoOutput", "VIDEO_NPZ_LAYOUT", "rotation_to_quaternion", "main_chain"]
 
 # The npz layout of a clip (VideoOutput.npz_arrays: the server's /predict/video, `save(..., npz=True)`).
 VIDEO_NPZ_LAYOUT: dict = {
@@ -25,18 +29,26 @@ VIDEO_NPZ_LAYOUT: dict = {
     "intrinsics_pixels": ("float32", "(3, 3)", "the same in pixels"),
     "frame_intrinsics": ("float32", "(N, 3, 3)", "each frame's normalised intrinsics (differ only with window)"),
     "frame_intrinsics_pixels": ("float32", "(N, 3, 3)", "the same in pixels"),
-    "poses": ("float64", "(N, 4, 4)", "camera-to-world, metres; NaN where registration failed"),
+    "poses": ("float64", "(N, 4, 4)", "camera-to-world, metres, in its chain's world; NaN where registration failed"),
+    "chain": ("int32", "(N,)", "the chain of each frame (0, then one more after each cut)"),
     "scale": ("float64", "(N,)", "the metric scale applied to each frame"),
     "model_scale": ("float64", "(N,)", "the metric scale the model predicted for each frame alone"),
     "registered": ("uint8", "(N,)", "1 = the frame's registration passed its checks"),
     "inliers": ("int32", "(N,)", "the registration's inlier matches"),
     "times": ("float64", "(N,)", "seconds from the source's start (frame numbers when it has no frame rate)"),
     "source_frames": ("int64", "(N,)", "each frame's index in the source"),
-    "cloud_points": ("float32", "(M, 3)", "the fused cloud, world metres"),
+    "cloud_points": ("float32", "(M, 3)", "the fused cloud of the main chain, its world's metres"),
     "cloud_colors": ("uint8", "(M, 3)", "its RGB colours"),
     "depth": ("float32", "(N, H, W)", "each frame's depth, metres (only when the frames are kept)"),
     "mask": ("uint8", "(N, H, W)", "each frame's mask (only when the frames are kept)"),
 }
+
+
+def main_chain(chain: np.ndarray, registered: np.ndarray) -> int:
+    """The chain with the most registered frames (the first of those with as many): the one the trajectory, the
+    fused cloud and the 3D files show."""
+    counts = np.bincount(np.asarray(chain)[np.asarray(registered, bool)], minlength=int(np.max(chain, initial=0)) + 1)
+    return int(counts.argmax())
 
 
 def rotation_to_quaternion(rotation: np.ndarray) -> np.ndarray:
@@ -50,7 +62,8 @@ def rotation_to_quaternion(rotation: np.ndarray) -> np.ndarray:
 class VideoFrame:
     """One frame of a clip, as `iter_video` yields it: index in the clip and in the source, time (seconds; the
     frame number when the source has no frame rate), the RGB image, its consistent MoGeOutput, pose, applied and
-    model metric scale, registration (`registration.Registration`), and the clip's depth colour range."""
+    model metric scale, registration (`registration.Registration`), the clip's depth colour range and the
+    frame's chain (0, then one more after each cut; its pose is in that chain's world)."""
 
     index: int
     source_index: int
@@ -62,6 +75,7 @@ class VideoFrame:
     model_scale: float
     registration: Any
     depth_range: tuple
+    chain: int = 0
 
     @property
     def registered(self) -> bool:
@@ -74,6 +88,7 @@ class VideoFrame:
             "frame": self.index,
             "source_frame": self.source_index,
             "time": round(float(self.time), 6),
+            "chain": int(self.chain),
             "pose": None if pose is None else [[round(float(v), 9) for v in row] for row in pose],
             "scale": finite_or_none(self.scale),
             "model_scale": finite_or_none(self.model_scale),
@@ -86,11 +101,12 @@ class VideoFrame:
 class VideoOutput:
     """The result for a clip (see the module docstring). Per frame (N of them): frame_intrinsics (N, 3, 3)
     normalised and frame_intrinsics_pixels (N, 3, 3), poses (N, 4, 4), scale (N,), model_scale (N,),
-    registered (N,) bool, inliers (N,), residual (N,) (root mean square of the registration's inlier
-    residuals / depth), failures (None or why),
+    registered (N,) bool, chain (N,) int (see the module docstring), inliers (N,), residual (N,) (root mean
+    square of the registration's inlier residuals / depth), failures (None or why),
     source_frames (N,), times (N,) seconds. The clip: intrinsics / intrinsics_pixels (3, 3) (of its first
     frame: the clip's, unless `window` re-estimated them), size (width, height), fps (None: unknown),
-    cloud_points (M, 3) float32 world metres and cloud_colors (M, 3) uint8 (the fused, voxel-averaged cloud),
+    cloud_points (M, 3) float32 world metres and cloud_colors (M, 3) uint8 (the fused, voxel-averaged cloud of
+    the main chain),
     voxel_size (metres), depth_range (the colour range of depth.mp4), calibrations (one record per calibrated
     segment), seconds (what it cost). frames (MoGeOutputs) and images (RGB) when the frames were kept
     (`predict_video`), else None."""
@@ -104,6 +120,7 @@ class VideoOutput:
     scale: np.ndarray
     model_scale: np.ndarray
     registered: np.ndarray
+    chain: np.ndarray
     inliers: np.ndarray
     residual: np.ndarray
     failures: list
@@ -133,15 +150,32 @@ class VideoOutput:
         return self.frame_intrinsics_pixels[0].astype(np.float32)
 
     @property
-    def path_length(self) -> float:
-        """Metres the camera travelled between registered frames (in order)."""
-        positions = self.poses[self.registered, :3, 3]
+    def main_chain(self) -> int:
+        return main_chain(self.chain, self.registered)
+
+    @property
+    def chains(self) -> int:
+        return int(self.chain.max()) + 1 if len(self.chain) else 0
+
+    def chain_path_length(self, chain: int) -> float:
+        """Metres the camera travelled between the registered frames of one chain (in order)."""
+        positions = self.poses[self.registered & (self.chain == chain), :3, 3]
         return float(np.linalg.norm(np.diff(positions, axis=0), axis=1).sum()) if len(positions) > 1 else 0.0
 
+    @property
+    def path_length(self) -> float:
+        """Metres the camera travelled between registered frames (in order), over every chain (not across a cut)."""
+        return sum(self.chain_path_length(c) for c in range(self.chains))
+
     def trajectory_tum(self) -> str:
-        """The registered frames' poses as a TUM trajectory: one line "time tx ty tz qx qy qz qw" per frame."""
+        """The main chain's registered frames' poses as a TUM trajectory: one line "time tx ty tz qx qy qz qw" per
+        frame."""
         lines = ["# tt_moge video trajectory (TUM format): time tx ty tz qx qy qz qw, camera-to-world, metres"]
-        for i in np.flatnonzero(self.registered):
+        main = self.main_chain
+        if self.chains > 1:
+            first = int(np.argmax(self.chain == main))
+            lines.append(f"# chain {main} of {self.chains} (its world: frame {first}'s camera)")
+        for i in np.flatnonzero(self.registered & (self.chain == main)):
             q = rotation_to_quaternion(self.poses[i, :3, :3])
             t = self.poses[i, :3, 3]
             lines.append(" ".join(f"{v:.9g}" for v in (self.times[i], *t, *q)))
@@ -161,6 +195,17 @@ class VideoOutput:
             "frames": len(self),
             "registered": int(self.registered.sum()),
             "relocalised": sum(1 for r in self.records if r.get("registered") and r.get("relocalised")),
+            "chains": [
+                {
+                    "chain": c,
+                    "first_frame": int(np.argmax(self.chain == c)),
+                    "frames": int((self.chain == c).sum()),
+                    "registered": int((self.registered & (self.chain == c)).sum()),
+                    "path_length_m": round(self.chain_path_length(c), 6),
+                }
+                for c in range(self.chains)
+            ],
+            "main_chain": self.main_chain,
             "failed": [{"frame": i, "error": e} for i, e in enumerate(self.failures) if e],
             "intrinsics": [[round(float(v), 9) for v in row] for row in self.intrinsics],
             "intrinsics_pixels": [[round(float(v), 6) for v in row] for row in self.intrinsics_pixels],
@@ -190,6 +235,7 @@ class VideoOutput:
             "scale": self.scale,
             "model_scale": self.model_scale,
             "registered": self.registered,
+            "chain": self.chain,
             "inliers": self.inliers,
             "times": self.times,
             "source_frames": self.source_frames,
@@ -222,6 +268,7 @@ class VideoOutput:
         w, h = self.size
         return (
             f"VideoOutput({self.name}: {len(self)} frames {w}x{h}, {int(self.registered.sum())} registered, "
+            f"{self.chains} chain{'s' * (self.chains != 1)}, "
             f"fov_x {math.degrees(2 * math.atan(0.5 / float(self.frame_intrinsics[0, 0, 0]))):.1f} deg, "
             f"path {self.path_length:.2f} m, cloud {len(self.cloud_points)} points)"
         )

@@ -13,8 +13,10 @@ Steps (threads: a reader decodes frames ahead, a producer runs the model, the ca
    only each frame's shift); the next chunk runs on the model while this one is registered;
 3. per frame: registration against the last registered frame (`registration.Tracker`), which gives its scale
    relative to the clip (depth and points are multiplied by it) and its pose; a frame whose fit fails its
-   checks is flagged (pose NaN), keeps the segment's level and stays out of the fused cloud;
-4. the fused cloud (`fusion.VoxelCloud`) of the registered frames.
+   checks is flagged (pose NaN), keeps the segment's level and stays out of the fused cloud; after
+   `new_chain_after` failed frames in a row (a cut), the last of them starts a new chain: the first frame of a
+   world of its own (`ClipChain`);
+4. the fused cloud (`fusion.VoxelCloud`) of the registered frames, one per chain.
 With `window`, steps 1-3 restart every `window` frames (new intrinsics, the level re-anchored); the registration
 chain continues across.
 
@@ -40,9 +42,9 @@ from ..fields import bind, options_of, signature
 from ..host import CallOptions, InputError, Stopwatch
 from .calibrate import Calibration, calibrate
 from .fusion import VoxelCloud, frame_points
-from .options import VideoOptions
-from .output import VideoFrame, VideoOutput
-from .registration import Registration, Tracker
+from .options import DEFAULT_NEW_CHAIN_AFTER, VideoOptions
+from .output import VideoFrame, VideoOutput, main_chain
+from .registration import MIN_INLIERS, Registration, Tracker
 from .source import open_source
 
 __all__ = [
@@ -221,7 +223,7 @@ class VideoStream:
         ]
         for thread in threads:
             thread.start()
-        state = ClipChain(self.video.voxel_size, self.seed)
+        state = ClipChain(self.video.voxel_size, self.seed, self.video.new_chain_after)
         register_s = 0.0
         try:
             while True:
@@ -253,17 +255,29 @@ class VideoStream:
 
 
 class ClipChain:
-    """The registration chain of a clip, frame by frame (`step`: register, scale, fuse one model output), and
+    """The registration chains of a clip, frame by frame (`step`: register, scale, fuse one model output), and
     what the result keeps of each frame (`output`). The caller's thread of `VideoStream` runs it; the benchmark
-    (perf/video) times it alone."""
+    (perf/video) times it alone.
 
-    def __init__(self, voxel_size: Optional[float], seed: int):
+    A chain is a run of frames registered one to the next, in one world (its first frame's camera). The first
+    starts at frame 0. When `new_chain_after` frames in a row fail (not found against the last good frame nor a
+    keyframe: the camera is somewhere none of them saw, as after a cut), the last of them starts a new chain at
+    the clip's level, unless it has too few features with a depth to register against (a textureless frame
+    stays flagged, and the next one is tried). Failed frames cannot tell a cut from a stretch of frames the
+    registration could not read (blur, a hand over the lens): the latter splits one scene into two chains, which
+    are not joined (the frames are yielded as they come; their poses are not revised). `new_chain_after` 0:
+    never."""
+
+    def __init__(self, voxel_size: Optional[float], seed: int, new_chain_after: int = DEFAULT_NEW_CHAIN_AFTER):
+        self.seed, self.voxel_size, self.new_chain_after = seed, voxel_size, new_chain_after
         self.tracker = Tracker(seed=seed)
-        self.cloud = VoxelCloud(voxel_size)
+        self.clouds: list = []  # one VoxelCloud per chain
+        self.failed_in_a_row = 0
         self.level = math.nan
         self.depth_range = (math.nan, math.nan)
         self.calibrations: list = []
-        self.rows: list = []  # per frame: (source index, time, pose, scale, model scale, registration, (K, K pixels))
+        # per frame: (source index, time, pose, scale, model scale, registration, (K, K pixels), chain)
+        self.rows: list = []
         self.records: list = []
         self.kept: list = []
         self.size: Optional[tuple] = None
@@ -289,11 +303,12 @@ class ClipChain:
                 self.depth_range = calibration.depth_range
         if index == 0:
             self.size = out.size
-            correction, pose = self.level, np.eye(4)
-            self.tracker.start(rgb, out.depth, out.mask, out.intrinsics_pixels, 0.0, correction)
-            registration = Registration(True, scale=1.0, reason=None)
+            self.tracker.start(rgb, out.depth, out.mask, out.intrinsics_pixels, 0.0, self.level)
+            self.clouds.append(VoxelCloud(self.voxel_size))
+            correction, pose, registration = self.level, np.eye(4), Registration(True, scale=1.0, reason=None)
         else:
             registration = self.tracker.register(rgb, out.depth, out.mask, out.intrinsics_pixels)
+            self.failed_in_a_row = 0 if registration.ok else self.failed_in_a_row + 1
             if registration.ok:
                 motion = np.eye(4)
                 motion[:3, :3] = registration.rotation
@@ -302,6 +317,8 @@ class ClipChain:
                 # a new window's first frame is re-anchored at its calibrated level
                 correction = self.level if calibration is not None else 1.0 / registration.scale
                 self.tracker.advance(correction)
+            elif 0 < self.new_chain_after <= self.failed_in_a_row and self._new_chain(index, rgb, out):
+                correction, pose, registration = self.level, np.eye(4), Registration(True, scale=1.0, reason=None)
             else:
                 pose, correction = np.full((4, 4), np.nan), self.level
         watch.lap("register")
@@ -311,26 +328,51 @@ class ClipChain:
         out = dataclasses.replace(out, metric_scale=model_scale * correction)
         watch.lap("scale")
         if registration.ok:
-            if self.cloud.voxel_size is None:
-                self.cloud.auto(out.median_depth)
-            if self.cloud.voxel_size is not None:
-                self.cloud.add(*frame_points(out, rgb, pose))
+            cloud = self.clouds[-1]
+            if cloud.voxel_size is None:
+                cloud.auto(out.median_depth)
+            if cloud.voxel_size is not None:
+                cloud.add(*frame_points(out, rgb, pose))
         watch.lap("fuse")
         time_s = source_index / fps if fps else float(source_index)
+        chain = len(self.clouds) - 1
         frame = VideoFrame(
-            index, source_index, time_s, rgb, out, pose, out.metric_scale, model_scale, registration, self.depth_range
+            index,
+            source_index,
+            time_s,
+            rgb,
+            out,
+            pose,
+            out.metric_scale,
+            model_scale,
+            registration,
+            self.depth_range,
+            chain,
         )
         cameras = (out.intrinsics.copy(), out.intrinsics_pixels.copy())  # not the output: its maps must not stay
-        self.rows.append((source_index, time_s, pose, out.metric_scale, model_scale, registration, cameras))
+        self.rows.append((source_index, time_s, pose, out.metric_scale, model_scale, registration, cameras, chain))
         self.records.append(frame.record())
         watch.lap("record")
         return frame
 
+    def _new_chain(self, index: int, rgb: np.ndarray, out: Any) -> bool:
+        """Start a new chain at this frame (numbered `index` in the clip), unless it has fewer than MIN_INLIERS
+        features with a depth: nothing could be registered against it."""
+        tracker = Tracker(seed=self.seed)
+        tracker.start(rgb, out.depth, out.mask, out.intrinsics_pixels, 0.0, self.level, frame=index)
+        if len(tracker.ref.tracks) < MIN_INLIERS:
+            return False
+        self.tracker, self.failed_in_a_row = tracker, 0
+        self.clouds.append(VoxelCloud(self.voxel_size))
+        return True
+
     def output(self, name: str, fps: Optional[float], seconds: dict) -> VideoOutput:
         if not self.rows:
             raise InputError("source: no frames")
-        source_frames, times, poses, scale, model_scale, regs, cameras = zip(*self.rows)
-        points, colours, _ = self.cloud.result()
+        source_frames, times, poses, scale, model_scale, regs, cameras, chains = zip(*self.rows)
+        chain, registered = np.array(chains), np.array([r.ok for r in regs])
+        cloud = self.clouds[main_chain(chain, registered)]
+        points, colours, _ = cloud.result()
         kept = self.kept or None
         return VideoOutput(
             name=name,
@@ -341,7 +383,8 @@ class ClipChain:
             poses=np.stack(poses),
             scale=np.array(scale),
             model_scale=np.array(model_scale),
-            registered=np.array([r.ok for r in regs]),
+            registered=registered,
+            chain=chain,
             inliers=np.array([r.inliers for r in regs]),
             residual=np.array([r.residual for r in regs]),
             failures=[r.reason for r in regs],
@@ -349,7 +392,7 @@ class ClipChain:
             times=np.array(times),
             cloud_points=points,
             cloud_colors=colours,
-            voxel_size=math.nan if self.cloud.voxel_size is None else float(self.cloud.voxel_size),
+            voxel_size=math.nan if cloud.voxel_size is None else float(cloud.voxel_size),
             depth_range=self.depth_range,
             calibrations=self.calibrations,
             records=self.records,

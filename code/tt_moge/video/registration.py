@@ -375,10 +375,10 @@ class Tracker:
     `start` makes a frame the reference (the first frame of a clip); `register` fits a frame against the
     reference; `advance` makes the registered frame the new reference. Geometry comes in as each frame's depth,
     mask and pixel intrinsics (its own, or the clip's), with `offset` metres added to the depth. Frames are
-    numbered in the order they come (0 for `start`, then one per `register`); a Registration names the frame it
-    was fitted against (`reference`): the last registered one, or, when the frame could not be found there, an
-    older keyframe (`keyframes`: a reference is kept as one when fewer than KEYFRAME_OVERLAP of the last
-    keyframe's features are still followed)."""
+    numbered in the order they come (`start`'s number, 0 by default, then one per `register`); a Registration
+    names the frame it was fitted against (`reference`): the last registered one, or, when the frame could not be
+    found there, an older keyframe (`keyframes`: a reference is kept as one when fewer than KEYFRAME_OVERLAP of the
+    last keyframe's features are still followed)."""
 
     def __init__(self, side: int = TRACK_SIDE, points: int = TRACK_POINTS, seed: int = 0):
         self.side, self.points, self.seed = side, points, seed
@@ -424,15 +424,19 @@ class Tracker:
             return tracks
         return np.concatenate([tracks, corners.reshape(-1, 2).astype(np.float32)])
 
-    def start(self, rgb: np.ndarray, depth: np.ndarray, mask: np.ndarray, k_pixels: np.ndarray, offset=0.0, scale=1.0):
-        """Make this frame the reference (frame 0); its points are its depth's x `scale` (the clip's scale)."""
+    def start(
+        self, rgb: np.ndarray, depth: np.ndarray, mask: np.ndarray, k_pixels: np.ndarray, offset=0.0, scale=1.0, frame=0
+    ):
+        """Make this frame the reference (numbered `frame`: 0 for a clip's first; a new chain's first frame keeps
+        its number in the clip), the first of a new chain: no keyframe of an earlier one is searched. Its points
+        are its depth's x `scale` (the clip's scale)."""
         grey = shrink_grey(rgb, self.side)
         tracks = self._fill(grey, np.zeros((0, 2), np.float32))
         xyz = lift(_full(tracks, grey.shape, depth.shape), depth, mask, k_pixels, offset) * scale
         keep = np.isfinite(xyz).all(axis=1)
         geometry = (*_shrunk(grey.shape, depth, mask, k_pixels), offset, scale)
-        self._frame, self._pending, self._tries = 0, None, 0
-        self.ref = _Reference(0, grey, tracks[keep], xyz[keep], self._new_ids(len(tracks))[keep], geometry)
+        self._frame, self._pending, self._tries = frame, None, 0
+        self.ref = _Reference(frame, grey, tracks[keep], xyz[keep], self._new_ids(len(tracks))[keep], geometry)
         self.keyframes = [self.ref]
 
     def _new_ids(self, count: int) -> np.ndarray:

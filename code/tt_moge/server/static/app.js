@@ -221,7 +221,7 @@ function showClipNumbers(result) {
   const t = s.timing_ms || {};
   const rows = [
     ["size", "Frames", `${s.frames} of ${s.width} × ${s.height} px${s.fps ? ` at ${s.fps.toFixed(2)} fps` : ""}`, [s.width, s.height]],
-    ["registered", "Registered", `${s.registered} of ${s.frames}${s.relocalised ? `, ${s.relocalised} found again by descriptor matching` : ""}${s.failed.length ? " (the others are flagged)" : ""}`, s.registered],
+    ["registered", "Registered", `${s.registered} of ${s.frames}${s.relocalised ? `, ${s.relocalised} found again by descriptor matching` : ""}${s.failed.length ? " (the others are flagged)" : ""}${s.chains.length > 1 ? `; ${s.chains.length} chains (a new one after each cut), the view shows chain ${s.main_chain}` : ""}`, s.registered],
     ["fov_x_deg", "Horizontal field of view (the clip's)", fmt(1, "°")(s.fov_x_deg), s.fov_x_deg],
     ["path_length_m", "Camera path", fmt(2, " m")(s.path_length_m), s.path_length_m],
     ["scale", "Metric scale (median, min – max)", s.scale.median === null ? "n/a" : `${s.scale.median.toFixed(3)} (${s.scale.min.toFixed(3)} – ${s.scale.max.toFixed(3)})`, s.scale],
