@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from tt_moge.testing.scene import camera_path, intrinsics_for, pan_path, render_path
-from tt_moge.testing.video import aligned_positions, stand_in
+from tt_moge.testing.video import PredictOnly, aligned_positions, stand_in
 from tt_moge.video import iter_video, predict_video
 
 FRAMES, SIZE = 24, (320, 240)
@@ -456,6 +456,26 @@ def test_relocalisation_refuses_a_pose_the_frames_contradict(walk):
     for wrong in (sideways, turned):
         share, correlation = check(wrong)
         assert share >= MIN_AGREEMENT and correlation < MIN_CORRELATION, (share, correlation)
+
+
+@pytest.mark.parametrize("options", [dict(calibration_frames=5), dict(calibration_frames=4, window=6)])
+def test_each_frame_runs_through_the_model_once(walk, options):
+    """With forward_many / finish_many the calibration frames' forwards are finished again with the clip's
+    intrinsics instead of running again: one forward per frame (with a window, per window too; a calibration not
+    a multiple of the 4-frame chunks), and the same clip, exactly, as a model that runs them twice."""
+    _, renders = walk
+    renders = renders[:14]
+    images = [r.image for r in renders]
+    once, twice = oracle(renders), oracle(renders)
+    clip = predict_video(once, images, **options)
+    again = predict_video(PredictOnly(twice), images, **options)
+    assert once.forwards == len(images)
+    assert twice.forwards == len(images) + sum(c["frames"] for c in again.calibrations) > len(images)
+    assert len(clip.calibrations) == (3 if "window" in options else 1) and clip.registered.all()
+    for a, b in zip(clip.frames, again.frames):
+        for name in ("depth", "points", "normal", "mask", "intrinsics"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    np.testing.assert_array_equal(clip.poses, again.poses)
 
 
 def test_a_video_file_through_opencv(walk, tmp_path):

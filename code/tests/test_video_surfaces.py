@@ -140,6 +140,37 @@ def test_bad_clip_requests_get_clear_4xx(client, clip, query, body, headers, sta
     assert response.status_code == status and response.json()["code"] == code, response.text
 
 
+def test_one_forward_finished_again_is_predict_many(tiny_model, clip, monkeypatch):
+    """forward_many then finish_many gives predict_many's arrays, exactly, for any call options of the same fit,
+    without running the network again; so a clip runs each frame through the network once (its calibration
+    frames' forwards are kept and finished again with the clip's intrinsics), not its calibration frames twice.
+    A forward finished with another fit, or something that is not a forward, is refused by name."""
+    from tt_moge.host import InputError, Intrinsics
+
+    images = [r.image for r in render_path(camera_path(9)[::3], *SIZE)]
+    runner, forwards = tiny_model.service.runner, []
+    submit = runner.submit
+    monkeypatch.setattr(runner, "submit", lambda canvas: forwards.append(canvas.shape) or submit(canvas))
+    forwarded = tiny_model.forward_many(images)
+    assert len(forwards) == len(images)
+    k = Intrinsics(0.62, 0.83, 0.48, 0.52, normalised=True)
+    for options in ({}, dict(intrinsics=k, apply_mask=False), dict(fov_x=60.0, force_projection=False)):
+        again = tiny_model.finish_many(forwarded, **options)
+        for a, b in zip(again, tiny_model.predict_many(images, **options)):
+            assert 0.05 < b.valid_fraction < 0.999 and np.isfinite(b.depth[b.mask]).all()  # not vacuous
+            for name in ("depth", "points", "normal", "mask", "intrinsics"):
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    assert len(forwards) == 4 * len(images)  # the forwards, then 3 x predict_many
+    with pytest.raises(InputError, match=r"fit: forwarded\[0\] was forwarded with fit='pad', got fit='stretch'"):
+        tiny_model.finish_many(forwarded, fit="stretch")
+    with pytest.raises(InputError, match=r"forwarded\[1\]: expected a forward of MoGeModel.forward_many"):
+        tiny_model.finish_many([forwarded[0], images[1]])
+
+    forwards.clear()
+    tiny_model.predict_video(clip, calibration_frames=CALIBRATION)
+    assert len(forwards) == FRAMES
+
+
 def test_clip_limits(tiny_model, clip):
     """More frames than --max-video-frames: 413 before any work; a clip whose cost can never fit the memory
     budget: 413 naming the budget."""

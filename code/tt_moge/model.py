@@ -174,6 +174,18 @@ class MoGeModel:
         decodes image i+1 and another finishes image i-1. Same results as single calls."""
         return self.service.predict_many(images, _call_options("predict_many", options))
 
+    def forward_many(self, images: Iterable[Any], **options: Any) -> list:
+        """Several images' forwards without the host steps: `host.Forwarded`s (raw maps on the canvas, where the
+        image sits), for `finish_many`: one forward, finished with as many sets of options as wanted (the video
+        path finishes its calibration frames twice). Options: those of `predict_many`; `fit` places each image on
+        the canvas, and given `intrinsics` are checked against each image here."""
+        return self.service.forward_many(images, _call_options("forward_many", options))
+
+    def finish_many(self, forwarded: Iterable[Any], **options: Any) -> list:
+        """`forward_many`'s forwards -> MoGeOutputs with these call options (the `fit` they were forwarded with):
+        what `predict_many` gives for their images with these options, without running the network again."""
+        return self.service.finish_many(forwarded, _call_options("finish_many", options))
+
     def predict_panorama(self, image: Any, *, return_views: bool = False, apply_mask: bool = True) -> Any:
         """A 360-degree equirectangular image (width = 2 x height) -> PanoramaOutput: distance (H, W) metres,
         points (H, W, 3) on the unit-sphere directions x distance, mask; the per-view MoGeOutputs with
@@ -307,6 +319,8 @@ def _generated_signatures() -> None:
         (MoGeModel.predict, "image", MoGeOutput),
         (MoGeModel.__call__, "image", Any),
         (MoGeModel.predict_many, "images", list),
+        (MoGeModel.forward_many, "images", list),
+        (MoGeModel.finish_many, "forwarded", list),
     ):
         sig = signature(CallOptions, leading=(this, param(first, param.POSITIONAL_OR_KEYWORD)), returns=returns)
         if method is MoGeModel.predict:

@@ -8,18 +8,19 @@ batch replica (`jobs.py`). The same image and `CallOptions` therefore give the s
 
 The device forward runs one canvas at a time under a lock; the host stages (`host.prepare`, `host.postprocess`)
 of different calls run in parallel. `predict_many` overlaps the decode of the next image and the finish of the
-previous one with the device.
+previous one with the device. `forward_many` and `finish_many` are its two halves: one forward, finished as
+often as asked with different options.
 """
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .host import CallOptions, InputError, Prepared, Stopwatch, postprocess, prepare
+from .host import CallOptions, Forwarded, InputError, Prepared, Stopwatch, postprocess, prepare, refinish
 from .output import MoGeOutput
 from .runners.base import PendingMaps, RawMaps, ReplayRunner, Runner
 
@@ -87,6 +88,24 @@ class PredictionService:
     def predict_many(self, images: Iterable[Any], options: CallOptions = CallOptions()) -> list:
         """Several images, in order, with the same options. While the device runs image i, a host thread
         decodes image i+1 and another finishes image i-1. Same results as single calls."""
+        return self._pipelined(images, options, lambda raw, plan: postprocess(raw, plan, options))
+
+    def forward_many(self, images: Iterable[Any], options: CallOptions = CallOptions()) -> list:
+        """Several images' forwards without their host steps (`host.Forwarded`), decoded as `predict_many` does
+        (the next image while the device runs this one)."""
+        return self._pipelined(images, options, Forwarded)
+
+    def finish_many(self, forwarded: Iterable[Any], options: CallOptions = CallOptions()) -> list:
+        """`forward_many`'s forwards finished with these options (`host.refinish`), two at a time: the outputs
+        `predict_many` gives for their images with these options."""
+        forwarded = list(forwarded)
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tt_moge-host") as pool:
+            jobs = [pool.submit(refinish, f, options, f"forwarded[{i}]") for i, f in enumerate(forwarded)]
+            return [job.result() for job in jobs]
+
+    def _pipelined(self, images: Iterable[Any], options: CallOptions, done: Callable[[RawMaps, Any], Any]) -> list:
+        """`done(raw maps, canvas plan)` of each image, in order, on host threads: while the device runs image
+        i, one thread decodes image i+1 and another runs `done` for image i-1."""
         self.check_open()
         images = list(images)
         if not images:
@@ -96,7 +115,7 @@ class PredictionService:
             finishing, running = [], None  # running: (pending raw maps, plan) of the image on the device
 
             def finish(pending, plan) -> None:  # on a host thread, once the maps are back
-                finishing.append(pool.submit(postprocess, pending.result(), plan, options))
+                finishing.append(pool.submit(done, pending.result(), plan))
 
             for i in range(len(images)):
                 prepared = next_prepared.result()

@@ -17,8 +17,10 @@ whole clip beside plain `predict_many` on the same frames.
    the calibration frames that it triggers when the geometry's focal is used) timed alone; the focal found
    against the truth. It runs only on the calibration frames; part 1 is unchanged by it.
 3. clip: a random-weight checkpoint (tiny-vits-normal) on the CPU over --clip-frames frames of the walk at
-   --clip-size: `model.predict_many(frames)` against `model.predict_video(frames)` (its calibration frames run
-   twice) and `predict_video(frames, intrinsics=K)`, calls alternated --repeats times; frames/s (wall) and frames
+   --clip-size: `model.predict_many(frames)` against `model.predict_video(frames)` (its calibration frames
+   forwarded once, finished twice), the same through `testing.video.PredictOnly` (the model seen with
+   `predict_many` only: its calibration frames run through it twice, as before the forwards were kept; the same
+   arrays) and `predict_video(frames, intrinsics=K)`, calls alternated --repeats times; frames/s (wall) and frames
    per CPU second of the process (which moves less with other jobs' load on a shared machine) and their ratios.
    On the CPU the forward dominates; on a Tenstorrent chip or a GPU the host work of part 1 is what must stay
    below the device's time per frame.
@@ -188,6 +190,8 @@ def clip_part(size: tuple, frames: int, repeats: int, canvas: tuple) -> dict:
     from tt_moge import MoGeModel
     from tt_moge.testing import make_checkpoint
     from tt_moge.testing.scene import camera_path, render_path
+    from tt_moge.testing.video import PredictOnly
+    from tt_moge.video import predict_video
 
     renders = render_path(camera_path(frames, length=0.1 * frames), *size)
     images = [r.image for r in renders]
@@ -200,6 +204,7 @@ def clip_part(size: tuple, frames: int, repeats: int, canvas: tuple) -> dict:
             calls = {
                 "predict_many": lambda: model.predict_many(images),
                 "predict_video": lambda: model.predict_video(images),
+                "predict_video_forwarding_twice": lambda: predict_video(PredictOnly(model), images),
                 "predict_video_given_k": lambda: model.predict_video(images, intrinsics=k),
             }
             wall: dict = {name: [] for name in calls}
@@ -224,7 +229,7 @@ def clip_part(size: tuple, frames: int, repeats: int, canvas: tuple) -> dict:
     print(f"clip of {frames} frames {size[0]}x{size[1]}, tiny model on a {canvas[0]}x{canvas[1]} canvas (CPU):")
     for name in calls:
         print(
-            f"  {name:24s} {fps[name]:7.3f} frames/s ({result['ratio_to_predict_many'][name]:.2f} x predict_many), "
+            f"  {name:31s} {fps[name]:7.3f} frames/s ({result['ratio_to_predict_many'][name]:.2f} x predict_many), "
             f"{fpcs[name]:7.3f} frames per CPU second ({result['cpu_ratio_to_predict_many'][name]:.2f} x)"
         )
     return result

@@ -3,11 +3,12 @@
 from .canvas import CanvasPlan, fit_to_canvas, plan_canvas
 from .decode import ImageNotFoundError, InputError, to_rgb_array
 from .intrinsics import Intrinsics
-from .pipeline import CallOptions, Prepared, Stopwatch, postprocess, prepare
+from .pipeline import CallOptions, Forwarded, Prepared, Stopwatch, postprocess, prepare, refinish
 
 __all__ = [
     "CallOptions",
     "CanvasPlan",
+    "Forwarded",
     "ImageNotFoundError",
     "InputError",
     "Intrinsics",
@@ -17,5 +18,6 @@ __all__ = [
     "plan_canvas",
     "postprocess",
     "prepare",
+    "refinish",
     "to_rgb_array",
 ]

@@ -25,7 +25,17 @@ from .finish import finish
 from .intrinsics import Intrinsics, check_intrinsics
 from .solve import recover_camera, recover_shift
 
-__all__ = ["CallOptions", "Prepared", "prepare", "postprocess", "Stopwatch", "check_fov_x", "parse_fov_degrees"]
+__all__ = [
+    "CallOptions",
+    "Forwarded",
+    "Prepared",
+    "prepare",
+    "postprocess",
+    "refinish",
+    "Stopwatch",
+    "check_fov_x",
+    "parse_fov_degrees",
+]
 
 
 class Stopwatch:
@@ -188,3 +198,31 @@ def postprocess(raw: RawMaps, plan: CanvasPlan, options: CallOptions, timing: Op
     )
     watch.lap("finish")
     return out
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """One image's forward without its host steps: the raw maps on its canvas (`raw`, float32 on the host, about
+    28 bytes per canvas pixel) and where the image sits there (`plan`). `refinish` (`MoGeModel.finish_many`)
+    turns it into a MoGeOutput with any call options of the same `fit`, as often as asked: one forward, several
+    finishes (the video path finishes its calibration frames twice, with their own focal and with the clip's)."""
+
+    raw: RawMaps
+    plan: CanvasPlan
+
+
+def refinish(forwarded: Forwarded, options: CallOptions, name: str = "forwarded") -> MoGeOutput:
+    """`postprocess` of a forward with these options: the output `predict` gives for its image with them. The
+    raw maps are only read, so a forward can be finished again. An InputError names `name` when the options do
+    not fit it: another `fit` (the canvas depends on it), intrinsics whose principal point is outside its image."""
+    if not isinstance(forwarded, Forwarded):
+        raise InputError(f"{name}: expected a forward of MoGeModel.forward_many, got {type(forwarded).__name__}")
+    plan = forwarded.plan
+    if options.fit != plan.fit:
+        raise InputError(
+            f"fit: {name} was forwarded with fit={plan.fit!r}, got fit={options.fit!r} (the canvas depends on it; "
+            "forward it again)"
+        )
+    if options.intrinsics is not None:
+        options.intrinsics.check_image(plan.image_size)
+    return postprocess(forwarded.raw, plan, options)

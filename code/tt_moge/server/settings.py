@@ -39,6 +39,9 @@ BYTES_PER_PIXEL = 64
 # BYTES_PER_PIXEL (the reader's decoded frames, the model's chunks, the frame being registered).
 CLIP_BYTES_PER_PIXEL = 5
 CLIP_FRAMES_IN_FLIGHT = 16
+# ... and the calibration frames' forwards, kept until the real pass finishes them again (`host.Forwarded`): float32
+# points and normal, the mask probability, per pixel of the model's canvas
+RAW_BYTES_PER_CANVAS_PIXEL = 28
 # File descriptors. Every open connection is one; the process needs others too. So the connection limit is kept
 # below the process's limit (RLIMIT_NOFILE, read at start) by:
 ACCEPT_BACKLOG = 128  # the listen backlog, which is also the most connections accepted in one go (before the
@@ -262,12 +265,15 @@ class ServerSettings:
         return BYTES_PER_PIXEL * (pixels + views) + body_bytes
 
     @staticmethod
-    def clip_cost(frames: int, pixels: int, body_bytes: int, calibration_frames: int) -> int:
+    def clip_cost(frames: int, pixels: int, body_bytes: int, calibration_frames: int, canvas_pixels: int = 0) -> int:
         """The bytes an admitted clip is counted for: CLIP_BYTES_PER_PIXEL per pixel of each of its frames (the
         answer), BYTES_PER_PIXEL per pixel of its calibration frames and CLIP_FRAMES_IN_FLIGHT more (the work),
-        and the body."""
-        working = min(calibration_frames, frames) + CLIP_FRAMES_IN_FLIGHT
-        return pixels * (CLIP_BYTES_PER_PIXEL * frames + BYTES_PER_PIXEL * working) + body_bytes
+        RAW_BYTES_PER_CANVAS_PIXEL per pixel of the model's canvas for each calibration frame (their kept
+        forwards), and the body."""
+        calibrating = min(calibration_frames, frames)
+        working = pixels * BYTES_PER_PIXEL * (calibrating + CLIP_FRAMES_IN_FLIGHT)
+        kept = canvas_pixels * RAW_BYTES_PER_CANVAS_PIXEL * calibrating
+        return pixels * CLIP_BYTES_PER_PIXEL * frames + working + kept + body_bytes
 
     @staticmethod
     def api_key_from_env() -> Optional[str]:

@@ -164,7 +164,8 @@ async def predict_clip(
 
     def cost(upload: ClipUpload) -> int:
         w, h = upload.size
-        need = settings.clip_cost(upload.frames, w * h, upload.nbytes, video.calibration_frames)
+        cw, ch = getattr(model, "resolution", (0, 0))  # a stand-in model may have no canvas
+        need = settings.clip_cost(upload.frames, w * h, upload.nbytes, video.calibration_frames, cw * ch)
         if need > settings.memory_budget_bytes:
             raise ApiError(
                 413,

@@ -1,11 +1,12 @@
 """A stand-in model for the video path: the frames of a camera moving through the analytic scene, answered the way
 an imperfect MoGe-2 would, with every error known.
 
-`VideoOracle(renders)` has the one method the video path calls, `predict_many(images, **call options)` (and
-`predict`), and returns real `MoGeOutput`s: for each image it builds the raw maps a network would give and runs
-tt_moge's own host code on them (`host.postprocess`: the camera solve, or the shift alone when `intrinsics` or
-`fov_x` are given, and the finish), on a canvas of the frame's own size. So every call option means what it means
-for the model. The raw maps of frame i are its exact geometry (`testing.scene.render_path`) with:
+`VideoOracle(renders)` has the methods the video path calls, `predict_many(images, **call options)` (and
+`predict`), `forward_many` and `finish_many` (MoGeModel's two halves of `predict_many`), and returns real
+`MoGeOutput`s: for each image it builds the raw maps a network would give and runs tt_moge's own host code on
+them (`host.postprocess`: the camera solve, or the shift alone when `intrinsics` or `fov_x` are given, and the
+finish), on a canvas of the frame's own size. So every call option means what it means for the model. The raw
+maps of frame i are its exact geometry (`testing.scene.render_path`) with:
 
 * an arbitrary scale and z-shift (affine-invariant points): the points are divided by the frame's median depth
   and shifted along z by `shifts[i]` (raw units);
@@ -20,7 +21,8 @@ for the model. The raw maps of frame i are its exact geometry (`testing.scene.re
   about `holes` of the frame, where the mask probability is 0 (as on the sky).
 
 Each image is matched to its frame by its 16x12 thumbnail (the nearest in mean absolute difference), so frames
-that went through a lossy video file are still recognised. `calls` records (number of images, options) per call.
+that went through a lossy video file are still recognised. `calls` records (number of images, options) per call;
+`forwards` counts the images that went through the "network" (`predict_many` and `forward_many`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["VideoOracle", "symmetric_errors", "stand_in", "aligned_positions"]
+__all__ = ["VideoOracle", "PredictOnly", "symmetric_errors", "stand_in", "aligned_positions"]
 
 _THUMB = (16, 12)
 
@@ -86,6 +88,7 @@ class VideoOracle:
         self._thumbs = np.stack([_thumb(r.image) for r in self.renders])
         self._raw: dict = {}
         self.calls: list = []
+        self.forwards = 0
 
     # --------------------------------------------------------------------------------- the model
     def frame_of(self, rgb: np.ndarray) -> int:
@@ -93,26 +96,44 @@ class VideoOracle:
         return int(np.abs(self._thumbs - _thumb(rgb)[None]).mean(axis=(1, 2, 3)).argmin())
 
     def predict_many(self, images: Any, **options: Any) -> list:
-        from ..host import CallOptions, to_rgb_array
+        from ..host import refinish
 
-        images = list(images)
-        call = CallOptions.make(**options)
-        self.calls.append((len(images), call))
-        return [self._predict(to_rgb_array(image, f"images[{i}]"), call) for i, image in enumerate(images)]
+        return [refinish(f, call) for f, call in self._forward(images, options)]
 
     def predict(self, image: Any, **options: Any) -> Any:
         return self.predict_many([image], **options)[0]
 
-    def _predict(self, rgb: np.ndarray, call: Any) -> Any:
-        from ..host import plan_canvas, postprocess
+    def forward_many(self, images: Any, **options: Any) -> list:
+        return [f for f, _ in self._forward(images, options)]
 
-        h, w = rgb.shape[:2]
-        index = self.frame_of(rgb)
-        if self.renders[index].image.shape[:2] != (h, w):
-            raise ValueError(f"the stand-in knows frames of {self.renders[index].image.shape[1::-1]}, got {w}x{h}")
-        if call.intrinsics is not None:
-            call.intrinsics.check_image((w, h))
-        return postprocess(self.raw_maps(index), plan_canvas((w, h), (w, h), call.fit), call)
+    def finish_many(self, forwarded: Any, **options: Any) -> list:
+        from ..host import CallOptions, refinish
+
+        forwarded = list(forwarded)
+        call = CallOptions.make(**options)
+        self.calls.append((len(forwarded), call))
+        return [refinish(f, call, f"forwarded[{i}]") for i, f in enumerate(forwarded)]
+
+    def _forward(self, images: Any, options: dict) -> list:
+        """[(host.Forwarded, CallOptions)] of the images: each frame's raw maps on a canvas of its own size."""
+        from ..host import CallOptions, Forwarded, plan_canvas, to_rgb_array
+
+        images = list(images)
+        call = CallOptions.make(**options)
+        self.calls.append((len(images), call))
+        self.forwards += len(images)
+        done = []
+        for i, image in enumerate(images):
+            rgb = to_rgb_array(image, f"images[{i}]")
+            h, w = rgb.shape[:2]
+            index = self.frame_of(rgb)
+            if self.renders[index].image.shape[:2] != (h, w):
+                known = self.renders[index].image.shape[1::-1]
+                raise ValueError(f"the stand-in knows frames of {known}, got {w}x{h}")
+            if call.intrinsics is not None:
+                call.intrinsics.check_image((w, h))
+            done.append((Forwarded(self.raw_maps(index), plan_canvas((w, h), (w, h), call.fit)), call))
+        return done
 
     # -------------------------------------------------------------------------------- raw maps
     def raw_maps(self, index: int) -> Any:
@@ -204,3 +225,15 @@ def aligned_positions(poses: np.ndarray, truth: np.ndarray) -> np.ndarray:
 
     s, r, t = umeyama(poses[:, :3, 3], truth[:, :3, 3])
     return (s * (r @ poses[:, :3, 3].T)).T + t
+
+
+class PredictOnly:
+    """`model` seen with `predict_many` only, the least the video path asks of a model: its calibration frames then
+    run through the model twice, as they did before the video path kept their forwards (`finish_many`). For
+    comparisons: the same clip, exactly, at the old cost."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def predict_many(self, images: Any, **options: Any) -> list:
+        return self.model.predict_many(images, **options)

@@ -19,7 +19,9 @@ geometry) and
    The model's metric scale is then trusted on average over the frames, not frame by frame;
 4. takes the colour range of depth.mp4 (1st and 99th percentile of the consistent depth of these frames).
 The real pass then runs every frame with the clip's intrinsics (`intrinsics=`: the model solves only each
-frame's shift) and chains the scale through the registration, starting at the level.
+frame's shift) and chains the scale through the registration, starting at the level. A model with
+`forward_many` / `finish_many` (MoGeModel) runs the calibration frames through the network once: their forwards
+are kept (`Calibration.forwarded`), and the real pass only finishes them again with the clip's intrinsics.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class Calibration:
     source: str = "solved"
     registered: int = 0
     focal: Optional[FocalFit] = None
+    # the frames' forwards (host.Forwarded) where the model can finish a forward again, else None: the real pass
+    # finishes each once more with the clip's intrinsics and drops it (its entry set to None)
+    forwarded: Optional[list] = field(default=None, repr=False)
 
     def record(self) -> dict:
         def finite(x: Any) -> Optional[float]:
@@ -211,7 +216,12 @@ def calibrate(model: Any, frames: list, call: CallOptions, start: int = 0, seed:
     """The calibration pass of the segment that starts with `frames` ([(source index, RGB)]): see the module
     docstring. `call`: the clip's call options (its intrinsics or fov_x, if given, are kept)."""
     options = dict(call.kwargs(), apply_mask=False, force_projection=False)
-    outputs = model.predict_many([rgb for _, rgb in frames], **options)
+    images, forwarded = [rgb for _, rgb in frames], None
+    if hasattr(model, "forward_many") and hasattr(model, "finish_many"):
+        forwarded = model.forward_many(images, **options)
+        outputs = model.finish_many(forwarded, **options)
+    else:
+        outputs = model.predict_many(images, **options)
     w, h = outputs[0].size
     focal_fit = None
     if call.intrinsics is not None:
@@ -262,6 +272,7 @@ def calibrate(model: Any, frames: list, call: CallOptions, start: int = 0, seed:
         source=source,
         registered=int(len(found) - 1),
         focal=focal_fit,
+        forwarded=forwarded,
     )
 
 

@@ -78,8 +78,8 @@ class VideoOptions:
     )
     calibration_frames: int = option(
         DEFAULT_CALIBRATION_FRAMES,
-        "the clip's intrinsics and metric scale are estimated on its first N frames, which run through the model "
-        "twice (default %(default)s)",
+        "the clip's intrinsics and metric scale are estimated on its first N frames (their forwards are kept in "
+        "memory until the real pass finishes them again; default %(default)s)",
         metavar="N",
         parse=_count_text(2),
         check=_count("calibration_frames", 2, False),

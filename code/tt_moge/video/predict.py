@@ -1,16 +1,19 @@
 """`predict_video` / `iter_video`: a clip through the model, consistent over its frames, registered and fused.
 
 What is called and read on `model` (so that anything that does the same can stand in, e.g.
-`tt_moge.testing.video.VideoOracle`): only `model.predict_many(list of (H, W, 3) uint8 RGB arrays, **options)`,
+`tt_moge.testing.video.VideoOracle`): `model.predict_many(list of (H, W, 3) uint8 RGB arrays, **options)`,
 where options are the call options of `model(image, ...)` (`host.CallOptions.kwargs()`), which must return one
-`MoGeOutput` per image, in order. Read from each output: depth, mask, points, intrinsics, intrinsics_pixels,
+`MoGeOutput` per image, in order; and, where the model has both, `forward_many(images, **options)` and
+`finish_many(forwards, **options)` (its two halves: MoGeModel's), so that the calibration frames run through the
+network once, not twice. Read from each output: depth, mask, points, intrinsics, intrinsics_pixels,
 metric_scale (and, for the files, normal). The outputs are changed in place (depth and points scaled).
 
 Steps (threads: a reader decodes frames ahead, a producer runs the model, the caller's thread registers):
 1. calibration pass on the first `calibration_frames` frames (`calibrate.calibrate`): the clip's intrinsics
    (given, from fov_x, or one focal solved over the frames) and the metric level;
 2. the real pass, `DEFAULT_CHUNK` frames per `predict_many` call, with the clip's intrinsics (the model solves
-   only each frame's shift); the next chunk runs on the model while this one is registered;
+   only each frame's shift; the calibration frames' kept forwards are only finished again, `finish_many`); the
+   next chunk runs on the model while this one is registered;
 3. per frame: registration against the last registered frame (`registration.Tracker`), which gives its scale
    relative to the clip (depth and points are multiplied by it) and its pose; a frame whose fit fails its
    checks is flagged (pose NaN), keeps the segment's level and stays out of the fused cloud; after
@@ -21,7 +24,8 @@ With `window`, steps 1-3 restart every `window` frames (new intrinsics, the leve
 chain continues across.
 
 Memory: the reader holds 2 chunks of decoded frames, the producer at most one chunk of outputs ahead of the one
-being registered, the calibration its frames' RGB; `iter_video` keeps nothing else per frame but a few numbers
+being registered, the calibration its frames' RGB and their forwards (raw maps on the canvas, about 28 bytes per
+canvas pixel each, dropped as the real pass finishes them); `iter_video` keeps nothing else per frame but a few numbers
 (pose, scales, registration), so an hour-long video streams. `predict_video` keeps every frame's output.
 """
 
@@ -175,7 +179,7 @@ class VideoStream:
                     else:
                         ahead.append(item)
 
-            video, position, options = self.video, 0, None
+            video, position, options, forwarded, segment_start = self.video, 0, None, None, 0
             while not self._stop.is_set():
                 calibration = None
                 if position == 0 or (video.window is not None and position % video.window == 0):
@@ -191,6 +195,7 @@ class VideoStream:
                         )
                     segment = list(ahead)[: video.calibration_frames]
                     calibration = calibrate(self.model, segment, self.call, start=position, seed=self.seed)
+                    forwarded, segment_start = calibration.forwarded, position
                     given = calibration.source != "solved"
                     options = (
                         self.call.kwargs() if given else dict(self.call.kwargs(), intrinsics=calibration.intrinsics)
@@ -202,7 +207,7 @@ class VideoStream:
                 batch = [ahead.popleft() for _ in range(min(n, len(ahead)))]
                 if not batch:
                     break
-                outputs = self.model.predict_many([rgb for _, rgb in batch], **options)
+                outputs = self._outputs(batch, options, forwarded, position - segment_start)
                 if len(outputs) != len(batch):
                     raise RuntimeError(f"model.predict_many returned {len(outputs)} outputs for {len(batch)} images")
                 if not self._put(results, (calibration, batch, outputs)):
@@ -211,6 +216,16 @@ class VideoStream:
             self._put(results, _END)
         except BaseException as exc:
             self._put(results, exc)
+
+    def _outputs(self, batch: list, options: dict, forwarded: Optional[list], offset: int) -> list:
+        """The model's outputs of a chunk: frames whose forward the calibration kept (`forwarded`, from the
+        segment's frame `offset` on) are only finished again with these options, and dropped; the rest run."""
+        reuse = [] if forwarded is None else forwarded[offset : offset + len(batch)]
+        if reuse:
+            forwarded[offset : offset + len(reuse)] = [None] * len(reuse)
+        outputs = self.model.finish_many(reuse, **options) if reuse else []
+        rest = batch[len(reuse) :]
+        return outputs + (self.model.predict_many([rgb for _, rgb in rest], **options) if rest else [])
 
     # ---------------------------------------------------------------------------------- the caller
     def _run(self) -> Iterator[VideoFrame]:
