@@ -266,6 +266,47 @@ def test_a_cut_starts_a_new_chain(walk, tmp_path):
     assert not never.chain.any() and never.main_chain == 0
 
 
+def test_a_cut_back_continues_the_earlier_chain(walk):
+    """Shot / reverse shot: 8 frames of the walk, 8 of the (inverted) pan, then the walk again 2 frames further
+    on. The pan starts chain 1 after its first two frames fail; the first frame back on the walk is found in
+    chain 0 (its last frame and keyframes) and the walk goes on there, on its true trajectory in chain 0's world,
+    with no frame lost. Chain 0 has the most registered frames: its cloud and trajectory are the clip's."""
+    from dataclasses import replace
+
+    poses, renders = walk
+    pan = pan_path(range(0, 24, 3))
+    shot = [replace(r, image=255 - r.image) for r in render_path(pan, *SIZE)]
+    back = list(range(10, 16))  # the walk's frames after the pan
+    clip_renders = list(renders[:8]) + shot + [renders[i] for i in back]
+    images = [r.image for r in clip_renders]
+    clip = predict_video(oracle(clip_renders), images, calibration_frames=8)
+    assert list(clip.chain) == [0] * 10 + [1] * 6 + [0] * 6
+    assert clip.registered[:8].all() and clip.registered[10:].all() and not clip.registered[8:10].any()
+    assert "earlier chain" not in clip.failures[8]  # no earlier chain to look in yet
+    first_back = clip.records[16]
+    assert first_back["relocalised"] and first_back["reference"] <= 7, first_back
+    walked = np.r_[0:8, 16:22]
+    ate, rotation = trajectory_errors(clip.poses[walked], poses[np.r_[0:8, back]])
+    assert ate <= 0.01 and rotation <= 0.5, (ate, rotation)
+    assert clip.main_chain == 0 and clip.summary()["chains"][0]["registered"] == 14
+
+
+def test_the_earlier_chains_looked_in_are_bounded():
+    """Only the EARLIER_CHAINS chains used last are kept to look in (each holds its keyframes); the others' trackers
+    are dropped."""
+    from tt_moge.video.predict import EARLIER_CHAINS, ClipChain
+
+    state = ClipChain(None, 0)
+    state.trackers = [object() for _ in range(EARLIER_CHAINS + 3)]
+    for chain in range(1, len(state.trackers)):
+        state._switch(chain)
+    last = len(state.trackers) - 1
+    assert state.current == last and state.recent == list(range(last - 1, last - 1 - EARLIER_CHAINS, -1))
+    assert [t is None for t in state.trackers] == [True] * (last - EARLIER_CHAINS) + [False] * (EARLIER_CHAINS + 1)
+    state._switch(last - 2)  # back to an earlier one: the chain it leaves heads the list
+    assert state.current == last - 2 and state.recent == [last, last - 1, last - 3]
+
+
 def test_frames_without_texture_do_not_start_a_chain(walk):
     """Six textureless frames in a row with new_chain_after=2: none of them has the features a chain needs, so
     none starts one; the frame after them is found again in the first chain."""

@@ -62,6 +62,7 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK = 4  # frames per predict_many call of the real pass (its outputs are in memory at once)
+EARLIER_CHAINS = 3  # chains other than the current one that a frame it does not find is looked for in
 _END = object()
 
 
@@ -278,14 +279,18 @@ class ClipChain:
     starts at frame 0. When `new_chain_after` frames in a row fail (not found against the last good frame nor a
     keyframe: the camera is somewhere none of them saw, as after a cut), the last of them starts a new chain at
     the clip's level, unless it has too few features with a depth to register against (a textureless frame
-    stays flagged, and the next one is tried). Failed frames cannot tell a cut from a stretch of frames the
-    registration could not read (blur, a hand over the lens): the latter splits one scene into two chains, which
-    are not joined (the frames are yielded as they come; their poses are not revised). `new_chain_after` 0:
-    never."""
+    stays flagged, and the next one is tried). A frame the current chain does not find is looked for in the
+    EARLIER_CHAINS chains used last before it (their last frame and keyframes, `Tracker.register`): a cut back to
+    an earlier scene (shot / reverse shot) continues that scene's chain, in its world. Failed frames cannot tell a
+    cut from a stretch of frames the registration could not read (blur, a hand over the lens): the latter splits
+    one scene into two chains, and once the new one registers its frames the old one is not looked at again
+    (the frames are yielded as they come; their poses are not revised). `new_chain_after` 0: never."""
 
     def __init__(self, voxel_size: Optional[float], seed: int, new_chain_after: int = DEFAULT_NEW_CHAIN_AFTER):
         self.seed, self.voxel_size, self.new_chain_after = seed, voxel_size, new_chain_after
-        self.tracker = Tracker(seed=seed)
+        self.trackers: list = [Tracker(seed=seed)]  # per chain; None for one no longer looked in
+        self.current = 0  # the chain of the last registered frame
+        self.recent: list = []  # the other chains kept, the one used last first (at most EARLIER_CHAINS)
         self.clouds: list = []  # one VoxelCloud per chain
         self.failed_in_a_row = 0
         self.level = math.nan
@@ -318,11 +323,13 @@ class ClipChain:
                 self.depth_range = calibration.depth_range
         if index == 0:
             self.size = out.size
-            self.tracker.start(rgb, out.depth, out.mask, out.intrinsics_pixels, 0.0, self.level)
+            self.tracker.start(rgb, out.depth, out.mask, out.intrinsics_pixels, 0.0, self.level, frame=index)
             self.clouds.append(VoxelCloud(self.voxel_size))
             correction, pose, registration = self.level, np.eye(4), Registration(True, scale=1.0, reason=None)
         else:
-            registration = self.tracker.register(rgb, out.depth, out.mask, out.intrinsics_pixels)
+            registration = self.tracker.register(rgb, out.depth, out.mask, out.intrinsics_pixels, frame=index)
+            if not registration.ok:
+                registration = self._earlier_chain(index, rgb, out, registration)
             self.failed_in_a_row = 0 if registration.ok else self.failed_in_a_row + 1
             if registration.ok:
                 motion = np.eye(4)
@@ -343,14 +350,14 @@ class ClipChain:
         out = dataclasses.replace(out, metric_scale=model_scale * correction)
         watch.lap("scale")
         if registration.ok:
-            cloud = self.clouds[-1]
+            cloud = self.clouds[self.current]
             if cloud.voxel_size is None:
                 cloud.auto(out.median_depth)
             if cloud.voxel_size is not None:
                 cloud.add(*frame_points(out, rgb, pose))
         watch.lap("fuse")
         time_s = source_index / fps if fps else float(source_index)
-        chain = len(self.clouds) - 1
+        chain = self.current
         frame = VideoFrame(
             index,
             source_index,
@@ -370,6 +377,31 @@ class ClipChain:
         watch.lap("record")
         return frame
 
+    @property
+    def tracker(self) -> Tracker:
+        return self.trackers[self.current]
+
+    def _switch(self, chain: int) -> None:
+        """Make `chain` the current one; the one it replaces heads the earlier chains looked in (the oldest
+        beyond EARLIER_CHAINS is dropped, with its keyframes)."""
+        self.recent = [self.current] + [c for c in self.recent if c != chain]
+        for old in self.recent[EARLIER_CHAINS:]:
+            self.trackers[old] = None
+        self.recent = self.recent[:EARLIER_CHAINS]
+        self.current = chain
+
+    def _earlier_chain(self, index: int, rgb: np.ndarray, out: Any, failed: Registration) -> Registration:
+        """A frame the current chain did not find, looked for in the earlier chains kept (the one used last
+        first); the first that finds it becomes the current chain. Else `failed`."""
+        for chain in list(self.recent):
+            registration = self.trackers[chain].register(rgb, out.depth, out.mask, out.intrinsics_pixels, frame=index)
+            if registration.ok:
+                self._switch(chain)
+                return registration
+        if self.recent:
+            failed.reason = f"{failed.reason}; not found in the {len(self.recent)} earlier chain(s) either"
+        return failed
+
     def _new_chain(self, index: int, rgb: np.ndarray, out: Any) -> bool:
         """Start a new chain at this frame (numbered `index` in the clip), unless it has fewer than MIN_INLIERS
         features with a depth: nothing could be registered against it."""
@@ -377,7 +409,9 @@ class ClipChain:
         tracker.start(rgb, out.depth, out.mask, out.intrinsics_pixels, 0.0, self.level, frame=index)
         if len(tracker.ref.tracks) < MIN_INLIERS:
             return False
-        self.tracker, self.failed_in_a_row = tracker, 0
+        self.trackers.append(tracker)
+        self._switch(len(self.trackers) - 1)
+        self.failed_in_a_row = 0
         self.clouds.append(VoxelCloud(self.voxel_size))
         return True
 

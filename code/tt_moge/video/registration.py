@@ -449,15 +449,21 @@ class Tracker:
         successive references are one track (the calibration's focal search reads them, calibrate.py)."""
         return self.ref.ids, self._full(self.ref.tracks, shape)
 
-    def register(self, rgb: np.ndarray, depth: np.ndarray, mask: np.ndarray, k_pixels: np.ndarray, offset=0.0):
+    def register(
+        self, rgb: np.ndarray, depth: np.ndarray, mask: np.ndarray, k_pixels: np.ndarray, offset=0.0, frame=None
+    ):
         """The fit of this frame (its depth as the model gave it, + offset) against the reference, else (the
-        frame was not found there) against the keyframe that finds it."""
+        frame was not found there) against the keyframe that finds it. `frame`: its number, where frames this
+        tracker did not see came between (they count as failed frames: a jump); default the next."""
         grey = shrink_grey(rgb, self.side)
         if grey.shape != self.grey.shape:
             raise ValueError(f"frame of {grey.shape[::-1]} (shrunk) against a reference of {self.grey.shape[::-1]}")
+        gap = 1 if frame is None else frame - self._frame
+        if gap < 1:
+            raise ValueError(f"frame {frame} registered after frame {self._frame}: frames come in order")
         self._pending = None
-        self._frame += 1
-        self._tries += 1
+        self._frame += gap
+        self._tries += gap
         ref = self.ref
         if len(ref.tracks) == 0:
             return Registration(False, reason="the reference frame has no feature with a depth")
