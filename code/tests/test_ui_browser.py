@@ -489,6 +489,11 @@ def test_a_clip_shows_its_scene_and_the_apis_numbers(result_page, api, tmp_path)
     shown = json.loads(browser.execute_script("return document.getElementById('summary-json').textContent"))
     assert shown["poses"] == expected["poses"] and shown["intrinsics"] == expected["intrinsics"]
     assert shown["frames"] == 4 and shown["registered"] == expected["registered"]
+    assert shown["chains"] == expected["chains"] and shown["main_chain"] == expected["main_chain"]
+    row = browser.find_element(By.CSS_SELECTOR, '#numbers-table tr[data-key="registered"]')
+    text = row.find_elements(By.TAG_NAME, "td")[1].text
+    assert text.startswith(f"{expected['registered']} of 4"), text
+    assert ("chains (a new one after each cut)" in text) == (len(expected["chains"]) > 1), text
 
     canvas = browser.find_element(By.ID, "view")
     assert not browser.find_element(By.ID, "view-message").is_displayed()
