@@ -291,7 +291,8 @@ class ClipChain:
         self.trackers: list = [Tracker(seed=seed)]  # per chain; None for one no longer looked in
         self.current = 0  # the chain of the last registered frame
         self.recent: list = []  # the other chains kept, the one used last first (at most EARLIER_CHAINS)
-        self.clouds: list = []  # one VoxelCloud per chain
+        self.clouds: list = []  # one VoxelCloud per chain; None for one that can no longer be the main chain
+        self.counts: list = []  # registered frames per chain
         self.failed_in_a_row = 0
         self.level = math.nan
         self.depth_range = (math.nan, math.nan)
@@ -325,6 +326,7 @@ class ClipChain:
             self.size = out.size
             self.tracker.start(rgb, out.depth, out.mask, out.intrinsics_pixels, 0.0, self.level, frame=index)
             self.clouds.append(VoxelCloud(self.voxel_size))
+            self.counts.append(0)
             correction, pose, registration = self.level, np.eye(4), Registration(True, scale=1.0, reason=None)
         else:
             registration = self.tracker.register(rgb, out.depth, out.mask, out.intrinsics_pixels, frame=index)
@@ -350,6 +352,8 @@ class ClipChain:
         out = dataclasses.replace(out, metric_scale=model_scale * correction)
         watch.lap("scale")
         if registration.ok:
+            self.counts[self.current] += 1
+            self._prune()
             cloud = self.clouds[self.current]
             if cloud.voxel_size is None:
                 cloud.auto(out.median_depth)
@@ -390,6 +394,14 @@ class ClipChain:
         self.recent = self.recent[:EARLIER_CHAINS]
         self.current = chain
 
+    def _prune(self) -> None:
+        """Drop the cloud of each chain no longer looked in that can no longer be the main chain: its count of
+        registered frames is final, and another chain has more (or as many, and came first)."""
+        main = int(np.argmax(self.counts))
+        for chain, tracker in enumerate(self.trackers):
+            if tracker is None and chain != main:
+                self.clouds[chain] = None
+
     def _earlier_chain(self, index: int, rgb: np.ndarray, out: Any, failed: Registration) -> Registration:
         """A frame the current chain did not find, looked for in the earlier chains kept (the one used last
         first); the first that finds it becomes the current chain. Else `failed`."""
@@ -413,6 +425,7 @@ class ClipChain:
         self._switch(len(self.trackers) - 1)
         self.failed_in_a_row = 0
         self.clouds.append(VoxelCloud(self.voxel_size))
+        self.counts.append(0)
         return True
 
     def output(self, name: str, fps: Optional[float], seconds: dict) -> VideoOutput:
