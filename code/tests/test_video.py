@@ -294,21 +294,23 @@ def test_a_cut_back_continues_the_earlier_chain(walk):
 def test_the_earlier_chains_looked_in_are_bounded():
     """Only the EARLIER_CHAINS chains used last are kept to look in (each holds its keyframes); the others' trackers
     are dropped, and their clouds too unless one may still be the main chain (the most registered frames)."""
-    from tt_moge.video.predict import EARLIER_CHAINS, ClipChain
+    from tt_moge.video.predict import EARLIER_CHAINS, ClipChain, _Chain
 
     state = ClipChain(None, 0)
-    state.trackers = [object() for _ in range(EARLIER_CHAINS + 3)]
-    for chain in range(1, len(state.trackers)):
+    state.chains = [_Chain(object(), object()) for _ in range(EARLIER_CHAINS + 3)]
+    for chain in range(1, len(state.chains)):
         state._switch(chain)
-    last = len(state.trackers) - 1
+    last = len(state.chains) - 1
     assert state.current == last and state.recent == list(range(last - 1, last - 1 - EARLIER_CHAINS, -1))
-    assert [t is None for t in state.trackers] == [True] * (last - EARLIER_CHAINS) + [False] * (EARLIER_CHAINS + 1)
+    dropped = [c.tracker is None for c in state.chains]
+    assert dropped == [True] * (last - EARLIER_CHAINS) + [False] * (EARLIER_CHAINS + 1)
     state._switch(last - 2)  # back to an earlier one: the chain it leaves heads the list
     assert state.current == last - 2 and state.recent == [last, last - 1, last - 3]
     # a chain no longer looked in keeps its cloud only while it may still be the main chain
-    state.clouds, state.counts = [object() for _ in state.trackers], [9, 5] + [1] * (len(state.trackers) - 2)
+    for chain, registered in zip(state.chains, [9, 5] + [1] * (len(state.chains) - 2)):
+        chain.registered = registered
     state._prune()
-    assert [c is None for c in state.clouds] == [False] + [True] * (last - EARLIER_CHAINS - 1) + [False] * 4
+    assert [c.cloud is None for c in state.chains] == [False] + [True] * (last - EARLIER_CHAINS - 1) + [False] * 4
 
 
 def test_frames_without_texture_do_not_start_a_chain(walk):

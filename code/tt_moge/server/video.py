@@ -310,7 +310,7 @@ def make_clip_page_result(result: Any, depth: np.ndarray, mask: np.ndarray, stor
         "view": {
             "url": base + "view.glb",
             "points": int(min(len(result.cloud_points), PAGE_VIEW_POINTS)),
-            "cameras": int((result.registered & (result.chain == result.main_chain)).sum()),
+            "cameras": int(result.in_main_chain.sum()),
             "distance": first,
         },
         "downloads": {name: base + name for name in CLIP_FILES if name != "view.glb"},

@@ -115,7 +115,7 @@ def scene_glb_bytes(points: np.ndarray, colours: np.ndarray, poses: np.ndarray, 
 def scene_files(result: Any, max_points: Optional[int] = None) -> dict:
     """{name: bytes} of a clip's poses.json, trajectory.txt, scene.ply and scene.glb (`max_points`: the cloud
     thinned to at most that many points, evenly, as the web page's view does)."""
-    poses = result.poses[result.registered & (result.chain == result.main_chain)]  # the cloud's chain
+    poses = result.poses[result.in_main_chain]  # the cloud's chain
     points, colours = result.cloud_points.astype(np.float64) * _OPENGL, result.cloud_colors
     if max_points is not None and len(points) > max_points:
         keep = np.linspace(0, len(points) - 1, max_points).astype(int)

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..output import finite_or_none
 
-__all__ = ["VideoFrame", "VideoOutput", "VIDEO_NPZ_LAYOUT", "rotation_to_quaternion", "main_chain"]
+__all__ = ["VideoFrame", "VideoOutput", "VIDEO_NPZ_LAYOUT", "rotation_to_quaternion"]
 
 # The npz layout of a clip (VideoOutput.npz_arrays: the server's /predict/video, `save(..., npz=True)`).
 VIDEO_NPZ_LAYOUT: dict = {
@@ -42,13 +42,6 @@ VIDEO_NPZ_LAYOUT: dict = {
     "depth": ("float32", "(N, H, W)", "each frame's depth, metres (only when the frames are kept)"),
     "mask": ("uint8", "(N, H, W)", "each frame's mask (only when the frames are kept)"),
 }
-
-
-def main_chain(chain: np.ndarray, registered: np.ndarray) -> int:
-    """The chain with the most registered frames (the first of those with as many): the one the trajectory, the
-    fused cloud and the 3D files show."""
-    counts = np.bincount(np.asarray(chain)[np.asarray(registered, bool)], minlength=int(np.max(chain, initial=0)) + 1)
-    return int(counts.argmax())
 
 
 def rotation_to_quaternion(rotation: np.ndarray) -> np.ndarray:
@@ -151,7 +144,14 @@ class VideoOutput:
 
     @property
     def main_chain(self) -> int:
-        return main_chain(self.chain, self.registered)
+        """The chain with the most registered frames (the first of those with as many): the one the trajectory,
+        the fused cloud and the 3D files show."""
+        return int(np.bincount(self.chain[self.registered], minlength=max(self.chains, 1)).argmax())
+
+    @property
+    def in_main_chain(self) -> np.ndarray:
+        """(N,) bool: the registered frames of the main chain (the trajectory's, the 3D files' cameras)."""
+        return self.registered & (self.chain == self.main_chain)
 
     @property
     def chains(self) -> int:
@@ -171,11 +171,11 @@ class VideoOutput:
         """The main chain's registered frames' poses as a TUM trajectory: one line "time tx ty tz qx qy qz qw" per
         frame."""
         lines = ["# tt_moge video trajectory (TUM format): time tx ty tz qx qy qz qw, camera-to-world, metres"]
-        main = self.main_chain
         if self.chains > 1:
+            main = self.main_chain
             first = int(np.argmax(self.chain == main))
             lines.append(f"# chain {main} of {self.chains} (its world: frame {first}'s camera)")
-        for i in np.flatnonzero(self.registered & (self.chain == main)):
+        for i in np.flatnonzero(self.in_main_chain):
             q = rotation_to_quaternion(self.poses[i, :3, :3])
             t = self.poses[i, :3, 3]
             lines.append(" ".join(f"{v:.9g}" for v in (self.times[i], *t, *q)))
@@ -195,16 +195,7 @@ class VideoOutput:
             "frames": len(self),
             "registered": int(self.registered.sum()),
             "relocalised": sum(1 for r in self.records if r.get("registered") and r.get("relocalised")),
-            "chains": [
-                {
-                    "chain": c,
-                    "first_frame": int(np.argmax(self.chain == c)),
-                    "frames": int((self.chain == c).sum()),
-                    "registered": int((self.registered & (self.chain == c)).sum()),
-                    "path_length_m": round(self.chain_path_length(c), 6),
-                }
-                for c in range(self.chains)
-            ],
+            "chains": [self._chain_record(c) for c in range(self.chains)],
             "main_chain": self.main_chain,
             "failed": [{"frame": i, "error": e} for i, e in enumerate(self.failures) if e],
             "intrinsics": [[round(float(v), 9) for v in row] for row in self.intrinsics],
@@ -222,6 +213,16 @@ class VideoOutput:
             "calibrations": self.calibrations,
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             "poses": self.records,
+        }
+
+    def _chain_record(self, chain: int) -> dict:
+        members = self.chain == chain
+        return {
+            "chain": chain,
+            "first_frame": int(np.argmax(members)),
+            "frames": int(members.sum()),
+            "registered": int((self.registered & members).sum()),
+            "path_length_m": round(self.chain_path_length(chain), 6),
         }
 
     def npz_arrays(self) -> dict:

@@ -47,7 +47,7 @@ from ..host import CallOptions, InputError, Stopwatch
 from .calibrate import Calibration, calibrate
 from .fusion import VoxelCloud, frame_points
 from .options import DEFAULT_NEW_CHAIN_AFTER, VideoOptions
-from .output import VideoFrame, VideoOutput, main_chain
+from .output import VideoFrame, VideoOutput
 from .registration import MIN_INLIERS, Registration, Tracker
 from .source import open_source
 
@@ -270,6 +270,16 @@ class VideoStream:
         self.result = state.output(self.name, self.fps, {"total": time.perf_counter() - t0, "registration": register_s})
 
 
+@dataclasses.dataclass
+class _Chain:
+    """One chain of a clip (`ClipChain`): its tracker (None once it is no longer looked in: its keyframes
+    dropped), its fused cloud (None once it can no longer be the main chain) and the frames it registered."""
+
+    tracker: Optional[Tracker]
+    cloud: Optional[VoxelCloud]
+    registered: int = 0
+
+
 class ClipChain:
     """The registration chains of a clip, frame by frame (`step`: register, scale, fuse one model output), and
     what the result keeps of each frame (`output`). The caller's thread of `VideoStream` runs it; the benchmark
@@ -283,16 +293,14 @@ class ClipChain:
     EARLIER_CHAINS chains used last before it (their last frame and keyframes, `Tracker.register`): a cut back to
     an earlier scene (shot / reverse shot) continues that scene's chain, in its world. Failed frames cannot tell a
     cut from a stretch of frames the registration could not read (blur, a hand over the lens): the latter splits
-    one scene into two chains, and once the new one registers its frames the old one is not looked at again
-    (the frames are yielded as they come; their poses are not revised). `new_chain_after` 0: never."""
+    one scene into two chains, and a frame the new one registers is not looked for in the old one (the frames are
+    yielded as they come; their poses are not revised). `new_chain_after` 0: never."""
 
     def __init__(self, voxel_size: Optional[float], seed: int, new_chain_after: int = DEFAULT_NEW_CHAIN_AFTER):
         self.seed, self.voxel_size, self.new_chain_after = seed, voxel_size, new_chain_after
-        self.trackers: list = [Tracker(seed=seed)]  # per chain; None for one no longer looked in
+        self.chains: list = []  # _Chain per chain, in the order they started
         self.current = 0  # the chain of the last registered frame
-        self.recent: list = []  # the other chains kept, the one used last first (at most EARLIER_CHAINS)
-        self.clouds: list = []  # one VoxelCloud per chain; None for one that can no longer be the main chain
-        self.counts: list = []  # registered frames per chain
+        self.recent: list = []  # the other chains looked in, the one used last first (at most EARLIER_CHAINS)
         self.failed_in_a_row = 0
         self.level = math.nan
         self.depth_range = (math.nan, math.nan)
@@ -324,15 +332,15 @@ class ClipChain:
                 self.depth_range = calibration.depth_range
         if index == 0:
             self.size = out.size
-            self.tracker.start(rgb, out.depth, out.mask, out.intrinsics_pixels, 0.0, self.level, frame=index)
-            self.clouds.append(VoxelCloud(self.voxel_size))
-            self.counts.append(0)
-            correction, pose, registration = self.level, np.eye(4), Registration(True, scale=1.0, reason=None)
+            started = self._start_chain(index, rgb, out, least=0)
         else:
-            registration = self.tracker.register(rgb, out.depth, out.mask, out.intrinsics_pixels, frame=index)
-            if not registration.ok:
-                registration = self._earlier_chain(index, rgb, out, registration)
+            registration = self._register(index, rgb, out)
             self.failed_in_a_row = 0 if registration.ok else self.failed_in_a_row + 1
+            started = (
+                not registration.ok
+                and 0 < self.new_chain_after <= self.failed_in_a_row
+                and self._start_chain(index, rgb, out)
+            )
             if registration.ok:
                 motion = np.eye(4)
                 motion[:3, :3] = registration.rotation
@@ -341,10 +349,10 @@ class ClipChain:
                 # a new window's first frame is re-anchored at its calibrated level
                 correction = self.level if calibration is not None else 1.0 / registration.scale
                 self.tracker.advance(correction)
-            elif 0 < self.new_chain_after <= self.failed_in_a_row and self._new_chain(index, rgb, out):
-                correction, pose, registration = self.level, np.eye(4), Registration(True, scale=1.0, reason=None)
             else:
                 pose, correction = np.full((4, 4), np.nan), self.level
+        if started:  # the first frame of a chain: the identity of its world, at the clip's level
+            correction, pose, registration = self.level, np.eye(4), Registration(True, scale=1.0, reason=None)
         watch.lap("register")
         model_scale = float(out.metric_scale)
         out.depth *= np.float32(correction)
@@ -352,9 +360,10 @@ class ClipChain:
         out = dataclasses.replace(out, metric_scale=model_scale * correction)
         watch.lap("scale")
         if registration.ok:
-            self.counts[self.current] += 1
-            self._prune()
-            cloud = self.clouds[self.current]
+            self.chains[self.current].registered += 1
+            if len(self.chains) > 1:
+                self._prune()
+            cloud = self.chains[self.current].cloud
             if cloud.voxel_size is None:
                 cloud.auto(out.median_depth)
             if cloud.voxel_size is not None:
@@ -383,30 +392,52 @@ class ClipChain:
 
     @property
     def tracker(self) -> Tracker:
-        return self.trackers[self.current]
+        return self.chains[self.current].tracker
+
+    def _main(self) -> int:
+        """The chain with the most registered frames (the first of those with as many): `VideoOutput.main_chain`."""
+        return int(np.argmax([c.registered for c in self.chains]))
+
+    def _start_chain(self, index: int, rgb: np.ndarray, out: Any, least: int = MIN_INLIERS) -> bool:
+        """Start a chain at this frame (numbered `index` in the clip) and make it the current one, unless it has
+        fewer than `least` features with a depth: nothing could be registered against it."""
+        tracker = Tracker(seed=self.seed)
+        tracker.start(rgb, out.depth, out.mask, out.intrinsics_pixels, 0.0, self.level, frame=index)
+        if len(tracker.ref.tracks) < least:
+            return False
+        self.chains.append(_Chain(tracker, VoxelCloud(self.voxel_size)))
+        if len(self.chains) > 1:
+            self._switch(len(self.chains) - 1)
+        self.failed_in_a_row = 0
+        return True
 
     def _switch(self, chain: int) -> None:
         """Make `chain` the current one; the one it replaces heads the earlier chains looked in (the oldest
         beyond EARLIER_CHAINS is dropped, with its keyframes)."""
         self.recent = [self.current] + [c for c in self.recent if c != chain]
         for old in self.recent[EARLIER_CHAINS:]:
-            self.trackers[old] = None
+            self.chains[old].tracker = None
         self.recent = self.recent[:EARLIER_CHAINS]
         self.current = chain
 
     def _prune(self) -> None:
         """Drop the cloud of each chain no longer looked in that can no longer be the main chain: its count of
         registered frames is final, and another chain has more (or as many, and came first)."""
-        main = int(np.argmax(self.counts))
-        for chain, tracker in enumerate(self.trackers):
-            if tracker is None and chain != main:
-                self.clouds[chain] = None
+        main = self._main()
+        for i, chain in enumerate(self.chains):
+            if chain.tracker is None and i != main:
+                chain.cloud = None
 
-    def _earlier_chain(self, index: int, rgb: np.ndarray, out: Any, failed: Registration) -> Registration:
-        """A frame the current chain did not find, looked for in the earlier chains kept (the one used last
-        first); the first that finds it becomes the current chain. Else `failed`."""
+    def _register(self, index: int, rgb: np.ndarray, out: Any) -> Registration:
+        """The frame's registration in the current chain, else in the earlier chains looked in (the one used last
+        first): the first that finds it becomes the current chain. Else the current chain's failure."""
+        failed = self.tracker.register(rgb, out.depth, out.mask, out.intrinsics_pixels, frame=index)
+        if failed.ok:
+            return failed
         for chain in list(self.recent):
-            registration = self.trackers[chain].register(rgb, out.depth, out.mask, out.intrinsics_pixels, frame=index)
+            registration = self.chains[chain].tracker.register(
+                rgb, out.depth, out.mask, out.intrinsics_pixels, frame=index
+            )
             if registration.ok:
                 self._switch(chain)
                 return registration
@@ -414,26 +445,11 @@ class ClipChain:
             failed.reason = f"{failed.reason}; not found in the {len(self.recent)} earlier chain(s) either"
         return failed
 
-    def _new_chain(self, index: int, rgb: np.ndarray, out: Any) -> bool:
-        """Start a new chain at this frame (numbered `index` in the clip), unless it has fewer than MIN_INLIERS
-        features with a depth: nothing could be registered against it."""
-        tracker = Tracker(seed=self.seed)
-        tracker.start(rgb, out.depth, out.mask, out.intrinsics_pixels, 0.0, self.level, frame=index)
-        if len(tracker.ref.tracks) < MIN_INLIERS:
-            return False
-        self.trackers.append(tracker)
-        self._switch(len(self.trackers) - 1)
-        self.failed_in_a_row = 0
-        self.clouds.append(VoxelCloud(self.voxel_size))
-        self.counts.append(0)
-        return True
-
     def output(self, name: str, fps: Optional[float], seconds: dict) -> VideoOutput:
         if not self.rows:
             raise InputError("source: no frames")
         source_frames, times, poses, scale, model_scale, regs, cameras, chains = zip(*self.rows)
-        chain, registered = np.array(chains), np.array([r.ok for r in regs])
-        cloud = self.clouds[main_chain(chain, registered)]
+        cloud = self.chains[self._main()].cloud
         points, colours, _ = cloud.result()
         kept = self.kept or None
         return VideoOutput(
@@ -445,8 +461,8 @@ class ClipChain:
             poses=np.stack(poses),
             scale=np.array(scale),
             model_scale=np.array(model_scale),
-            registered=registered,
-            chain=chain,
+            registered=np.array([r.ok for r in regs]),
+            chain=np.array(chains),
             inliers=np.array([r.inliers for r in regs]),
             residual=np.array([r.residual for r in regs]),
             failures=[r.reason for r in regs],
