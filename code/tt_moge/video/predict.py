@@ -210,7 +210,7 @@ class VideoStream:
                     break
                 outputs = self._outputs(batch, options, forwarded, position - segment_start)
                 if len(outputs) != len(batch):
-                    raise RuntimeError(f"model.predict_many returned {len(outputs)} outputs for {len(batch)} images")
+                    raise RuntimeError(f"the model returned {len(outputs)} outputs for {len(batch)} images")
                 if not self._put(results, (calibration, batch, outputs)):
                     return
                 position += len(batch)
