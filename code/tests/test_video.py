@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 import weakref
 
 import numpy as np
@@ -230,9 +231,10 @@ def test_a_cut_starts_a_new_chain(walk, tmp_path):
     clip_renders = list(renders[:cut]) + shot
     images = [r.image for r in clip_renders]
     # the clip's camera is calibrated on the first shot (the whole of it: with 4 frames of the walk its focal is
-    # 2.8 % off, which the second shot's trajectory and cloud then show); the second shot keeps it
+    # 2.8 % off); the second shot, from its chain's first frame, on its own first 8 frames (calibrate_chains)
     clip = predict_video(oracle(clip_renders), images, calibration_frames=cut, new_chain_after=after)
     start = cut + after - 1  # the frame that starts chain 1
+    assert [(c["start_frame"], c["trigger"]) for c in clip.calibrations] == [(0, "start"), (start, "chain")]
     assert list(clip.chain) == [0] * start + [1] * (len(images) - start)
     assert clip.registered[:cut].all() and clip.registered[start:].all(), clip.failures
     assert not clip.registered[cut:start].any() and all(clip.failures[cut:start])
@@ -289,6 +291,115 @@ def test_a_cut_back_continues_the_earlier_chain(walk):
     ate, rotation = trajectory_errors(clip.poses[walked], poses[np.r_[0:8, back]])
     assert ate <= 0.01 and rotation <= 0.5, (ate, rotation)
     assert clip.main_chain == 0 and clip.summary()["chains"][0]["registered"] == 14
+    # the pan was calibrated on its own frames; the walk, found again (with the pan's intrinsics), ran again from
+    # that frame with its chain's calibration, and was found again with it
+    assert [(c["start_frame"], c["trigger"]) for c in clip.calibrations] == [(0, "start"), (10, "chain")]
+    k = clip.frame_intrinsics
+    assert (k[10:16] == k[10]).all() and not np.allclose(k[10], k[0], rtol=1e-3)
+    assert (k[16:] == k[0]).all() and (k[:10] == k[0]).all()
+
+
+class Slow:
+    """`model` answering `delay` seconds per image later: the producer thread falls behind the caller's."""
+
+    def __init__(self, model, delay: float):
+        self.model, self.delay = model, delay
+
+    def predict_many(self, images, **options):
+        time.sleep(self.delay * len(images))
+        return self.model.predict_many(images, **options)
+
+    def forward_many(self, images, **options):
+        time.sleep(self.delay * len(images))
+        return self.model.forward_many(images, **options)
+
+    def finish_many(self, forwarded, **options):
+        return self.model.finish_many(forwarded, **options)
+
+
+def cut_clip(walk, tele_fov=None, shot_frames=14):
+    """(renders, images): 8 frames of the walk, then the inverted pan (`shot_frames` frames 3 degrees apart),
+    through a lens of `tele_fov` degrees (default: the walk's)."""
+    from dataclasses import replace
+
+    _, renders = walk
+    k = None if tele_fov is None else intrinsics_for(*SIZE, tele_fov)
+    shot = [replace(r, image=255 - r.image) for r in render_path(pan_path(range(0, 3 * shot_frames, 3)), *SIZE, k)]
+    clip_renders = list(renders[:8]) + shot
+    return clip_renders, [r.image for r in clip_renders]
+
+
+def test_a_new_chain_is_calibrated_on_its_own_frames(walk):
+    """A cut to a shot through another lens (70 -> 50 degrees): the new chain (from frame 10) is calibrated on its
+    own 8 first frames, so its focal is that lens's and its metric level the median of the model's over those
+    frames, not its first frame's (whose scale is 30 % off here). The frames before the cut are as without it.
+    With calibrate_chains=False the shot keeps the first lens's focal (a third off), and the trajectory and
+    the level show it."""
+    from tt_moge.video.predict import DEFAULT_CHUNK
+
+    clip_renders, images = cut_clip(walk, tele_fov=50.0)
+    shot, first = clip_renders[10:], 10
+    errors = stand_in(clip_renders).scale_errors
+    errors[first] = 0.3
+    true_fx = intrinsics_for(*SIZE, 50.0)[0, 0]
+    truth = np.linalg.inv(pan_path([6])[0]) @ pan_path(range(6, 42, 3))  # the shot from frame 10, in its camera
+    model_level = np.median(1 + errors[first : first + 8])
+
+    model = oracle(clip_renders, scale_errors=errors)
+    clip = predict_video(model, images, calibration_frames=8)
+    kept_model = oracle(clip_renders, scale_errors=errors)
+    kept = predict_video(kept_model, images, calibration_frames=8, calibrate_chains=False)
+    for run in (clip, kept):
+        assert list(run.chain) == [0] * first + [1] * (len(images) - first) and run.registered[first:].all()
+    assert [(c["start_frame"], c["trigger"]) for c in clip.calibrations] == [(0, "start"), (first, "chain")]
+    assert model.forwards <= len(images) + 3 * DEFAULT_CHUNK  # the frames run past the cut, at most
+    fx_error = lambda run: np.abs(run.frame_intrinsics[first:, 0, 0] * SIZE[0] / true_fx - 1).max()  # noqa: E731
+    ate, rotation = trajectory_errors(clip.poses[first:], truth)
+    level = scale_spread(clip.frames[first:], shot).mean()
+    assert fx_error(clip) <= 0.05 and ate <= 0.03 and rotation <= 1.0, (fx_error(clip), ate, rotation)
+    assert abs(level - model_level) <= 0.03, (level, model_level)
+    ate_kept, rotation_kept = trajectory_errors(kept.poses[first:], truth)
+    level_kept = scale_spread(kept.frames[first:], shot).mean()
+    assert fx_error(kept) > 0.25 and ate_kept > 0.1 and rotation_kept > 5, (fx_error(kept), ate_kept, rotation_kept)
+    assert abs(level_kept - model_level) > 0.2, (level_kept, model_level)
+    for a, b in zip(clip.frames[:first], kept.frames[:first]):  # the rewind leaves the frames before it alone
+        assert np.array_equal(a.depth, b.depth)
+
+
+def test_frames_run_again_come_out_the_same_whatever_the_timing(walk):
+    """The frames a rewind runs again (a new chain's, a cut back's) are those from a given frame, whatever the
+    model thread had run ahead: a model 30 ms an image slower gives the same arrays."""
+    clip_renders, _ = cut_clip(walk, shot_frames=8)
+    clip_renders += walk[1][10:16]  # the cut back of test_a_cut_back_continues_the_earlier_chain
+    images = [r.image for r in clip_renders]
+    fast = predict_video(oracle(clip_renders), images, calibration_frames=8)
+    slow = predict_video(Slow(oracle(clip_renders), 0.03), images, calibration_frames=8)
+    assert len(fast.calibrations) == 2 and (fast.frame_intrinsics[16:] == fast.frame_intrinsics[0]).all()
+    assert np.array_equal(fast.poses, slow.poses, equal_nan=True)
+    assert all(np.array_equal(a.depth, b.depth) for a, b in zip(fast.frames, slow.frames))
+
+
+def test_a_new_chain_that_cannot_be_calibrated_keeps_the_running_calibration(walk, monkeypatch):
+    """Where the new chain's calibration pass fails (no frame fixes a focal), the chain runs on with the
+    calibration it had, and the record says so."""
+    from tt_moge.video import predict
+
+    real = predict.calibrate
+
+    def failing(model, frames, call, start=0, seed=0, trigger="start"):
+        if trigger == "chain":
+            raise ValueError("samples: no frame has a camera solve that fixes a focal")
+        return real(model, frames, call, start=start, seed=seed, trigger=trigger)
+
+    monkeypatch.setattr(predict, "calibrate", failing)
+    clip_renders, images = cut_clip(walk, shot_frames=6)
+    clip = predict_video(oracle(clip_renders), images, calibration_frames=8)
+    assert [(c["start_frame"], c["trigger"], c["frames"]) for c in clip.calibrations] == [
+        (0, "start", 8),
+        (10, "chain", 0),
+    ]
+    assert "kept the calibration of frame 0" in clip.calibrations[1]["note"]
+    assert (clip.frame_intrinsics == clip.frame_intrinsics[0]).all() and clip.registered[10:].all()
 
 
 def test_the_earlier_chains_looked_in_are_bounded():

@@ -38,16 +38,24 @@ whole clip beside plain `predict_many` on the same frames.
    against the truth over the registered frames (after a similarity alignment): a wrong registration would show
    there. New chains are off here (`new_chain_after=0`): a frame that is not found stays flagged.
 
+6. cuts (not in "both"): the clip part's model over --clip-frames frames at --clip-size: half the walk, then a cut
+   to the pan (in inverted grey levels) through a 50 degree lens. `predict_video` with `calibrate_chains` (each
+   chain calibrated on its own frames: the frames from the new chain's first run again) against without, calls
+   alternated --repeats times: frames/s, frames per CPU second, the images that went through the network and
+   where the chains start.
+
     python -m perf.video.video_bench                        # all four parts, defaults
     python -m perf.video.video_bench --part host --frames 24
     python -m perf.video.video_bench --part calibration --calibration-frames 16
     python -m perf.video.video_bench --part relocalise
     python -m perf.video.video_bench --part gaps --size 640x480
+    python -m perf.video.video_bench --part cuts --clip-frames 32
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
@@ -186,9 +194,21 @@ def calibration_part(size: tuple, frames: int) -> dict:
     return result
 
 
-def clip_part(size: tuple, frames: int, repeats: int, canvas: tuple) -> dict:
+@contextlib.contextmanager
+def _tiny_model(canvas: tuple):
+    """A random-weight checkpoint (tiny-vits-normal) loaded on the CPU at `canvas`, fp32: the clip parts' model."""
     from tt_moge import MoGeModel
     from tt_moge.testing import make_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_checkpoint(tmp, "tiny-vits-normal")
+        with MoGeModel.from_pretrained(
+            ckpt, device="cpu", resolution=canvas, num_tokens=1200, warmup=1, warmup_variants="none", precision="fp32"
+        ) as model:
+            yield model
+
+
+def clip_part(size: tuple, frames: int, repeats: int, canvas: tuple) -> dict:
     from tt_moge.testing.scene import camera_path, render_path
     from tt_moge.testing.video import PredictOnly
     from tt_moge.video import predict_video
@@ -196,24 +216,20 @@ def clip_part(size: tuple, frames: int, repeats: int, canvas: tuple) -> dict:
     renders = render_path(camera_path(frames, length=0.1 * frames), *size)
     images = [r.image for r in renders]
     k = renders[0].intrinsics
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = make_checkpoint(tmp, "tiny-vits-normal")
-        with MoGeModel.from_pretrained(
-            ckpt, device="cpu", resolution=canvas, num_tokens=1200, warmup=1, warmup_variants="none", precision="fp32"
-        ) as model:
-            calls = {
-                "predict_many": lambda: model.predict_many(images),
-                "predict_video": lambda: model.predict_video(images),
-                "predict_video_forwarding_twice": lambda: predict_video(PredictOnly(model), images),
-                "predict_video_given_k": lambda: model.predict_video(images, intrinsics=k),
-            }
-            wall: dict = {name: [] for name in calls}
-            cpu: dict = {name: [] for name in calls}
-            for _ in range(repeats):
-                for name, call in calls.items():
-                    w, c = timed_both(call)
-                    wall[name].append(w)
-                    cpu[name].append(c)
+    with _tiny_model(canvas) as model:
+        calls = {
+            "predict_many": lambda: model.predict_many(images),
+            "predict_video": lambda: model.predict_video(images),
+            "predict_video_forwarding_twice": lambda: predict_video(PredictOnly(model), images),
+            "predict_video_given_k": lambda: model.predict_video(images, intrinsics=k),
+        }
+        wall: dict = {name: [] for name in calls}
+        cpu: dict = {name: [] for name in calls}
+        for _ in range(repeats):
+            for name, call in calls.items():
+                w, c = timed_both(call)
+                wall[name].append(w)
+                cpu[name].append(c)
     fps = {name: round(frames / median(s), 3) for name, s in wall.items()}
     fpcs = {name: round(frames / median(s), 3) for name, s in cpu.items()}  # frames per CPU second of the process
     result = {
@@ -232,6 +248,68 @@ def clip_part(size: tuple, frames: int, repeats: int, canvas: tuple) -> dict:
             f"  {name:31s} {fps[name]:7.3f} frames/s ({result['ratio_to_predict_many'][name]:.2f} x predict_many), "
             f"{fpcs[name]:7.3f} frames per CPU second ({result['cpu_ratio_to_predict_many'][name]:.2f} x)"
         )
+    return result
+
+
+def cuts_part(size: tuple, frames: int, repeats: int, canvas: tuple) -> dict:
+    """A clip with a cut through the tiny model: the walk, then the pan (in inverted grey levels) through a 50
+    degree lens, `frames` frames each; `predict_video` with calibrate_chains on and off, alternated: frames/s, the
+    frames that went through the network (the rewound ones run again), the chains."""
+    from tt_moge.testing.scene import camera_path, intrinsics_for, pan_path, render_path
+
+    walk = render_path(camera_path(frames, length=0.1 * frames), *size)
+    pan = render_path(pan_path(range(0, 3 * frames, 3)), *size, intrinsics_for(*size, 50.0))
+    images = [r.image for r in walk] + [255 - r.image for r in pan]
+
+    class Counted:  # the model, counting the images that go through its network
+        def __init__(self, model):
+            self.model, self.forwards = model, 0
+
+        def predict_many(self, batch, **options):
+            self.forwards += len(batch)
+            return self.model.predict_many(batch, **options)
+
+        def forward_many(self, batch, **options):
+            self.forwards += len(batch)
+            return self.model.forward_many(batch, **options)
+
+        def finish_many(self, forwarded, **options):
+            return self.model.finish_many(forwarded, **options)
+
+    from tt_moge.video import predict_video
+
+    runs = {"calibrate_chains": True, "one_camera": False}
+    wall: dict = {name: [] for name in runs}
+    cpu: dict = {name: [] for name in runs}
+    seen: dict = {}
+    with _tiny_model(canvas) as model:
+        for _ in range(repeats):
+            for name, on in runs.items():
+                counted = Counted(model)
+                clip = []
+                w, c = timed_both(lambda: clip.append(predict_video(counted, images, calibrate_chains=on)))
+                wall[name].append(w)
+                cpu[name].append(c)
+                chains = clip[0].summary()["chains"]
+                seen[name] = {"forwards": counted.forwards, "chains": [c["first_frame"] for c in chains]}
+    n = len(images)
+    result = {"size": list(size), "frames": n, "canvas": list(canvas), "repeats": repeats}
+    for name in runs:
+        result[name] = dict(
+            seen[name],
+            frames_per_second=round(n / median(wall[name]), 3),
+            frames_per_cpu_second=round(n / median(cpu[name]), 3),
+        )
+    on, off = result["calibrate_chains"], result["one_camera"]
+    result["ratio"] = round(on["frames_per_second"] / off["frames_per_second"], 3)
+    print(f"clip of {n} frames {size[0]}x{size[1]}, a cut at frame {frames}; tiny model on {canvas[0]}x{canvas[1]}:")
+    for name in runs:
+        r = result[name]
+        print(
+            f"  {name:17s} {r['frames_per_second']:7.3f} frames/s, {r['frames_per_cpu_second']:7.3f} frames per CPU "
+            f"second, {r['forwards']} forwards, chains from frames {r['chains']}"
+        )
+    print(f"  calibrate_chains / one_camera: {result['ratio']:.2f} x the frames/s")
     return result
 
 
@@ -316,7 +394,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--part",
-        choices=("host", "calibration", "clip", "relocalise", "gaps", "both"),
+        choices=("host", "calibration", "clip", "relocalise", "gaps", "cuts", "both"),
         default="both",
         help="both: the first four",
     )
@@ -345,6 +423,8 @@ def main() -> None:
     if args.part in ("relocalise", "both"):
         print(f"one registration of a {args.size[0]}x{args.size[1]} frame (the walk from its frame 4, the pan from 0):")
         result["relocalise"] = relocalise_part(args.size, args.repeats)
+    if args.part == "cuts":
+        result["cuts"] = cuts_part(args.clip_size, args.clip_frames // 2, args.repeats, args.canvas)
     if args.part == "gaps":
         print(f"the walk at {args.size[0]}x{args.size[1]} (24 frames, 2.4 m) with runs of textureless frames:")
         result["gaps"] = gaps_part(args.size)

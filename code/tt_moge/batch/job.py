@@ -119,8 +119,9 @@ class BatchJob:
     Video files as inputs (all of them: photos and videos go in separate jobs): each clip is one job of one
     replica, written as `tt-moge predict clip.mp4` writes it (OUT/NAME/, `video.files`; per-frame `formats`, the
     video default when left at DEFAULT_FORMATS; "files" only), with the clip options (the fields of
-    `video.VideoOptions`: stride, max_frames, calibration_frames, window, new_chain_after, voxel_size). A rerun
-    skips the clips whose OUT/NAME/result.json exists (written last), so an interrupted job resumes clip by clip.
+    `video.VideoOptions`: stride, max_frames, calibration_frames, window, new_chain_after, calibrate_chains,
+    voxel_size). A rerun skips the clips whose OUT/NAME/result.json exists (written last), so an interrupted job
+    resumes clip by clip.
 
     `panorama`: every input is a 360-degree equirectangular photo, run and written as `tt-moge predict --panorama`
     runs and writes it (`jobs.predict_panoramas`: 12 views through one replica's model, OUT/NAME/ with

@@ -36,7 +36,8 @@ DEFAULT_PORT = 8000
 BYTES_PER_PIXEL = 64
 # A clip (POST /predict/video): every frame's answer is kept until the end, its depth (float32) and mask (uint8);
 # besides, the calibration frames and at most CLIP_FRAMES_IN_FLIGHT more are being worked on at once, each at
-# BYTES_PER_PIXEL (the reader's decoded frames, the model's chunks, the frame being registered).
+# BYTES_PER_PIXEL (the reader's decoded frames, the model's chunks, the frame being registered, the RGB the model's
+# thread keeps for a rewind: `video.predict`).
 CLIP_BYTES_PER_PIXEL = 5
 CLIP_FRAMES_IN_FLIGHT = 16
 # ... and the calibration frames' forwards, kept until the real pass finishes them again (`host.Forwarded`): float32

@@ -51,7 +51,8 @@ class Calibration:
     metric scale of the segment's first frame relative to the model's; depth_range: (near, far) metres for
     depth.mp4; fov_x: each frame's own field of view (the free solve, degrees; given ones when given); focal
     source: "solved", "given" or "fov_x"; registered: frames whose registration passed; focal: how the solved
-    focal was found (`selfcal.FocalFit`; None when given)."""
+    focal was found (`selfcal.FocalFit`; None when given); trigger: why the segment starts ("start", "window",
+    "chain": a new chain, `VideoOptions.calibrate_chains`); note: why an earlier calibration was kept."""
 
     start: int
     frames: int
@@ -61,6 +62,8 @@ class Calibration:
     fov_x: list = field(default_factory=list)
     source: str = "solved"
     registered: int = 0
+    trigger: str = "start"  # why it ran: "start" (the clip's first frame), "window", "chain" (a new chain)
+    note: Optional[str] = None  # set when the segment keeps an earlier calibration (its own could not be made)
     focal: Optional[FocalFit] = None
     # the frames' forwards (host.Forwarded) where the model can finish a forward again, else None: the real pass
     # finishes each once more with the clip's intrinsics and drops it (its entry set to None)
@@ -73,6 +76,7 @@ class Calibration:
         k = self.intrinsics
         return {
             "start_frame": self.start,
+            "trigger": self.trigger,
             "frames": self.frames,
             "intrinsics": self.source,
             "fx_fy_cx_cy": None if k is None else [round(v, 8) for v in (k.fx, k.fy, k.cx, k.cy)],
@@ -81,6 +85,7 @@ class Calibration:
             "focal": None if self.focal is None else self.focal.record(),
             "frame_fov_x_deg": [finite(f) for f in self.fov_x],
             "depth_range_m": [finite(v) for v in self.depth_range],
+            "note": self.note,
         }
 
 
@@ -212,9 +217,12 @@ def _register(frames: list, outputs: list, k_pixels: np.ndarray, offsets: list, 
     return relative
 
 
-def calibrate(model: Any, frames: list, call: CallOptions, start: int = 0, seed: int = 0) -> Calibration:
+def calibrate(
+    model: Any, frames: list, call: CallOptions, start: int = 0, seed: int = 0, trigger: str = "start"
+) -> Calibration:
     """The calibration pass of the segment that starts with `frames` ([(source index, RGB)]): see the module
-    docstring. `call`: the clip's call options (its intrinsics or fov_x, if given, are kept)."""
+    docstring. `call`: the clip's call options (its intrinsics or fov_x, if given, are kept); `trigger`: why the
+    segment starts (`Calibration.trigger`)."""
     options = dict(call.kwargs(), apply_mask=False, force_projection=False)
     images, forwarded = [rgb for _, rgb in frames], None
     if hasattr(model, "forward_many") and hasattr(model, "finish_many"):
@@ -272,6 +280,7 @@ def calibrate(model: Any, frames: list, call: CallOptions, start: int = 0, seed:
         source=source,
         registered=int(len(found) - 1),
         focal=focal_fit,
+        trigger=trigger,
         forwarded=forwarded,
     )
 

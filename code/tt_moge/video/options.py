@@ -101,6 +101,13 @@ class VideoOptions:
         parse=_count_text(0),
         check=_count("new_chain_after", 0, False),
     )
+    calibrate_chains: bool = option(
+        True,
+        "calibrate each new chain on its own first calibration_frames frames (a cut is mostly to another shot: "
+        "another lens or zoom, another scene): its intrinsics (unless given) and its metric level; the frames run "
+        "from the chain's first one again with them, and a cut back to an earlier chain runs on with that chain's "
+        "intrinsics (off: every chain keeps the clip's)",
+    )
     voxel_size: Optional[float] = option(
         None,
         "the voxel of the fused point cloud, in metres (default: 1%% of the first frame's median depth)",

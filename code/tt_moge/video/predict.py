@@ -18,15 +18,19 @@ Steps (threads: a reader decodes frames ahead, a producer runs the model, the ca
    relative to the clip (depth and points are multiplied by it) and its pose; a frame whose fit fails its
    checks is flagged (pose NaN), keeps the segment's level and stays out of the fused cloud; after
    `new_chain_after` failed frames in a row (a cut), the last of them starts a new chain: the first frame of a
-   world of its own (`ClipChain`);
+   world of its own (`ClipChain`). With `calibrate_chains`, that frame is first sent back (a `Rewind`): the
+   producer runs the clip again from it, after a calibration pass on its frames, so each chain has its own
+   intrinsics and level; a frame found in an earlier chain that runs with other intrinsics is sent back too, to
+   run again with that chain's calibration. What the producer had run past a rewound frame is dropped;
 4. the fused cloud (`fusion.VoxelCloud`) of the registered frames, one per chain.
 With `window`, steps 1-3 restart every `window` frames (new intrinsics, the level re-anchored); the registration
 chain continues across.
 
 Memory: the reader holds 2 chunks of decoded frames, the producer at most one chunk of outputs ahead of the one
-being registered, the calibration its frames' RGB and their forwards (raw maps on the canvas, about 28 bytes per
-canvas pixel each, dropped as the real pass finishes them); `iter_video` keeps nothing else per frame but a few numbers
-(pose, scales, registration), so an hour-long video streams. `predict_video` keeps every frame's output.
+being registered (and, for a rewind, the RGB of the frames it ran that the caller has not yet done), the
+calibration its frames' RGB and their forwards (raw maps on the canvas, about 28 bytes per canvas pixel each,
+dropped as the real pass finishes them); `iter_video` keeps nothing else per frame but a few numbers (pose,
+scales, registration), so an hour-long video streams. `predict_video` keeps every frame's output.
 """
 
 from __future__ import annotations
@@ -111,6 +115,7 @@ class VideoStream:
         self.source = open_source(source, stride=video.stride, max_frames=video.max_frames)
         self.name, self.fps = self.source.name, self.source.fps
         self.result: Optional[VideoOutput] = None
+        self._done = 0  # the frames before this clip index are done by the caller (the producer may forget them)
         self._stop = threading.Event()
         self._iterated = False
 
@@ -163,11 +168,13 @@ class VideoStream:
         except BaseException as exc:
             self._put(frames, exc)
 
-    def _produce(self, frames: queue.Queue, results: queue.Queue) -> None:
+    def _produce(self, frames: queue.Queue, results: queue.Queue, rewinds: queue.Queue) -> None:
         """Producer thread: calibration passes and the real pass on the model, chunk by chunk, into `results` as
-        (Calibration or None, [(source index, RGB)], [MoGeOutput]), then _END."""
+        (Calibration or None, [(source index, RGB)], [MoGeOutput]), then _END. A `Rewind` from the caller (in
+        `rewinds`, also after _END) runs the clip again from its frame: `_Rewound` goes into `results` first."""
         try:
-            ahead: deque = deque()
+            ahead: deque = deque()  # (source index, RGB) read, not yet run
+            recent: deque = deque()  # (clip index, (source index, RGB)) run, not yet done by the caller
             done = [False]
 
             def fill(n: int) -> None:
@@ -181,42 +188,82 @@ class VideoStream:
                         ahead.append(item)
 
             video, position, options, forwarded, segment_start = self.video, 0, None, None, 0
+            # what the next chunk starts with: a calibration pass (its trigger), a kept Calibration, or nothing
+            pending: Any = "start"
+            running: Optional[Calibration] = None
+            ended = False
             while not self._stop.is_set():
+                try:
+                    rewind = rewinds.get(timeout=0.1) if ended else rewinds.get_nowait()
+                except queue.Empty:
+                    if ended:
+                        continue
+                else:  # the caller's request: the frames from rewind.index on again
+                    ahead.extendleft(reversed([item for index, item in recent if index >= rewind.index]))
+                    recent.clear()
+                    position, ended = rewind.index, False
+                    pending = "chain" if rewind.calibration is None else rewind.calibration
+                    if not self._put(results, _Rewound(rewind.index)):
+                        return
+                while recent and recent[0][0] < self._done:
+                    recent.popleft()
+                if pending is None and video.window is not None and position - segment_start >= video.window:
+                    pending = "window"
                 calibration = None
-                if position == 0 or (video.window is not None and position % video.window == 0):
+                if isinstance(pending, str):
                     fill(video.calibration_frames)
-                    if not ahead:
-                        if position == 0:
-                            raise InputError(f"source: {self.source.label()} has no frames")
-                        break
+                    if position == 0 and not ahead:
+                        raise InputError(f"source: {self.source.label()} has no frames")
                     if position == 0 and len(ahead) < 2:
                         raise InputError(
                             f"source: {self.source.label()} has 1 frame (after the stride); a clip needs at least 2 "
                             "to register"
                         )
-                    segment = list(ahead)[: video.calibration_frames]
-                    calibration = calibrate(self.model, segment, self.call, start=position, seed=self.seed)
-                    forwarded, segment_start = calibration.forwarded, position
-                    given = calibration.source != "solved"
-                    options = (
-                        self.call.kwargs() if given else dict(self.call.kwargs(), intrinsics=calibration.intrinsics)
-                    )
+                    if ahead:
+                        segment = list(ahead)[: video.calibration_frames]
+                        calibration = self._calibrate(segment, position, pending, running)
+                        forwarded, segment_start, running = calibration.forwarded, position, calibration
+                        options = self._options(calibration)
+                elif pending is not None:  # an earlier chain's calibration, run again (no pass, no record)
+                    forwarded, segment_start, running = None, position, pending
+                    options = self._options(pending)
+                pending = None
                 n = self.chunk
                 if video.window is not None:
-                    n = min(n, video.window - position % video.window)
+                    n = min(n, video.window - (position - segment_start))
                 fill(n)
                 batch = [ahead.popleft() for _ in range(min(n, len(ahead)))]
-                if not batch:
-                    break
+                if not batch:  # the end of the source: wait for a rewind or the stop
+                    ended = self._put(results, _END)
+                    continue
                 outputs = self._outputs(batch, options, forwarded, position - segment_start)
                 if len(outputs) != len(batch):
                     raise RuntimeError(f"the model returned {len(outputs)} outputs for {len(batch)} images")
+                recent.extend(enumerate(batch, position))
                 if not self._put(results, (calibration, batch, outputs)):
                     return
                 position += len(batch)
-            self._put(results, _END)
         except BaseException as exc:
             self._put(results, exc)
+
+    def _calibrate(self, segment: list, position: int, trigger: str, running: Optional[Calibration]) -> Calibration:
+        """The calibration pass of the segment starting at clip index `position`. A new chain's that cannot be made
+        (no frame of the segment fixes a focal) keeps the running calibration, with a note saying so."""
+        try:
+            return calibrate(self.model, segment, self.call, start=position, seed=self.seed, trigger=trigger)
+        except ValueError as exc:
+            if trigger != "chain" or running is None:
+                raise
+            note = f"kept the calibration of frame {running.start}: {exc}"
+            return dataclasses.replace(
+                running, start=position, trigger=trigger, frames=0, registered=0, forwarded=None, note=note
+            )
+
+    def _options(self, calibration: Calibration) -> dict:
+        """The real pass's call options with a segment's calibration: its intrinsics, where they were solved."""
+        if calibration.source != "solved":
+            return self.call.kwargs()
+        return dict(self.call.kwargs(), intrinsics=calibration.intrinsics)
 
     def _outputs(self, batch: list, options: dict, forwarded: Optional[list], offset: int) -> list:
         """The model's outputs of a chunk: frames whose forward the calibration kept (`forwarded`, from the
@@ -233,29 +280,47 @@ class VideoStream:
         t0 = time.perf_counter()
         frames: queue.Queue = queue.Queue(maxsize=2 * self.chunk)
         results: queue.Queue = queue.Queue(maxsize=1)
+        rewinds: queue.Queue = queue.Queue()
         threads = [
             threading.Thread(target=self._read, args=(frames,), name="tt_moge-video-read", daemon=True),
-            threading.Thread(target=self._produce, args=(frames, results), name="tt_moge-video-model", daemon=True),
+            threading.Thread(
+                target=self._produce, args=(frames, results, rewinds), name="tt_moge-video-model", daemon=True
+            ),
         ]
         for thread in threads:
             thread.start()
-        state = ClipChain(self.video.voxel_size, self.seed, self.video.new_chain_after)
+        state = ClipChain(
+            self.video.voxel_size, self.seed, self.video.new_chain_after, calibrate_chains=self.video.calibrate_chains
+        )
         register_s = 0.0
+        waiting: Optional[int] = None  # the clip index of a rewind asked for: results before its _Rewound are stale
         try:
             while True:
                 item = results.get()
-                if item is _END:
-                    break
                 if isinstance(item, BaseException):
                     raise item
+                if waiting is not None:
+                    if isinstance(item, _Rewound) and item.index == waiting:
+                        waiting = None
+                    continue
+                if item is _END:
+                    break
                 calibration, batch, outputs = item
                 for k, ((source_index, rgb), out) in enumerate(zip(batch, outputs)):
                     t = time.perf_counter()
                     frame = state.step(source_index, rgb, out, calibration if k == 0 else None, self.fps)
                     register_s += time.perf_counter() - t
-                    if self.keep_frames:
-                        state.kept.append((frame.output, rgb))
-                    yield frame
+                    rewind, state.rewind = state.rewind, None
+                    if rewind is not None:
+                        rewinds.put(rewind)
+                        waiting = rewind.index
+                    if frame is not None:
+                        self._done = frame.index + 1
+                        if self.keep_frames:
+                            state.kept.append((frame.output, rgb))
+                        yield frame
+                    if rewind is not None:
+                        break
         finally:
             self._stop.set()
             for q in (frames, results):  # unblock a thread waiting to put
@@ -271,13 +336,32 @@ class VideoStream:
 
 
 @dataclasses.dataclass
+class Rewind:
+    """The caller's request to the producer: run the clip again from its frame `index`, with a new calibration
+    pass (`calibration` None: a new chain starts there) or with an earlier chain's `calibration`."""
+
+    index: int
+    calibration: Optional[Calibration] = None
+
+
+@dataclasses.dataclass
+class _Rewound:
+    """In the results: what follows is the clip again from frame `index` (what came before it since the request
+    is stale)."""
+
+    index: int
+
+
+@dataclasses.dataclass
 class _Chain:
     """One chain of a clip (`ClipChain`): its tracker (None once it is no longer looked in: its keyframes
-    dropped), its fused cloud (None once it can no longer be the main chain) and the frames it registered."""
+    dropped), its fused cloud (None once it can no longer be the main chain), the frames it registered and the
+    calibration its frames run with (its own with `calibrate_chains`, else the clip's)."""
 
     tracker: Optional[Tracker]
     cloud: Optional[VoxelCloud]
     registered: int = 0
+    calibration: Optional[Calibration] = None
 
 
 class ClipChain:
@@ -287,22 +371,40 @@ class ClipChain:
 
     A chain is a run of frames registered one to the next, in one world (its first frame's camera). The first
     starts at frame 0. When `new_chain_after` frames in a row fail (not found against the last good frame nor a
-    keyframe: the camera is somewhere none of them saw, as after a cut), the last of them starts a new chain at
-    the clip's level, unless it has too few features with a depth to register against (a textureless frame
-    stays flagged, and the next one is tried). A frame the current chain does not find is looked for in the
-    EARLIER_CHAINS chains used last before it (their last frame and keyframes, `Tracker.register`): a cut back to
-    an earlier scene (shot / reverse shot) continues that scene's chain, in its world. Failed frames cannot tell a
-    cut from a stretch of frames the registration could not read (blur, a hand over the lens): the latter splits
-    one scene into two chains, and a frame the new one registers is not looked for in the old one (the frames are
-    yielded as they come; their poses are not revised). `new_chain_after` 0: never."""
+    keyframe: the camera is somewhere none of them saw, as after a cut), the last of them starts a new chain,
+    unless it has too few features with a depth to register against (a textureless frame stays flagged, and the
+    next one is tried). A frame the current chain does not find is looked for in the EARLIER_CHAINS chains used
+    last before it (their last frame and keyframes, `Tracker.register`): a cut back to an earlier scene (shot /
+    reverse shot) continues that scene's chain, in its world. Failed frames cannot tell a cut from a stretch of
+    frames the registration could not read (blur, a hand over the lens): the latter splits one scene into two
+    chains, and a frame the new one registers is not looked for in the old one (the frames are yielded as they
+    come; their poses are not revised). `new_chain_after` 0: never.
 
-    def __init__(self, voxel_size: Optional[float], seed: int, new_chain_after: int = DEFAULT_NEW_CHAIN_AFTER):
+    With `calibrate_chains`, a new chain is calibrated on its own frames: `step` then returns None for the frame
+    that would start it and sets `rewind` (a `Rewind` to that frame); the frame comes back, run again after a
+    calibration pass on it and the frames after it (trigger "chain"), and starts the chain at that calibration's
+    level. A frame found in an earlier chain whose intrinsics differ from those it ran with comes back the same
+    way, run again from it with that chain's calibration (no pass), and is registered again.
+    Without it (the benchmark's case, and anything that cannot run frames again) a new chain keeps the level and
+    intrinsics of the clip's segment."""
+
+    def __init__(
+        self,
+        voxel_size: Optional[float],
+        seed: int,
+        new_chain_after: int = DEFAULT_NEW_CHAIN_AFTER,
+        calibrate_chains: bool = False,
+    ):
         self.seed, self.voxel_size, self.new_chain_after = seed, voxel_size, new_chain_after
+        self.calibrate_chains = calibrate_chains
         self.chains: list = []  # _Chain per chain, in the order they started
         self.current = 0  # the chain of the last registered frame
         self.recent: list = []  # the other chains looked in, the one used last first (at most EARLIER_CHAINS)
         self.failed_in_a_row = 0
         self.level = math.nan
+        self.running: Optional[Calibration] = None  # the calibration the frames now arriving were run with
+        self.rewind: Optional[Rewind] = None  # set by `step`: the frames to run again (the caller takes it)
+        self._rewound = -1  # the last frame sent back to an earlier chain's calibration
         self.depth_range = (math.nan, math.nan)
         self.calibrations: list = []
         # per frame: (source index, time, pose, scale, model scale, registration, (K, K pixels), chain)
@@ -319,40 +421,50 @@ class ClipChain:
         calibration: Optional[Calibration],
         fps: Optional[float],
         timing: Optional[dict] = None,
-    ) -> VideoFrame:
-        """One frame (the model's output for it, changed in place) -> its VideoFrame. `timing`, if a dict,
-        receives milliseconds: "register" (features, fit, the chain), "scale" (depth and points x the
-        frame's scale), "fuse" (its points into the cloud), "record"."""
+    ) -> Optional[VideoFrame]:
+        """One frame (the model's output for it, changed in place) -> its VideoFrame; None when the frame is to
+        come back calibrated for a new chain (`rewind`). `timing`, if a dict, receives milliseconds: "register"
+        (features, fit, the chain), "scale" (depth and points x the frame's scale), "fuse" (its points into the
+        cloud), "record"."""
         watch = Stopwatch(timing)
         index = len(self.rows)
+        chain_first = index == 0 or (calibration is not None and calibration.trigger == "chain")
+        registration, cut = None, False
+        if not chain_first:
+            registration = self._register(index, rgb, out)
+            if registration is None:  # found in an earlier chain, run with other intrinsics: it comes back
+                return None
+            failed = 0 if registration.ok else self.failed_in_a_row + 1
+            cut = not registration.ok and 0 < self.new_chain_after <= failed
+            if cut and self.calibrate_chains and self._tracker(index, rgb, out) is not None:
+                self.rewind = Rewind(index)  # nothing of this frame is kept: it comes back calibrated
+                return None
+            self.failed_in_a_row = failed
         if calibration is not None:
-            self.calibrations.append(calibration.record())
-            self.level = calibration.level
-            if index == 0:
-                self.depth_range = calibration.depth_range
+            self._calibrated(calibration, index)
         if index == 0:
             self.size = out.size
-            started = self._start_chain(index, rgb, out, least=0)
+        if chain_first:
+            started = self._start_chain(index, rgb, out, least=0 if index == 0 else MIN_INLIERS)
+            if not started:
+                registration = Registration(False, reason="too few features with a depth to start a chain")
+                self.failed_in_a_row += 1
         else:
-            registration = self._register(index, rgb, out)
-            self.failed_in_a_row = 0 if registration.ok else self.failed_in_a_row + 1
-            started = (
-                not registration.ok
-                and 0 < self.new_chain_after <= self.failed_in_a_row
-                and self._start_chain(index, rgb, out)
-            )
-            if registration.ok:
-                motion = np.eye(4)
-                motion[:3, :3] = registration.rotation
-                motion[:3, 3] = registration.translation / registration.scale
-                pose = self.rows[registration.reference][2] @ np.linalg.inv(motion)  # its reference's pose
-                # a new window's first frame is re-anchored at its calibrated level
-                correction = self.level if calibration is not None else 1.0 / registration.scale
-                self.tracker.advance(correction)
-            else:
-                pose, correction = np.full((4, 4), np.nan), self.level
-        if started:  # the first frame of a chain: the identity of its world, at the clip's level
+            started = cut and self._start_chain(index, rgb, out)
+        if started:  # the first frame of a chain: the identity of its world, at its level
             correction, pose, registration = self.level, np.eye(4), Registration(True, scale=1.0, reason=None)
+        elif registration.ok:
+            motion = np.eye(4)
+            motion[:3, :3] = registration.rotation
+            motion[:3, 3] = registration.translation / registration.scale
+            pose = self.rows[registration.reference][2] @ np.linalg.inv(motion)  # its reference's pose
+            # a new window's first frame is re-anchored at its calibrated level
+            correction = self.level if calibration is not None else 1.0 / registration.scale
+            self.tracker.advance(correction)
+        else:
+            pose, correction = np.full((4, 4), np.nan), self.level
+        if calibration is not None and (started or not chain_first):  # a window's: the current chain's from now
+            self.chains[self.current].calibration = self.running
         watch.lap("register")
         model_scale = float(out.metric_scale)
         out.depth *= np.float32(correction)
@@ -398,18 +510,32 @@ class ClipChain:
         """The chain with the most registered frames (the first of those with as many): `VideoOutput.main_chain`."""
         return int(np.argmax([c.registered for c in self.chains]))
 
-    def _start_chain(self, index: int, rgb: np.ndarray, out: Any, least: int = MIN_INLIERS) -> bool:
-        """Start a chain at this frame (numbered `index` in the clip) and make it the current one, unless it has
-        fewer than `least` features with a depth: nothing could be registered against it."""
+    def _tracker(self, index: int, rgb: np.ndarray, out: Any, least: int = MIN_INLIERS) -> Optional[Tracker]:
+        """A tracker started on this frame (numbered `index` in the clip); None if it has fewer than `least`
+        features with a depth: nothing could be registered against it."""
         tracker = Tracker(seed=self.seed)
         tracker.start(rgb, out.depth, out.mask, out.intrinsics_pixels, 0.0, self.level, frame=index)
-        if len(tracker.ref.tracks) < least:
+        return tracker if len(tracker.ref.tracks) >= least else None
+
+    def _start_chain(self, index: int, rgb: np.ndarray, out: Any, least: int = MIN_INLIERS) -> bool:
+        """Start a chain at this frame and make it the current one, unless it has too few features (`_tracker`)."""
+        tracker = self._tracker(index, rgb, out, least)
+        if tracker is None:
             return False
-        self.chains.append(_Chain(tracker, VoxelCloud(self.voxel_size)))
+        self.chains.append(_Chain(tracker, VoxelCloud(self.voxel_size), calibration=self.running))
         if len(self.chains) > 1:
             self._switch(len(self.chains) - 1)
         self.failed_in_a_row = 0
         return True
+
+    def _calibrated(self, calibration: Calibration, index: int) -> None:
+        """A calibration pass's result arrives with frame `index` (its first): its record, its level; the
+        calibration is kept without the forwards (they are the producer's, dropped as it finishes them)."""
+        self.calibrations.append(calibration.record())
+        self.level = calibration.level
+        self.running = dataclasses.replace(calibration, forwarded=None)
+        if index == 0:
+            self.depth_range = calibration.depth_range
 
     def _switch(self, chain: int) -> None:
         """Make `chain` the current one; the one it replaces heads the earlier chains looked in (the oldest
@@ -428,9 +554,13 @@ class ClipChain:
             if chain.tracker is None and i != main:
                 chain.cloud = None
 
-    def _register(self, index: int, rgb: np.ndarray, out: Any) -> Registration:
+    def _register(self, index: int, rgb: np.ndarray, out: Any) -> Optional[Registration]:
         """The frame's registration in the current chain, else in the earlier chains looked in (the one used last
-        first): the first that finds it becomes the current chain. Else the current chain's failure."""
+        first): the first that finds it becomes the current chain. Else the current chain's failure. None (and
+        `rewind` set, every tracker as before this frame) when an earlier chain found it but runs with other
+        intrinsics than this frame did (`calibrate_chains`): the frame comes back, run with that chain's
+        calibration, and is registered again (once: it is not sent back twice)."""
+        before = [(c.tracker, c.tracker.counters()) for c in self.chains if c.tracker is not None]
         failed = self.tracker.register(rgb, out.depth, out.mask, out.intrinsics_pixels, frame=index)
         if failed.ok:
             return failed
@@ -439,6 +569,13 @@ class ClipChain:
                 rgb, out.depth, out.mask, out.intrinsics_pixels, frame=index
             )
             if registration.ok:
+                own = self.chains[chain].calibration
+                if self.calibrate_chains and self._rewound != index and not _same_camera(own, self.running):
+                    for tracker, counters in before:
+                        tracker.rewind(counters)
+                    self.rewind, self._rewound = Rewind(index, own), index
+                    self.running, self.level = own, own.level
+                    return None
                 self._switch(chain)
                 return registration
         if self.recent:
@@ -478,6 +615,14 @@ class ClipChain:
             frames=None if kept is None else [o for o, _ in kept],
             images=None if kept is None else [i for _, i in kept],
         )
+
+
+def _same_camera(a: Calibration, b: Optional[Calibration]) -> bool:
+    """Whether the real pass runs the same with either calibration: the same intrinsics where they were solved
+    (given intrinsics or fov_x are the clip's, the same for every segment)."""
+    if b is None or a.source != b.source:
+        return False
+    return a.source != "solved" or a.intrinsics == b.intrinsics
 
 
 def iter_video(model: Any, source: Any, **options: Any) -> VideoStream:

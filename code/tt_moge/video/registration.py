@@ -606,6 +606,14 @@ class Tracker:
             )
         return reg
 
+    def counters(self) -> tuple:
+        """What `register` changes (the last frame seen, the frames since the reference, the fit waiting for
+        `advance`): `rewind` puts them back, so that a frame run through the model again is registered again."""
+        return self._frame, self._tries, self._pending
+
+    def rewind(self, counters: tuple) -> None:
+        self._frame, self._tries, self._pending = counters
+
     def advance(self, correction: float) -> None:
         """After a good `register`: that frame becomes the reference, its points x `correction` (1 / the fit's
         scale: consistent with the clip), its inlier tracks kept and new corners added; and a keyframe, when
