@@ -217,11 +217,12 @@ def test_fused_cloud_lies_on_the_scene(walk):
 
 def test_a_cut_starts_a_new_chain(walk, tmp_path):
     """A cut after 8 frames of the walk to another shot: a pan (in inverted grey levels, so that nothing of the
-    first shot can be found in it). The first new_chain_after - 1 frames after the cut fail; the next one starts
-    chain 1, in its own world (its pose the identity), and the rest of the clip registers in it on the true
-    trajectory of that shot relative to that frame, at one scale. The second shot has the most registered frames:
-    the fused cloud, the trajectory and the 3D files are its. With new_chain_after=0 every frame after the cut
-    stays flagged."""
+    first shot can be found in it). The first new_chain_after frames after the cut fail; the chain then starts at
+    the first of them (they were held, and run again after the new chain's calibration pass), in its own world
+    (its pose the identity), and the whole shot registers in it on its true trajectory relative to its first
+    frame, at one scale. The second shot has the most registered frames: the fused cloud, the trajectory and the
+    3D files are its. With calibrate_chains=False (no frame runs again) the chain starts at the last of the failed
+    frames and the ones before it stay flagged; with new_chain_after=0 every frame after the cut stays flagged."""
     from dataclasses import replace
 
     poses, renders = walk
@@ -233,16 +234,12 @@ def test_a_cut_starts_a_new_chain(walk, tmp_path):
     # the clip's camera is calibrated on the first shot (the whole of it: with 4 frames of the walk its focal is
     # 2.8 % off); the second shot, from its chain's first frame, on its own first 8 frames (calibrate_chains)
     clip = predict_video(oracle(clip_renders), images, calibration_frames=cut, new_chain_after=after)
-    start = cut + after - 1  # the frame that starts chain 1
-    assert [(c["start_frame"], c["trigger"]) for c in clip.calibrations] == [(0, "start"), (start, "chain")]
-    assert list(clip.chain) == [0] * start + [1] * (len(images) - start)
-    assert clip.registered[:cut].all() and clip.registered[start:].all(), clip.failures
-    assert not clip.registered[cut:start].any() and all(clip.failures[cut:start])
-    assert np.allclose(clip.poses[start], np.eye(4)) and clip.records[start]["reference"] is None
-    truth = np.linalg.inv(pan[start - cut]) @ pan[start - cut :]  # the second shot in its first frame's camera
-    ate, rotation = trajectory_errors(clip.poses[start:], truth)
-    assert ate <= 0.02 and rotation <= 1.0, (ate, rotation)  # as for the pans below: 0.5 m forward, 33 degrees
-    ratio = scale_spread(clip.frames[start:], shot[start - cut :])
+    assert [(c["start_frame"], c["trigger"]) for c in clip.calibrations] == [(0, "start"), (cut, "chain")]
+    assert list(clip.chain) == [0] * cut + [1] * len(shot) and clip.registered.all(), clip.failures
+    assert np.allclose(clip.poses[cut], np.eye(4)) and clip.records[cut]["reference"] is None
+    ate, rotation = trajectory_errors(clip.poses[cut:], pan)
+    assert ate <= 0.02 and rotation <= 1.0, (ate, rotation)  # as for the pans below: 0.65 m forward, 39 degrees
+    ratio = scale_spread(clip.frames[cut:], shot)
     assert ratio.std() / ratio.mean() <= 0.01, ratio
     ate, rotation = trajectory_errors(clip.poses[:cut], poses[:cut])  # the first shot keeps its own
     assert ate <= 0.01 and rotation <= 0.5, (ate, rotation)
@@ -250,18 +247,29 @@ def test_a_cut_starts_a_new_chain(walk, tmp_path):
     summary = clip.summary()
     assert clip.main_chain == summary["main_chain"] == 1
     assert [(c["first_frame"], c["frames"], c["registered"]) for c in summary["chains"]] == [
-        (0, start, cut),
-        (start, len(images) - start, len(images) - start),
+        (0, cut, cut),
+        (cut, len(shot), len(shot)),
     ]
     assert summary["path_length_m"] == pytest.approx(sum(c["path_length_m"] for c in summary["chains"]), abs=1e-5)
-    seen, error = cloud_error(clip.cloud_points, clip.frames[start], shot[start - cut])
+    seen, error = cloud_error(clip.cloud_points, clip.frames[cut], shot[0])
     assert seen > 2000 and error < 0.01, (seen, error)
     lines = [line for line in clip.trajectory_tum().splitlines() if not line.startswith("#")]
-    assert len(lines) == len(images) - start
+    assert len(lines) == len(shot)
     assert [r["chain"] for r in clip.records] == list(clip.chain)
+    assert [r["frame"] for r in clip.records] == list(range(len(images)))
     assert np.array_equal(clip.npz_arrays()["chain"], clip.chain)
     clip.save(tmp_path / "clip", formats=())
-    assert f"element edge {len(images) - start - 1}".encode() in (tmp_path / "clip" / "scene.ply").read_bytes()
+    assert f"element edge {len(shot) - 1}".encode() in (tmp_path / "clip" / "scene.ply").read_bytes()
+
+    late = predict_video(
+        oracle(clip_renders), images, calibration_frames=cut, new_chain_after=after, calibrate_chains=False
+    )
+    start = cut + after - 1  # the frame that starts chain 1
+    assert list(late.chain) == [0] * start + [1] * (len(images) - start)
+    assert late.registered[:cut].all() and late.registered[start:].all(), late.failures
+    assert not late.registered[cut:start].any() and all(late.failures[cut:start])
+    ate, rotation = trajectory_errors(late.poses[start:], np.linalg.inv(pan[start - cut]) @ pan[start - cut :])
+    assert ate <= 0.02 and rotation <= 1.0, (ate, rotation)
 
     never = predict_video(oracle(clip_renders), images, calibration_frames=cut, new_chain_after=0)
     assert never.registered[:cut].all() and not never.registered[cut:].any()
@@ -270,9 +278,11 @@ def test_a_cut_starts_a_new_chain(walk, tmp_path):
 
 def test_a_cut_back_continues_the_earlier_chain(walk):
     """Shot / reverse shot: 8 frames of the walk, 8 of the (inverted) pan, then the walk again 2 frames further
-    on. The pan starts chain 1 after its first two frames fail; the first frame back on the walk is found in
-    chain 0 (its last frame and keyframes) and the walk goes on there, on its true trajectory in chain 0's world,
-    with no frame lost. Chain 0 has the most registered frames: its cloud and trajectory are the clip's."""
+    on. The pan starts chain 1 at its first frame (its first two failed, and were held until the third did); the
+    first frame back on the walk is found in chain 0 (its last frame and keyframes) and the walk goes on there, on
+    its true trajectory in chain 0's world, with no frame lost. Chain 0 has the most registered frames: its cloud
+    and trajectory are the clip's. The pan was calibrated on its own frames; the first frame back, found with the
+    pan's intrinsics, ran again from there with chain 0's, and was found again with them."""
     from dataclasses import replace
 
     poses, renders = walk
@@ -282,21 +292,21 @@ def test_a_cut_back_continues_the_earlier_chain(walk):
     clip_renders = list(renders[:8]) + shot + [renders[i] for i in back]
     images = [r.image for r in clip_renders]
     clip = predict_video(oracle(clip_renders), images, calibration_frames=8)
-    assert list(clip.chain) == [0] * 10 + [1] * 6 + [0] * 6
-    assert clip.registered[:8].all() and clip.registered[10:].all() and not clip.registered[8:10].any()
-    assert "earlier chain" not in clip.failures[8]  # no earlier chain to look in yet
+    assert list(clip.chain) == [0] * 8 + [1] * 8 + [0] * 6 and clip.registered.all(), clip.failures
     first_back = clip.records[16]
     assert first_back["relocalised"] and first_back["reference"] <= 7, first_back
     walked = np.r_[0:8, 16:22]
     ate, rotation = trajectory_errors(clip.poses[walked], poses[np.r_[0:8, back]])
     assert ate <= 0.01 and rotation <= 0.5, (ate, rotation)
     assert clip.main_chain == 0 and clip.summary()["chains"][0]["registered"] == 14
-    # the pan was calibrated on its own frames; the walk, found again (with the pan's intrinsics), ran again from
-    # that frame with its chain's calibration, and was found again with it
-    assert [(c["start_frame"], c["trigger"]) for c in clip.calibrations] == [(0, "start"), (10, "chain")]
+    assert [(c["start_frame"], c["trigger"]) for c in clip.calibrations] == [(0, "start"), (8, "chain")]
     k = clip.frame_intrinsics
-    assert (k[10:16] == k[10]).all() and not np.allclose(k[10], k[0], rtol=1e-3)
-    assert (k[16:] == k[0]).all() and (k[:10] == k[0]).all()
+    assert (k[8:16] == k[8]).all() and not np.allclose(k[8], k[0], rtol=1e-3)
+    assert (k[16:] == k[0]).all() and (k[:8] == k[0]).all()
+
+    late = predict_video(oracle(clip_renders), images, calibration_frames=8, calibrate_chains=False)
+    assert list(late.chain) == [0] * 10 + [1] * 6 + [0] * 6 and not late.registered[8:10].any()
+    assert "earlier chain" not in late.failures[8]  # no earlier chain to look in yet
 
 
 class Slow:
@@ -330,40 +340,68 @@ def cut_clip(walk, tele_fov=None, shot_frames=14):
 
 
 def test_a_new_chain_is_calibrated_on_its_own_frames(walk):
-    """A cut to a shot through another lens (70 -> 50 degrees): the new chain (from frame 10) is calibrated on its
-    own 8 first frames, so its focal is that lens's and its metric level the median of the model's over those
-    frames, not its first frame's (whose scale is 30 % off here). The frames before the cut are as without it.
-    With calibrate_chains=False the shot keeps the first lens's focal (a third off), and the trajectory and
-    the level show it."""
+    """A cut to a shot through another lens (70 -> 50 degrees) at frame 8: the new chain is calibrated on its own
+    8 first frames, so its focal is that lens's and its metric level the median of the model's over those frames,
+    not its first frame's (whose scale is 30 % off here). The frames before the cut are as without it. With
+    calibrate_chains=False the chain starts at frame 10 (also 30 % off) with the first lens's focal (a third off),
+    and the trajectory and the level show it."""
     from tt_moge.video.predict import DEFAULT_CHUNK
 
     clip_renders, images = cut_clip(walk, tele_fov=50.0)
-    shot, first = clip_renders[10:], 10
+    cut, late_start = 8, 10
     errors = stand_in(clip_renders).scale_errors
-    errors[first] = 0.3
+    errors[[cut, late_start]] = 0.3
     true_fx = intrinsics_for(*SIZE, 50.0)[0, 0]
-    truth = np.linalg.inv(pan_path([6])[0]) @ pan_path(range(6, 42, 3))  # the shot from frame 10, in its camera
-    model_level = np.median(1 + errors[first : first + 8])
+    pan = pan_path(range(0, 42, 3))
+
+    def errors_from(run, start):
+        """(focal error, ATE, rotation, |level - the model's median level over the chain's first 8 frames|)."""
+        fx = np.abs(run.frame_intrinsics[start:, 0, 0] * SIZE[0] / true_fx - 1).max()
+        ate, rotation = trajectory_errors(run.poses[start:], np.linalg.inv(pan[start - cut]) @ pan[start - cut :])
+        level = scale_spread(run.frames[start:], clip_renders[start:]).mean()
+        return fx, ate, rotation, abs(level - np.median(1 + errors[start : start + 8]))
 
     model = oracle(clip_renders, scale_errors=errors)
     clip = predict_video(model, images, calibration_frames=8)
-    kept_model = oracle(clip_renders, scale_errors=errors)
-    kept = predict_video(kept_model, images, calibration_frames=8, calibrate_chains=False)
-    for run in (clip, kept):
-        assert list(run.chain) == [0] * first + [1] * (len(images) - first) and run.registered[first:].all()
-    assert [(c["start_frame"], c["trigger"]) for c in clip.calibrations] == [(0, "start"), (first, "chain")]
-    assert model.forwards <= len(images) + 3 * DEFAULT_CHUNK  # the frames run past the cut, at most
-    fx_error = lambda run: np.abs(run.frame_intrinsics[first:, 0, 0] * SIZE[0] / true_fx - 1).max()  # noqa: E731
-    ate, rotation = trajectory_errors(clip.poses[first:], truth)
-    level = scale_spread(clip.frames[first:], shot).mean()
-    assert fx_error(clip) <= 0.05 and ate <= 0.03 and rotation <= 1.0, (fx_error(clip), ate, rotation)
-    assert abs(level - model_level) <= 0.03, (level, model_level)
-    ate_kept, rotation_kept = trajectory_errors(kept.poses[first:], truth)
-    level_kept = scale_spread(kept.frames[first:], shot).mean()
-    assert fx_error(kept) > 0.25 and ate_kept > 0.1 and rotation_kept > 5, (fx_error(kept), ate_kept, rotation_kept)
-    assert abs(level_kept - model_level) > 0.2, (level_kept, model_level)
-    for a, b in zip(clip.frames[:first], kept.frames[:first]):  # the rewind leaves the frames before it alone
+    kept = predict_video(
+        oracle(clip_renders, scale_errors=errors), images, calibration_frames=8, calibrate_chains=False
+    )
+    assert list(clip.chain) == [0] * cut + [1] * (len(images) - cut) and clip.registered.all(), clip.failures
+    assert list(kept.chain) == [0] * late_start + [1] * (len(images) - late_start) and kept.registered[10:].all()
+    assert [(c["start_frame"], c["trigger"]) for c in clip.calibrations] == [(0, "start"), (cut, "chain")]
+    assert model.forwards <= len(images) + 2 + 3 * DEFAULT_CHUNK  # the failed frames held, those run past them
+    fx, ate, rotation, level = errors_from(clip, cut)
+    assert fx <= 0.05 and ate <= 0.03 and rotation <= 1.0 and level <= 0.03, (fx, ate, rotation, level)
+    fx, ate, rotation, level = errors_from(kept, late_start)
+    assert fx > 0.25 and ate > 0.1 and rotation > 5 and level > 0.2, (fx, ate, rotation, level)
+    for a, b in zip(clip.frames[:cut], kept.frames[:cut]):  # the rewind leaves the frames before it alone
         assert np.array_equal(a.depth, b.depth)
+
+
+def test_a_fade_before_a_cut_stays_flagged_and_each_frame_comes_once(walk):
+    """A textureless frame (a fade) between the walk and the pan: the three failed frames are held until the third
+    decides the cut; the chain starts at the first of them with texture (the pan's first frame), and the fade is
+    released flagged. `iter_video` yields every frame once, in order, the held ones late."""
+    from dataclasses import replace
+
+    from tt_moge.video import iter_video
+
+    clip_renders, _ = cut_clip(walk, shot_frames=8)
+    fade = replace(clip_renders[8], image=np.full_like(clip_renders[8].image, 40))
+    clip_renders = clip_renders[:8] + [fade] + clip_renders[8:]
+    images = [r.image for r in clip_renders]
+    with iter_video(oracle(clip_renders), images, calibration_frames=8) as stream:
+        indices = [frame.index for frame in stream]
+    clip = stream.result
+    assert indices == list(range(len(images)))
+    assert list(clip.chain) == [0] * 9 + [1] * 8 and not clip.registered[8] and clip.registered[9:].all()
+    assert [(c["start_frame"], c["trigger"]) for c in clip.calibrations] == [(0, "start"), (9, "chain")]
+    # the fade as the new shot's second frame: run again, it fails in the new chain and is looked for in the
+    # first, whose tracker had seen it fail already (its counters are put back to before the failed frames)
+    clip_renders = clip_renders[:8] + [clip_renders[9], fade] + clip_renders[10:]
+    clip = predict_video(oracle(clip_renders), [r.image for r in clip_renders], calibration_frames=8)
+    assert list(clip.chain) == [0] * 8 + [1] * 9 and not clip.registered[9], clip.failures
+    assert clip.registered[:9].all() and clip.registered[10:].all(), clip.failures
 
 
 def test_frames_run_again_come_out_the_same_whatever_the_timing(walk):
@@ -396,10 +434,10 @@ def test_a_new_chain_that_cannot_be_calibrated_keeps_the_running_calibration(wal
     clip = predict_video(oracle(clip_renders), images, calibration_frames=8)
     assert [(c["start_frame"], c["trigger"], c["frames"]) for c in clip.calibrations] == [
         (0, "start", 8),
-        (10, "chain", 0),
+        (8, "chain", 0),
     ]
     assert "kept the calibration of frame 0" in clip.calibrations[1]["note"]
-    assert (clip.frame_intrinsics == clip.frame_intrinsics[0]).all() and clip.registered[10:].all()
+    assert (clip.frame_intrinsics == clip.frame_intrinsics[0]).all() and clip.registered.all()
 
 
 def test_the_earlier_chains_looked_in_are_bounded():

@@ -94,9 +94,9 @@ class VideoOptions:
     )
     new_chain_after: int = option(
         DEFAULT_NEW_CHAIN_AFTER,
-        "when N frames in a row fail registration (a cut to another scene), the Nth starts a new chain of poses in "
-        "a world of its own, if it has the texture to register against (default %(default)s; 0: never, the frames "
-        "after a cut stay flagged)",
+        "when N frames in a row fail registration (a cut to another scene), a new chain of poses starts in a world "
+        "of its own: at the first of them with the texture to register against (with calibrate_chains; else at "
+        "the Nth) (default %(default)s; 0: never, the frames after a cut stay flagged)",
         metavar="N",
         parse=_count_text(0),
         check=_count("new_chain_after", 0, False),
@@ -105,8 +105,9 @@ class VideoOptions:
         True,
         "calibrate each new chain on its own first calibration_frames frames (a cut is mostly to another shot: "
         "another lens or zoom, another scene): its intrinsics (unless given) and its metric level; the frames run "
-        "from the chain's first one again with them, and a cut back to an earlier chain runs on with that chain's "
-        "intrinsics (off: every chain keeps the clip's)",
+        "again from the chain's first one (the failed frames before the cut was known are held, then run again "
+        "in the chain), and a cut back to an earlier chain runs on with that chain's intrinsics (off: every chain "
+        "keeps the clip's, and starts at the last of the failed frames)",
     )
     voxel_size: Optional[float] = option(
         None,

@@ -18,10 +18,12 @@ Steps (threads: a reader decodes frames ahead, a producer runs the model, the ca
    relative to the clip (depth and points are multiplied by it) and its pose; a frame whose fit fails its
    checks is flagged (pose NaN), keeps the segment's level and stays out of the fused cloud; after
    `new_chain_after` failed frames in a row (a cut), the last of them starts a new chain: the first frame of a
-   world of its own (`ClipChain`). With `calibrate_chains`, that frame is first sent back (a `Rewind`): the
-   producer runs the clip again from it, after a calibration pass on its frames, so each chain has its own
-   intrinsics and level; a frame found in an earlier chain that runs with other intrinsics is sent back too, to
-   run again with that chain's calibration. What the producer had run past a rewound frame is dropped;
+   world of its own (`ClipChain`). With `calibrate_chains`, the failed frames are held until the run of failures
+   ends or is a cut; at a cut they are sent back (a `Rewind` to the first of them with texture): the producer runs
+   the clip again from it, after a calibration pass on its frames, so each chain has its own intrinsics and
+   level and starts at the new shot's first frame; a frame found in an earlier chain that runs with other
+   intrinsics is sent back too, to run again with that chain's calibration. What the producer had run past a
+   rewound frame is dropped;
 4. the fused cloud (`fusion.VoxelCloud`) of the registered frames, one per chain.
 With `window`, steps 1-3 restart every `window` frames (new intrinsics, the level re-anchored); the registration
 chain continues across.
@@ -308,19 +310,16 @@ class VideoStream:
                 calibration, batch, outputs = item
                 for k, ((source_index, rgb), out) in enumerate(zip(batch, outputs)):
                     t = time.perf_counter()
-                    frame = state.step(source_index, rgb, out, calibration if k == 0 else None, self.fps)
+                    done = state.step(source_index, rgb, out, calibration if k == 0 else None, self.fps)
                     register_s += time.perf_counter() - t
                     rewind, state.rewind = state.rewind, None
                     if rewind is not None:
                         rewinds.put(rewind)
                         waiting = rewind.index
-                    if frame is not None:
-                        self._done = frame.index + 1
-                        if self.keep_frames:
-                            state.kept.append((frame.output, rgb))
-                        yield frame
+                    yield from self._done_frames(state, done)
                     if rewind is not None:
                         break
+            yield from self._done_frames(state, state.release())
         finally:
             self._stop.set()
             for q in (frames, results):  # unblock a thread waiting to put
@@ -333,6 +332,13 @@ class VideoStream:
                 thread.join(timeout=30)
             self.source.close()
         self.result = state.output(self.name, self.fps, {"total": time.perf_counter() - t0, "registration": register_s})
+
+    def _done_frames(self, state: "ClipChain", frames: list) -> Iterator[VideoFrame]:
+        for frame in frames:
+            self._done = frame.index + 1
+            if self.keep_frames:
+                state.kept.append((frame.output, frame.image))
+            yield frame
 
 
 @dataclasses.dataclass
@@ -380,12 +386,14 @@ class ClipChain:
     chains, and a frame the new one registers is not looked for in the old one (the frames are yielded as they
     come; their poses are not revised). `new_chain_after` 0: never.
 
-    With `calibrate_chains`, a new chain is calibrated on its own frames: `step` then returns None for the frame
-    that would start it and sets `rewind` (a `Rewind` to that frame); the frame comes back, run again after a
-    calibration pass on it and the frames after it (trigger "chain"), and starts the chain at that calibration's
-    level. A frame found in an earlier chain whose intrinsics differ from those it ran with comes back the same
-    way, run again from it with that chain's calibration (no pass), and is registered again.
-    Without it (the benchmark's case, and anything that cannot run frames again) a new chain keeps the level and
+    With `calibrate_chains`, a new chain is calibrated on its own frames and starts at the first frame of the
+    run of failures: `step` holds failed frames (`held`) until a registered frame releases them (flagged) or the
+    run reaches `new_chain_after` (`_cut`): then the frames from the first of them with texture are forgotten and
+    `rewind` is set (a `Rewind` to it); they come back, run again after a calibration pass on them (trigger
+    "chain"), and the first starts the chain at that calibration's level. A frame found in an earlier chain whose
+    intrinsics differ from those it ran with comes back the same way, run again from it with that chain's
+    calibration (no pass), and is registered again. Without it (the benchmark's case, and anything that cannot
+    run frames again) nothing is held, and a new chain starts at the last failed frame with the level and
     intrinsics of the clip's segment."""
 
     def __init__(
@@ -405,6 +413,8 @@ class ClipChain:
         self.running: Optional[Calibration] = None  # the calibration the frames now arriving were run with
         self.rewind: Optional[Rewind] = None  # set by `step`: the frames to run again (the caller takes it)
         self._rewound = -1  # the last frame sent back to an earlier chain's calibration
+        self.held: list = []  # VideoFrames of the current run of failed frames, not yet released
+        self._run_start: list = []  # (tracker, counters) of each chain before the current run of failed frames
         self.depth_range = (math.nan, math.nan)
         self.calibrations: list = []
         # per frame: (source index, time, pose, scale, model scale, registration, (K, K pixels), chain)
@@ -421,24 +431,28 @@ class ClipChain:
         calibration: Optional[Calibration],
         fps: Optional[float],
         timing: Optional[dict] = None,
-    ) -> Optional[VideoFrame]:
-        """One frame (the model's output for it, changed in place) -> its VideoFrame; None when the frame is to
-        come back calibrated for a new chain (`rewind`). `timing`, if a dict, receives milliseconds: "register"
-        (features, fit, the chain), "scale" (depth and points x the frame's scale), "fuse" (its points into the
-        cloud), "record"."""
+    ) -> list:
+        """One frame (the model's output for it, changed in place) -> the VideoFrames now done, in order: this one;
+        none while it is held (a failed frame that may be the first of a new shot, with `calibrate_chains`) or sent
+        back (`rewind`); held ones with it once its registration or a cut decides them. `timing`, if a dict,
+        receives milliseconds: "register" (features, fit, the chain), "scale" (depth and points x the frame's
+        scale), "fuse" (its points into the cloud), "record"."""
         watch = Stopwatch(timing)
         index = len(self.rows)
         chain_first = index == 0 or (calibration is not None and calibration.trigger == "chain")
         registration, cut = None, False
         if not chain_first:
+            if self.failed_in_a_row == 0:  # a run of failed frames may start here: the trackers as they were
+                self._run_start = [(c.tracker, c.tracker.counters()) for c in self.chains if c.tracker is not None]
             registration = self._register(index, rgb, out)
             if registration is None:  # found in an earlier chain, run with other intrinsics: it comes back
-                return None
+                return []
             failed = 0 if registration.ok else self.failed_in_a_row + 1
             cut = not registration.ok and 0 < self.new_chain_after <= failed
-            if cut and self.calibrate_chains and self._tracker(index, rgb, out) is not None:
-                self.rewind = Rewind(index)  # nothing of this frame is kept: it comes back calibrated
-                return None
+            if cut and self.calibrate_chains:
+                released = self._cut(index, rgb, out)
+                if released is not None:
+                    return released
             self.failed_in_a_row = failed
         if calibration is not None:
             self._calibrated(calibration, index)
@@ -500,7 +514,34 @@ class ClipChain:
         self.rows.append((source_index, time_s, pose, out.metric_scale, model_scale, registration, cameras, chain))
         self.records.append(frame.record())
         watch.lap("record")
-        return frame
+        if self.calibrate_chains and not registration.ok and 0 < self.failed_in_a_row < self.new_chain_after:
+            self.held.append(frame)  # a new shot's first frames, if a cut follows
+            return []
+        return self.release() + [frame]
+
+    def release(self) -> list:
+        """The frames held (failed frames that a cut did not follow), in order; none are held after this."""
+        released, self.held = self.held, []
+        return released
+
+    def _cut(self, index: int, rgb: np.ndarray, out: Any) -> Optional[list]:
+        """A cut found at frame `index` (the last of `new_chain_after` failed frames), with `calibrate_chains`: the
+        new chain starts at the first of the failed frames held with it that has the features to register
+        against. Its frames are forgotten (the rows, the records, the trackers' counters as before the run of
+        failures) and sent back (`rewind`); the ones before it are released, flagged. None when no frame of the
+        run can start a chain (each later failed frame is tried)."""
+        candidates = [(f.index, f.image, f.output) for f in self.held] + [(index, rgb, out)]
+        first = next((i for i, image, output in candidates if self._tracker(i, image, output) is not None), None)
+        if first is None:
+            return None
+        for tracker, counters in self._run_start:
+            tracker.rewind(counters)
+        released = [f for f in self.held if f.index < first]
+        self.held = []
+        del self.rows[first:], self.records[first:]
+        self.calibrations = [c for c in self.calibrations if c["start_frame"] < first]
+        self.rewind = Rewind(first)  # nothing of these frames is kept: they come back calibrated
+        return released
 
     @property
     def tracker(self) -> Tracker:
