@@ -191,6 +191,29 @@ def test_clip_limits(tiny_model, clip):
         assert response.status_code == 413 and response.json()["code"] == "clip_too_large"
 
 
+def test_a_clips_cost_counts_the_calibration_frames_kept_forwards(tiny_model, clip):
+    """The memory a clip is counted for includes its calibration frames' kept forwards (28 bytes per canvas pixel
+    each): a budget between the cost with them and the cost without is refused (413), one at the cost admitted."""
+    from fastapi.testclient import TestClient
+
+    from tt_moge.server.app import create_app
+    from tt_moge.server.settings import ServerSettings
+
+    body = clip.read_bytes()
+    w, h = tiny_model.resolution
+    costs = [
+        ServerSettings.clip_cost(FRAMES, SIZE[0] * SIZE[1], len(body), CALIBRATION, canvas) for canvas in (0, w * h)
+    ]
+    assert costs[1] - costs[0] >= 28 * w * h * CALIBRATION
+    query = {"calibration_frames": CALIBRATION}
+    for budget, status in ((costs[1] - 1, 413), (costs[1], 200)):
+        settings = ServerSettings(max_pixels=SIZE[0] * SIZE[1], max_body_bytes=1 << 20, memory_budget_bytes=budget)
+        with TestClient(create_app(tiny_model, settings)) as c:
+            response = c.post("/predict/video", params=query, content=body, headers=VIDEO)
+        assert response.status_code == status, (budget, costs, response.text[:300])
+        assert status == 200 or response.json()["code"] == "clip_too_large"
+
+
 def test_known_intrinsics_on_every_photo_surface(tiny_model, client, checkpoint, tmp_path):
     """intrinsics= (one call option): model(...), predict_many, tt-moge predict --intrinsics and /predict?intrinsics=
     give exactly the given intrinsics and the same arrays; impossible values are refused on each surface."""
