@@ -34,7 +34,13 @@ from tt_moge.runners.cpu_kernels import (
     quantize_rows,
     quantize_rows_reference,
 )
-from tt_moge.runners.fixed_graph import FixedShapeMoGe2, HeadByHeadAttention, Int8Linear, OnednnInt8Linear
+from tt_moge.runners.fixed_graph import (
+    FixedShapeMoGe2,
+    HeadByHeadAttention,
+    Int8Linear,
+    OnednnInt8Linear,
+    OnednnLinear,
+)
 from tt_moge.runners.kernel_choice import FORCE_ENV, KernelCache, choose, fastest, forced_choices
 from tt_moge.testing import add_outlier_channels, calibration_image, make_network, model_config
 from tt_moge.warmup import synthetic_photo
@@ -121,17 +127,26 @@ def test_fp32_runner_is_the_reference_bit_for_bit():
 
 
 @pytest.mark.parametrize("preset", ["tiny-vits-normal", "tiny-vits", "tiny-norms", "no-residual"])
-@pytest.mark.parametrize("channels_last,attention", [(True, "heads"), (False, "sdpa")])
-def test_graph_in_fp32_equals_the_reference_to_roundoff(preset, channels_last, attention):
+@pytest.mark.parametrize(
+    "channels_last,attention,linear", [(True, "heads", "aten"), (False, "sdpa", "aten"), (True, "heads", "onednn")]
+)
+def test_graph_in_fp32_equals_the_reference_to_roundoff(preset, channels_last, attention, linear):
     """Every fold (normalisation, pos-embed, LayerScale, projections, uv constants, finest level) is exact,
-    channels-last or not, with either attention."""
+    channels-last or not, with either attention, and with the ViT's matmuls (and GELU) in oneDNN's packed linear."""
     net = _network(_no_residual_config() if preset == "no-residual" else preset)
     image = calibration_image(*SMALL, seed=2)
     with torch.inference_mode():
         ref = net(image, SMALL_TOKENS)
         graph = FixedShapeMoGe2(
-            net, SMALL, SMALL_TOKENS, torch.float32, channels_last=channels_last, attention=attention
+            net,
+            SMALL,
+            SMALL_TOKENS,
+            torch.float32,
+            channels_last=channels_last,
+            attention=attention,
+            vit_linear=linear,
         )
+        assert isinstance(graph.blocks[0].ffn_in, OnednnLinear) == (linear == "onednn")
         out = graph(image)
     err = _raw_errors(out, ref)
     assert err["points"] < 1e-5 and err["mask_prob"] < 1e-5 and err["scale"] < 1e-5, err
@@ -204,6 +219,8 @@ ONEDNN_LIMITS = {**INT8_LIMITS, "cls_token": 0.09}
         ("bf16", "heads"),
         ("bf16", "sdpa"),
         ("bf16", "native"),
+        ("bf16-onednn", "heads"),
+        ("bf16-onednn", "native"),
         ("fp16", "sdpa"),
         ("int8", "heads"),
         ("int8", "native"),
@@ -212,8 +229,9 @@ ONEDNN_LIMITS = {**INT8_LIMITS, "cls_token": 0.09}
     ],
 )
 def test_reduced_precision_graph_is_within_documented_tolerance(preset, precision, attention):
-    """Every attention kernel and int8 kernel the CPU runner may choose (and the CUDA path's SDPA in float16) stays
-    within the documented limits, so the chooser may pick any of them by speed alone. "int8-onednn": oneDNN's
+    """Every attention kernel, ViT matmul kernel and int8 kernel the CPU runner may choose (and the CUDA path's SDPA
+    in float16) stays within the documented limits, so the chooser may pick any of them by speed alone.
+    "bf16-onednn": the ViT's matmuls in oneDNN's packed linear, GELU fused; "int8-onednn": oneDNN's
     int8 linear (per-tensor activation scales) in the bfloat16 graph; "-fp32": in the float32 graph, which the
     runner picks where bfloat16 is only emulated."""
     native = None if precision == "fp16" else native_library()  # as CpuGraphRunner: fused attention, int8 glue
@@ -221,12 +239,19 @@ def test_reduced_precision_graph_is_within_documented_tolerance(preset, precisio
         pytest.skip("the native attention needs an AVX512-BF16 build (this CPU has none)")
     if precision == "int8-onednn" and not precision_mod.cpu_has_native_bf16():
         pytest.skip("oneDNN's int8 linear with bfloat16 output has no fast kernel without bfloat16 instructions")
+    if precision == "bf16-onednn" and not precision_mod.cpu_has_native_bf16():
+        pytest.skip("oneDNN's packed bfloat16 linear: offered only where the CPU has bfloat16 instructions")
     net = _network(preset)
     dtype = {"fp16": torch.float16, "int8-onednn-fp32": torch.float32}.get(precision, torch.bfloat16)
     int8 = {"int8": "int8", "int8-onednn": "onednn", "int8-onednn-fp32": "onednn"}.get(precision, False)
-    graph = FixedShapeMoGe2(net, SMALL, SMALL_TOKENS, dtype, attention=attention, vit_int8=int8, native=native)
+    linear = "onednn" if precision == "bf16-onednn" else "aten"
+    graph = FixedShapeMoGe2(
+        net, SMALL, SMALL_TOKENS, dtype, attention=attention, vit_int8=int8, native=native, vit_linear=linear
+    )
     if int8 == "onednn":
         assert isinstance(graph.blocks[0].ffn_in, OnednnInt8Linear)
+    if linear == "onednn":
+        assert isinstance(graph.blocks[0].ffn_in, OnednnLinear) and graph.blocks[0].gelu_fused
     err = _graph_errors(graph, net, calibration_image(*SMALL, seed=6))
     _check_limits(err, {"int8": INT8_LIMITS, "onednn": ONEDNN_LIMITS}.get(int8, REDUCED_LIMITS))
     assert err["encoder_rms"] > 1e-4, "no rounding at all: the graph did not run in reduced precision"
@@ -432,12 +457,33 @@ def test_make_runner_picks_the_runner(monkeypatch):
     with _forced("attention=sdpa,int8_matmul=int8"):
         runner = make_runner(net, SMALL, SMALL_TOKENS, "cpu", "int8")
     assert isinstance(runner.graph.blocks[0].ffn_in, Int8Linear) and runner.describe()["precision"] == "int8"
+    assert "vit_linear" not in runner.describe()  # int8 matmuls: no float ViT matmul to choose
     monkeypatch.setattr(precision_mod, "cpu_has_native_bf16", lambda: False)
     with pytest.warns(RuntimeWarning, match="emulates"):
         make_runner(net, SMALL, SMALL_TOKENS, "cpu", "bf16")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA GPU"):
             make_runner(net, SMALL, SMALL_TOKENS, "cuda", "fp16")
+
+
+def test_the_vit_matmul_kernel_is_chosen_by_measurement_and_can_be_forced(tmp_path):
+    """The ViT's float matmuls: nn.Linear or oneDNN's packed linear with GELU fused, timed at load (describe()
+    says which and the times), or forced with $MOGE_CPU_KERNELS; either computes the same function."""
+    net = _network("tiny-vits")
+    canvas = calibration_image(*SMALL, seed=3)
+    runner = CpuGraphRunner(net, SMALL, SMALL_TOKENS, "fp32", cache=KernelCache(tmp_path / "k.json"))
+    info = runner.describe()
+    assert info["vit_linear_why"].startswith(f"{info['vit_linear']} (measured: ")
+    assert set(runner.choices["vit_linear"].times_ms) == {"aten", "onednn"}
+    outs = {}
+    for kernel, module in (("aten", torch.nn.Linear), ("onednn", OnednnLinear)):
+        with _forced(f"vit_linear={kernel}"):
+            runner = CpuGraphRunner(net, SMALL, SMALL_TOKENS, "fp32")
+        assert runner.describe()["vit_linear_why"] == f"{kernel} (forced)"
+        assert all(isinstance(getattr(b, name), module) for b in runner.graph.blocks for name in b.LINEARS)
+        outs[kernel] = runner.forward(canvas)
+    assert torch.allclose(outs["aten"].points, outs["onednn"].points, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(outs["aten"].mask, outs["onednn"].mask, atol=1e-5)
 
 
 def test_host_path_torch_keeps_the_cpu_runner_off_native_kernels():

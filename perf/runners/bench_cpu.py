@@ -11,6 +11,7 @@ its users run it. Upstream's default `infer(use_fp16=True)` is far too slow on C
     python -m perf.runners.bench_cpu --repeats 5
     python -m perf.runners.bench_cpu --precision bf16,int8 --threads 1   # steadier on a shared machine
     python -m perf.runners.bench_cpu --busy --repeats 3                  # quiet, then busy, side by side
+    python -m perf.runners.bench_cpu --kernels vit_linear=aten vit_linear=onednn   # two kernel choices, alternated
 
 `--busy` runs the same alternation twice: on the machine as it is ("quiet"), then with two CPU-bound processes
 per usable core beside it (`while True: pass`, started and stopped by this script: "busy"). In both phases it
@@ -181,6 +182,23 @@ def run_phase(calls: dict, repeats: int, phase: str, busy_per_core: int) -> tupl
     return {"busy_processes": extra, "load_before": before, "load_after": after}, medians, times, stages
 
 
+@contextlib.contextmanager
+def forced_kernels(setting: "str | None"):
+    """$MOGE_CPU_KERNELS = `setting` while a model loads (its kernel chooser reads it then); None: as it is."""
+    from tt_moge.runners.kernel_choice import FORCE_ENV
+
+    previous = os.environ.get(FORCE_ENV)
+    if setting is not None:
+        os.environ[FORCE_ENV] = setting
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(FORCE_ENV, None)
+        else:
+            os.environ[FORCE_ENV] = previous
+
+
 def stop_on_sigterm() -> None:
     """Exit through Python on SIGTERM, so that a killed benchmark still stops its busy processes."""
     import signal
@@ -221,6 +239,12 @@ def main() -> None:
         help="also time ours (first precision) with the thread count pinned at each of these "
         "(default with --busy: 1 and torch's count; 'none' for none)",
     )
+    ap.add_argument(
+        "--kernels",
+        nargs="+",
+        metavar="POINT=KERNEL[,...]",
+        help="ours once per setting, each loaded with that $MOGE_CPU_KERNELS (kernel choices forced), alternated",
+    )
     ap.add_argument("--json", help="write the numbers to this file")
     args = ap.parse_args()
     stop_on_sigterm()
@@ -239,22 +263,24 @@ def main() -> None:
     fixed = args.fixed_threads or (f"1,{torch.get_num_threads()}" if args.busy else "none")
     models = {}
     for precision in precisions:
-        t = time.perf_counter()
-        model = MoGeModel.from_pretrained(
-            path,
-            device="cpu",
-            resolution=size,
-            num_tokens=args.tokens,
-            warmup=2,  # the second warm-up forward makes the thread governor's first choice (where it is on)
-            warmup_variants="minimal",
-            precision=precision,
-        )
-        models[f"ours {model.info()['precision']}"] = model
-        print(
-            f"ours, precision={precision}: {common.kernel_line(model.info()['runner'])}; loaded + warmed in "
-            f"{time.perf_counter() - t:.1f} s",
-            flush=True,
-        )
+        for kernels in args.kernels or [None]:
+            t = time.perf_counter()
+            with forced_kernels(kernels):
+                model = MoGeModel.from_pretrained(
+                    path,
+                    device="cpu",
+                    resolution=size,
+                    num_tokens=args.tokens,
+                    warmup=2,  # the second warm-up forward makes the thread governor's first choice (where it is on)
+                    warmup_variants="minimal",
+                    precision=precision,
+                )
+            models[f"ours {model.info()['precision']}" + (f" [{kernels}]" if kernels else "")] = model
+            print(
+                f"ours, precision={precision}: {common.kernel_line(model.info()['runner'])}; loaded + warmed in "
+                f"{time.perf_counter() - t:.1f} s",
+                flush=True,
+            )
     first_name, first = next(iter(models.items()))
     pinned = [int(n) for n in fixed.split(",") if n.strip()] if fixed != "none" else []
     print(f"{common.cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)

@@ -3,7 +3,8 @@ work done at load; "int8" adds smoothed int8 ViT matmuls. Chosen by measurement 
 (`kernel_choice`): the attention kernel (PyTorch SDPA, head by head, or the fused native kernel of `cpu_kernels`
 where the CPU has AVX512-BF16); for "int8", the dtype of the rest of the graph (bfloat16, or float32 where
 bfloat16 is only emulated) and the ViT's matmul (`Int8Linear`'s per-token `_int_mm`, oneDNN's int8 linear
-`OnednnInt8Linear`, or no int8 at all where neither beats the plain GEMM). The thread count of each forward can
+`OnednnInt8Linear`, or no int8 at all where neither beats the plain GEMM); where the ViT's matmuls are float,
+`nn.Linear` or oneDNN's packed linear with GELU fused (`OnednnLinear`). The thread count of each forward can
 be chosen by measurement too, and re-checked under load (`cpu_threads`, opt-in); OpenMP's idle threads sleep
 instead of spinning (`tt_moge.openmp`, set at `import tt_moge`) so that other jobs on the machine do not cost
 it twice. See docs/devices-and-precision.md for
@@ -20,6 +21,7 @@ import torch
 
 from .. import env
 from ..network import MoGe2Network, token_grid
+from . import precision as precision_mod
 from .base import RawMaps, Runner
 from .cpu_kernels import attention_bf16, native_attention_supported, native_library
 from .cpu_threads import ThreadGovernor
@@ -29,8 +31,10 @@ from .fixed_graph import (
     HeadByHeadAttention,
     Int8Linear,
     OnednnInt8Linear,
+    OnednnLinear,
     make_linear,
     onednn_int8_available,
+    onednn_linear_available,
 )
 from .kernel_choice import KernelCache, choose, cpu_signature
 from .precision import DTYPES
@@ -102,6 +106,7 @@ class CpuGraphRunner(Runner):
             attention=self.choices["attention"].kernel,
             vit_int8=int8,
             native=self.native,
+            vit_linear=self.choices["vit_linear"].kernel if "vit_linear" in self.choices else "aten",
         ).eval()
         self._kernels: dict = {}
         for point, choice in self.choices.items():
@@ -186,6 +191,31 @@ class CpuGraphRunner(Runner):
                 cache=cache,
                 screen={name: on(SCREEN_ROWS, dtype, build) for name, build in kernels.items()},
             )
+        float_vit = self.precision != "int8" or choices["int8_matmul"].kernel not in INT8_KERNELS
+        # (where bfloat16 is only emulated both candidates are, and timing them on the full shape takes minutes)
+        if float_vit and onednn_linear_available() and (dtype == torch.float32 or precision_mod.cpu_has_native_bf16()):
+
+            def mlp(kernel: str) -> Callable[[], object]:
+                """The ViT's MLP on the real shape: ffn_in, GELU, ffn_out, as the graph would run it."""
+
+                @functools.lru_cache(maxsize=None)
+                def layers() -> tuple:
+                    x, w_in, b_in = ffn(dtype, tokens)
+                    w_out = torch.randn(dim, hidden, generator=torch.Generator().manual_seed(2)).div_(hidden**0.5)
+                    if kernel == "onednn":
+                        fused = OnednnLinear(w_in, b_in, dtype, "gelu", tokens)
+                        return x, fused, lambda h: h, OnednnLinear(w_out, torch.zeros(dim), dtype, "none", tokens)
+                    gelu = torch.nn.functional.gelu
+                    return x, make_linear(w_in, b_in, dtype), gelu, make_linear(w_out, torch.zeros(dim), dtype)
+
+                def call() -> torch.Tensor:
+                    x, first, act, second = layers()
+                    return second(act(first(x)))
+
+                return call
+
+            mlps = {kernel: mlp(kernel) for kernel in ("aten", "onednn")}  # ties go to aten
+            choices["vit_linear"] = choose("vit_linear", mlps, f"{key} | mlp {dim}->{hidden}->{dim}", cache=cache)
         return choices, dtype
 
     @torch.inference_mode()

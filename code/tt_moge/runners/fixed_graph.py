@@ -16,7 +16,9 @@ shape done once at construction:
   constant map`, with the 1x1 convs multiplied into the 3x3 kernels: 7 output channels instead of 4 x 32.
 
 Matrix work runs in `dtype` (bfloat16/float16 on the fast paths), channels-last; the residual stream of the
-ViT, the head outputs, the final resize to the canvas and the output activations stay float32. With
+ViT, the head outputs, the final resize to the canvas and the output activations stay float32. The ViT's float
+matmuls are `nn.Linear`, or with `vit_linear="onednn"` oneDNN's linear on weights packed at construction with
+GELU fused into the first MLP matmul (`OnednnLinear`). With
 `vit_int8` (the CPU's opt-in "int8") the ViT's linear layers are int8 (`Int8Linear`, or `OnednnInt8Linear` with
 `vit_int8="onednn"`), smoothed per input channel with
 activation ranges calibrated at construction (one `dtype` pass over a synthetic photo at <= 600 tokens). In float32
@@ -45,7 +47,10 @@ __all__ = [
     "HeadByHeadAttention",
     "Int8Linear",
     "OnednnInt8Linear",
+    "OnednnLinear",
     "INT8_KERNELS",
+    "LINEAR_KERNELS",
+    "onednn_linear_available",
     "onednn_int8_available",
     "make_linear",
     "raw_outputs",
@@ -203,6 +208,48 @@ class OnednnInt8Linear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
+class OnednnLinear(nn.Module):
+    """y = act(x W^T + b) in `dtype` through oneDNN's matmul with the weight packed once for this CPU
+    (`torch.ops.mkldnn._linear_pointwise` on a `_reorder_linear_weight`: the kernel PyTorch's own CPU compiler
+    calls for frozen weights). Against `nn.Linear` it saves re-laying the weight out for the CPU's blocked
+    kernels on every call, and with `activation="gelu"` the exact GELU (as `F.gelu`) runs in the matmul's output
+    stage instead of another pass over the (N, 4C) activations. The packed weight is an opaque oneDNN tensor:
+    kept out of the state dict, and the module cannot be deep-copied. Whether it or `nn.Linear` runs the ViT is
+    measured at load (`CpuGraphRunner`, choice point "vit_linear")."""
+
+    ACTIVATIONS = ("none", "gelu")
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        dtype: torch.dtype,
+        activation: str = "none",
+        batch_size: Optional[int] = None,
+    ):
+        super().__init__()
+        if activation not in self.ACTIVATIONS:
+            raise ValueError(f"activation must be one of {self.ACTIVATIONS}, got {activation!r}")
+        self.out_features, self.in_features = weight.shape
+        self.activation = activation
+        self.register_buffer("bias", bias.detach().to(dtype).clone())
+        # batch_size: the token count the weight's blocking is chosen for (None: oneDNN's default)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), batch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "gelu":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "gelu", [], "none")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+LINEAR_KERNELS = ("aten", "onednn")  # the ViT's float matmuls: nn.Linear, or OnednnLinear (packed, GELU fused)
+
+
+def onednn_linear_available() -> bool:
+    """Whether this torch has oneDNN's packed float linear (builds with oneDNN: every x86 wheel)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 INT8_KERNELS = ("int8", "onednn")  # Int8Linear (per-token scales, torch._int_mm), OnednnInt8Linear
 
 
@@ -257,7 +304,9 @@ class FastBlock(nn.Module):
     rows of `qkv`; matmuls in `dtype`, or int8 with `int8` ("int8" or True: `Int8Linear`, "onednn":
     `OnednnInt8Linear`; smoothed with `act_max`: {linear name: per input channel max |x|}). Attention
     (`attention`): "sdpa" (PyTorch), "heads" (`HeadByHeadAttention`, batch 1, with the shared `workspace`) or
-    "native" (the fused bfloat16 kernel of `lib`, batch 1).
+    "native" (the fused bfloat16 kernel of `lib`, batch 1). The float matmuls (`linear`): "aten" (`nn.Linear`,
+    GELU after it) or "onednn" (`OnednnLinear`: packed weights, GELU fused into `ffn_in`; `tokens` is the token
+    count they are packed for).
 
     The residual stream `x` (B, N, C) stays in its own dtype (float32 by default): every block adds small
     updates to it, and bfloat16 would round them away. LayerNorm runs on it in that dtype.
@@ -276,16 +325,23 @@ class FastBlock(nn.Module):
         act_max: Optional[dict] = None,
         alpha: float = 0.5,
         prefix_rows: int = 0,
+        linear: str = "aten",
+        tokens: Optional[int] = None,
     ):
         super().__init__()
         names = iter(self.LINEARS)  # the order of the make() calls below
+        if linear not in LINEAR_KERNELS:
+            raise ValueError(f"linear must be one of {LINEAR_KERNELS}, got {linear!r}")
+        self.gelu_fused = linear == "onednn" and not int8 and not hasattr(block.mlp, "w12")
 
         int8 = "int8" if int8 is True else int8  # True: the original int8 kernel (Int8Linear)
         if int8 and int8 not in INT8_KERNELS:
             raise ValueError(f"int8 must be False or one of {INT8_KERNELS}, got {int8!r}")
 
-        def make(weight, bias, dt):
+        def make(weight, bias, dt, activation="none"):
             if not int8:
+                if linear == "onednn":
+                    return OnednnLinear(weight, bias, dt, activation, tokens)
                 return make_linear(weight, bias, dt)
             seen = None if act_max is None else act_max[next(names)]
             if int8 == "onednn":
@@ -318,7 +374,8 @@ class FastBlock(nn.Module):
             self.ffn_in = make(mlp.w12.weight.float(), mlp.w12.bias.float(), dtype)
             out = mlp.w3
         else:
-            self.ffn_in = make(mlp.fc1.weight.float(), mlp.fc1.bias.float(), dtype)
+            act = "gelu" if self.gelu_fused else "none"
+            self.ffn_in = make(mlp.fc1.weight.float(), mlp.fc1.bias.float(), dtype, act)
             out = mlp.fc2
         self.ffn_out = make(g2[:, None] * out.weight.float(), g2 * out.bias.float(), dtype)
 
@@ -342,7 +399,7 @@ class FastBlock(nn.Module):
         if self.swiglu:
             h1, h2 = h.chunk(2, dim=-1)
             h = F.silu(h1) * h2
-        else:
+        elif not self.gelu_fused:
             h = F.gelu(h)
         return x + self.ffn_out(h)
 
@@ -400,6 +457,7 @@ class FixedShapeMoGe2(nn.Module):
         vit_int8=False,
         native=None,
         int8_smoothing: Optional[float] = 0.5,
+        vit_linear: str = "aten",
     ):
         super().__init__()
         cfg = network.config
@@ -414,6 +472,9 @@ class FixedShapeMoGe2(nn.Module):
         self.vit_int8 = "int8" if vit_int8 is True else vit_int8  # False, or the int8 kernel: INT8_KERNELS
         self.native = native  # the native host library (`cpu_kernels`: fused attention, int8 glue), or None: torch
         self.int8_smoothing = int8_smoothing  # SmoothQuant's alpha for the int8 ViT (None: no smoothing)
+        if vit_linear not in LINEAR_KERNELS:
+            raise ValueError(f"vit_linear must be one of {LINEAR_KERNELS}, got {vit_linear!r}")
+        self.vit_linear = vit_linear  # the ViT's float matmuls: nn.Linear ("aten") or OnednnLinear ("onednn")
         self.remap = cfg.remap_output
         self.aspect = aspect = width / height
         self.rows, self.cols = rows, cols = token_grid(num_tokens, aspect)
@@ -452,8 +513,21 @@ class FixedShapeMoGe2(nn.Module):
         act_max, alpha = [None] * len(blocks), 0.5
         if self.vit_int8 and self.int8_smoothing is not None:
             act_max, alpha = self._activation_maxima(vit, blocks), self.int8_smoothing
+        tokens = self.num_prefix + rows * cols
         self.blocks = nn.ModuleList(
-            FastBlock(blk, self.dtype, self.attention, workspace, self.vit_int8, self.native, a, alpha, self.num_prefix)
+            FastBlock(
+                blk,
+                self.dtype,
+                self.attention,
+                workspace,
+                self.vit_int8,
+                self.native,
+                a,
+                alpha,
+                self.num_prefix,
+                linear=self.vit_linear,
+                tokens=tokens,
+            )
             for blk, a in zip(blocks, act_max)
         )
         self.final_norm = copy.deepcopy(vit.norm).float().requires_grad_(False)
