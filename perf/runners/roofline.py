@@ -2,7 +2,8 @@
 
 Counts the multiply-accumulates of the fixed-shape graph (ViT linear layers and patch embedding, attention,
 the conv decoder) at the canvas and token budget, measures the best GEMM rate this CPU reaches in float32,
-bfloat16 and int8 on the FFN's shape (one ViT-L fc1: tokens x 1024 @ 1024 x 4096), and prints the time the
+bfloat16 (`F.linear`, and oneDNN's linear on weights packed once: the CPU runner's `vit_linear=onednn`) and int8
+on the FFN's shape (one ViT-L fc1: tokens x 1024 @ 1024 x 4096), and prints the time the
 forward would take at those rates, to set beside `python -m perf.runners.bench_cpu`'s measured forward.
 
     python -m perf.runners.roofline                 # ViT-L, 1920x1080, 1800 tokens, torch's thread count
@@ -42,11 +43,13 @@ def main() -> None:
     import torch.nn.functional as F
     from torch.utils.flop_counter import FlopCounterMode
 
-    from tt_moge.runners.fixed_graph import FixedShapeMoGe2
+    from tt_moge.runners.cpu import keep_freed_memory
+    from tt_moge.runners.fixed_graph import FixedShapeMoGe2, OnednnLinear
     from tt_moge.weights import load_network
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as the CPU runner: no page faults of fresh output buffers in the timed calls
     network, _ = load_network(common.full_size_checkpoint(args.checkpoint), None)
     graph = FixedShapeMoGe2(network, tuple(args.size), args.tokens, torch.bfloat16, attention="heads").eval()
     canvas = torch.rand(1, 3, args.size[1], args.size[0])
@@ -63,9 +66,11 @@ def main() -> None:
     x8 = torch.randint(-127, 128, (tokens, dim), dtype=torch.int8)
     w8 = torch.randint(-127, 128, (dim, 4 * dim), dtype=torch.int8)
     macs = tokens * dim * 4 * dim
+    packed = OnednnLinear(w, torch.zeros(4 * dim), torch.bfloat16, batch_size=tokens)
     rates = {
         "fp32": _rate(lambda: F.linear(x.float(), w.float()), macs),
         "bf16": _rate(lambda: F.linear(x, w), macs),
+        "bf16_packed": _rate(lambda: packed(x), macs),  # oneDNN on weights packed once (vit_linear=onednn)
         "int8": _rate(lambda: torch._int_mm(x8, w8), macs),
     }
     print(common.cpu_line())
