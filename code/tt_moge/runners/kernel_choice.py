@@ -12,9 +12,9 @@ count, the choice point and its shape, so later loads on the same machine skip t
 written for a key wins: processes that time the same key at once (the replicas of a batch job starting
 together) all take the choice of the first to finish, so one machine never mixes kernels for one shape.
 
-`$MOGE_CPU_KERNELS` forces choices, e.g. ``attention=sdpa,vit_linear=aten,int8_matmul=bf16`` (a forced kernel that cannot run
-here is an error). `describe()` of the runner says what was chosen and why (the milliseconds measured, or
-"cached" / "forced").
+`$MOGE_CPU_KERNELS` forces choices, e.g. ``attention=sdpa,vit_linear=aten,int8_matmul=bf16`` (a forced kernel
+that cannot run here is an error). `describe()` of the runner says what was chosen and why (the milliseconds
+measured, or "cached" / "forced").
 """
 
 from __future__ import annotations
