@@ -11,9 +11,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
 
 import numpy as np
 import pytest
@@ -41,7 +39,7 @@ from tt_moge.runners.fixed_graph import (
     OnednnInt8Linear,
     OnednnLinear,
 )
-from tt_moge.runners.kernel_choice import FORCE_ENV, KernelCache, choose, fastest, forced_choices
+from tt_moge.runners.kernel_choice import FORCE_ENV, KernelCache, choose, fastest, forced_choices, forcing
 from tt_moge.testing import add_outlier_channels, calibration_image, make_network, model_config
 from tt_moge.warmup import synthetic_photo
 
@@ -454,7 +452,7 @@ def test_make_runner_picks_the_runner(monkeypatch):
     info = runner.describe()
     assert info["attention"] in (("native", "sdpa", "heads") if fused else ("sdpa", "heads"))
     assert info["attention"] == runner.graph.blocks[0].attention and info["attention_why"].startswith(info["attention"])
-    with _forced("attention=sdpa,int8_matmul=int8"):
+    with forcing("attention=sdpa,int8_matmul=int8"):
         runner = make_runner(net, SMALL, SMALL_TOKENS, "cpu", "int8")
     assert isinstance(runner.graph.blocks[0].ffn_in, Int8Linear) and runner.describe()["precision"] == "int8"
     assert "vit_linear" not in runner.describe()  # int8 matmuls: no float ViT matmul to choose
@@ -477,7 +475,7 @@ def test_the_vit_matmul_kernel_is_chosen_by_measurement_and_can_be_forced(tmp_pa
     assert set(runner.choices["vit_linear"].times_ms) == {"aten", "onednn"}
     outs = {}
     for kernel, module in (("aten", torch.nn.Linear), ("onednn", OnednnLinear)):
-        with _forced(f"vit_linear={kernel}"):
+        with forcing(f"vit_linear={kernel}"):
             runner = CpuGraphRunner(net, SMALL, SMALL_TOKENS, "fp32")
         assert runner.describe()["vit_linear_why"] == f"{kernel} (forced)"
         assert all(isinstance(getattr(b, name), module) for b in runner.graph.blocks for name in b.LINEARS)
@@ -492,7 +490,7 @@ def test_host_path_torch_keeps_the_cpu_runner_off_native_kernels():
 
     previous = native.set_host_path("torch")
     try:
-        with _forced("int8_matmul=int8"):
+        with forcing("int8_matmul=int8"):
             runner = make_runner(_network("tiny-vits"), SMALL, SMALL_TOKENS, "cpu", "int8")
     finally:
         native.set_host_path(previous)
@@ -501,20 +499,6 @@ def test_host_path_torch_keeps_the_cpu_runner_off_native_kernels():
     assert all(m.lib is None for m in runner.graph.modules() if isinstance(m, Int8Linear))
     runner.close()
     assert runner.describe()["precision"] == "int8"  # still answers after close
-
-
-@contextlib.contextmanager
-def _forced(choices: str):
-    """$MOGE_CPU_KERNELS set for the duration (the kernel chooser reads it at load)."""
-    previous = os.environ.get(FORCE_ENV)
-    os.environ[FORCE_ENV] = choices
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(FORCE_ENV)
-        else:
-            os.environ[FORCE_ENV] = previous
 
 
 def test_kernel_chooser_picks_the_faster_candidate_and_caches_it(tmp_path):
@@ -599,7 +583,7 @@ def test_forced_attention_kernel_runs_in_the_graph(attention, tmp_path):
     """Each kernel the chooser may pick runs in the CPU runner when forced, and the graph uses it."""
     if attention == "native" and not native_attention_supported(native_library(), 64):
         pytest.skip("the native attention needs an AVX512-BF16 build (this CPU has none)")
-    with _forced(f"attention={attention}"):
+    with forcing(f"attention={attention}"):
         runner = CpuGraphRunner(
             _network("tiny-vits"), SMALL, SMALL_TOKENS, "bf16", cache=KernelCache(tmp_path / "k.json")
         )

@@ -182,23 +182,6 @@ def run_phase(calls: dict, repeats: int, phase: str, busy_per_core: int) -> tupl
     return {"busy_processes": extra, "load_before": before, "load_after": after}, medians, times, stages
 
 
-@contextlib.contextmanager
-def forced_kernels(setting: "str | None"):
-    """$MOGE_CPU_KERNELS = `setting` while a model loads (its kernel chooser reads it then); None: as it is."""
-    from tt_moge.runners.kernel_choice import FORCE_ENV
-
-    previous = os.environ.get(FORCE_ENV)
-    if setting is not None:
-        os.environ[FORCE_ENV] = setting
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(FORCE_ENV, None)
-        else:
-            os.environ[FORCE_ENV] = previous
-
-
 def stop_on_sigterm() -> None:
     """Exit through Python on SIGTERM, so that a killed benchmark still stops its busy processes."""
     import signal
@@ -252,6 +235,7 @@ def main() -> None:
     import torch
 
     from tt_moge import MoGeModel
+    from tt_moge.runners.kernel_choice import forcing
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -265,7 +249,7 @@ def main() -> None:
     for precision in precisions:
         for kernels in args.kernels or [None]:
             t = time.perf_counter()
-            with forced_kernels(kernels):
+            with forcing(kernels):
                 model = MoGeModel.from_pretrained(
                     path,
                     device="cpu",

@@ -39,6 +39,7 @@ __all__ = [
     "choose",
     "fastest",
     "forced_choices",
+    "forcing",
     "cpu_signature",
     "screened",
     "SCREEN_FACTOR",
@@ -85,6 +86,22 @@ def forced_choices(text: Optional[str] = None) -> dict:
             raise ValueError(f"{FORCE_ENV}: expected 'point=kernel[,point=kernel]', got {text!r}")
         forced[point.strip()] = kernel.strip()
     return forced
+
+
+@contextlib.contextmanager
+def forcing(setting: Optional[str]):
+    """$MOGE_CPU_KERNELS set to `setting` for the block (a runner's chooser reads it when it loads), then put
+    back as it was; None leaves it as it is."""
+    previous = os.environ.get(FORCE_ENV)
+    if setting is not None:
+        os.environ[FORCE_ENV] = setting
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(FORCE_ENV, None)
+        else:
+            os.environ[FORCE_ENV] = previous
 
 
 def cpu_signature() -> str:
