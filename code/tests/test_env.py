@@ -88,3 +88,18 @@ def test_the_mock_setup_reads_the_old_names_with_a_note(tmp_path):
     new = {**old, "MOGE_MOCK_DIR": "/new", "MOGE_TTNN_VERSION": "1.0"}
     done = subprocess.run(["bash", "-c", snippet], capture_output=True, text=True, env=new)
     assert done.stdout.split() == ["/new", "1.0"] and done.stderr == ""
+
+
+def test_a_setting_holds_for_its_block_and_is_put_back(monkeypatch):
+    monkeypatch.setenv("MOGE_CPU_KERNELS", "attention=sdpa")
+    monkeypatch.delenv("MOGE_HOST", raising=False)
+    with env.setting("MOGE_CPU_KERNELS", "vit_linear=aten"), env.setting("MOGE_HOST", "torch"):
+        assert env.get("MOGE_CPU_KERNELS") == "vit_linear=aten" and env.get("MOGE_HOST") == "torch"
+        with env.setting("MOGE_HOST", None):  # None: as it is
+            assert env.get("MOGE_HOST") == "torch"
+    assert env.get("MOGE_CPU_KERNELS") == "attention=sdpa" and env.get("MOGE_HOST") is None
+    with pytest.raises(RuntimeError), env.setting("MOGE_HOST", "torch"):
+        raise RuntimeError  # put back on an exception too
+    assert env.get("MOGE_HOST") is None
+    with pytest.raises(ValueError, match="MOGE_"), env.setting("HOME", "/"):
+        pass

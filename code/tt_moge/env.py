@@ -9,12 +9,13 @@ This module imports nothing heavy: the Tenstorrent device graph (no torch) and t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
 from typing import Optional
 
-__all__ = ["PREFIX", "RENAMED", "get"]
+__all__ = ["PREFIX", "RENAMED", "get", "setting"]
 
 PREFIX = "MOGE_"
 # new name -> the name earlier releases read
@@ -54,3 +55,20 @@ def get(name: str, default: Optional[str] = None) -> Optional[str]:
             stacklevel=2,
         )
     return os.environ[old]
+
+
+@contextlib.contextmanager
+def setting(name: str, value: Optional[str]):
+    """`$name` (a MOGE_* name) set to `value` for the block, then put back as it was; None leaves it as it is. For
+    a caller that loads a model under a setting (a benchmark's variants, tests): tt_moge reads it at load."""
+    _check(name)
+    previous = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous

@@ -88,20 +88,10 @@ def forced_choices(text: Optional[str] = None) -> dict:
     return forced
 
 
-@contextlib.contextmanager
 def forcing(setting: Optional[str]):
-    """$MOGE_CPU_KERNELS set to `setting` for the block (a runner's chooser reads it when it loads), then put
-    back as it was; None leaves it as it is."""
-    previous = os.environ.get(FORCE_ENV)
-    if setting is not None:
-        os.environ[FORCE_ENV] = setting
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(FORCE_ENV, None)
-        else:
-            os.environ[FORCE_ENV] = previous
+    """A context: $MOGE_CPU_KERNELS set to `setting` for the block (a runner's chooser reads it when it loads),
+    then put back; None leaves it as it is."""
+    return env.setting(FORCE_ENV, setting)
 
 
 def cpu_signature() -> str:
