@@ -42,7 +42,7 @@ class Upload:
         self.discarded += 1
 
 
-def serve(serving: Serving, upload: Upload, cost=lambda u: COST, job=lambda u, timing: "payload"):
+def serve(serving: Serving, upload: Upload, cost=lambda u: COST, job=lambda u, timing, reservation: "payload"):
     async def receive(reserve):
         reserve(BODY)
         return upload
@@ -58,7 +58,7 @@ def test_a_served_request_holds_its_cost_until_answered_and_times_its_stages(ser
     upload = Upload()
     seen = {}
 
-    def job(u, timing):
+    def job(u, timing, reservation):
         seen["used"], seen["in_flight"], seen["thread"] = (
             serving.budget.used,
             serving.in_flight,
@@ -102,7 +102,7 @@ def test_a_cost_over_the_budget_is_a_503_that_releases_everything(serving):
 def test_a_failing_job_releases_everything_and_discards(serving):
     upload = Upload()
 
-    def job(u, timing):
+    def job(u, timing, reservation):
         raise ApiError(400, "bad_video", "broken")
 
     with pytest.raises(ApiError, match="broken"):
@@ -119,7 +119,7 @@ def test_a_request_cancelled_while_it_waits_for_the_host_thread_never_runs_and_s
     async def scenario():
         serving.executor.submit(lambda: (busy.set(), release.wait(10)))
         assert await asyncio.to_thread(busy.wait, 10)
-        task = asyncio.create_task(serve(serving, upload, job=lambda u, t: ran.append(u)))
+        task = asyncio.create_task(serve(serving, upload, job=lambda u, t, r: ran.append(u)))
         while serving.in_flight == 0:  # admitted, now queued behind the busy thread
             await asyncio.sleep(0.01)
         task.cancel()

@@ -78,7 +78,7 @@ async def predict_pano(
             )
         return need
 
-    def job(upload: Any, timing: dict) -> Any:
+    def job(upload: Any, timing: dict, _: Any) -> Any:
         t = time.perf_counter()
         try:
             rgb = decode_bytes(upload.data, exif=upload.exif)

@@ -264,16 +264,18 @@ class Serving:
 
         def reserve(nbytes: int) -> None:
             if not reservation.grow(nbytes):
-                raise self._refuse("memory_full", self._budget_detail("the body", reservation.nbytes + nbytes))
+                raise self.memory_full("the body", reservation.nbytes + nbytes)
 
         return reserve
 
-    def _budget_detail(self, what: str, needed: int) -> str:
+    def memory_full(self, what: str, needed: int) -> ApiError:
+        """503 memory_full (with Retry-After): `what` needs `needed` bytes that the budget cannot give now."""
         mb = 1024 * 1024
-        return (
+        return self._refuse(
+            "memory_full",
             f"{what} needs {needed / mb:.1f} MiB of the server's memory budget; requests in progress hold "
             f"{self.budget.used / mb:.1f} of {self.budget.limit / mb:.0f} MiB (--memory-budget-mb); "
-            f"retry after {self.settings.retry_after_s} s"
+            f"retry after {self.settings.retry_after_s} s",
         )
 
     def admit(self, reservation: Reservation, cost: int) -> Ticket:
@@ -298,7 +300,7 @@ class Serving:
                     f"{self.settings.queue_size}); retry after {self.settings.retry_after_s} s",
                 )
             if not reservation.resize(cost):
-                raise self._refuse("memory_full", self._budget_detail("this image", cost))
+                raise self.memory_full("this image", cost)
             self.in_flight += 1
 
         def free() -> None:
@@ -341,14 +343,16 @@ class Serving:
         self,
         receive: Callable[[Callable[[int], None]], Awaitable[Any]],
         cost: Callable[[Any], int],
-        job: Callable[[Any, dict], Any],
+        job: Callable[[Any, dict, Reservation], Any],
         discard: Optional[Callable[[Any], None]] = None,
     ) -> Prediction:
         """The one path of every upload route: `receive(reserve)` the body within the memory budget, admit it at
-        `cost(upload)` bytes (`cost` may refuse it by raising), then run `job(upload, timing)` on a host thread.
-        The timing gets read, queue and total here; the job adds its own stages. On any error before the work
-        starts the reservation is released; `discard(upload)` (an upload held on disk) runs once the work has
-        ended or will never start, whatever happened."""
+        `cost(upload)` bytes (`cost` may refuse it by raising), then run `job(upload, timing, reservation)` on a
+        host thread. The job may grow the reservation as it learns what it really holds (a clip's frames are
+        counted as they are decoded, not taken from the file's header). The timing gets read, queue and total
+        here; the job adds its own stages. On any error before the work starts the reservation is released;
+        `discard(upload)` (an upload held on disk) runs once the work has ended or will never start, whatever
+        happened."""
         start = time.perf_counter()
         reservation = self.budget.reservation()
         upload = None
@@ -365,7 +369,7 @@ class Serving:
 
         def work() -> Any:
             timing["queue"] = (time.perf_counter() - admitted) * 1e3
-            return job(upload, timing)
+            return job(upload, timing, reservation)
 
         after = None if discard is None else lambda: discard(upload)
         payload = await self.on_host(work, ticket, after)
@@ -379,7 +383,7 @@ class Serving:
         turned by its EXIF orientation when `exif`) and `encode(output, upload)` on a host thread."""
         settings, service = self.settings, self.service
 
-        def job(upload: ImageUpload, timing: dict) -> Any:
+        def job(upload: ImageUpload, timing: dict, _: Reservation) -> Any:
             try:
                 out = service.predict(upload.data, options, timing, exif=upload.exif)
             except InputError as exc:

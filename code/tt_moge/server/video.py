@@ -7,10 +7,12 @@ application/octet-stream). The query parameters are the call options (`host.Call
 (`video.VideoOptions`), both generated. The work is `tt_moge.video` on the server's model, the same as
 `model.predict_video(<the same bytes>, <the same options>)`.
 
-Limits, checked before the clip is admitted (from the file's header: size, frame count): the body
-(max_body_bytes, 413), each frame's pixels (max_pixels, 413), the frames after stride and max_frames
-(max_video_frames, 413; fewer than 2: 422), and its memory (`ServerSettings.clip_cost`: 413 when it could never
-fit the budget, 503 + Retry-After while other requests hold it). A clip takes one queue slot. The npz holds
+Limits: the body (max_body_bytes, 413); then, from the file's header (size, frame count), each frame's pixels
+(max_pixels, 413), the frames after stride and max_frames (max_video_frames, 413; fewer than 2: 422), and its
+memory (`ServerSettings.clip_cost`: 413 when it could never fit the budget, 503 + Retry-After while other requests
+hold it), which admit it. A header can lie: the same limits hold as the frames are decoded (`ClipFrames`), so a
+clip whose header undercounts its frames or understates their size is stopped at the limit (413), and its memory
+grows with the frames really read. A clip takes one queue slot. The npz holds
 `video.output.VIDEO_NPZ_LAYOUT`, with every frame's depth (float32) and mask (uint8); the summary is
 `VideoOutput.summary()`: intrinsics, poses, per-frame scales and registration flags.
 """
@@ -69,8 +71,10 @@ VIDEO_OPTION_NAMES = tuple(info.argument for info in options_of(VideoOptions))
 
 @dataclass
 class ClipUpload:
-    """A received clip: its file (in a temporary folder that `discard` removes), bytes, frame size, the frames it
-    gives after the stride and max_frames, frame rate (None: unknown) and the time its body took to arrive."""
+    """A received clip: its file (in a temporary folder that `discard` removes), bytes, frame size and the frames
+    it gives after the stride and max_frames, both as its header says (or, for the count, as counted when the
+    header does not say), frame rate (None: unknown) and the time its body took to arrive. The header is only
+    what the clip is admitted at: `ClipFrames` counts the frames as they are decoded."""
 
     path: Path
     nbytes: int
@@ -83,9 +87,41 @@ class ClipUpload:
         shutil.rmtree(self.path.parent, ignore_errors=True)
 
 
+_MOST_FRAMES = 1 << 31  # a frame count above this is not a count (OpenCV gives INT64_MIN for a raw stream)
+
+
+def _header_count(capture: Any) -> Optional[int]:
+    """The frame count the container states, or None when it states none that could be true."""
+    import cv2
+
+    count = capture.get(cv2.CAP_PROP_FRAME_COUNT)
+    return int(count) if np.isfinite(count) and 0 < count < _MOST_FRAMES else None
+
+
+def _too_many_frames(gives: str, limit: int, stride: int) -> ApiError:
+    return ApiError(
+        413,
+        "too_many_frames",
+        f"the clip gives {gives} (after stride={stride}); the limit is {limit} (--max-video-frames): send a "
+        "shorter clip, or use stride / max_frames",
+    )
+
+
+def _check_frame_size(w: int, h: int, settings: ServerSettings) -> None:
+    if w * h > settings.max_pixels:
+        raise ApiError(
+            413,
+            "too_many_pixels",
+            f"the clip's frames are {w}x{h} = {w * h} pixels; the limit is {settings.max_pixels} (--max-pixels)",
+        )
+    if w < MIN_IMAGE_SIDE or h < MIN_IMAGE_SIDE:
+        minimum = f"{MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE}"
+        raise ApiError(422, "image_too_small", f"the clip's frames are {w}x{h}; the minimum is {minimum}")
+
+
 def _inspect(path: Path, settings: ServerSettings, video: VideoOptions) -> tuple:
-    """(size, frames after stride and max_frames, fps) from the file's header (frames counted when it does not
-    say), or ApiError."""
+    """(size, frames after stride and max_frames, fps) from the file's header, or ApiError. The frames are counted
+    (up to just past the limit) when the header gives no count that could be true, or fewer than 2."""
     import cv2
 
     capture = cv2.VideoCapture(str(path))
@@ -94,18 +130,10 @@ def _inspect(path: Path, settings: ServerSettings, video: VideoOptions) -> tuple
             raise ApiError(400, "bad_video", "the body is not a video that OpenCV's FFmpeg can read")
         w, h = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)), int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
         fps = capture.get(cv2.CAP_PROP_FPS)
-        count = int(capture.get(cv2.CAP_PROP_FRAME_COUNT) or 0)
-        if w * h > settings.max_pixels:
-            raise ApiError(
-                413,
-                "too_many_pixels",
-                f"the clip's frames are {w}x{h} = {w * h} pixels; the limit is {settings.max_pixels} (--max-pixels)",
-            )
-        if w < MIN_IMAGE_SIDE or h < MIN_IMAGE_SIDE:
-            minimum = f"{MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE}"
-            raise ApiError(422, "image_too_small", f"the clip's frames are {w}x{h}; the minimum is {minimum}")
-        if count <= 0:  # the container does not say: count (stop once past the limit)
-            limit = (settings.max_video_frames + 1) * video.stride
+        _check_frame_size(w, h, settings)
+        count = _header_count(capture)
+        if count is None or count < 2 * video.stride:  # no count, or one too small to be trusted: count them
+            count, limit = 0, (settings.max_video_frames + 1) * video.stride
             while count < limit and capture.grab():
                 count += 1
     finally:
@@ -114,17 +142,12 @@ def _inspect(path: Path, settings: ServerSettings, video: VideoOptions) -> tuple
     if video.max_frames is not None:
         frames = min(frames, video.max_frames)
     if frames > settings.max_video_frames:
-        raise ApiError(
-            413,
-            "too_many_frames",
-            f"the clip gives {frames} frames (after stride={video.stride}); the limit is {settings.max_video_frames} "
-            "(--max-video-frames): send a shorter clip, or use stride / max_frames",
-        )
+        raise _too_many_frames(f"{frames} frames", settings.max_video_frames, video.stride)
     if frames < 2:
         raise ApiError(
             422, "clip_too_short", f"the clip gives {frames} frame(s) (after the stride); at least 2 are needed"
         )
-    return (w, h), frames, float(fps) if fps and fps > 0 else None
+    return (w, h), frames, float(fps) if fps and np.isfinite(fps) and fps > 0 else None
 
 
 async def receive_clip(
@@ -155,52 +178,104 @@ async def receive_clip(
     return ClipUpload(path, path.stat().st_size, size, frames, fps, read_ms)
 
 
+class ClipFrames:
+    """An admitted clip's frames as they are really decoded, not as its header says: each is counted against
+    --max-video-frames (413 too_many_frames) and its size against --max-pixels, and the clip's cost at the frames
+    and size seen so far is taken from the request's reservation (413 clip_too_large when it could never fit the
+    budget, 503 memory_full while it does not fit now), before the frame goes to the model. `check` runs on the
+    stream's reader thread (`VideoStream(on_frame=...)`).
+
+    Every frame's depth and mask are kept for the answer: in one block of the admitted frame count, and past it
+    (a header that undercounted) one array per frame, joined once at the end; such frames are counted twice."""
+
+    def __init__(
+        self, upload: ClipUpload, stride: int, need: Callable[[int, int], int], reservation: Any, serving: Serving
+    ):
+        self.upload, self.stride, self.need, self.reservation, self.serving = upload, stride, need, reservation, serving
+        self.size = upload.size
+        self._depth: Optional[np.ndarray] = None
+        self._mask: Optional[np.ndarray] = None
+        self._extra: list = []
+
+    def check(self, count: int, shape: tuple) -> None:
+        h, w = shape
+        settings, admitted = self.serving.settings, self.upload.frames
+        if (w, h) != self.size:  # the header's size is not the frames': judge and count the frames'
+            _check_frame_size(w, h, settings)
+            self.size = (w, h)
+        if count > settings.max_video_frames:
+            gives = f"more than {settings.max_video_frames} frames as decoded (its header said {admitted})"
+            raise _too_many_frames(gives, settings.max_video_frames, self.stride)
+        frames = admitted if count <= admitted else admitted + 2 * (count - admitted)
+        need = self.need(frames, w * h)
+        if need > self.reservation.nbytes and not self.reservation.resize(need):
+            raise self.serving.memory_full(f"the clip ({count} frames of {w}x{h} decoded so far)", need)
+
+    def put(self, index: int, depth: np.ndarray, mask: np.ndarray) -> None:
+        if index < self.upload.frames:
+            if self._depth is None:
+                self._depth = np.empty((self.upload.frames, *depth.shape), np.float32)
+                self._mask = np.empty((self.upload.frames, *depth.shape), np.uint8)
+            self._depth[index], self._mask[index] = depth, mask
+        else:
+            self._extra.append((index, depth.astype(np.float32, copy=True), mask.astype(np.uint8)))
+
+    def arrays(self, n: int) -> tuple:
+        """The (n, H, W) float32 depth and uint8 mask of the frames 0..n-1."""
+        depth, mask = self._depth[: min(n, self.upload.frames)], self._mask[: min(n, self.upload.frames)]
+        if self._extra:
+            extra = sorted(self._extra, key=lambda item: item[0])[: n - len(depth)]
+            depth = np.concatenate([depth, np.stack([d for _, d, _ in extra])])
+            mask = np.concatenate([mask, np.stack([m for _, _, m in extra])])
+            self._extra.clear()
+        return depth, mask
+
+
 async def predict_clip(
     serving: Serving, request: Request, call: CallOptions, video: VideoOptions, encode: Callable[..., Any]
 ) -> Prediction:
     """Receive and admit a clip, run it through `tt_moge.video` on a host thread, and `encode(result, depth,
     mask)` (the VideoOutput, (N, H, W) float32 depth and uint8 mask) there."""
     settings, model = serving.settings, serving.model
+    cw, ch = getattr(model, "resolution", (0, 0))  # a stand-in model may have no canvas
 
-    def cost(upload: ClipUpload) -> int:
-        w, h = upload.size
-        cw, ch = getattr(model, "resolution", (0, 0))  # a stand-in model may have no canvas
-        need = settings.clip_cost(upload.frames, w * h, upload.nbytes, video.calibration_frames, cw * ch)
-        if need > settings.memory_budget_bytes:
+    def need(upload: ClipUpload, frames: int, pixels: int) -> int:
+        """The clip's cost at `frames` frames of `pixels` pixels, or 413 when it could never fit the budget."""
+        cost = settings.clip_cost(frames, pixels, upload.nbytes, video.calibration_frames, cw * ch)
+        if cost > settings.memory_budget_bytes:
+            w, h = upload.size
             raise ApiError(
                 413,
                 "clip_too_large",
-                f"the clip ({upload.frames} frames of {w}x{h}) needs {need / 2**20:.0f} MiB; the server's memory "
+                f"the clip ({frames} frames of {pixels} pixels) needs {cost / 2**20:.0f} MiB; the server's memory "
                 f"budget is {settings.memory_budget_bytes / 2**20:.0f} MiB (--memory-budget-mb): send fewer or "
                 "smaller frames (stride, max_frames)",
             )
-        return need
+        return cost
 
-    def job(upload: ClipUpload, timing: dict) -> Any:
+    def job(upload: ClipUpload, timing: dict, reservation: Any) -> Any:
         started = time.perf_counter()
+        frames = ClipFrames(upload, video.stride, lambda n, pixels: need(upload, n, pixels), reservation, serving)
         try:
-            w, h = upload.size
-            depth = np.empty((upload.frames, h, w), np.float32)
-            mask = np.empty((upload.frames, h, w), np.uint8)
-            with VideoStream(model, upload.path, call, video) as stream:
+            with VideoStream(model, upload.path, call, video, on_frame=frames.check) as stream:
                 for frame in stream:
-                    if frame.index >= len(depth):  # the header undercounted: grow (rare)
-                        depth = np.concatenate([depth, np.empty_like(depth[:1])])
-                        mask = np.concatenate([mask, np.empty_like(mask[:1])])
-                    depth[frame.index] = frame.output.depth
-                    mask[frame.index] = frame.output.mask
+                    frames.put(frame.index, frame.output.depth, frame.output.mask)
                 result = stream.result
-        except InputError as exc:
-            raise ApiError(400, "bad_video", str(exc)) from None
+        except InputError as exc:  # the message names the server's own file: say "the uploaded clip"
+            detail = str(exc).replace(f"video file '{upload.path}'", "the uploaded clip")
+            raise ApiError(400, "bad_video", detail) from None
         n = len(result)
         timing["video"] = (time.perf_counter() - started) * 1e3
         t = time.perf_counter()
-        payload = encode(result, depth[:n], mask[:n])
+        payload = encode(result, *frames.arrays(n))
         timing["encode"] = (time.perf_counter() - t) * 1e3
         return payload
 
     return await serving.serve(
-        lambda reserve: receive_clip(request, settings, reserve, video), cost, job, ClipUpload.discard
+        lambda reserve: receive_clip(request, settings, reserve, video),
+        lambda upload: need(upload, upload.frames, upload.size[0] * upload.size[1]),
+        job,
+        ClipUpload.discard,
     )
 
 

@@ -44,7 +44,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -97,7 +97,12 @@ _SIGNATURE = video_signature(())
 class VideoStream:
     """The frames of a clip as they are done (`VideoFrame`s, in order); after the last, `result` is the
     `VideoOutput` (with the frames' outputs and images only when `keep_frames`). The source is opened (and
-    checked) here; iterate once. `close()` (or leaving a `with` block) stops early and releases everything."""
+    checked) here; iterate once. `close()` (or leaving a `with` block) stops early and releases everything.
+
+    `on_frame(count, (height, width))`, when given, is called by the reader for each frame as it is decoded
+    (`count` frames read so far, this one included), before the frame goes to the model: an exception it raises
+    ends the stream with that exception, so the frames after it are never run. The server counts a clip's
+    frames and their memory there, whatever the file's header said."""
 
     def __init__(
         self,
@@ -109,11 +114,13 @@ class VideoStream:
         keep_frames: bool = False,
         chunk: int = DEFAULT_CHUNK,
         seed: int = 0,
+        on_frame: Optional[Callable[[int, tuple], None]] = None,
     ):
         call = CallOptions() if call is None else call
         video = VideoOptions() if video is None else video
         self.model, self.call, self.video = model, call, video
         self.keep_frames, self.chunk, self.seed = keep_frames, chunk, seed
+        self.on_frame = on_frame
         self.source = open_source(source, stride=video.stride, max_frames=video.max_frames)
         self.name, self.fps = self.source.name, self.source.fps
         self.result: Optional[VideoOutput] = None
@@ -156,7 +163,9 @@ class VideoStream:
         """Reader thread: (source index, RGB) into `frames`, then _END; an error goes in as the exception."""
         try:
             size = None
-            for index, rgb in self.source:
+            for count, (index, rgb) in enumerate(self.source, 1):
+                if self.on_frame is not None:
+                    self.on_frame(count, rgb.shape[:2])
                 if size is None:
                     size = rgb.shape[:2]
                 elif rgb.shape[:2] != size:
