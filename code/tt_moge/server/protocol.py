@@ -20,7 +20,9 @@ JSON 503 `too_many_connections` with Retry-After.
 Idle connections (no request in progress: nothing sent yet, an incomplete request head, a keep-alive
 connection between requests) are closed after `--idle-timeout` seconds, and at `--max-connections` a new
 connection first closes the connection idle the longest: only when every open connection has a request in
-progress does the new one get the 503 (and beyond OVER_LIMIT_SLOTS more such, it is closed at once). Together
+progress does the new one get the 503 (and beyond OVER_LIMIT_SLOTS more such, the oldest of those is closed at
+once). Liveness and readiness probes (GET or HEAD of PROBE_PATHS) are answered even then: a server whose
+connections are all held by uploads still tells its orchestrator that it lives. Together
 with the listen backlog (ACCEPT_BACKLOG) and the limit kept below the file-descriptor limit
 (`ServerSettings.within_fd_limit`), accept() never runs out of descriptors; should it fail all the same,
 `log_accept_errors` logs that once per LOG_INTERVAL_S, with a count, never once per attempt.
@@ -50,6 +52,7 @@ __all__ = [
     "LINGER_BYTES",
     "CONNECTION_LIMIT_RETRY_AFTER_S",
     "LOG_INTERVAL_S",
+    "PROBE_PATHS",
     "log_accept_errors",
     "ThrottledLog",
 ]
@@ -59,6 +62,7 @@ log = logging.getLogger("tt_moge.server")
 LINGER_S = 5.0  # after an error answer: how long the rest of a broken request is read and dropped
 LINGER_BYTES = 16 * 1024 * 1024  # ... and how much of it
 CONNECTION_LIMIT_RETRY_AFTER_S = 1
+PROBE_PATHS = frozenset({"/health", "/ready"})  # GET / HEAD of these are answered at the connection limit too
 _BODY_DRAIN_S = 2.0  # a request refused at the connection limit: how long its body is read and dropped first
 _H11_DEFAULT_LIMIT = 16 * 1024  # h11's default max_incomplete_event_size (uvicorn passes None for it)
 LOG_INTERVAL_S = 10.0  # events that may come by the thousand (accept errors, idle connections closed) are logged
@@ -168,6 +172,9 @@ class _ConnectionLimit:
         busy = self.protocol.over_limit or len(self.protocol.tasks) - 1 >= self.limit
         if scope["type"] != "http" or not busy:
             return await self.app(scope, receive, send)
+        if scope["method"] in ("GET", "HEAD") and scope["path"] in PROBE_PATHS:
+            self.protocol.probing = True  # answered even now, and not closed to make room for others
+            return await self.app(scope, receive, send)
         _REFUSED(
             "refused a request: %d connections open (--max-connections %d)", len(self.protocol.connections), self.limit
         )
@@ -214,6 +221,8 @@ class JsonH11Protocol(H11Protocol):
         self._dropped = 0
         self.limit = self.limit_concurrency
         self.over_limit = False  # accepted over the limit with no idle connection to close: its request gets 503
+        self.probing = False  # its request is a liveness or readiness probe (PROBE_PATHS), answered over the limit
+        self.accepted_at = time.monotonic()
         self.idle_since: Optional[float] = None  # loop time since when no request is in progress; None while one is
         self._idle_timer: Optional[asyncio.TimerHandle] = None
         if self.limit is not None:  # our wrapper checks it (in JSON); uvicorn's own check is off
@@ -240,12 +249,17 @@ class JsonH11Protocol(H11Protocol):
             return
         self.over_limit = True
         if len(open_now) > self.limit + OVER_LIMIT_SLOTS:
+            # the over-limit slots are full: close the oldest of them that is not a probe (its request would get the
+            # 503 anyway), so that a new connection, which may be a liveness probe, gets a slot
+            doomed = [c for c in open_now if c is not self and getattr(c, "over_limit", False) and not c.probing]
+            oldest = min(doomed, key=lambda c: c.accepted_at) if doomed else self
             _CUT(
-                "%d connections open, each with a request in progress (--max-connections %d): closed a new one at once",
+                "%d connections open, each with a request in progress (--max-connections %d): closed one over the "
+                "limit at once",
                 len(open_now),
                 self.limit,
             )
-            self.transport.abort()
+            oldest.transport.abort()
 
     def _became_idle(self) -> None:
         """No request in progress from now: close the connection if that lasts the idle timeout."""

@@ -22,6 +22,7 @@ __all__ = [
     "ACCEPT_BACKLOG",
     "FD_RESERVE",
     "OVER_LIMIT_SLOTS",
+    "BODY_RATE_GRACE_S",
     "fd_limit",
     "connections_within",
 ]
@@ -49,6 +50,8 @@ ACCEPT_BACKLOG = 128  # the listen backlog, which is also the most connections a
 # protocol can close idle ones to make room), and as many again that are closing after such a burst
 FD_RESERVE = 128  # everything but connections: the listening socket, the event loop, the model's and the page's
 # files, pipes, logs, the libraries' own
+BODY_RATE_GRACE_S = 5.0  # a body's first seconds are not held to min_body_rate (TCP slow start, a client that
+# sends its headers and then opens its file)
 OVER_LIMIT_SLOTS = 16  # connections beyond max_connections kept long enough to read their JSON 503; more are cut
 
 
@@ -122,6 +125,9 @@ class ServerSettings:
       headers, a keep-alive connection between requests) is closed after this many seconds. So idle
       connections cannot hold the server's connections (a request whose body is arriving has read_timeout_s).
     read_timeout_s: a request body must arrive within this many seconds, else 408 (slow or stalled clients).
+    min_body_rate: the floor, in bytes per second, of the average rate a body arrives at once its first
+      BODY_RATE_GRACE_S seconds are over, else 408 at once (a trickled body would otherwise hold its connection
+      for read_timeout_s). 0: no floor.
     send_timeout_s: an answer being sent must make progress (the client reads) within this many seconds, else
       the connection is cut and its queue slot and memory are freed (clients that stop reading).
     memory_budget_bytes: the bytes that request bodies being received and admitted requests may hold together:
@@ -181,6 +187,14 @@ class ServerSettings:
         flag="--read-timeout",
         show=_seconds,
         limit=_SECONDS,
+    )
+    min_body_rate: int = option(
+        16 * 1024,
+        "bytes per second a request body must arrive at, on average, after its first "
+        f"{BODY_RATE_GRACE_S:g} s; a slower body is cut with 408, so trickled uploads cannot hold the connections "
+        "(0: no floor, only --read-timeout) (default: %(default)s)",
+        flag="--min-body-rate",
+        limit=Limit(0),
     )
     send_timeout_s: float = option(
         30.0,

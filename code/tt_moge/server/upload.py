@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from ..constants import MIN_IMAGE_SIDE
 from .errors import ApiError
-from .settings import ServerSettings
+from .settings import BODY_RATE_GRACE_S, ServerSettings
 
 __all__ = [
     "IMAGE_MEDIA_TYPES",
@@ -81,8 +81,10 @@ def check_media_type(request: Request) -> str:
 
 
 async def read_body(request: Request, settings: ServerSettings, reserve: Callable[[int], None]) -> bytes:
-    """The whole body, within max_body_bytes (413) and read_timeout_s (408), each chunk reserved as it arrives."""
-    limit = settings.max_body_bytes
+    """The whole body, within max_body_bytes (413), read_timeout_s and the min_body_rate floor (408), each chunk
+    reserved as it arrives. The floor: once BODY_RATE_GRACE_S seconds have passed, the bytes received must keep up
+    with min_body_rate per second since the headers arrived; a body that falls behind is cut at that moment."""
+    limit, rate = settings.max_body_bytes, settings.min_body_rate
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -93,22 +95,37 @@ async def read_body(request: Request, settings: ServerSettings, reserve: Callabl
             )
     chunks: list = []
     received = 0
-
-    async def receive_all() -> None:
-        nonlocal received
-        async for chunk in request.stream():
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    deadline = start + settings.read_timeout_s
+    stream = request.stream().__aiter__()
+    try:
+        while True:
+            # the next chunk must come before the body falls below the floor (or the read timeout ends)
+            behind = start + BODY_RATE_GRACE_S + (received + 1) / rate if rate else deadline
+            try:
+                chunk = await asyncio.wait_for(stream.__anext__(), max(0.0, min(behind, deadline) - loop.time()))
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                elapsed = loop.time() - start
+                if behind < deadline:
+                    raise ApiError(
+                        408,
+                        "too_slow",
+                        f"the body arrived at {received / elapsed:.0f} bytes/s ({received} bytes in {elapsed:.1f} s); "
+                        f"the floor is {rate} bytes/s after the first {BODY_RATE_GRACE_S:g} s (--min-body-rate)",
+                    ) from None
+                raise ApiError(
+                    408,
+                    "timeout",
+                    f"the body did not arrive within {settings.read_timeout_s:g} s ({received} bytes received)",
+                ) from None
             received += len(chunk)
             if received > limit:
                 raise ApiError(413, "body_too_large", f"body larger than the limit of {limit} bytes (--max-body-mb)")
             reserve(len(chunk))  # counted against the memory budget as it arrives (503 when it is spent)
             chunks.append(chunk)
-
-    try:
-        await asyncio.wait_for(receive_all(), settings.read_timeout_s)
-    except asyncio.TimeoutError:
-        raise ApiError(
-            408, "timeout", f"the body did not arrive within {settings.read_timeout_s:g} s ({received} bytes received)"
-        ) from None
     except ClientDisconnect:
         raise ApiError(
             400, "client_disconnected", "the client closed the connection before the body was complete"
