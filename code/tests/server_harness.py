@@ -167,7 +167,11 @@ class ServerProcess:
             except httpx.TransportError:  # bound but not listening yet
                 time.sleep(0.02)
                 continue
-            self.ready_statuses.append((r.status_code, r.json(), r.headers.get("retry-after")))
+            try:
+                record = r.json()
+            except ValueError:  # not ours: Ray Serve's proxy answers plain text until the app is deployed
+                record = r.text
+            self.ready_statuses.append((r.status_code, record, r.headers.get("retry-after")))
             if r.status_code == 200:
                 return
             time.sleep(0.05)

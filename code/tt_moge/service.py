@@ -24,7 +24,30 @@ from .host import CallOptions, Forwarded, InputError, Prepared, Stopwatch, postp
 from .output import MoGeOutput
 from .runners.base import PendingMaps, RawMaps, ReplayRunner, Runner
 
-__all__ = ["PredictionService", "STAGES"]
+__all__ = ["PredictionService", "STAGES", "DeviceError"]
+
+
+class DeviceError(RuntimeError):
+    """The device runner failed a forward (its exception is the cause): the device, not the image, is at fault.
+    A `ModelPool` takes such a replica out of service and runs the call again on another one."""
+
+
+class _DevicePending(PendingMaps):
+    """A runner's pending maps whose failure, once waited for, is a DeviceError."""
+
+    def __init__(self, pending: PendingMaps, runner: str):
+        self._pending, self._runner = pending, runner
+
+    @property
+    def ready(self) -> bool:
+        return self._pending.ready
+
+    def result(self) -> RawMaps:
+        try:
+            return self._pending.result()
+        except Exception as exc:
+            raise DeviceError(f"the {self._runner} runner's forward failed: {exc}") from exc
+
 
 # The stages one prediction is timed in, in the order it passes them: {name: what it times}. A `timing` dict
 # given to `predict` receives them in milliseconds; the server adds its own stages around them.
@@ -54,12 +77,16 @@ class PredictionService:
 
     def submit(self, canvas: torch.Tensor, watch: Optional[Stopwatch] = None) -> PendingMaps:
         """Start the device forward of a canvas (on CUDA it returns before the maps are back; `.result()`
-        waits). `watch` laps "device_wait": the time spent waiting while another call held the device."""
+        waits). `watch` laps "device_wait": the time spent waiting while another call held the device. A failure
+        of the runner, when submitting or waiting, is a `DeviceError`."""
         with self._device_lock:
             if watch is not None:
                 watch.lap("device_wait")
             self.check_open()
-            return self.runner.submit(canvas)
+            try:
+                return _DevicePending(self.runner.submit(canvas), self.runner.name)
+            except Exception as exc:
+                raise DeviceError(f"the {self.runner.name} runner's forward failed: {exc}") from exc
 
     def forward_raw(self, canvas: torch.Tensor, timing: Optional[dict] = None) -> RawMaps:
         """The device forward of one canvas; `timing` gets "device_wait" and "device" (the forward only)."""

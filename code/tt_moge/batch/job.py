@@ -32,6 +32,7 @@ from .session import (
     local_ray_cpus,
     ray_data_output,
     ray_session,
+    replica_runtime_env,
 )
 from .sinks import FAILURES_FILE, OUTPUT_FORMATS, SHARDS_DIR, FailureLog, completed_names, write_record
 
@@ -42,7 +43,6 @@ __all__ = [
     "replica_resources",
     "DEFAULT_BATCH_SIZE",
     "DEFAULT_MAX_RETRIES",
-    "FORWARDED_ENV",
 ]
 
 DEFAULT_BATCH_SIZE = 4  # images per actor call (one predict_many); also images per read task
@@ -54,10 +54,6 @@ def _check_address(address: Optional[str]) -> Optional[str]:
     if address is not None and (not isinstance(address, str) or not address.strip()):
         raise ValueError(f"address must be a Ray address such as ray://head:10001, or None, got {address!r}")
     return address
-
-
-# Passed on to the replicas (they may run on other machines, where the driver's environment is not inherited).
-FORWARDED_ENV = ("MOGE_WEIGHTS_DIR", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE")
 
 
 @dataclass
@@ -448,17 +444,6 @@ def _run_locked(
     return summary
 
 
-def _runtime_env(local: bool) -> Optional[dict]:
-    """The replicas' environment: FORWARDED_ENV, and on a local Ray this driver's tt_moge on PYTHONPATH."""
-    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    if local:  # workers import the very tt_moge this driver runs, installed or not (a source tree, a script's sys.path)
-        here = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(
-            [here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-        )
-    return {"env_vars": env} if env else None
-
-
 def _one_per_call_dataset(
     ray: Any,
     job: BatchJob,
@@ -472,7 +457,7 @@ def _one_per_call_dataset(
 ) -> Any:
     """One item per input, one input per call of `actor` (`replica.ClipReplica` for clips, `PanoramaReplica` for
     panoramas: each reads its file itself, and one input is already a batch of frames or views)."""
-    runtime_env = _runtime_env(local)
+    runtime_env = replica_runtime_env(local)
     items = [{"path": str(im.path.resolve()), "name": im.name} for im in todo]
     try:
         dataset = ray.data.from_items(items, override_num_blocks=len(items))
@@ -507,7 +492,7 @@ def _build_dataset(
     local: bool,
 ) -> Any:
     max_retries = job.max_retries
-    runtime_env = _runtime_env(local)
+    runtime_env = replica_runtime_env(local)
     items = [{"path": str(im.path.resolve()), "name": im.name} for im in todo]
     # a short job is split evenly over the replicas (6 photos, 2 replicas: 3 + 3, not 4 + 2), so that each one
     # gets a batch; with one batch in flight per replica, a replica that is ready first cannot take them all

@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 __all__ = [
@@ -23,11 +24,15 @@ __all__ = [
     "ray_session",
     "check_resources",
     "ray_data_output",
+    "FORWARDED_ENV",
+    "replica_runtime_env",
 ]
 
 DEFAULT_OBJECT_STORE_MB = 200  # the embedded local Ray's shared-memory object store (the machine may be shared)
 MIN_OBJECT_STORE_MB = 80  # Ray refuses a smaller object store
 READER_CPUS = 1  # logical CPUs one read task asks for (see local_ray_cpus)
+# Passed on to the replicas (they may run on other machines, where the driver's environment is not inherited).
+FORWARDED_ENV = ("MOGE_WEIGHTS_DIR", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE")
 RAY_INSTALL_HINT = 'from a clone of the repository: pip install -e "code/[ray]" (or: pip install "ray[data]>=2.9")'
 
 
@@ -180,3 +185,15 @@ def ray_data_output(ray: Any, quiet: bool) -> Iterator[None]:
         context.enable_progress_bars = saved[0]
         logger.setLevel(saved[1])
         progress_logger.setLevel(saved[2])
+
+
+def replica_runtime_env(local: bool) -> Optional[dict]:
+    """The environment of a job's Ray workers (batch replicas, Serve replicas): FORWARDED_ENV, and on a local Ray
+    this driver's tt_moge on PYTHONPATH."""
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    if local:  # workers import the very tt_moge this driver runs, installed or not (a source tree, a script's sys.path)
+        here = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        )
+    return {"env_vars": env} if env else None

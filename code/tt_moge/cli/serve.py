@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Union
 
 from ..server.settings import ACCEPT_BACKLOG, DEFAULT_HOST, DEFAULT_PORT, ServerSettings, fd_limit
 from . import argtypes
@@ -74,6 +74,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--port", type=argtypes.port, default=DEFAULT_PORT, help=f"port; 0 = any free port (default: {DEFAULT_PORT})"
     )
+    server.add_argument(
+        "--devices",
+        metavar="LIST",
+        help="serve one model replica per device: tt:0,tt:1 / cuda:0,cuda:1 / cpu,cpu (CPU replicas share the "
+        "threads) / all (every chip or GPU this process sees); a request goes to the least busy replica, and one "
+        "whose device fails is taken out of service. Instead of --device (default: one model on --device)",
+    )
+    ray = parser.add_argument_group("Ray Serve (past one machine; docs/server.md, Scaling out)")
+    ray.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve on Ray Serve: replicas of the model (each on its own device, asked of Ray as a resource) "
+        "behind one HTTP entry on --host/--port; a local Ray is started unless --address is given; no web page",
+    )
+    ray.add_argument("--address", help="with --ray: join the Ray cluster at this address (ray://HEAD:10001)")
+    ray.add_argument(
+        "--replicas",
+        type=_replicas,
+        default=1,
+        metavar="N|auto",
+        help="with --ray: model replicas, or auto (1 to --max-replicas, scaled on ongoing requests) (default: 1)",
+    )
+    ray.add_argument(
+        "--max-replicas",
+        type=argtypes.positive_int,
+        default=None,
+        metavar="M",
+        help="with --replicas auto (default: 2)",
+    )
+    ray.add_argument(
+        "--threads-per-replica",
+        type=argtypes.positive_int,
+        default=None,
+        metavar="T",
+        help="with --ray on the CPU: each replica's torch threads and Ray CPUs (default: the cores / replicas)",
+    )
     add_options(server, ServerSettings)  # one flag per setting, as its definition says
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     server.add_argument("--no-access-log", action="store_true", help="do not log one line per request")
@@ -82,6 +118,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not serve the web page (GET / and /ui: drop a photo, see depth, normals and the 3D view)",
     )
+
+
+def _replicas(text: str) -> Union[int, str]:
+    if text.strip().lower() == "auto":
+        return "auto"
+    return argtypes.positive_int(text)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -145,12 +187,29 @@ def run(args: argparse.Namespace) -> int:
 
     from ..model import MoGeModel
     from ..options import LoadOptions
+    from ..pool import ModelPool, parse_devices
     from ..weights import describe_source
 
     logging.basicConfig(level=args.log_level.upper(), format="[tt_moge] %(levelname)s %(message)s", stream=sys.stderr)
     try:
         settings = ServerSettings.from_arguments(**option_values(args, ServerSettings))
-        options = LoadOptions.resolve(**model_kwargs(args))  # bad model options fail now (exit 2), not after binding
+        kwargs = model_kwargs(args)
+        devices = None
+        if args.devices is not None:
+            if kwargs.get("device") is not None:
+                raise ValueError("give --devices or --device, not both")
+            devices = parse_devices(args.devices)
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "device_id")}
+            kwargs["device"] = devices[0]  # checked now (exit 2) as each replica's device will be
+            for name in devices[1:]:
+                LoadOptions.resolve(**{**kwargs, "device": name})
+        if args.ray:
+            if devices is not None:
+                raise ValueError("--devices is for one machine; with --ray, give --replicas (and --device)")
+            return _run_ray(args, settings, kwargs)
+        if args.address is not None or args.replicas != 1 or args.max_replicas or args.threads_per_replica:
+            raise ValueError("--address, --replicas, --max-replicas and --threads-per-replica go with --ray")
+        options = LoadOptions.resolve(**kwargs)  # bad model options fail now (exit 2), not after binding
         sock = _bind(args.host, args.port)
     except (ValueError, TypeError, OSError) as exc:
         print(f"tt-moge serve: error: {exc}", file=sys.stderr)
@@ -162,8 +221,10 @@ def run(args: argparse.Namespace) -> int:
     if Image.MAX_IMAGE_PIXELS is not None:
         Image.MAX_IMAGE_PIXELS = max(Image.MAX_IMAGE_PIXELS, settings.max_pixels)
 
-    def load() -> MoGeModel:
-        return MoGeModel.load(options)
+    def load() -> Union[MoGeModel, ModelPool]:
+        if devices is None:
+            return MoGeModel.load(options)
+        return ModelPool.from_pretrained(devices=devices, **{k: v for k, v in kwargs.items() if k != "device"})
 
     server: Any = None
     app = create_app(load, settings, on_load_error=lambda exc: setattr(server, "should_exit", True))
@@ -205,3 +266,76 @@ def run(args: argparse.Namespace) -> int:
     )
     server.run(sockets=[sock])
     return 1 if serving.load_error else 0
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def _run_ray(args: argparse.Namespace, settings: ServerSettings, kwargs: dict) -> int:
+    """`tt-moge serve --ray`: the model's replicas and the HTTP entry on Ray Serve (`server.ray_serve`), on a
+    local Ray started here (and ended with this process) or the cluster at --address, until SIGTERM / SIGINT.
+    Returns 0 after a stop, 1 when the replicas could not start, 3 without Ray Serve."""
+    from ..batch.session import check_ray_address, init_local_ray, replica_runtime_env
+
+    try:
+        import ray
+        from ray import serve
+    except ImportError as exc:
+        say(f"serve --ray: Ray Serve is not installed ({exc}): pip install -e 'code/[ray]'")
+        return EXIT_START
+    from ..server.ray_serve import ray_app
+
+    if args.address is not None:
+        check_ray_address(args.address)
+    local = args.address is None
+    count = (args.max_replicas or 2) if args.replicas == "auto" else args.replicas
+    cores = os.cpu_count() or 1
+    threads = args.threads_per_replica or max(1, cores // count)
+    port = args.port or _free_port(args.host)
+    load = {k: v for k, v in kwargs.items() if k != "device_id"}
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
+    quiet = args.log_level not in ("info", "debug")
+    watcher = None
+    try:
+        if local:
+            watcher = init_local_ray(ray, max(cores, count * threads), quiet=quiet)
+        else:
+            ray.init(address=args.address, include_dashboard=False, logging_level="WARNING")
+        for sig in STOP_SIGNALS:  # again: ray.init installs its own SIGTERM handler (a stack dump, then abort)
+            signal.signal(sig, lambda *_: stop.set())
+        where = "a local Ray" if local else f"the Ray cluster at {args.address}"
+        print(
+            f"[tt_moge] serving on http://{args.host}:{port} (Ray Serve on {where}: {args.replicas} replica(s) of "
+            f"{load.get('device') or 'cpu'}; GET /ready answers 200 when a replica serves)",
+            file=sys.stderr,
+            flush=True,
+        )
+        serve.start(http_options={"host": args.host, "port": port})
+        app = ray_app(
+            replicas=args.replicas,
+            max_replicas=args.max_replicas,
+            settings=settings,
+            threads=threads,
+            runtime_env=replica_runtime_env(local),
+            **load,
+        )
+        try:
+            serve.run(app, name="moge", route_prefix="/", blocking=False)
+        except Exception as exc:  # a replica that cannot load (bad weights, no such device)
+            print(f"tt-moge serve: the replicas did not start: {exc}", file=sys.stderr, flush=True)
+            return 1
+        stop.wait()
+        print("[tt_moge] stopping: Ray Serve shuts down", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+        if watcher is not None:
+            watcher.release()

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..output import depth_p1_p99, finite_or_none
+from ..service import DeviceError
 from .geometry import VIEW_FOV_DEG, check_panorama_size, panorama_directions, split_panorama, view_cameras
 from .merge import merge_distance_maps
 
@@ -171,12 +172,16 @@ def _predict_views(model: Any, views: list) -> tuple:
     options = dict(fov_x=VIEW_FOV_DEG, apply_mask=False)
     try:
         return list(model.predict_many(views, **options)), [None] * len(views)
+    except DeviceError:  # the device failed, not a view: the panorama fails
+        raise
     except Exception:
         outputs, errors = [], []
         for view in views:
             try:
                 outputs.append(model.predict(view, **options))
                 errors.append(None)
+            except DeviceError:
+                raise
             except Exception as exc:
                 outputs.append(None)
                 errors.append(str(exc) or type(exc).__name__)

@@ -27,6 +27,7 @@ from ..host import CallOptions
 from ..model import MoGeModel
 from ..npzio import DEFLATE_BACKEND, npz_parts
 from ..output import SUMMARY_FIELDS
+from ..pool import ModelPool
 from .docs import install_docs
 from .errors import ERROR_RESPONSES, ApiError, ErrorBody, install_error_handlers
 from .panorama import add_panorama_routes
@@ -144,26 +145,28 @@ _TIMING_HEADERS = {
 
 
 def create_app(
-    model: Union[MoGeModel, Callable[[], MoGeModel]],
+    model: Union[MoGeModel, ModelPool, Callable[[], Union[MoGeModel, ModelPool]]],
     settings: Optional[ServerSettings] = None,
     *,
     on_load_error: Optional[Callable[[BaseException], None]] = None,
 ) -> MoGeApp:
-    """A FastAPI app serving one MoGeModel.
+    """A FastAPI app serving one MoGeModel, or a ModelPool of replicas (one per device: `tt-moge serve --devices`).
 
-    model: a loaded MoGeModel (the caller keeps ownership and closes it), or a zero-argument callable that
+    model: a loaded MoGeModel or ModelPool (the caller keeps ownership and closes it), or a zero-argument callable that
       loads one; it runs in a background thread at start-up (the app then owns and closes the model), and
       /ready answers 503 until it returns. `on_load_error(exc)` is called if it raises (the CLI stops then).
     """
     settings = settings or ServerSettings()
     serving = Serving(settings)
     loader = None
-    if isinstance(model, MoGeModel):
+    if isinstance(model, (MoGeModel, ModelPool)):
         serving.model = model
     elif callable(model):
         loader = model
     else:
-        raise TypeError(f"model must be a MoGeModel or a callable that loads one, got {type(model).__name__}")
+        raise TypeError(
+            f"model must be a MoGeModel, a ModelPool or a callable that loads one, got {type(model).__name__}"
+        )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -246,7 +249,7 @@ def create_app(
     async def health() -> dict:
         return {
             "status": serving.status(),
-            "ready": serving.model is not None,
+            "ready": serving.serves(),
             "in_flight": serving.in_flight,
             "queue_size": settings.queue_size,
             "memory_reserved_bytes": serving.budget.used,
@@ -261,9 +264,8 @@ def create_app(
         responses={503: {"model": ErrorBody, "description": "Still loading, or loading failed"}},
     )
     async def ready() -> dict:
-        if serving.model is None:
-            detail = f"loading failed: {serving.load_error}" if serving.load_error else "the model is still loading"
-            raise ApiError(503, "not_ready", detail, {"Retry-After": str(settings.retry_after_s)})
+        if not serving.serves():
+            raise ApiError(503, "not_ready", serving.not_serving(), {"Retry-After": str(settings.retry_after_s)})
         return {"ready": True}
 
     @app.get(

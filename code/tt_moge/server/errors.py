@@ -11,6 +11,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..service import DeviceError
+
 __all__ = ["ApiError", "ErrorBody", "install_error_handlers", "ERROR_RESPONSES"]
 
 log = logging.getLogger("tt_moge.server")
@@ -65,8 +67,8 @@ ERROR_RESPONSES = {
     422: {"model": ErrorBody, "description": "Bad option value, unknown option, or an image below 8x8"},
     503: {
         "model": ErrorBody,
-        "description": "Queue full, memory budget spent, model not loaded yet, or the server "
-        "is stopping: retry after Retry-After seconds",
+        "description": "Queue full, memory budget spent, model not loaded yet, the server is stopping, or no "
+        "device of the pool could run it: retry after Retry-After seconds",
     },
 }
 
@@ -85,6 +87,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(
             exc.status_code, _STATUS_CODES.get(exc.status_code, "error"), str(exc.detail), getattr(exc, "headers", None)
         )
+
+    @app.exception_handler(DeviceError)
+    async def _device_failed(request: Request, exc: DeviceError) -> JSONResponse:  # the device, not the request
+        log.error("the device failed %s %s: %s", request.method, request.url.path, exc)
+        settings = getattr(getattr(request.app, "serving", None), "settings", None)
+        headers = {"Retry-After": str(settings.retry_after_s)} if settings is not None else None
+        return error_response(503, "device_failed", f"no device of the server could run this request: {exc}", headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:  # a bug: logged, answered as JSON

@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Literal, Optional
+from typing import Any, Awaitable, Callable, Literal, Optional, Union
 
 from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -36,6 +36,7 @@ from pydantic import ConfigDict, Field, create_model
 from ..fields import OptionInfo, options_of
 from ..host import CallOptions, InputError
 from ..model import MoGeModel
+from ..pool import ModelPool
 from ..service import STAGES, PredictionService
 from .admission import MemoryBudget, Reservation, Ticket
 from .errors import ApiError
@@ -200,7 +201,7 @@ class Serving:
 
     def __init__(self, settings: ServerSettings):
         self.settings = settings
-        self.model: Optional[MoGeModel] = None
+        self.model: Optional[Union[MoGeModel, ModelPool]] = None
         self.owns_model = False
         self.load_error: Optional[str] = None
         self.executor = ThreadPoolExecutor(settings.host_threads, thread_name_prefix="tt_moge-serve")
@@ -216,12 +217,12 @@ class Serving:
         return None if self.model is None else self.model.service
 
     # ---------------------------------------------------------------------------------------- life
-    def load(self, loader: Callable[[], MoGeModel], on_error: Optional[Callable[[BaseException], None]]) -> None:
+    def load(self, loader: Callable[[], Any], on_error: Optional[Callable[[BaseException], None]]) -> None:
         t = time.perf_counter()
         try:
             model = loader()
-            if not isinstance(model, MoGeModel):
-                raise TypeError(f"the model loader returned {type(model).__name__}, expected a MoGeModel")
+            if not isinstance(model, (MoGeModel, ModelPool)):
+                raise TypeError(f"the model loader returned {type(model).__name__}, expected a MoGeModel or ModelPool")
         except BaseException as exc:  # reported on /ready and /health; the CLI exits
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("loading the model failed: %s", self.load_error)
@@ -234,7 +235,22 @@ class Serving:
     def status(self) -> str:
         if self.draining:
             return "stopping"
-        return "ok" if self.model is not None else ("failed" if self.load_error else "loading")
+        if self.model is None:
+            return "failed" if self.load_error else "loading"
+        return "ok" if self.serves() else "failed"
+
+    def serves(self) -> bool:
+        """A model is loaded and can run a call: a pool with at least one replica in service."""
+        if isinstance(self.model, ModelPool):
+            return bool(self.model.in_service)
+        return self.model is not None
+
+    def not_serving(self) -> str:
+        """Why `serves()` is False, for /ready and 503s."""
+        if self.model is None:
+            return f"the model failed to load ({self.load_error})" if self.load_error else "the model is still loading"
+        failed = "; ".join(f"{r.device}: {r.out_of_service}" for r in self.model.replicas)
+        return f"no replica of the pool is in service ({failed})"
 
     def drain(self) -> None:
         """Stop admitting (503 shutting_down): the server is stopping; what is admitted finishes."""
@@ -287,11 +303,8 @@ class Serving:
                 "the server is stopping and admits no more requests; retry on another instance or after it restarts",
                 close=True,
             )
-        if self.model is None:
-            reason = (
-                f"the model failed to load ({self.load_error})" if self.load_error else "the model is still loading"
-            )
-            raise self._refuse("not_ready", f"{reason}; see GET /ready")
+        if not self.serves():
+            raise self._refuse("not_ready", f"{self.not_serving()}; see GET /ready")
         with self._lock:
             if self.in_flight >= self.settings.queue_size:
                 raise self._refuse(
