@@ -146,3 +146,17 @@ def test_sigterm_stops_it_and_leaves_no_ray_process(server):
         time.sleep(0.5)
     left = [(p, c) for p, c in ray_processes() if p not in server.ray_before]
     assert not left, left
+
+
+def test_each_replica_asks_ray_for_its_own_device():
+    """A replica asks Ray for one chip (TTNPU) or one GPU and opens the one Ray made visible; a CPU replica asks
+    for its threads. Batch replicas ask for a chip the same way (one chip each, not all on chip 0)."""
+    from tt_moge.batch.session import chip_request
+    from tt_moge.server.ray_serve import replica_device, replica_resources
+
+    assert replica_resources("tt", 1) == {"resources": {"TTNPU": 1}, "num_cpus": 1} and replica_device("tt:2") == "tt:0"
+    assert replica_resources("cuda:1", 1) == {"num_gpus": 1, "num_cpus": 1} and replica_device("cuda:1") == "cuda"
+    assert replica_resources("cpu", 3) == {"num_cpus": 3} and replica_device("cpu") == "cpu"
+    assert chip_request("tt:1") == ("tt:0", {"resources": {"TTNPU": 1}}) and chip_request("cpu") == ("cpu", {})
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'tt'"):
+        replica_resources("mps", 1)

@@ -28,6 +28,7 @@ from .session import (
     MIN_OBJECT_STORE_MB,
     READER_CPUS,
     check_resources,
+    chip_request,
     import_ray,
     local_ray_cpus,
     ray_data_output,
@@ -385,7 +386,7 @@ def _run_locked(
     local = address is None and not ray.is_initialized()
     given_device = job.model.get("device")  # None: chosen for the replicas' resources, not for this machine
     device, gpus, cpus = replica_resources(given_device, job.gpus_per_replica, job.cpus_per_replica, replicas, local)
-    model_kwargs["device"] = device
+    model_kwargs["device"], chips = chip_request(device)  # a chip per replica, as Ray hands them out
     options.update(replicas=replicas, cpus_per_replica=cpus, gpus_per_replica=gpus)
     if address is None:  # the replicas share this file system: resolve (and download) the weights once, here
         from ..weights import resolve_checkpoint
@@ -432,11 +433,11 @@ def _run_locked(
                 )
                 kwargs = dict(model_kwargs=model_kwargs, out=str(out.resolve()), formats=formats, threads=int(cpus))
                 dataset = _one_per_call_dataset(
-                    ray, job, todo, actor, {**kwargs, **settings}, replicas, cpus, gpus, address is None
+                    ray, job, todo, actor, {**kwargs, **settings}, replicas, cpus, gpus, address is None, chips
                 )
             else:
                 dataset = _build_dataset(
-                    ray, job, todo, out, formats, call, model_kwargs, replicas, cpus, gpus, address is None
+                    ray, job, todo, out, formats, call, model_kwargs, replicas, cpus, gpus, address is None, chips
                 )
             _collect(dataset, summary, failures_path, len(todo), job.progress and not job.quiet, on_failure, t0)
         summary.seconds = time.perf_counter() - t0
@@ -454,6 +455,7 @@ def _one_per_call_dataset(
     cpus: float,
     gpus: float,
     local: bool,
+    chips: dict,
 ) -> Any:
     """One item per input, one input per call of `actor` (`replica.ClipReplica` for clips, `PanoramaReplica` for
     panoramas: each reads its file itself, and one input is already a batch of frames or views)."""
@@ -473,6 +475,7 @@ def _one_per_call_dataset(
             num_cpus=cpus,
             num_gpus=gpus or None,
             runtime_env=runtime_env,
+            **chips,
             max_restarts=job.max_retries,
             max_task_retries=job.max_retries,
         )
@@ -490,6 +493,7 @@ def _build_dataset(
     cpus: float,
     gpus: float,
     local: bool,
+    chips: dict,
 ) -> Any:
     max_retries = job.max_retries
     runtime_env = replica_runtime_env(local)
@@ -531,6 +535,7 @@ def _build_dataset(
             num_cpus=cpus,
             num_gpus=gpus or None,
             runtime_env=runtime_env,
+            **chips,
             max_restarts=max_retries,
             max_task_retries=max_retries,
         )

@@ -26,6 +26,8 @@ __all__ = [
     "ray_data_output",
     "FORWARDED_ENV",
     "replica_runtime_env",
+    "TT_RESOURCE",
+    "chip_request",
 ]
 
 DEFAULT_OBJECT_STORE_MB = 200  # the embedded local Ray's shared-memory object store (the machine may be shared)
@@ -33,6 +35,9 @@ MIN_OBJECT_STORE_MB = 80  # Ray refuses a smaller object store
 READER_CPUS = 1  # logical CPUs one read task asks for (see local_ray_cpus)
 # Passed on to the replicas (they may run on other machines, where the driver's environment is not inherited).
 FORWARDED_ENV = ("MOGE_WEIGHTS_DIR", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE")
+# Ray's resource for one Tenstorrent chip (its TTNPU accelerator: Ray sets TT_VISIBLE_DEVICES to the chip it gives
+# an actor, which then sees that chip as its chip 0)
+TT_RESOURCE = "TTNPU"
 RAY_INSTALL_HINT = 'from a clone of the repository: pip install -e "code/[ray]" (or: pip install "ray[data]>=2.9")'
 
 
@@ -197,3 +202,12 @@ def replica_runtime_env(local: bool) -> Optional[dict]:
             [here] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
         )
     return {"env_vars": env} if env else None
+
+
+def chip_request(device: str) -> tuple:
+    """(the device a Ray replica opens, its extra Ray options) for `device`: a Tenstorrent chip is asked of Ray as
+    one TT_RESOURCE and opened as "tt:0" (the chip Ray made visible), so that replicas get a chip each; any other
+    device is opened as named, with no extra resource (CUDA GPUs are num_gpus, the caller's)."""
+    if str(device).lower().startswith("tt"):
+        return "tt:0", {"resources": {TT_RESOURCE: 1}}
+    return device, {}

@@ -37,6 +37,7 @@ from typing import Any, Optional, Union
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from ..batch.session import chip_request
 from .settings import ServerSettings
 
 __all__ = ["ray_app", "app_from_config", "replica_resources", "replica_device", "forward_request"]
@@ -53,7 +54,7 @@ def replica_resources(device: str, threads: int) -> dict:
     if kind == "cuda":
         return {"num_gpus": 1, "num_cpus": 1}
     if kind == "tt":
-        return {"resources": {"TTNPU": 1}, "num_cpus": 1}
+        return {**chip_request(device)[1], "num_cpus": 1}
     if kind == "cpu":
         return {"num_cpus": threads}
     raise ValueError(f"device must be 'cpu', 'cuda' or 'tt' for a Ray Serve replica, got {device!r}")
@@ -61,7 +62,8 @@ def replica_resources(device: str, threads: int) -> dict:
 
 def replica_device(device: str) -> str:
     """What a replica opens: the one GPU or chip Ray made visible to it, or the CPU."""
-    return {"cuda": "cuda", "tt": "tt:0"}.get(device.split(":")[0], "cpu")
+    kind = device.split(":")[0]
+    return "cuda" if kind == "cuda" else chip_request(device)[0] if kind == "tt" else "cpu"
 
 
 async def forward_request(app: Any, request: dict) -> dict:
