@@ -4,9 +4,10 @@
     with MoGeModel.from_pretrained() as model:
         out = model("photo.jpg")
 
-`MoGeModel` (the model facade), `MoGeOutput` (one result) and `load_image` (any supported image input -> an
-(H, W, 3) RGB array, as the model decodes it) are imported on first use, so that subpackages that do not need
-torch (the Tenstorrent device graph, which runs in a ttnn environment) can be imported without it.
+`MoGeModel` (the model facade), `ModelPool` (one model per device, behind the same calls), `MoGeOutput` (one
+result) and `load_image` (any supported image input -> an (H, W, 3) RGB array, as the model decodes it) are
+imported on first use, so that subpackages that do not need torch (the Tenstorrent device graph, which runs in a
+ttnn environment) can be imported without it.
 
 Importing tt_moge before torch also sets OpenMP's wait policy for torch's CPU threads to passive, unless the
 caller chose one (`tt_moge.openmp`: why, and how to keep OpenMP's default).
@@ -18,7 +19,7 @@ _openmp.set_wait_policy()
 
 __version__ = "0.1.0"
 
-__all__ = ["MoGeModel", "MoGeOutput", "load_image", "__version__"]
+__all__ = ["MoGeModel", "ModelPool", "MoGeOutput", "load_image", "__version__"]
 
 
 def __getattr__(name: str):
@@ -26,6 +27,10 @@ def __getattr__(name: str):
         from .model import MoGeModel
 
         return MoGeModel
+    if name == "ModelPool":
+        from .pool import ModelPool
+
+        return ModelPool
     if name == "MoGeOutput":
         from .output import MoGeOutput
 
