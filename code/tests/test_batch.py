@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ from tt_moge.batch import FAILURES_FILE, SHARDS_DIR, BatchJob, init_local_ray, r
 from tt_moge.batch import job as batch_job
 from tt_moge.cli import main
 from tt_moge.output import MoGeOutput
+from tt_moge.runs import LOCK_FILE
 
 CANVAS, TOKENS = (448, 252), 1200
 MODEL_ARGS = ["--device", "cpu", "--resolution", f"{CANVAS[0]}x{CANVAS[1]}", "--num-tokens", str(TOKENS)]
@@ -640,6 +642,44 @@ def test_driver_killed_mid_run_leaves_no_ray_process_and_the_rerun_finishes(loca
     folders = {p.parent.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.parent != out}
     assert folders == set(photos["valid"]), "a folder per image, each complete (no partial folder of the killed run)"
     assert all((out / name / "result.json").is_file() for name in folders)
+
+
+def test_sigterm_stops_a_real_job_with_exit_143_and_a_true_batch_json(ckpt, photos, tmp_path):
+    """`tt-moge batch` told to stop by SIGTERM died with Ray's exit code (15, or 134 by SIGABRT) and its stack
+    dumps, and wrote no batch.json: `ray.init` replaced the command's handler (the earlier test mocked the job,
+    and Ray with it, so it could not see that). On a real local Ray: exit 143 within seconds, one line saying
+    what happened, no stack dump, batch.json counting what is on disk, no folder without result.json."""
+    out = tmp_path / "out"
+    with open(tmp_path / "driver.err", "w") as err:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "tt_moge", "batch", str(photos["root"]), "-o", str(out), "--weights", str(ckpt)]
+            + [*MODEL_ARGS, "--batch-size", "1", "--npz"],
+            cwd=CODE_DIR,
+            env={**os.environ, "PYTHONPATH": str(CODE_DIR)},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    try:
+        wait_for(lambda: list(out.rglob("result.json")) or driver.poll() is not None, 300, "a first image")
+        assert driver.poll() is None, f"the job ended before the signal:\n{(tmp_path / 'driver.err').read_text()}"
+        driver.send_signal(signal.SIGTERM)
+        code = driver.wait(60)
+    finally:
+        driver.kill()
+        driver.wait(30)
+    stderr = (tmp_path / "driver.err").read_text()
+    assert code == 143, (code, stderr)
+    assert "interrupted by SIGTERM" in stderr and "rerun" in stderr, stderr
+    assert "SIGTERM received" not in stderr and "Traceback" not in stderr, stderr
+    record = json.loads((out / "batch.json").read_text())
+    complete = {p.parent.relative_to(out).as_posix() for p in out.rglob("result.json")}
+    assert record["interrupted"] == "SIGTERM" and record["done"] == len(complete) > 0, record
+    assert record["done"] + record["failed"] + record["not_done"] == record["total"] == 21, record
+    assert record["not_done"] > 0, "the job was stopped before its end"
+    partial = [d for d in out.rglob("*") if d.is_dir() and not (d / "result.json").exists()]
+    partial = [d for d in partial if not any(c.is_dir() for c in d.iterdir())]  # not a parent folder
+    assert not partial, f"folders without result.json: {partial}"
+    assert not (out / LOCK_FILE).exists()
 
 
 def test_a_later_run_ends_what_a_dead_driver_left(tmp_path):

@@ -72,6 +72,7 @@ __all__ = [
     "check_formats",
     "missing_format_library",
     "write_outputs",
+    "remove_incomplete",
     "write_text_atomic",
     "RESULT_FILE",
 ]
@@ -416,6 +417,31 @@ def write_outputs(
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only when empty
         raise
+
+
+def remove_incomplete(out_dir: Union[str, os.PathLike], root: Union[str, os.PathLike]) -> bool:
+    """Remove what an unfinished `write_outputs` left in `out_dir` (a folder without result.json, e.g. of a
+    writer stopped with its process): the files it writes (`FILES`, its temporary files), then the folder and
+    its parents up to `root` that are left empty. Anything else stays, and so does the folder holding it.
+    Nothing happens to a folder with result.json or one outside `root`. Returns True when `out_dir` is gone."""
+    out = Path(out_dir)
+    if not out.is_dir() or (out / RESULT_FILE).exists() or not inside(out, root) or inside(root, out):
+        return False
+    ours = {name for names in FILES.values() for name in names}
+    for path in out.iterdir():
+        temporary = path.name.startswith(f".{RESULT_FILE}.") and path.name.endswith(".tmp")  # write_text_atomic's
+        if (path.name in ours or temporary) and path.is_file():
+            with contextlib.suppress(OSError):
+                path.unlink()
+    root_path = Path(os.path.realpath(root))
+    for folder in (out, *out.parents):
+        if os.path.realpath(folder) == str(root_path):
+            break
+        try:
+            folder.rmdir()  # only when empty
+        except OSError:
+            break
+    return not out.exists()
 
 
 def _write_files(

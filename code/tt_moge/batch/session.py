@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any, Iterator, Optional
 
@@ -23,6 +25,7 @@ __all__ = [
     "ray_session",
     "check_resources",
     "ray_data_output",
+    "keeping_signal_handlers",
 ]
 
 DEFAULT_OBJECT_STORE_MB = 200  # the embedded local Ray's shared-memory object store (the machine may be shared)
@@ -120,6 +123,34 @@ def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
 
 
 @contextlib.contextmanager
+def keeping_signal_handlers() -> Iterator[None]:
+    """Put SIGTERM's and SIGINT's handlers back as they were after the block (`ray.init`). Ray's init replaces
+    SIGTERM's with `sys.exit(15)`, and its core worker's C++ failure handler (a stack dump) takes the signal at
+    the C level: a `tt-moge batch` told to stop died with exit 15 or SIGABRT and Ray's dumps, and its own
+    handler (which stops the job and writes batch.json) never ran. `signal.signal` sets the C handler as well,
+    so restoring it removes both. Outside the main thread (where handlers cannot be set) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        for signum, handler in saved.items():
+            if handler is not None:  # None: set outside Python, cannot be put back from here
+                signal.signal(signum, handler)
+
+    try:
+        yield
+    except SystemExit as exc:  # Ray's handler took a SIGTERM during init: hand it to the handler it replaced
+        restore()
+        if exc.code == signal.SIGTERM:
+            signal.raise_signal(signal.SIGTERM)  # the handler's exception (or the default: the end) comes from here
+        raise
+    finally:
+        restore()
+
+
+@contextlib.contextmanager
 def ray_session(ray: Any, address: Optional[str], num_cpus: int, object_store_mb: int, quiet: bool) -> Iterator[tuple]:
     """Yield (where, seconds to start). Reuses a Ray this process already started (and leaves it running);
     else connects to `address`, or starts a local Ray (init_local_ray), and shuts it down after."""
@@ -130,10 +161,12 @@ def ray_session(ray: Any, address: Optional[str], num_cpus: int, object_store_mb
     watcher = None
     if address:
         check_ray_address(address)
-        ray.init(address=address, include_dashboard=False, **_log_options(quiet))
+        with keeping_signal_handlers():
+            ray.init(address=address, include_dashboard=False, **_log_options(quiet))
         where = f"the Ray cluster at {address}"
     else:
-        watcher = init_local_ray(ray, num_cpus, object_store_mb, quiet)
+        with keeping_signal_handlers():
+            watcher = init_local_ray(ray, num_cpus, object_store_mb, quiet)
         where = f"a local Ray ({num_cpus} logical CPUs, {object_store_mb} MB object store)"
     try:
         yield where, time.perf_counter() - t0
