@@ -215,6 +215,49 @@ def test_a_signal_finishes_the_files_writes_run_json_and_exits_128_plus_it(tmp_p
     assert not (out / LOCK_FILE).exists(), "the lock file is removed at the end"
 
 
+@contextlib.contextmanager
+def own_sigterm_handler():
+    """A SIGTERM handler of this test process for the block, instead of the default (which would end pytest): a
+    command run in process must put its own in place; if the signal reaches this one, the test fails."""
+
+    def not_handled(signum, frame):
+        raise RuntimeError("SIGTERM reached the test's own handler: the command did not handle it")
+
+    previous = signal.signal(signal.SIGTERM, not_handled)
+    try:
+        yield
+        assert signal.getsignal(signal.SIGTERM) is not_handled, "the handler before the run is restored after it"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_signal_swallowed_by_an_optional_import_still_stops_the_run(tmp_path, monkeypatch):
+    """A SIGTERM that came while trimesh was first imported was lost: trimesh's optional imports catch
+    BaseException (`try: import scipy ... except BaseException`), so the exception of the run's handler never
+    arrived; the run went on to its end and exited 143 with "interrupted": null. Now the run checks for a
+    signal after such code: it stops before the model loads, and run.json says why."""
+    import tt_moge.export as export
+
+    real = export.missing_format_library
+
+    def swallowing(formats):  # what trimesh's import does with the handler's exception
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs here
+        except BaseException:
+            pass
+        return real(formats)
+
+    monkeypatch.setattr(export, "missing_format_library", swallowing)
+    photos, out = some_photos(tmp_path / "photos", 3), tmp_path / "out"
+    with stand_in(monkeypatch) as model, own_sigterm_handler():
+        code, stdout, stderr = run_cli(["predict", photos, "-o", out])
+    assert code == 143 and "interrupted by SIGTERM" in stderr, (code, stderr)
+    run = json.loads((out / "run.json").read_text())
+    assert run["interrupted"] == "SIGTERM" and (run["done"], run["not_done"]) == (0, 3), run
+    assert not model.calls, "the model ran after the signal"
+
+
 # ---------------------------------------------------------------------------------------------- the lock
 def test_a_second_run_into_a_folder_in_use_is_refused_or_waits(tmp_path, monkeypatch):
     """Two runs into one OUT used to mix silently. While another process holds OUT (here: this test process),

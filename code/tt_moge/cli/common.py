@@ -97,6 +97,13 @@ class SignalGuard:
         if self.raising:
             raise Interrupted(signum)
 
+    def check(self) -> None:
+        """Raise `Interrupted` for a signal received while raising whose exception never arrived: a library
+        swallowed it (trimesh's optional imports catch BaseException). Call it after such code (the first
+        imports of the format writers, the model load) and between steps."""
+        if self.signum is not None and self.raising:
+            raise Interrupted(self.signum)
+
     @property
     def exit_code(self) -> Optional[int]:
         """128 + the signal received, or None."""

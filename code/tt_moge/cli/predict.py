@@ -238,13 +238,7 @@ def _run_locked(
     from ..jobs import predict_images, predict_panoramas, written_bytes
 
     run_json = out_root / RUN_FILE
-    try:  # it describes the last run: an earlier one's must not stand for this run if this one cannot write its own
-        run_json.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        parser.error(f"cannot replace {str(run_json)!r}: {exc}")
-    missing = missing_format_library(formats)
+    missing = missing_format_library(formats)  # imports the writers' libraries: trimesh's swallow a signal
     if missing:
         say(missing)
         return EXIT_START
@@ -255,6 +249,7 @@ def _run_locked(
     info, interrupted = None, None
     bar: Any = None
     try:
+        guard.check()  # a signal during those imports
         unreadable = unreadable_images(images)  # found by their headers, before the model loads
         for i, reason in unreadable.items():
             status[i] = reason
@@ -263,7 +258,9 @@ def _run_locked(
         t_start = t_loaded = time.perf_counter()
         model = load_model(args) if todo else None
         if todo and model is None:
-            return EXIT_START
+            return EXIT_START  # nothing was done: an earlier run's run.json stays, as on a usage error
+        guard.check()  # a signal while loading that a library swallowed
+        _remove_earlier_record(run_json, parser)
         t_loaded = time.perf_counter()
         from tqdm import tqdm
 
@@ -284,6 +281,7 @@ def _run_locked(
             bar.update(1)
 
         def on_stage(text: str) -> None:
+            guard.check()  # between chunks: a signal that a library swallowed stops the run here
             bar.set_postfix_str(text)
 
         if model is not None:
@@ -324,6 +322,8 @@ def _run_locked(
         guard.raising = False  # from here on a signal only sets the exit code: the record gets written
         if bar is not None:
             bar.close()
+    if interrupted is None and guard.signum is not None:  # swallowed after the last check: still an interruption
+        interrupted = Interrupted(guard.signum)
     if interrupted is not None:
         t_loaded = min(t_loaded, time.perf_counter())
         say(f"{interrupted}: the files being written were finished; writing {run_json}")
@@ -397,6 +397,17 @@ def _run_locked(
     if guard.exit_code is not None:
         return guard.exit_code
     return EXIT_IMAGES_FAILED if failed or not indexed else EXIT_OK
+
+
+def _remove_earlier_record(run_json: Path, parser: argparse.ArgumentParser) -> None:
+    """Remove an earlier run's run.json once this run starts writing OUT: it must not stand for this run if this
+    one cannot write its own. (A run that stops before, on a usage error or a model that cannot load, leaves it.)"""
+    try:
+        run_json.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        parser.error(f"cannot replace {str(run_json)!r}: {exc}")
 
 
 def _mesh_steps(out_root: Path, names: list) -> list:
