@@ -258,6 +258,50 @@ def test_a_signal_swallowed_by_an_optional_import_still_stops_the_run(tmp_path, 
     assert not model.calls, "the model ran after the signal"
 
 
+def test_a_video_run_signalled_while_its_model_loads_writes_run_json_and_exits_143(tmp_path, monkeypatch):
+    """A clip run installed its handler only after the model had loaded (a minute on a CPU): SIGTERM then killed
+    it (exit -15; Ctrl-C: a traceback, 130) and no run.json was written. Now the run is interrupted like any
+    other: run.json lists every clip as "not done", exit 143."""
+    import tt_moge.cli.video as video_cli
+
+    def loading(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler's exception comes here
+        raise AssertionError("the signal did not stop the load")
+
+    monkeypatch.setattr(video_cli, "load_model", loading)
+    clips = [tmp_path / "a.mp4", tmp_path / "b.mov"]
+    for clip in clips:
+        clip.write_bytes(b"never read: the model does not load")
+    out = tmp_path / "out"
+    with own_sigterm_handler():
+        code, stdout, stderr = run_cli(["predict", *clips, "-o", out])
+    assert code == 143 and "interrupted by SIGTERM" in stderr, (code, stderr)
+    run = json.loads((out / "run.json").read_text())
+    assert run["interrupted"] == "SIGTERM" and run["not_done"] == 2 and run["done"] == run["failed"] == 0, run
+    assert [c["status"] for c in run["clips"]] == ["not done", "not done"]
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"], "no clip folder, no lock left"
+
+
+@pytest.mark.parametrize("kind", ["photos", "clip"])
+def test_a_model_that_cannot_load_leaves_the_earlier_run_json(tmp_path, kind):
+    """A run whose model cannot load (bad weights: exit 3) deleted the earlier run's run.json first and wrote
+    none, so OUT's files lost their index. Such a run changes nothing in OUT, as a usage error does (exit 2)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.json").write_text('{"earlier": true}')
+    if kind == "photos":
+        inputs = [some_photos(tmp_path / "photos", 2)]
+    else:
+        inputs = [tmp_path / "a.mp4"]
+        inputs[0].write_bytes(b"never read")
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    code, stdout, stderr = run_cli(["predict", *inputs, "-o", out, "--weights", tmp_path / "bad.pt", "-q"])
+    assert code == 3 and "could not load the model" in stderr, (code, stderr)
+    assert (out / "run.json").read_text() == '{"earlier": true}'
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"]
+
+
 # ---------------------------------------------------------------------------------------------- the lock
 def test_a_second_run_into_a_folder_in_use_is_refused_or_waits(tmp_path, monkeypatch):
     """Two runs into one OUT used to mix silently. While another process holds OUT (here: this test process),

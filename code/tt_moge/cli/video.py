@@ -17,6 +17,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from .. import __version__
 from ..runs import RUN_FILE
@@ -93,14 +94,78 @@ def _clips(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list:
     return unique
 
 
-def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """`tt-moge predict` on clips -> exit code."""
+def _run_clip(
+    args: argparse.Namespace,
+    model: Any,
+    path: Path,
+    folder: Path,
+    call: Any,
+    video: Any,
+    formats: list,
+    row: dict,
+    guard: SignalGuard,
+) -> int:
+    """One clip into `folder`; fills `row` (status done / failed with its error / not done when a signal
+    stops it: Interrupted goes on). Returns the frames written."""
     from tqdm import tqdm
 
+    from ..host import InputError
+    from ..video import VideoStream
+    from ..video.files import ClipWriter
+
+    writer = None
+    try:
+        with VideoStream(model, path, call, video) as stream:
+            fps = None if stream.fps is None else stream.fps / video.stride
+            writer = ClipWriter(
+                folder,
+                formats,
+                mesh_step=1 if args.mesh_full else args.mesh_step,
+                fps=fps,
+                writers=args.writers,
+            )
+            bar = tqdm(
+                total=stream.expected_frames,
+                unit="frame",
+                desc=folder.name,
+                file=sys.stderr,
+                dynamic_ncols=True,
+                disable=args.quiet,
+            )
+            with bar:
+                for frame in stream:
+                    writer.add(frame.index, frame.output, frame.image, frame.record(), frame.depth_range)
+                    bar.update(1)
+            record = writer.finish(stream.result)
+    except (InputError, OSError, RuntimeError, ValueError) as exc:
+        if writer is not None:
+            writer.abort()
+        row.update(status="failed", error=f"{path}: {exc}")
+        say(f"failed: {row['error']}")
+        return 0
+    except Interrupted:  # SIGTERM / Ctrl-C: this clip stays incomplete (no result.json), as documented
+        guard.raising = False
+        if writer is not None:
+            writer.abort()
+        raise
+    row.update(
+        status="done",
+        frames=record["frames"],
+        registered=record["registered"],
+        relocalised=record["relocalised"],
+        chains=len(record["chains"]),
+    )
+    if record["failed"] and not args.quiet:
+        say(f"{folder.name}: {len(record['failed'])} frame(s) not registered (flagged in {folder.name}/poses.json)")
+    return record["frames"]
+
+
+def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`tt-moge predict` on clips -> exit code."""
     from ..export import missing_format_library, to_json, write_text_atomic
     from ..host import InputError
-    from ..video import VideoOptions, VideoStream
-    from ..video.files import VIDEO_FRAME_FORMATS, ClipWriter
+    from ..video import VideoOptions
+    from ..video.files import VIDEO_FRAME_FORMATS
 
     if args.panorama:
         parser.error("--panorama does not apply to videos")
@@ -114,73 +179,48 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     out_root = Path(args.output)
     try:
         out_root.mkdir(parents=True, exist_ok=True)
-        (out_root / RUN_FILE).unlink(missing_ok=True)
     except OSError as exc:
         parser.error(f"cannot prepare the output folder {str(out_root)!r}: {exc}")
     missing = missing_format_library(list(formats) + ["glb"])  # scene.glb needs trimesh
     if missing:
         say(missing)
         return EXIT_START
-    t_start = time.perf_counter()
-    model = load_model(args)
-    if model is None:
-        return EXIT_START
-    t_loaded = time.perf_counter()
-    rows, frames_done = [], 0
+    t_start = t_loaded = time.perf_counter()
+    rows: list = []
+    frames_done, info = 0, None
+    # the handler from the start: a signal during the model load (a minute on a CPU) is a run interrupted,
+    # with its run.json, not a process killed (exit -15) or a KeyboardInterrupt traceback
     guard, interrupted = SignalGuard(), None
-    with guard, model:
-        for path, name in clips:
-            row: dict = {"input": str(path), "output": name, "status": "failed", "error": None}
-            rows.append(row)
-            writer = None
-            try:
-                with VideoStream(model, path, call, video) as stream:
-                    fps = None if stream.fps is None else stream.fps / video.stride
-                    writer = ClipWriter(
-                        out_root / name,
-                        formats,
-                        mesh_step=1 if args.mesh_full else args.mesh_step,
-                        fps=fps,
-                        writers=args.writers,
-                    )
-                    bar = tqdm(
-                        total=stream.expected_frames,
-                        unit="frame",
-                        desc=name,
-                        file=sys.stderr,
-                        dynamic_ncols=True,
-                        disable=args.quiet,
-                    )
-                    with bar:
-                        for frame in stream:
-                            writer.add(frame.index, frame.output, frame.image, frame.record(), frame.depth_range)
-                            bar.update(1)
-                    record = writer.finish(stream.result)
-                row.update(
-                    status="done",
-                    frames=record["frames"],
-                    registered=record["registered"],
-                    relocalised=record["relocalised"],
-                    chains=len(record["chains"]),
-                )
-                frames_done += record["frames"]
-                if record["failed"] and not args.quiet:
-                    say(f"{name}: {len(record['failed'])} frame(s) not registered (flagged in {name}/poses.json)")
-            except (InputError, OSError, RuntimeError, ValueError) as exc:
-                if writer is not None:
-                    writer.abort()
-                row["error"] = f"{path}: {exc}"
-                say(f"failed: {row['error']}")
-            except Interrupted as exc:  # SIGTERM / Ctrl-C: this clip stays incomplete (no result.json), as documented
-                guard.raising = False
-                if writer is not None:
-                    writer.abort()
-                row["status"], interrupted = "not done", exc
-                say(f"{exc}: {name} is not done; writing {out_root / RUN_FILE}")
-                break
-        guard.raising = False  # from here on a signal only sets the exit code: run.json gets written
-        rows += [{"input": str(p), "output": n, "status": "not done", "error": None} for p, n in clips[len(rows) :]]
-        info = model.info()
+    with guard:
+        try:
+            guard.check()  # a signal that the imports above swallowed (trimesh's catch BaseException)
+            model = load_model(args)
+            if model is None:
+                return EXIT_START  # nothing was done: an earlier run's run.json stays, as on a usage error
+            guard.check()  # a signal while loading that a library swallowed
+            try:  # from here on this is OUT's last run: an earlier run.json must not stand for it
+                (out_root / RUN_FILE).unlink(missing_ok=True)
+            except OSError as exc:
+                parser.error(f"cannot replace {str(out_root / RUN_FILE)!r}: {exc}")
+            t_loaded = time.perf_counter()
+            with model:
+                try:
+                    for path, name in clips:
+                        guard.check()
+                        row: dict = {"input": str(path), "output": name, "status": "not done", "error": None}
+                        rows.append(row)
+                        frames_done += _run_clip(args, model, path, out_root / name, call, video, formats, row, guard)
+                finally:
+                    info = model.info()
+        except Interrupted as exc:  # during the load, in a clip (it stays incomplete, as documented), between two
+            interrupted = exc
+            where = f"{rows[-1]['output']} is not done; " if rows and rows[-1]["status"] == "not done" else ""
+            say(f"{exc}: {where}writing {out_root / RUN_FILE}")
+        finally:
+            guard.raising = False  # from here on a signal only sets the exit code: run.json gets written
+    if interrupted is None and guard.signum is not None:  # swallowed after the last check
+        interrupted = Interrupted(guard.signum)
+    rows += [{"input": str(p), "output": n, "status": "not done", "error": None} for p, n in clips[len(rows) :]]
     seconds = time.perf_counter() - t_loaded
     failed = [r for r in rows if r["status"] == "failed"]
     record = {
