@@ -302,6 +302,63 @@ def test_a_model_that_cannot_load_leaves_the_earlier_run_json(tmp_path, kind):
     assert sorted(p.name for p in out.iterdir()) == ["run.json"]
 
 
+@pytest.mark.parametrize("kind", ["photos", "panoramas"])
+def test_an_interruption_at_any_line_loses_no_finished_image(tmp_path, kind):
+    """run.json listed a finished image as "not done" once in 8 interrupted runs: the run's exception could come
+    between a write that had ended and its record. Here the exception (a signal's, as SignalGuard raises it) is
+    raised at each line the run's thread executes in turn (`sys.settrace`), one run per line, until a run gets
+    to its end: after each, every image with a result.json on disk must have been reported done, and no
+    image reported done may lack one."""
+    import dis
+
+    from tests.stand_in import StandInModel, tilted_plane
+    from tt_moge import jobs
+    from tt_moge.inputs import collect_images
+
+    class Stop(BaseException):
+        pass
+
+    images = collect_images([some_photos(tmp_path / "photos", 3)])
+    model = StandInModel()
+    model.predict_panorama = lambda rgb, apply_mask=True: tilted_plane(*rgb.shape[:2])
+    target = 0
+    while True:
+        target += 1
+        out, reported, seen = tmp_path / f"out{target}", {}, [0]
+
+        def tracer(frame, event, arg, target=target, seen=seen):
+            if frame.f_code.co_filename != jobs.__file__:
+                return None
+            # a line's NOP (a `try:`) is no place a signal's handler runs; an exception raised there by a trace
+            # function skips the enclosing `finally` (CPython 3.11)
+            if event == "line" and dis.opname[frame.f_code.co_code[frame.f_lasti]] != "NOP":
+                seen[0] += 1
+                if seen[0] == target:
+                    raise Stop
+            return tracer
+
+        def on_done(image, error, reported=reported):
+            reported[image.name] = error
+
+        sys.settrace(tracer)
+        try:
+            if kind == "photos":
+                jobs.predict_images(model, images, out, ["npz"], chunk_size=1, writers=1, on_done=on_done)
+            else:
+                jobs.predict_panoramas(model, images, out, ["npz"], on_done=on_done)
+            finished = True
+        except Stop:
+            finished = False
+        finally:
+            sys.settrace(None)
+        on_disk = {p.parent.name for p in out.glob("*/result.json")}
+        done = {name for name, error in reported.items() if error is None}
+        assert on_disk == done, f"stopped at line {target}: written {sorted(on_disk)}, reported done {sorted(done)}"
+        if finished:
+            break
+    assert target > 20 and len(done) == 3, (target, done)
+
+
 # ---------------------------------------------------------------------------------------------- the lock
 def test_a_second_run_into_a_folder_in_use_is_refused_or_waits(tmp_path, monkeypatch):
     """Two runs into one OUT used to mix silently. While another process holds OUT (here: this test process),
