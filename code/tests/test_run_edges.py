@@ -359,6 +359,26 @@ def test_an_interruption_at_any_line_loses_no_finished_image(tmp_path, kind):
     assert target > 20 and len(done) == 3, (target, done)
 
 
+def test_clip_names_never_collide_and_renamed_clips_say_so(tmp_path, monkeypatch):
+    """`a.mp4`, `a.mov` and `a-2.mp4` all went to one folder `a-2/` (a counter on a clash, which `a-2.mp4` asks
+    for itself), with all three "done" in run.json and no `renamed` record. Clips are now named by the rules of
+    photos (`inputs.unique_names`): a_mp4, a_mov, a-2, each renamed one saying why."""
+    import tt_moge.cli.video as video_cli
+    from tests.stand_in import StandInModel
+
+    monkeypatch.setattr(video_cli, "load_model", lambda args: StandInModel())
+    clips = [tmp_path / name for name in ("a.mp4", "a.mov", "a-2.mp4")]
+    for clip in clips:
+        clip.write_bytes(b"not a video")  # each fails to open: the names are the point
+    out = tmp_path / "out"
+    code, stdout, stderr = run_cli(["predict", *clips, "-o", out, "-q"])
+    assert code == 1, stderr
+    rows = json.loads((out / "run.json").read_text())["clips"]
+    assert [r["output"] for r in rows] == ["a_mp4", "a_mov", "a-2"], rows
+    assert [r.get("renamed", {}).get("asked") for r in rows] == ["a", "a", None], rows
+    assert "another input asks for 'a' too" in rows[0]["renamed"]["why"], rows
+
+
 # ---------------------------------------------------------------------------------------------- the lock
 def test_a_second_run_into_a_folder_in_use_is_refused_or_waits(tmp_path, monkeypatch):
     """Two runs into one OUT used to mix silently. While another process holds OUT (here: this test process),

@@ -38,6 +38,7 @@ __all__ = [
     "collect_images",
     "asked_name",
     "output_name",
+    "unique_names",
     "unreadable_images",
 ]
 
@@ -122,9 +123,10 @@ def _expand(argument: str, exclude: Optional[str]) -> list:
     raise InputPathError(f"input {argument!r}: no such file or folder")
 
 
-def _unique_names(wanted: Sequence[tuple]) -> list:
+def unique_names(wanted: Sequence[tuple]) -> list:
     """[(path, safe name, why renamed)] -> [(name, why renamed)]: names unique case-insensitively and never a
-    parent folder of another name."""
+    parent folder of another name (a clash gets the path's extension, then a counter). The one way a run's
+    names are made unique: photos (`collect_images`) and clips (`tt-moge predict a.mp4 a.mov`) alike."""
 
     def parents(name: str) -> list:
         return [p.as_posix().casefold() for p in PurePosixPath(name).parents if p.as_posix() != "."]
@@ -170,7 +172,7 @@ def collect_images(arguments: Iterable[str], exclude: Optional[Union[str, os.Pat
     safe = [(path, *output_name(path, base)) for path, base in found]
     return [
         ImageInput(path, name, asked_name(path, base), why)
-        for (path, base), (name, why) in zip(found, _unique_names(safe))
+        for (path, base), (name, why) in zip(found, unique_names(safe))
     ]
 
 

@@ -7,8 +7,9 @@ its trajectory and its fused scene (`tt_moge.video`; docs/video.md).
     OUT/NAME/depth.mp4 poses.json trajectory.txt scene.ply scene.glb result.json (written last)
 
 NAME is the clip's output name (`inputs.output_name`: a video file's stem, a folder's name), made unique in the
-run. A clip whose model call or files fail is reported and the run goes on; frames whose registration fails
-are flagged in the clip's files, not failures of the run.
+run as photos' names are (`inputs.unique_names`: a.mp4 and a.mov -> a_mp4, a_mov; run.json's `renamed`). A
+clip whose model call or files fail is reported and the run goes on; frames whose registration fails are
+flagged in the clip's files, not failures of the run.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ def wants_video(args: argparse.Namespace) -> bool:
 
 
 def _clips(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list:
-    """[(input path, output name)] of the run's clips, names unique; usage errors for anything else."""
-    from ..inputs import output_name
+    """[(input path, output name, why renamed or "")] of the run's clips, names unique by the rules of photos
+    (`inputs.unique_names`: a.mp4 and a.mov -> a_mp4, a_mov); usage errors for anything else."""
+    from ..inputs import output_name, unique_names
     from ..video import is_video_file
 
     clips = []
@@ -78,20 +80,29 @@ def _clips(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list:
         if args.sequence:
             if not path.is_dir():
                 parser.error(f"input {text!r}: --sequence takes folders of frames, and this is not one")
-            clips.append((path, output_name(path.resolve().name)[0]))
+            clips.append((path, *output_name(path.resolve().name)))
         elif not is_video_file(path):
             parser.error(f"input {text!r} is not a video file: give photos and videos in separate runs")
         elif not path.is_file():
             parser.error(f"input {text!r}: no such file")
         else:
-            clips.append((path, output_name(path)[0]))
-    taken: dict = {}
-    unique = []
-    for path, name in clips:
-        key, count = name.casefold(), taken.get(name.casefold(), 0) + 1
-        taken[key] = count
-        unique.append((path, name if count == 1 else f"{name}-{count}"))
-    return unique
+            clips.append((path, *output_name(path)))
+    return [(path, name, why) for (path, _, _), (name, why) in zip(clips, unique_names(clips))]
+
+
+def _asked(path: Path, sequence: bool) -> str:
+    """The name a clip asks for (`inputs.asked_name`): a video file's stem, a folder's name."""
+    from ..inputs import asked_name
+
+    return path.resolve().name if sequence else asked_name(path)
+
+
+def _clip_row(path: Path, name: str, renamed: Any = None) -> dict:
+    """A clip's entry in run.json, before it runs ("not done" until it is done or failed)."""
+    row: dict = {"input": str(path), "output": name, "status": "not done", "error": None}
+    if renamed:
+        row["renamed"] = renamed
+    return row
 
 
 def _run_clip(
@@ -175,6 +186,7 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     except InputError as exc:
         parser.error(str(exc))
     clips = _clips(args, parser)
+    renamed = {name: {"asked": _asked(path, args.sequence), "why": why} for path, name, why in clips if why}
     formats = chosen_formats(args) or list(VIDEO_FRAME_FORMATS)
     out_root = Path(args.output)
     try:
@@ -205,9 +217,9 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             t_loaded = time.perf_counter()
             with model:
                 try:
-                    for path, name in clips:
+                    for path, name, _ in clips:
                         guard.check()
-                        row: dict = {"input": str(path), "output": name, "status": "not done", "error": None}
+                        row = _clip_row(path, name, renamed.get(name))
                         rows.append(row)
                         frames_done += _run_clip(args, model, path, out_root / name, call, video, formats, row, guard)
                 finally:
@@ -220,7 +232,7 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             guard.raising = False  # from here on a signal only sets the exit code: run.json gets written
     if interrupted is None and guard.signum is not None:  # swallowed after the last check
         interrupted = Interrupted(guard.signum)
-    rows += [{"input": str(p), "output": n, "status": "not done", "error": None} for p, n in clips[len(rows) :]]
+    rows += [_clip_row(p, n, renamed.get(n)) for p, n, _ in clips[len(rows) :]]
     seconds = time.perf_counter() - t_loaded
     failed = [r for r in rows if r["status"] == "failed"]
     record = {
