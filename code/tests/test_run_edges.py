@@ -379,6 +379,25 @@ def test_clip_names_never_collide_and_renamed_clips_say_so(tmp_path, monkeypatch
     assert "another input asks for 'a' too" in rows[0]["renamed"]["why"], rows
 
 
+def test_clashing_names_at_the_length_limit_are_cut_to_fit(tmp_path, monkeypatch):
+    """Two 251-byte stems that clash (they differ only in case) were renamed to 257 bytes (+ "_png", + "-2"):
+    ENAMETOOLONG, and the photo failed. The name is now cut to 255 bytes before its suffix (at a character:
+    two-byte letters stay whole), and run.json says so."""
+    photos, out = tmp_path / "photos", tmp_path / "out"
+    stems = ["a" * 251, "A" * 251, "é" * 125 + "x", "É" * 125 + "x"]  # 251 bytes each, two clashing pairs
+    for i, stem in enumerate(stems):
+        small_photo(photos / f"{stem}.png", seed=i)
+    with stand_in(monkeypatch):
+        code, stdout, stderr = run_cli(["predict", photos, "-o", out, "-q", "--npz"])
+    assert code == 0, stderr
+    rows = json.loads((out / "run.json").read_text())["images"]
+    assert [r["status"] for r in rows] == ["done"] * 4, rows
+    names = [r["output"] for r in rows]
+    assert len({n.casefold() for n in names}) == 4 and all(len(n.encode()) <= 255 for n in names), names
+    assert all((out / n / "result.json").is_file() for n in names)
+    assert any("cut to fit 255 bytes" in r["renamed"]["why"] for r in rows), rows
+
+
 # ---------------------------------------------------------------------------------------------- the lock
 def test_a_second_run_into_a_folder_in_use_is_refused_or_waits(tmp_path, monkeypatch):
     """Two runs into one OUT used to mix silently. While another process holds OUT (here: this test process),
