@@ -398,6 +398,65 @@ def test_clashing_names_at_the_length_limit_are_cut_to_fit(tmp_path, monkeypatch
     assert any("cut to fit 255 bytes" in r["renamed"]["why"] for r in rows), rows
 
 
+def one_frame_clip(path: Path) -> Path:
+    """A valid mp4 of a single 32x24 frame: it opens, then fails as a clip (at least 2 frames are needed)."""
+    import cv2
+
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 8.0, (32, 24))
+    writer.write(np.full((24, 32, 3), 128, np.uint8))
+    writer.release()
+    return path
+
+
+def test_a_failed_clip_leaves_no_folder_and_bytes_are_not_named_by_their_temporary_file(tmp_path, monkeypatch):
+    """A clip that failed once its folder was made (here: a single frame, found when the frames are read) left an
+    empty OUT/NAME/ behind; the folder goes now, as a failed photo's does. And `predict_video(<bytes>)` named its
+    temporary copy (`tt_moge-video-*/upload.video`) in its errors, a path the caller never gave: they say "the
+    video bytes" now."""
+    import tt_moge.cli.video as video_cli
+    from tests.stand_in import StandInModel
+    from tt_moge.host import InputError
+    from tt_moge.video import predict_video
+
+    clip, out = one_frame_clip(tmp_path / "short.mp4"), tmp_path / "out"
+    monkeypatch.setattr(video_cli, "load_model", lambda args: StandInModel())
+    code, stdout, stderr = run_cli(["predict", clip, "-o", out, "-q"])
+    assert code == 1 and "has 1 frame" in stderr, (code, stderr)
+    assert json.loads((out / "run.json").read_text())["clips"][0]["status"] == "failed"
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"], "the failed clip's folder is gone"
+
+    for data, message in ((b"not a video at all", "cannot read"), (clip.read_bytes(), "has 1 frame")):
+        with pytest.raises(InputError, match=message) as caught:
+            predict_video(StandInModel(), data)
+        assert "the video bytes" in str(caught.value), caught.value
+        assert "upload.video" not in str(caught.value) and "tt_moge-video-" not in str(caught.value), caught.value
+
+
+def test_removing_an_unfinished_folder_takes_only_the_writers_files(tmp_path):
+    """`export.remove_incomplete` (a batch job stopped while a replica wrote): the files write_outputs writes and
+    its temporary files go, then the folders left empty up to OUT; anything else stays, and a complete folder
+    (result.json) is not touched."""
+    from tt_moge.export import remove_incomplete
+
+    out = tmp_path / "out"
+    partial, mixed, complete = out / "trip" / "a", out / "b", out / "c"
+    for folder, names in (
+        (partial, ["depth.png", "result.npz", ".result.json.77.tmp"]),
+        (mixed, ["depth.png", "notes.txt"]),
+        (complete, ["depth.png", "result.json"]),
+    ):
+        folder.mkdir(parents=True)
+        for name in names:
+            (folder / name).write_bytes(b"x")
+    assert remove_incomplete(partial, out) and not (out / "trip").exists() and out.is_dir()
+    assert not remove_incomplete(mixed, out) and sorted(p.name for p in mixed.iterdir()) == ["notes.txt"]
+    assert not remove_incomplete(complete, out) and sorted(p.name for p in complete.iterdir()) == [
+        "depth.png",
+        "result.json",
+    ]
+    assert not remove_incomplete(tmp_path / "elsewhere", out) and not remove_incomplete(out, out)
+
+
 # ---------------------------------------------------------------------------------------------- the lock
 def test_a_second_run_into_a_folder_in_use_is_refused_or_waits(tmp_path, monkeypatch):
     """Two runs into one OUT used to mix silently. While another process holds OUT (here: this test process),

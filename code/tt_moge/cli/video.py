@@ -150,7 +150,7 @@ def _run_clip(
             record = writer.finish(stream.result)
     except (InputError, OSError, RuntimeError, ValueError) as exc:
         if writer is not None:
-            writer.abort()
+            writer.abort(remove=True)  # a failed clip leaves no folder (its frames written so far go too)
         row.update(status="failed", error=f"{path}: {exc}")
         say(f"failed: {row['error']}")
         return 0
