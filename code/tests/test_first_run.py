@@ -84,6 +84,36 @@ def test_serve_without_weights_exits_fast_with_the_ways_out(tmp_path):
     _check_the_ways_out(run.stderr)
 
 
+def test_the_readmes_server_snippet_ends_when_the_server_cannot_start(tmp_path):
+    """The README's `until curl -sf .../ready ...; do sleep 2; done` waited forever when `tt-moge serve` had
+    exited at start (no weights: exit 1). Its server lines, as written (only the port is a free one, so that no
+    other server on this machine answers), run by bash without weights: they end within the deadline, after the
+    server's message with the ways out."""
+    readme = (CODE.parent / "README.md").read_text()
+    block = next(b for b in readme.split("```bash")[1:] if "tt-moge serve" in b).split("```")[0].splitlines()
+    first = next(i for i, line in enumerate(block) if line.startswith("tt-moge serve"))
+    last = next(i for i, line in enumerate(block) if line.startswith("kill %1"))
+    snippet = "\n".join(block[first : last + 1]).replace("8000", str(_closed_port()))
+    assert "until curl" in snippet and "kill %1" in snippet, snippet
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "tt-moge").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m tt_moge "$@"\n')
+    (shims / "tt-moge").chmod(0o755)
+    (tmp_path / "media").mkdir()
+    (tmp_path / "media" / "source.png").symlink_to(DEMO)
+    env = _offline_env(tmp_path, "unreachable")
+    env["PATH"] = f"{shims}{os.pathsep}{env['PATH']}"
+    t = time.perf_counter()
+    try:
+        run = subprocess.run(["bash", "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the README's server lines did not end within 60 s:\n{snippet}\n{exc.stderr}") from None
+    seconds = time.perf_counter() - t
+    assert seconds < 3 * DEADLINE_S, seconds
+    _check_the_ways_out(run.stderr)
+    assert not (tmp_path / "out.npz").exists(), "curl --fail saved no error answer"
+
+
 def test_python_callers_get_a_checkpoint_error_with_the_same_text(tmp_path):
     script = (
         "from tt_moge import MoGeModel\n"
