@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -589,6 +590,92 @@ def test_progress_moves_before_the_first_photo_is_done(tmp_path, monkeypatch):
     before_first = [line for line in stderr.replace("\r", "\n").splitlines() if " 0/2 " in line]
     assert any("model on images 1-2" in line for line in before_first), stderr
     assert any("[00:0" in line and "[00:00" not in line for line in before_first), f"the clock stood still: {stderr}"
+
+
+class Terminal(io.StringIO):
+    """stderr as a person sees it: a terminal (slow steps name themselves only there, `tt_moge.progress`)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_slow_steps_of_a_load_say_what_they_do_on_a_terminal(checkpoint, monkeypatch):
+    """from_pretrained's warm-up forwards said nothing (34 s on a tiny model at 1920x1080). Each step of a load
+    that takes longer than SLOW_STEP_S now names itself on a terminal, and says how long it took; with the bound
+    at 0 every step does. Piped stderr (not a terminal) stays silent."""
+    from tt_moge import MoGeModel, progress
+
+    def load(stderr) -> str:
+        with contextlib.redirect_stderr(stderr):
+            MoGeModel.from_pretrained(
+                checkpoint("tiny-vits-normal"), device="cpu", resolution=(224, 126), num_tokens=1200, warmup=1
+            ).close()
+        return stderr.getvalue()
+
+    monkeypatch.setattr(progress, "SLOW_STEP_S", 0.0)
+    said = load(Terminal())
+    for step in ("loading the weights", "preparing the cpu runner", "warm-up forward 1 of 1 on cpu ..."):
+        assert step in said, said
+    assert re.search(r"warm-up forward 1 of 1 on cpu: \d+\.\d s", said), said
+    assert "warming the host steps" in said, said
+    assert load(io.StringIO()) == "", "not a terminal: nothing"
+
+
+def test_one_photo_shows_its_progress_bar(tmp_path, monkeypatch):
+    """`tt-moge predict photo.jpg` showed nothing until its summary (45 s on a CPU with the ViT-L): the bar was
+    for two images or more. One photo gets it too, naming the model's work and moving its clock."""
+    photo = small_photo(tmp_path / "one.png")
+    with stand_in(monkeypatch):
+        code, stdout, stderr = run_cli(["predict", photo, "-o", tmp_path / "out"])
+    assert code == 0, stderr
+    assert "tt-moge predict:" in stderr and "1/1" in stderr and "model on image 1" in stderr, stderr
+
+
+def test_a_clips_bar_names_the_calibration(tmp_path, monkeypatch):
+    """A clip's bar sat at 0 % through its calibration (minutes on a CPU) with nothing named. The bar now shows
+    the stage: "calibrating the camera on frames 1-4" while that runs, then the frames the model is on."""
+    import cv2
+
+    import tt_moge.cli.video as video_cli
+    from tt_moge.testing.scene import camera_path, render_path
+    from tt_moge.testing.video import stand_in as video_stand_in
+
+    renders = render_path(camera_path(12)[::2], 160, 120)
+    frames = tmp_path / "walk"
+    frames.mkdir()
+    for i, r in enumerate(renders):
+        cv2.imwrite(str(frames / f"f{i}.png"), r.image[..., ::-1])
+
+    class SlowOracle:  # the video tests' stand-in model, 0.4 s per model call, as a context manager
+        def __init__(self):
+            self.oracle = video_stand_in(renders)
+
+        def __getattr__(self, name):
+            attribute = getattr(self.oracle, name)
+            if name.endswith("_many"):
+
+                def slow(*args, **kwargs):
+                    time.sleep(0.4)
+                    return attribute(*args, **kwargs)
+
+                return slow
+            return attribute
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def info(self):
+            return {"model": "video stand-in"}
+
+    monkeypatch.setattr(video_cli, "load_model", lambda args: SlowOracle())
+    args = ["predict", "--sequence", frames, "-o", tmp_path / "out", "--calibration-frames", 4, "--npz"]
+    code, stdout, stderr = run_cli(args)
+    assert code == 0, stderr
+    assert "calibrating the camera on frames 1-4" in stderr, stderr
+    assert re.search(r"model on frames \d+-\d+", stderr), stderr
 
 
 def test_a_file_system_without_locks_runs_unlocked_and_says_so(tmp_path, monkeypatch):

@@ -68,5 +68,8 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, max_help_position=30, width=110)
 
 
+SAY_PREFIX = "tt-moge:"  # what the command's own lines on stderr start with
+
+
 def say(message: str) -> None:
-    print(f"tt-moge: {message}", file=sys.stderr, flush=True)
+    print(f"{SAY_PREFIX} {message}", file=sys.stderr, flush=True)

@@ -38,6 +38,7 @@ __all__ = [
     "EXIT_TERMINATED",
     "Interrupted",
     "SignalGuard",
+    "Ticker",
     "EXIT_CODES",
     "DEFAULT_OUTPUT",
     "FORMAT_MB",
@@ -118,6 +119,35 @@ class SignalGuard:
         for signum, handler in self._saved.items():
             signal.signal(signum, handler)
         self._saved = {}
+
+
+class Ticker:
+    """Redraws a progress bar once a second while work runs (a context manager), so that its elapsed time moves
+    before the first item is done (on a CPU, the first chunk of photos or a clip's calibration can take
+    minutes); `stage()`, when given, is shown after the bar each time (what the work is doing now)."""
+
+    def __init__(self, bar: Any, stage: Optional[Any] = None, every_s: float = 1.0) -> None:
+        self.bar, self.stage, self.every_s = bar, stage, every_s
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            if self.stage is not None:
+                self.bar.set_postfix_str(self.stage())  # redraws
+            else:
+                self.bar.refresh()
+
+    def __enter__(self) -> "Ticker":
+        if not self.bar.disable:
+            self._thread = threading.Thread(target=self._run, name="tt_moge-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _dest(info: OptionInfo) -> str:

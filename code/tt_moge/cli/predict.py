@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -28,6 +27,7 @@ from .common import (
     Formatter,
     Interrupted,
     SignalGuard,
+    Ticker,
     add_call_arguments,
     add_format_arguments,
     add_model_arguments,
@@ -270,9 +270,9 @@ def _run_locked(
             desc="tt-moge predict",
             file=sys.stderr,
             dynamic_ncols=True,
-            disable=args.quiet or len(todo) < 2,
+            disable=args.quiet or not todo,  # one photo too: its clock shows the model is at work
         )
-        ticker = _Ticker(bar)
+        ticker = Ticker(bar)
 
         def on_done(image: Any, error: Optional[str]) -> None:
             status[index_of[id(image)]] = error
@@ -421,28 +421,3 @@ def _mesh_steps(out_root: Path, names: list) -> list:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return sorted(steps)
-
-
-class _Ticker:
-    """Redraws a progress bar once a second while the model runs (a context manager), so that its elapsed time
-    and stage move before the first image is done: on a CPU, the first chunk can take minutes."""
-
-    def __init__(self, bar: Any, every_s: float = 1.0) -> None:
-        self.bar, self.every_s = bar, every_s
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.bar.refresh()
-
-    def __enter__(self) -> "_Ticker":
-        if not self.bar.disable:
-            self._thread = threading.Thread(target=self._run, name="tt_moge-progress", daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()

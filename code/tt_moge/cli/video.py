@@ -28,6 +28,7 @@ from .common import (
     EXIT_START,
     Interrupted,
     SignalGuard,
+    Ticker,
     add_options,
     call_options,
     chosen_formats,
@@ -124,9 +125,9 @@ def _run_clip(
     from ..video import VideoStream
     from ..video.files import ClipWriter
 
-    writer = None
+    writer, stage = None, ["opening the clip"]
     try:
-        with VideoStream(model, path, call, video) as stream:
+        with VideoStream(model, path, call, video, on_stage=lambda text: stage.__setitem__(0, text)) as stream:
             fps = None if stream.fps is None else stream.fps / video.stride
             writer = ClipWriter(
                 folder,
@@ -143,7 +144,7 @@ def _run_clip(
                 dynamic_ncols=True,
                 disable=args.quiet,
             )
-            with bar:
+            with bar, Ticker(bar, lambda: stage[0]):  # the stage (a calibration: minutes on a CPU) and the clock
                 for frame in stream:
                     writer.add(frame.index, frame.output, frame.image, frame.record(), frame.depth_range)
                     bar.update(1)
