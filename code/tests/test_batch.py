@@ -319,6 +319,71 @@ def test_ray_is_quiet_unless_verbose(tmp_path, monkeypatch):
     assert asked == [True, False]
 
 
+AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"  # Ray 2.60's logger of that notice
+
+
+def test_a_job_that_works_shows_no_ray_noise_unless_verbose(monkeypatch, capfd, caplog):
+    """A job that worked printed Ray's token-authentication WARNING and a line of Ray's C++ core ("Actor ... has
+    constructor arguments in the object store", written to file descriptor 2 past every Python setting) in the
+    middle of its progress bar. ray_session (quiet) now leaves both out; the job's own lines, a bar's carriage
+    returns included, pass. With -v (quiet=False) Ray's lines show. A stand-in Ray, in process: what it writes is
+    what the real one does at ray.init."""
+    import logging
+    import types
+
+    import tt_moge.ray_reaper as reaper
+    from tt_moge.batch import session
+
+    native = b"[2026-12-07 01:49:21,965 E 8740 8740] core_worker.cc:2465: Actor with class name: 'MapWorker'\n"
+    stderr_before = sys.stderr
+
+    def init(**kwargs):
+        logging.getLogger(AUTH_LOGGER).warning("Token authentication is enabled for this Ray cluster")
+        os.write(2, native)
+        return types.SimpleNamespace(address_info={"session_dir": "/nowhere"})
+
+    ray = types.SimpleNamespace(
+        is_initialized=lambda: False,
+        init=init,
+        shutdown=lambda: os.write(2, b"[2026-12-07 01:49:22,001 I 8740 8741] raylet.cc:1: bye\n"),
+        get_runtime_context=lambda: types.SimpleNamespace(get_node_id=lambda: "node"),
+    )
+    monkeypatch.setattr(reaper, "sweep_dead", lambda: [])
+    monkeypatch.setattr(reaper.Watcher, "start", classmethod(lambda cls, node, session_dir: None))
+    for quiet in (True, False):
+        caplog.clear()
+        with session.ray_session(ray, None, 3, 200, quiet):
+            print("tt-moge batch:  50%|#####     | 1/2\r", end="", file=sys.stderr, flush=True)
+            os.write(2, b"a line of the job itself\n")
+        err = capfd.readouterr().err
+        assert "1/2\r" in err and "a line of the job itself" in err, err
+        assert [line in err for line in ("core_worker.cc:2465", "raylet.cc:1: bye")] == [not quiet] * 2, (quiet, err)
+        notices = [r for r in caplog.records if "Token authentication" in r.getMessage()]
+        assert len(notices) == (0 if quiet else 1), (quiet, notices)
+    assert sys.stderr is stderr_before, "sys.stderr is itself again"
+    os.write(2, native)
+    assert "core_worker.cc" in capfd.readouterr().err, "fd 2 is itself again: no filter left behind"
+
+
+def test_replicas_capped_by_the_work_say_why(checkpoint, tmp_path, monkeypatch):
+    """`tt-moge batch media/ --replicas 2` (the README's example: 2 photos, batches of 4) ran 1 replica without a
+    word. A request capped by the work says so: how many, why. (Ray and the model stood in for, in process.)"""
+    from tests.stand_in import StandInModel, in_process_ray
+    from tt_moge import MoGeModel
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for i in range(2):
+        Image.fromarray(np.full((16, 24, 3), 60 * i, np.uint8)).save(photos / f"p{i}.png")
+    monkeypatch.setattr(MoGeModel, "from_pretrained", lambda *args, **kwargs: StandInModel())
+    with in_process_ray():
+        code, stdout, stderr = run_cli(
+            ["batch", photos, "-o", tmp_path / "out", "--weights", checkpoint("tiny-vits-normal"), "--replicas", 2]
+        )
+    assert code == 0, stderr
+    assert "1 replica, not the 2 asked for: 2 images to do, up to 4 per replica call (--batch-size)" in stderr, stderr
+
+
 # ------------------------------------------------------------------------------ Parquet, a replica killed
 def crashing_once(trap: Path) -> type:
     """A Replica whose first batch, in whichever replica takes it, ends its process after the batch's outputs

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -92,7 +93,11 @@ class SignalGuard:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:
-            os.write(2, f"tt-moge: {signal.Signals(signum).name} again: stopping now, without clean-up\n".encode())
+            message = f"tt-moge: {signal.Signals(signum).name} again: stopping now, without clean-up\n".encode()
+            try:  # sys.stderr: the terminal even while fd 2 goes through a filter (batch.session.ray_noise_filtered)
+                os.write(sys.stderr.fileno(), message)
+            except (OSError, ValueError, AttributeError):
+                os.write(2, message)
             os._exit(128 + signum)
         self.signum = signum
         if self.raising:
