@@ -114,6 +114,28 @@ def test_the_readmes_server_snippet_ends_when_the_server_cannot_start(tmp_path):
     assert not (tmp_path / "out.npz").exists(), "curl --fail saved no error answer"
 
 
+def test_a_missing_extra_is_named_as_the_readme_installs_it(tmp_path, monkeypatch, capsys):
+    """`tt-moge export onnx` without the export extra said `pip install 'tt-moge[export]'`, a form the README never
+    uses (it installs from a clone: `pip install -e "code/[export]"`). The message now gives the README's form, and
+    no message of the package names the wheel's extras."""
+    from tt_moge.cli import main
+
+    readme = (CODE.parent / "README.md").read_text()
+    assert 'pip install -e "code/[export]"' in readme
+    monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx: ImportError, as without the extra
+    code = main(["export", "onnx", "-o", str(tmp_path / "m.onnx"), "--no-check", "--weights", str(_tiny(tmp_path))])
+    err = capsys.readouterr().err
+    assert code == 3 and 'pip install -e "code/[export]"' in err and "tt-moge[" not in err, err
+    sources = [p for p in (CODE / "tt_moge").rglob("*.py") if "tt-moge[" in p.read_text()]
+    assert not sources, f"install hints in the wheel's form: {sources}"
+
+
+def _tiny(folder: Path) -> Path:
+    from tt_moge.testing import make_checkpoint
+
+    return make_checkpoint(folder / "tiny", "tiny-vits-normal")
+
+
 def test_python_callers_get_a_checkpoint_error_with_the_same_text(tmp_path):
     script = (
         "from tt_moge import MoGeModel\n"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 for _module in ("onnx", "onnxscript", "onnxruntime"):
-    pytest.importorskip(_module, reason="the export extra (pip install 'tt-moge[export]') is not installed")
+    pytest.importorskip(_module, reason='the export extra (pip install -e "code/[export]") is not installed')
 
 from .conftest import TEST_CANVAS, TEST_TOKENS  # noqa: E402
 

@@ -34,7 +34,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "budget in the model's metadata. Then run the file with ONNX Runtime on a photo-like canvas and print "
         "the largest difference from our forward. The camera solve and the finish are host steps: "
         "docs/export.md shows how to apply them to the file's outputs. Needs the export extra "
-        "(pip install 'tt-moge[export]').",
+        '(from a clone: pip install -e "code/[export]").',
         epilog="examples:\n  tt-moge export onnx -o moge2.onnx\n"
         "  tt-moge export onnx -o small.onnx --weights /models/moge-2 --resolution 640x480 --num-tokens 1200\n\n"
         + EXIT_CODES,

@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         from ..server.app import create_app
         from ..server.protocol import JsonH11Protocol
     except ImportError as exc:
-        say(f"serve: the server's libraries are not installed ({exc}): pip install -e 'code/[server]'")
+        say(f'serve: the server\'s libraries are not installed ({exc}): pip install -e "code/[server]"')
         return EXIT_START
     from PIL import Image
 
