@@ -318,6 +318,47 @@ def test_serve_names_the_weights_it_loads(tmp_path):
     assert f"MOGE_WEIGHTS_DIR={tmp_path / 'absent'} does not exist" in run.stderr
 
 
+def test_ready_polls_while_loading_are_not_logged(tmp_path, monkeypatch):
+    """Each poll of /ready while the model loaded logged a `503 Service Unavailable` access line (the README's
+    loop: one every 2 s for a minute). `tt-moge serve` now leaves out the 503s of /ready and /health while it
+    loads; other lines stay, and so do a probe's 503s once loading is over (here: the server's status says)."""
+    import logging
+
+    import tt_moge.cli.serve as serve_cli
+    from tt_moge.cli import main
+
+    seen: list = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    class Server:  # what run() starts: no uvicorn; the app never starts, so the model stays "loading"
+        def __init__(self, config):
+            self.config = config
+
+        def run(self, sockets):
+            for sock in sockets:
+                sock.close()
+            access = logging.getLogger("uvicorn.access")
+            access.setLevel(logging.INFO)
+            access.addHandler(Collect())
+            for path, status in (("/ready", 503), ("/health", 503), ("/predict", 503), ("/ready?x=1", 503)):
+                access.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "GET", path, "1.1", status)
+            self.config.app.serving.draining = True  # stopping: a probe's 503 says something again
+            access.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "GET", "/ready", "1.1", 503)
+
+    monkeypatch.setattr(serve_cli, "_make_server", lambda uvicorn, config, on_stop: Server(config))
+    access = logging.getLogger("uvicorn.access")
+    monkeypatch.setattr(access, "filters", [])
+    monkeypatch.setattr(access, "handlers", [])
+    main(["serve", "--weights", str(tmp_path / "nowhere"), "--port", "0", "--no-ui"])
+    assert seen == [
+        '127.0.0.1:5 - "GET /predict HTTP/1.1" 503',
+        '127.0.0.1:5 - "GET /ready HTTP/1.1" 503',
+    ], seen
+
+
 def test_bench_help_shows_its_own_command():
     code, stdout, _ = _cli(["bench", "--help"])
     assert code == 0 and stdout.startswith("usage: tt-moge bench ")

@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from ..server.settings import ACCEPT_BACKLOG, DEFAULT_HOST, DEFAULT_PORT, ServerSettings, fd_limit
 from . import argtypes
@@ -95,6 +95,24 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class QuietProbesWhileLoading(logging.Filter):
+    """The access log without the 503 answers of /ready and /health while the model loads: a client waiting for
+    /ready (the README's loop, an orchestrator) polls every few seconds, and each poll logged a line for a minute.
+    What the server itself says ("serving on ...", "model ready in ...") tells the same once; a probe's 503 while
+    the server stops, and every other line, stay."""
+
+    def __init__(self, serving: Any, probe_paths: Iterable[str]) -> None:
+        super().__init__()
+        self.serving, self.probe_paths = serving, frozenset(probe_paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not (isinstance(args, tuple) and len(args) == 5) or self.serving.status() != "loading":
+            return True
+        _, method, path, _, status = args  # uvicorn's access line: client, method, path, HTTP version, status
+        return not (status == 503 and method in ("GET", "HEAD") and str(path).split("?")[0] in self.probe_paths)
+
+
 def _make_server(uvicorn: Any, config: Any, on_stop: Callable[[int], None]) -> Any:
     """uvicorn.Server with the stopping of `tt-moge serve` (see the module docstring).
 
@@ -137,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from ..server.app import create_app
-        from ..server.protocol import JsonH11Protocol
+        from ..server.protocol import PROBE_PATHS, JsonH11Protocol
     except ImportError as exc:
         say(f'serve: the server\'s libraries are not installed ({exc}): pip install -e "code/[server]"')
         return EXIT_START
@@ -194,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
     server = _make_server(uvicorn, config, on_stop)
+    logging.getLogger("uvicorn.access").addFilter(QuietProbesWhileLoading(serving, PROBE_PATHS))
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     page = "" if args.no_ui else f"; the web page: http://{url_host}:{port}/"
