@@ -359,6 +359,22 @@ def test_ready_polls_while_loading_are_not_logged(tmp_path, monkeypatch):
     ], seen
 
 
+def test_the_readmes_batch_example_takes_only_photos(monkeypatch):
+    """`tt-moge batch media/` (the README's example) also ran media/web-ui.png, the screenshot of the web page, as
+    a photo. The screenshot lives in docs/ now: the example's inputs are the demo photo alone."""
+    import shlex
+
+    from tt_moge.cli.entry import build_parser
+    from tt_moge.inputs import collect_images
+
+    readme = (CODE.parent / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("tt-moge batch "))
+    inputs = build_parser(["batch"]).parse_args(shlex.split(line.split("#")[0])[1:]).inputs
+    monkeypatch.chdir(CODE.parent)  # the README's commands run at the top of the clone
+    found = [image.path.as_posix() for image in collect_images(inputs)]
+    assert found == ["media/source.png"], found
+
+
 def test_bench_help_shows_its_own_command():
     code, stdout, _ = _cli(["bench", "--help"])
     assert code == 0 and stdout.startswith("usage: tt-moge bench ")

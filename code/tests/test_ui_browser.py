@@ -8,7 +8,7 @@ the browser downloads equals POST /predict bit for bit, that everything the page
 itself, and that a corrupt and a too-large upload show the API's error while the server keeps serving; when the
 server stops, its result folder is gone.
 
-MOGE_UI_SCREENSHOT=PATH saves a screenshot of the page with the result (media/web-ui.png in the docs).
+MOGE_UI_SCREENSHOT=PATH saves a screenshot of the page with the result (docs/web-ui.png).
 The test is skipped without selenium or Chromium, unless MOGE_BROWSER_TESTS=required (.ci/run sets it).
 Run: cd code && python -m pytest tests/test_ui_browser.py -q
 """
