@@ -678,6 +678,26 @@ def test_a_clips_bar_names_the_calibration(tmp_path, monkeypatch):
     assert re.search(r"model on frames \d+-\d+", stderr), stderr
 
 
+def test_the_summary_counts_the_whole_command(tmp_path):
+    """The summary said `in 18.0 s` for a command that took 44.6 s: start-up and imports were not counted. It
+    now gives the time since the process started, then its parts, and run.json has it too."""
+    photos, out = some_photos(tmp_path / "photos", 2), tmp_path / "out"
+    t = time.monotonic()
+    proc = start_predict(photos, out, 0.0)
+    stdout, stderr = proc.communicate(timeout=120)
+    waited = time.monotonic() - t
+    assert proc.returncode == 0, stderr
+    line = next(line for line in stdout.splitlines() if line.startswith("tt-moge predict:"))
+    found = re.search(r"in (\d+\.\d) s \(start-up (\d+\.\d) s, model load \d+\.\d s, images \d+\.\d s: ", line)
+    assert found, line
+    total, startup = float(found.group(1)), float(found.group(2))
+    # all but the process's exit (an interpreter with torch takes a second or two to end on a busy machine)
+    assert waited / 2 <= total <= waited + 0.1, (total, waited, line)
+    assert startup > 0.3, f"imports take time: {line}"
+    run = json.loads((out / "run.json").read_text())
+    assert run["total_seconds"] == pytest.approx(total, abs=0.06) and run["startup_seconds"] >= startup - 0.06
+
+
 def test_a_file_system_without_locks_runs_unlocked_and_says_so(tmp_path, monkeypatch):
     """Some network mounts refuse flock (ENOLCK): the run goes on without the lock, with a note, and leaves
     no lock file."""

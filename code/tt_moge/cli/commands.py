@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
+import time
 from types import ModuleType
 
 __all__ = [
+    "process_seconds",
     "COMMANDS",
     "summary",
     "command_module",
@@ -66,6 +69,20 @@ exit codes:
 class Formatter(argparse.RawDescriptionHelpFormatter):
     def __init__(self, prog: str) -> None:
         super().__init__(prog, max_help_position=30, width=110)
+
+
+_IMPORTED = time.perf_counter()  # when the command line was first imported: process_seconds' fallback
+
+
+def process_seconds() -> float:
+    """Seconds since this process started: what the user waited for, start-up and imports included (Linux:
+    /proc/self/stat's start time against /proc/uptime, 10 ms ticks; elsewhere since tt_moge.cli was imported)."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            started = int(stat.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+            return max(0.0, float(uptime.read().split()[0]) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.perf_counter() - _IMPORTED
 
 
 SAY_PREFIX = "tt-moge:"  # what the command's own lines on stderr start with

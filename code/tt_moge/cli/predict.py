@@ -14,6 +14,7 @@ from ..jobs import DEFAULT_CHUNK
 from ..panorama.predict import PANORAMA_CANVAS
 from ..runs import RUN_FILE, OutputBusy, OutputLock
 from . import argtypes
+from .commands import process_seconds
 from .commands import summary as command_summary
 from .common import (
     DEFAULT_OUTPUT,
@@ -328,6 +329,8 @@ def _run_locked(
         t_loaded = min(t_loaded, time.perf_counter())
         say(f"{interrupted}: the files being written were finished; writing {run_json}")
     seconds = time.perf_counter() - t_loaded
+    total = process_seconds()  # what the user waited for: start-up and imports too
+    startup = max(0.0, total - (time.perf_counter() - t_start))
     failed = [(images[i], err) for i, err in sorted(status.items()) if err is not None]
     done = sum(1 for err in status.values() if err is None)
     not_done = len(images) - len(status)
@@ -354,8 +357,10 @@ def _run_locked(
         "failed": len(failed),
         "not_done": not_done,
         "interrupted": None if interrupted is None else interrupted.name,
+        "startup_seconds": round(startup, 3),
         "load_seconds": round(t_loaded - t_start, 3),
         "seconds": round(seconds, 3),
+        "total_seconds": round(total, 3),  # the process so far: start-up, model load, images, this record
         "images": [
             {
                 "input": str(img.path),
@@ -374,11 +379,12 @@ def _run_locked(
         say(f"could not write {run_json}: {exc}")
         index, indexed = f"no index: {RUN_FILE} could not be written", False
     if not args.quiet or interrupted is not None:
-        rate = f", {done / seconds:.2f} images/s" if seconds > 0 and done else ""
+        rate = f": {done / seconds:.2f} images/s" if seconds > 0 and done else ""
         stopped = f", {not_done} not done ({interrupted.name})" if interrupted is not None else ""
         print(
-            f"tt-moge predict: {done} of {len(images)} images done, {len(failed)} failed{stopped}, in {seconds:.1f} s"
-            f"{rate} (model load {t_loaded - t_start:.1f} s); outputs in {out_root}/ ({index})"
+            f"tt-moge predict: {done} of {len(images)} images done, {len(failed)} failed{stopped}, in {total:.1f} s "
+            f"(start-up {startup:.1f} s, model load {t_loaded - t_start:.1f} s, images {seconds:.1f} s{rate}); "
+            f"outputs in {out_root}/ ({index})"
         )
         if done:
             mesh = ""

@@ -22,6 +22,7 @@ from typing import Any
 
 from .. import __version__
 from ..runs import RUN_FILE
+from .commands import process_seconds
 from .common import (
     EXIT_IMAGES_FAILED,
     EXIT_OK,
@@ -235,6 +236,8 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         interrupted = Interrupted(guard.signum)
     rows += [_clip_row(p, n, renamed.get(n)) for p, n, _ in clips[len(rows) :]]
     seconds = time.perf_counter() - t_loaded
+    total = process_seconds()  # what the user waited for: start-up and imports too
+    startup = max(0.0, total - (time.perf_counter() - t_start))
     failed = [r for r in rows if r["status"] == "failed"]
     record = {
         "tt_moge": __version__,
@@ -250,8 +253,10 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         "failed": len(failed),
         "not_done": sum(r["status"] == "not done" for r in rows),
         "interrupted": None if interrupted is None else interrupted.name,
+        "startup_seconds": round(startup, 3),
         "load_seconds": round(t_loaded - t_start, 3),
         "seconds": round(seconds, 3),
+        "total_seconds": round(total, 3),  # the process so far: start-up, model load, clips, this record
         "clips": rows,
     }
     indexed = True
@@ -261,11 +266,11 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         say(f"could not write {out_root / RUN_FILE}: {exc}")
         indexed = False
     if not args.quiet:
-        rate = f", {frames_done / seconds:.2f} frames/s" if seconds > 0 and frames_done else ""
+        rate = f": {frames_done / seconds:.2f} frames/s" if seconds > 0 and frames_done else ""
         print(
             f"tt-moge predict: {record['done']} of {len(rows)} clips done ({frames_done} frames), "
-            f"{len(failed)} failed, in {seconds:.1f} s{rate} (model load {t_loaded - t_start:.1f} s); outputs in "
-            f"{out_root}/"
+            f"{len(failed)} failed, in {total:.1f} s (start-up {startup:.1f} s, model load {t_loaded - t_start:.1f} s, "
+            f"clips {seconds:.1f} s{rate}); outputs in {out_root}/"
         )
     if guard.exit_code is not None:
         return guard.exit_code
