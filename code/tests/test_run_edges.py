@@ -576,6 +576,35 @@ def test_help_and_a_misspelt_command_answer_without_importing_torch():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_each_commands_help_answers_without_importing_torch():
+    """`tt-moge predict --help` took 6.6-7.9 s: building its flags from the option definitions imported torch
+    (through the host, the network, the weights, the video pipeline). The definitions import without torch now
+    (host/call_options.py; the packages' other names on first use): every command's help, in one fresh process,
+    imports neither torch nor OpenCV."""
+    probe = (
+        "import sys, contextlib, io\n"
+        "from tt_moge.cli import main\n"
+        "for command in (['predict'], ['batch'], ['info'], ['serve'], ['bench'], ['export', 'onnx']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "        try:\n"
+        "            code = main(command + ['--help'])\n"
+        "        except SystemExit as exc:\n"
+        "            code = exc.code\n"
+        "    assert code == 0 and 'usage: tt-moge' in out.getvalue(), (command, code)\n"
+        "heavy = sorted(m for m in ('torch', 'cv2') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=CODE_DIR,
+        env={**os.environ, "PYTHONPATH": str(CODE_DIR)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_progress_moves_before_the_first_photo_is_done(tmp_path, monkeypatch):
     """The CPU progress bar sat at 0/5 for two minutes on ViT-L: it only moved when an image was written. It now
     names the images the model is on, and its clock is redrawn while the model runs."""

@@ -1,7 +1,8 @@
 """The `tt-moge` commands by name, with their one-line summaries, and the exit codes they share: what the
-top-level `tt-moge --help` shows. Nothing heavy is imported here (the command modules pull in torch through the
-model's option definitions), so that `tt-moge`, `tt-moge --help` and `tt-moge --version` answer at once; a
-command's module is imported only when that command is given (`entry.main`)."""
+top-level `tt-moge --help` shows. Nothing heavy is imported here, so that `tt-moge`, `tt-moge --help` and
+`tt-moge --version` answer at once; a command's module is imported only when that command is given
+(`entry.main`), and builds its flags from the option definitions, which import without torch (a command's
+`--help` takes under a second; torch comes with the work)."""
 
 from __future__ import annotations
 
