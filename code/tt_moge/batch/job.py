@@ -388,19 +388,6 @@ def _run_locked(
     per_call = 1 if clips or job.panorama else job.batch_size  # a clip, or a panorama's 12 views, per replica call
     replicas = min(job.replicas, math.ceil(len(todo) / per_call))  # no idle replicas for a short remainder
     summary.replicas = replicas
-    if replicas < job.replicas and not job.quiet:  # say why: the README's own example asked for 2 and got 1
-        unit = summary.unit
-        each = (
-            f"one {unit[:-1]} per replica call"
-            if per_call == 1
-            else f"up to {per_call} per replica call (--batch-size)"
-        )
-        print(
-            f"tt-moge batch: {replicas} replica{'s' * (replicas != 1)}, not the {job.replicas} asked for: "
-            f"{len(todo)} {unit} to do, {each}; a replica more would have nothing to do",
-            file=sys.stderr,
-            flush=True,
-        )
     address = job.address or os.environ.get("RAY_ADDRESS") or None
     local = address is None and not ray.is_initialized()
     given_device = job.model.get("device")  # None: chosen for the replicas' resources, not for this machine
@@ -421,6 +408,19 @@ def _run_locked(
     if address is not None and weights_dir:  # the replicas resolve it, and it wins over a repo id
         model_record["MOGE_WEIGHTS_DIR"] = weights_dir
 
+    if replicas < job.replicas and not job.quiet:  # say why: the README's own example asked for 2 and got 1
+        unit = summary.unit if len(todo) != 1 else summary.unit[:-1]
+        each = (
+            f"one {summary.unit[:-1]} per replica call"
+            if per_call == 1
+            else f"up to {per_call} per replica call (--batch-size)"
+        )
+        print(
+            f"tt-moge batch: {replicas} replica{'s' * (replicas != 1)}, not the {job.replicas} asked for: "
+            f"{len(todo)} {unit} to do, {each}; a replica more would have nothing to do",
+            file=sys.stderr,
+            flush=True,
+        )
     # Ray's own INFO lines, its workers' output and Ray Data's progress bars only with the model's verbose flag
     # (tt-moge batch -v): the job's own progress bar and messages say what a user needs
     ray_quiet = job.quiet or not job.model.get("verbose")
