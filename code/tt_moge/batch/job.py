@@ -33,7 +33,7 @@ from .session import (
     ray_data_output,
     ray_session,
 )
-from .sinks import FAILURES_FILE, OUTPUT_FORMATS, SHARDS_DIR, FailureLog, completed_names, write_record
+from .sinks import FAILURES_FILE, OUTPUT_FORMATS, RECORD_FILE, SHARDS_DIR, FailureLog, completed_names, write_record
 
 __all__ = [
     "BatchJob",
@@ -470,7 +470,10 @@ def _run_locked(
         summary.seconds = time.perf_counter() - t0
         summary.interrupted = getattr(exc, "name", type(exc).__name__)
         _count_interrupted(out, todo, job.output_format, summary)
-        write_record(out, summary, where, model_record, options)
+        try:
+            write_record(out, summary, where, model_record, options)
+        except OSError as error:  # the interruption stays what the caller hears of
+            print(f"tt-moge batch: could not write {out / RECORD_FILE}: {error}", file=sys.stderr, flush=True)
         raise
     write_record(out, summary, where, model_record, options)
     return summary
