@@ -211,8 +211,9 @@ def ray_noise_filtered(drop: "re.Pattern[bytes]" = RAY_NATIVE_LOG_LINE) -> Itera
     the terminal itself meanwhile (a new stream on a copy of the old fd 2), so the job's own lines, its progress
     bar and its terminal width are untouched. Only Ray's native lines, which no Python setting reaches, are
     filtered: the driver's core worker writes "Actor ... has constructor arguments in the object store" into a
-    run that works. Processes started in the block that inherit fd 2 keep writing into the pipe until they end;
-    the pump then ends too. Linux/macOS, main thread only; elsewhere the block runs unfiltered."""
+    run that works. A `sys.stderr` that is not fd 2 (a caller's StringIO) is left as it is. Processes started in
+    the block that inherit fd 2 keep writing into the pipe until they end; the pump then ends too. Linux/macOS,
+    main thread only; elsewhere the block runs unfiltered."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(os, "pipe"):
         yield
         return
@@ -228,15 +229,21 @@ def ray_noise_filtered(drop: "re.Pattern[bytes]" = RAY_NATIVE_LOG_LINE) -> Itera
     )
     pump.start()
     saved_stream = sys.stderr
+    try:  # a sys.stderr that is not fd 2 (a caller's StringIO, a test's capture) is left as it is
+        on_fd2 = saved_stream.fileno() == 2
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        on_fd2 = False
     stream = io.TextIOWrapper(io.FileIO(terminal, "w", closefd=True), write_through=True, line_buffering=True)
     os.dup2(write_end, 2)
     os.close(write_end)
-    sys.stderr = stream
+    if on_fd2:
+        sys.stderr = stream
     try:
         yield
     finally:
         stream.flush()
-        sys.stderr = saved_stream
+        if on_fd2:
+            sys.stderr = saved_stream
         os.dup2(stream.fileno(), 2)  # fd 2 is the terminal again; the pipe ends when the last writer does
         stream.close()
         pump.join(timeout=1.0)
