@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ from tt_moge.batch import FAILURES_FILE, SHARDS_DIR, BatchJob, init_local_ray, r
 from tt_moge.batch import job as batch_job
 from tt_moge.cli import main
 from tt_moge.output import MoGeOutput
+from tt_moge.runs import LOCK_FILE
 
 CANVAS, TOKENS = (448, 252), 1200
 MODEL_ARGS = ["--device", "cpu", "--resolution", f"{CANVAS[0]}x{CANVAS[1]}", "--num-tokens", str(TOKENS)]
@@ -315,6 +317,71 @@ def test_ray_is_quiet_unless_verbose(tmp_path, monkeypatch):
         with pytest.raises(Stop):
             run_batch(BatchJob([photos], tmp_path / "out", model={"verbose": verbose}))
     assert asked == [True, False]
+
+
+AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"  # Ray 2.60's logger of that notice
+
+
+def test_a_job_that_works_shows_no_ray_noise_unless_verbose(monkeypatch, capfd, caplog):
+    """A job that worked printed Ray's token-authentication WARNING and a line of Ray's C++ core ("Actor ... has
+    constructor arguments in the object store", written to file descriptor 2 past every Python setting) in the
+    middle of its progress bar. ray_session (quiet) now leaves both out; the job's own lines, a bar's carriage
+    returns included, pass. With -v (quiet=False) Ray's lines show. A stand-in Ray, in process: what it writes is
+    what the real one does at ray.init."""
+    import logging
+    import types
+
+    import tt_moge.ray_reaper as reaper
+    from tt_moge.batch import session
+
+    native = b"[2026-12-07 01:49:21,965 E 8740 8740] core_worker.cc:2465: Actor with class name: 'MapWorker'\n"
+    stderr_before = sys.stderr
+
+    def init(**kwargs):
+        logging.getLogger(AUTH_LOGGER).warning("Token authentication is enabled for this Ray cluster")
+        os.write(2, native)
+        return types.SimpleNamespace(address_info={"session_dir": "/nowhere"})
+
+    ray = types.SimpleNamespace(
+        is_initialized=lambda: False,
+        init=init,
+        shutdown=lambda: os.write(2, b"[2026-12-07 01:49:22,001 I 8740 8741] raylet.cc:1: bye\n"),
+        get_runtime_context=lambda: types.SimpleNamespace(get_node_id=lambda: "node"),
+    )
+    monkeypatch.setattr(reaper, "sweep_dead", lambda: [])
+    monkeypatch.setattr(reaper.Watcher, "start", classmethod(lambda cls, node, session_dir: None))
+    for quiet in (True, False):
+        caplog.clear()
+        with session.ray_session(ray, None, 3, 200, quiet):
+            print("tt-moge batch:  50%|#####     | 1/2\r", end="", file=sys.stderr, flush=True)
+            os.write(2, b"a line of the job itself\n")
+        err = capfd.readouterr().err
+        assert "1/2\r" in err and "a line of the job itself" in err, err
+        assert [line in err for line in ("core_worker.cc:2465", "raylet.cc:1: bye")] == [not quiet] * 2, (quiet, err)
+        notices = [r for r in caplog.records if "Token authentication" in r.getMessage()]
+        assert len(notices) == (0 if quiet else 1), (quiet, notices)
+    assert sys.stderr is stderr_before, "sys.stderr is itself again"
+    os.write(2, native)
+    assert "core_worker.cc" in capfd.readouterr().err, "fd 2 is itself again: no filter left behind"
+
+
+def test_replicas_capped_by_the_work_say_why(checkpoint, tmp_path, monkeypatch):
+    """`tt-moge batch media/ --replicas 2` (the README's example: 2 photos, batches of 4) ran 1 replica without a
+    word. A request capped by the work says so: how many, why. (Ray and the model stood in for, in process.)"""
+    from tests.stand_in import StandInModel, in_process_ray
+    from tt_moge import MoGeModel
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for i in range(2):
+        Image.fromarray(np.full((16, 24, 3), 60 * i, np.uint8)).save(photos / f"p{i}.png")
+    monkeypatch.setattr(MoGeModel, "from_pretrained", lambda *args, **kwargs: StandInModel())
+    with in_process_ray():
+        code, stdout, stderr = run_cli(
+            ["batch", photos, "-o", tmp_path / "out", "--weights", checkpoint("tiny-vits-normal"), "--replicas", 2]
+        )
+    assert code == 0, stderr
+    assert "1 replica, not the 2 asked for: 2 images to do, up to 4 per replica call (--batch-size)" in stderr, stderr
 
 
 # ------------------------------------------------------------------------------ Parquet, a replica killed
@@ -640,6 +707,44 @@ def test_driver_killed_mid_run_leaves_no_ray_process_and_the_rerun_finishes(loca
     folders = {p.parent.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.parent != out}
     assert folders == set(photos["valid"]), "a folder per image, each complete (no partial folder of the killed run)"
     assert all((out / name / "result.json").is_file() for name in folders)
+
+
+def test_sigterm_stops_a_real_job_with_exit_143_and_a_true_batch_json(ckpt, photos, tmp_path):
+    """`tt-moge batch` told to stop by SIGTERM died with Ray's exit code (15, or 134 by SIGABRT) and its stack
+    dumps, and wrote no batch.json: `ray.init` replaced the command's handler (the earlier test mocked the job,
+    and Ray with it, so it could not see that). On a real local Ray: exit 143 within seconds, one line saying
+    what happened, no stack dump, batch.json counting what is on disk, no folder without result.json."""
+    out = tmp_path / "out"
+    with open(tmp_path / "driver.err", "w") as err:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "tt_moge", "batch", str(photos["root"]), "-o", str(out), "--weights", str(ckpt)]
+            + [*MODEL_ARGS, "--batch-size", "1", "--npz"],
+            cwd=CODE_DIR,
+            env={**os.environ, "PYTHONPATH": str(CODE_DIR)},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    try:
+        wait_for(lambda: list(out.rglob("result.json")) or driver.poll() is not None, 300, "a first image")
+        assert driver.poll() is None, f"the job ended before the signal:\n{(tmp_path / 'driver.err').read_text()}"
+        driver.send_signal(signal.SIGTERM)
+        code = driver.wait(60)
+    finally:
+        driver.kill()
+        driver.wait(30)
+    stderr = (tmp_path / "driver.err").read_text()
+    assert code == 143, (code, stderr)
+    assert "interrupted by SIGTERM" in stderr and "rerun" in stderr, stderr
+    assert "SIGTERM received" not in stderr and "Traceback" not in stderr, stderr
+    record = json.loads((out / "batch.json").read_text())
+    complete = {p.parent.relative_to(out).as_posix() for p in out.rglob("result.json")}
+    assert record["interrupted"] == "SIGTERM" and record["done"] == len(complete) > 0, record
+    assert record["done"] + record["failed"] + record["not_done"] == record["total"] == 21, record
+    assert record["not_done"] > 0, "the job was stopped before its end"
+    partial = [d for d in out.rglob("*") if d.is_dir() and not (d / "result.json").exists()]
+    partial = [d for d in partial if not any(c.is_dir() for c in d.iterdir())]  # not a parent folder
+    assert not partial, f"folders without result.json: {partial}"
+    assert not (out / LOCK_FILE).exists()
 
 
 def test_a_later_run_ends_what_a_dead_driver_left(tmp_path):

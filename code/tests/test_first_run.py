@@ -84,6 +84,58 @@ def test_serve_without_weights_exits_fast_with_the_ways_out(tmp_path):
     _check_the_ways_out(run.stderr)
 
 
+def test_the_readmes_server_snippet_ends_when_the_server_cannot_start(tmp_path):
+    """The README's `until curl -sf .../ready ...; do sleep 2; done` waited forever when `tt-moge serve` had
+    exited at start (no weights: exit 1). Its server lines, as written (only the port is a free one, so that no
+    other server on this machine answers), run by bash without weights: they end within the deadline, after the
+    server's message with the ways out."""
+    readme = (CODE.parent / "README.md").read_text()
+    block = next(b for b in readme.split("```bash")[1:] if "tt-moge serve" in b).split("```")[0].splitlines()
+    first = next(i for i, line in enumerate(block) if line.startswith("tt-moge serve"))
+    last = next(i for i, line in enumerate(block) if line.startswith("kill %1"))
+    snippet = "\n".join(block[first : last + 1]).replace("8000", str(_closed_port()))
+    assert "until curl" in snippet and "kill %1" in snippet, snippet
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "tt-moge").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m tt_moge "$@"\n')
+    (shims / "tt-moge").chmod(0o755)
+    (tmp_path / "media").mkdir()
+    (tmp_path / "media" / "source.png").symlink_to(DEMO)
+    env = _offline_env(tmp_path, "unreachable")
+    env["PATH"] = f"{shims}{os.pathsep}{env['PATH']}"
+    t = time.perf_counter()
+    try:
+        run = subprocess.run(["bash", "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the README's server lines did not end within 60 s:\n{snippet}\n{exc.stderr}") from None
+    seconds = time.perf_counter() - t
+    assert seconds < 3 * DEADLINE_S, seconds
+    _check_the_ways_out(run.stderr)
+    assert not (tmp_path / "out.npz").exists(), "curl --fail saved no error answer"
+
+
+def test_a_missing_extra_is_named_as_the_readme_installs_it(tmp_path, monkeypatch, capsys):
+    """`tt-moge export onnx` without the export extra said `pip install 'tt-moge[export]'`, a form the README never
+    uses (it installs from a clone: `pip install -e "code/[export]"`). The message now gives the README's form, and
+    no message of the package names the wheel's extras."""
+    from tt_moge.cli import main
+
+    readme = (CODE.parent / "README.md").read_text()
+    assert 'pip install -e "code/[export]"' in readme
+    monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx: ImportError, as without the extra
+    code = main(["export", "onnx", "-o", str(tmp_path / "m.onnx"), "--no-check", "--weights", str(_tiny(tmp_path))])
+    err = capsys.readouterr().err
+    assert code == 3 and 'pip install -e "code/[export]"' in err and "tt-moge[" not in err, err
+    sources = [p for p in (CODE / "tt_moge").rglob("*.py") if "tt-moge[" in p.read_text()]
+    assert not sources, f"install hints in the wheel's form: {sources}"
+
+
+def _tiny(folder: Path) -> Path:
+    from tt_moge.testing import make_checkpoint
+
+    return make_checkpoint(folder / "tiny", "tiny-vits-normal")
+
+
 def test_python_callers_get_a_checkpoint_error_with_the_same_text(tmp_path):
     script = (
         "from tt_moge import MoGeModel\n"
@@ -264,6 +316,63 @@ def test_serve_names_the_weights_it_loads(tmp_path):
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
     assert f"(loading $MOGE_WEIGHTS_DIR={tmp_path / 'absent'};" in run.stderr, run.stderr  # not the repo id it replaces
     assert f"MOGE_WEIGHTS_DIR={tmp_path / 'absent'} does not exist" in run.stderr
+
+
+def test_ready_polls_while_loading_are_not_logged(tmp_path, monkeypatch):
+    """Each poll of /ready while the model loaded logged a `503 Service Unavailable` access line (the README's
+    loop: one every 2 s for a minute). `tt-moge serve` now leaves out the 503s of /ready and /health while it
+    loads; other lines stay, and so do a probe's 503s once loading is over (here: the server's status says)."""
+    import logging
+
+    import tt_moge.cli.serve as serve_cli
+    from tt_moge.cli import main
+
+    seen: list = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    class Server:  # what run() starts: no uvicorn; the app never starts, so the model stays "loading"
+        def __init__(self, config):
+            self.config = config
+
+        def run(self, sockets):
+            for sock in sockets:
+                sock.close()
+            access = logging.getLogger("uvicorn.access")
+            access.setLevel(logging.INFO)
+            access.addHandler(Collect())
+            for path, status in (("/ready", 503), ("/health", 503), ("/predict", 503), ("/ready?x=1", 503)):
+                access.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "GET", path, "1.1", status)
+            self.config.app.serving.draining = True  # stopping: a probe's 503 says something again
+            access.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "GET", "/ready", "1.1", 503)
+
+    monkeypatch.setattr(serve_cli, "_make_server", lambda uvicorn, config, on_stop: Server(config))
+    access = logging.getLogger("uvicorn.access")
+    monkeypatch.setattr(access, "filters", [])
+    monkeypatch.setattr(access, "handlers", [])
+    main(["serve", "--weights", str(tmp_path / "nowhere"), "--port", "0", "--no-ui"])
+    assert seen == [
+        '127.0.0.1:5 - "GET /predict HTTP/1.1" 503',
+        '127.0.0.1:5 - "GET /ready HTTP/1.1" 503',
+    ], seen
+
+
+def test_the_readmes_batch_example_takes_only_photos(monkeypatch):
+    """`tt-moge batch media/` (the README's example) also ran media/web-ui.png, the screenshot of the web page, as
+    a photo. The screenshot lives in docs/ now: the example's inputs are the demo photo alone."""
+    import shlex
+
+    from tt_moge.cli.entry import build_parser
+    from tt_moge.inputs import collect_images
+
+    readme = (CODE.parent / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("tt-moge batch "))
+    inputs = build_parser(["batch"]).parse_args(shlex.split(line.split("#")[0])[1:]).inputs
+    monkeypatch.chdir(CODE.parent)  # the README's commands run at the top of the clone
+    found = [image.path.as_posix() for image in collect_images(inputs)]
+    assert found == ["media/source.png"], found
 
 
 def test_bench_help_shows_its_own_command():

@@ -2,7 +2,7 @@
 and a batch job setting, each added in one place only (its dataclass field), reach every surface.
 
 The test copies the package, adds the five fields to the copy's sources (`LoadOptions` in options.py,
-`CallOptions` in host/pipeline.py, `MoGeOutput` in output.py, `ServerSettings` in server/settings.py, `BatchJob`
+`CallOptions` in host/call_options.py, `MoGeOutput` in output.py, `ServerSettings` in server/settings.py, `BatchJob`
 in batch/job.py), and checks in a fresh process that the copy's command line, Python signatures, BatchJob,
 warm-up keys, HTTP query parameters and OpenAPI schema, npz, summary and web page all carry them; then that what
 the commands are given reaches what they run: `tt-moge serve` (its uvicorn stood in for by a TestClient) hands the
@@ -34,7 +34,7 @@ NEW_FIELDS = [
         "LoadOptions",
         'cache_tag: Optional[str] = option(None, "a tag for this load (test)", required=True, metavar="TAG")',
     ),
-    ("host/pipeline.py", "CallOptions", 'sharpen: bool = option(False, "sharpen the image first (test)")'),
+    ("host/call_options.py", "CallOptions", 'sharpen: bool = option(False, "sharpen the image first (test)")'),
     (
         "server/settings.py",
         "ServerSettings",

@@ -4,11 +4,13 @@ same MoGeOutput as `model(image)`. Needs the export extra (onnx, onnxscript, onn
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 for _module in ("onnx", "onnxscript", "onnxruntime"):
-    pytest.importorskip(_module, reason="the export extra (pip install 'tt-moge[export]') is not installed")
+    pytest.importorskip(_module, reason='the export extra (pip install -e "code/[export]") is not installed')
 
 from .conftest import TEST_CANVAS, TEST_TOKENS  # noqa: E402
 
@@ -16,15 +18,22 @@ from .conftest import TEST_CANVAS, TEST_TOKENS  # noqa: E402
 @pytest.fixture(scope="module")
 def exported(checkpoint, tmp_path_factory):
     """The tiny well-posed checkpoint exported through the command line at the API tests' small canvas, once:
-    (path of the file, exit code, what the command printed)."""
+    (path of the file, exit code, what the command printed), on a terminal where every step counts as slow
+    (`progress.SLOW_STEP_S` = 0: each names itself)."""
     import contextlib
     import io
 
+    from tt_moge import progress
     from tt_moge.cli import main
 
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
     path = tmp_path_factory.mktemp("onnx") / "model.onnx"
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    out, err = io.StringIO(), Terminal()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(progress, "SLOW_STEP_S", 0.0)
         code = main(
             [
                 "export",
@@ -59,6 +68,10 @@ def test_export_writes_the_raw_forward_that_onnx_runtime_runs_to_our_precision(e
     path, code, printed = exported
     assert code == 0, printed
     assert "max |ONNX Runtime - ours|" in printed and "points relative to their scale" in printed
+    # each step says what it does while it runs (the export was silent for 97 s on the ViT-L, issue 48)
+    for step in (r"loading the weights \S+ \.\.\.", r"exporting the 448x252 forward to \S+ \(torch.onnx\) \.\.\."):
+        assert re.search(f"^tt-moge: {step}$", printed, re.M), printed
+    assert re.search(r"^tt-moge: checking \S+ with ONNX Runtime against our forward: \d+\.\d s$", printed, re.M)
     width, height = TEST_CANVAS
     session = _session(path)
     assert [(i.name, i.shape) for i in session.get_inputs()] == [("image", [1, 3, height, width])]

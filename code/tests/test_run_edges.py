@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -215,6 +216,248 @@ def test_a_signal_finishes_the_files_writes_run_json_and_exits_128_plus_it(tmp_p
     assert not (out / LOCK_FILE).exists(), "the lock file is removed at the end"
 
 
+@contextlib.contextmanager
+def own_sigterm_handler():
+    """A SIGTERM handler of this test process for the block, instead of the default (which would end pytest): a
+    command run in process must put its own in place; if the signal reaches this one, the test fails."""
+
+    def not_handled(signum, frame):
+        raise RuntimeError("SIGTERM reached the test's own handler: the command did not handle it")
+
+    previous = signal.signal(signal.SIGTERM, not_handled)
+    try:
+        yield
+        assert signal.getsignal(signal.SIGTERM) is not_handled, "the handler before the run is restored after it"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_signal_swallowed_by_an_optional_import_still_stops_the_run(tmp_path, monkeypatch):
+    """A SIGTERM that came while trimesh was first imported was lost: trimesh's optional imports catch
+    BaseException (`try: import scipy ... except BaseException`), so the exception of the run's handler never
+    arrived; the run went on to its end and exited 143 with "interrupted": null. Now the run checks for a
+    signal after such code: it stops before the model loads, and run.json says why."""
+    import tt_moge.export as export
+
+    real = export.missing_format_library
+
+    def swallowing(formats):  # what trimesh's import does with the handler's exception
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs here
+        except BaseException:
+            pass
+        return real(formats)
+
+    monkeypatch.setattr(export, "missing_format_library", swallowing)
+    photos, out = some_photos(tmp_path / "photos", 3), tmp_path / "out"
+    with stand_in(monkeypatch) as model, own_sigterm_handler():
+        code, stdout, stderr = run_cli(["predict", photos, "-o", out])
+    assert code == 143 and "interrupted by SIGTERM" in stderr, (code, stderr)
+    run = json.loads((out / "run.json").read_text())
+    assert run["interrupted"] == "SIGTERM" and (run["done"], run["not_done"]) == (0, 3), run
+    assert not model.calls, "the model ran after the signal"
+
+
+def test_a_video_run_signalled_while_its_model_loads_writes_run_json_and_exits_143(tmp_path, monkeypatch):
+    """A clip run installed its handler only after the model had loaded (a minute on a CPU): SIGTERM then killed
+    it (exit -15; Ctrl-C: a traceback, 130) and no run.json was written. Now the run is interrupted like any
+    other: run.json lists every clip as "not done", exit 143."""
+    import tt_moge.cli.video as video_cli
+
+    def loading(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler's exception comes here
+        raise AssertionError("the signal did not stop the load")
+
+    monkeypatch.setattr(video_cli, "load_model", loading)
+    clips = [tmp_path / "a.mp4", tmp_path / "b.mov"]
+    for clip in clips:
+        clip.write_bytes(b"never read: the model does not load")
+    out = tmp_path / "out"
+    with own_sigterm_handler():
+        code, stdout, stderr = run_cli(["predict", *clips, "-o", out])
+    assert code == 143 and "interrupted by SIGTERM" in stderr, (code, stderr)
+    run = json.loads((out / "run.json").read_text())
+    assert run["interrupted"] == "SIGTERM" and run["not_done"] == 2 and run["done"] == run["failed"] == 0, run
+    assert [c["status"] for c in run["clips"]] == ["not done", "not done"]
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"], "no clip folder, no lock left"
+
+
+@pytest.mark.parametrize("kind", ["photos", "clip"])
+def test_a_model_that_cannot_load_leaves_the_earlier_run_json(tmp_path, kind):
+    """A run whose model cannot load (bad weights: exit 3) deleted the earlier run's run.json first and wrote
+    none, so OUT's files lost their index. Such a run changes nothing in OUT, as a usage error does (exit 2)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.json").write_text('{"earlier": true}')
+    if kind == "photos":
+        inputs = [some_photos(tmp_path / "photos", 2)]
+    else:
+        inputs = [tmp_path / "a.mp4"]
+        inputs[0].write_bytes(b"never read")
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    code, stdout, stderr = run_cli(["predict", *inputs, "-o", out, "--weights", tmp_path / "bad.pt", "-q"])
+    assert code == 3 and "could not load the model" in stderr, (code, stderr)
+    assert (out / "run.json").read_text() == '{"earlier": true}'
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"]
+
+
+@pytest.mark.parametrize("kind", ["photos", "panoramas"])
+def test_an_interruption_at_any_line_loses_no_finished_image(tmp_path, kind):
+    """run.json listed a finished image as "not done" once in 8 interrupted runs: the run's exception could come
+    between a write that had ended and its record. Here the exception (a signal's, as SignalGuard raises it) is
+    raised at each line the run's thread executes in turn (`sys.settrace`), one run per line, until a run gets
+    to its end: after each, every image with a result.json on disk must have been reported done, and no
+    image reported done may lack one."""
+    import dis
+
+    from tests.stand_in import StandInModel, tilted_plane
+    from tt_moge import jobs
+    from tt_moge.inputs import collect_images
+
+    class Stop(BaseException):
+        pass
+
+    images = collect_images([some_photos(tmp_path / "photos", 3)])
+    model = StandInModel()
+    model.predict_panorama = lambda rgb, apply_mask=True: tilted_plane(*rgb.shape[:2])
+    target = 0
+    while True:
+        target += 1
+        out, reported, seen = tmp_path / f"out{target}", {}, [0]
+
+        def tracer(frame, event, arg, target=target, seen=seen):
+            if frame.f_code.co_filename != jobs.__file__:
+                return None
+            # a line's NOP (a `try:`) is no place a signal's handler runs; an exception raised there by a trace
+            # function skips the enclosing `finally` (CPython 3.11)
+            if event == "line" and dis.opname[frame.f_code.co_code[frame.f_lasti]] != "NOP":
+                seen[0] += 1
+                if seen[0] == target:
+                    raise Stop
+            return tracer
+
+        def on_done(image, error, reported=reported):
+            reported[image.name] = error
+
+        sys.settrace(tracer)
+        try:
+            if kind == "photos":
+                jobs.predict_images(model, images, out, ["npz"], chunk_size=1, writers=1, on_done=on_done)
+            else:
+                jobs.predict_panoramas(model, images, out, ["npz"], on_done=on_done)
+            finished = True
+        except Stop:
+            finished = False
+        finally:
+            sys.settrace(None)
+        on_disk = {p.parent.name for p in out.glob("*/result.json")}
+        done = {name for name, error in reported.items() if error is None}
+        assert on_disk == done, f"stopped at line {target}: written {sorted(on_disk)}, reported done {sorted(done)}"
+        if finished:
+            break
+    assert target > 20 and len(done) == 3, (target, done)
+
+
+def test_clip_names_never_collide_and_renamed_clips_say_so(tmp_path, monkeypatch):
+    """`a.mp4`, `a.mov` and `a-2.mp4` all went to one folder `a-2/` (a counter on a clash, which `a-2.mp4` asks
+    for itself), with all three "done" in run.json and no `renamed` record. Clips are now named by the rules of
+    photos (`inputs.unique_names`): a_mp4, a_mov, a-2, each renamed one saying why."""
+    import tt_moge.cli.video as video_cli
+    from tests.stand_in import StandInModel
+
+    monkeypatch.setattr(video_cli, "load_model", lambda args: StandInModel())
+    clips = [tmp_path / name for name in ("a.mp4", "a.mov", "a-2.mp4")]
+    for clip in clips:
+        clip.write_bytes(b"not a video")  # each fails to open: the names are the point
+    out = tmp_path / "out"
+    code, stdout, stderr = run_cli(["predict", *clips, "-o", out, "-q"])
+    assert code == 1, stderr
+    rows = json.loads((out / "run.json").read_text())["clips"]
+    assert [r["output"] for r in rows] == ["a_mp4", "a_mov", "a-2"], rows
+    assert [r.get("renamed", {}).get("asked") for r in rows] == ["a", "a", None], rows
+    assert "another input asks for 'a' too" in rows[0]["renamed"]["why"], rows
+
+
+def test_clashing_names_at_the_length_limit_are_cut_to_fit(tmp_path, monkeypatch):
+    """Two 251-byte stems that clash (they differ only in case) were renamed to 257 bytes (+ "_png", + "-2"):
+    ENAMETOOLONG, and the photo failed. The name is now cut to 255 bytes before its suffix (at a character:
+    two-byte letters stay whole), and run.json says so."""
+    photos, out = tmp_path / "photos", tmp_path / "out"
+    stems = ["a" * 251, "A" * 251, "é" * 125 + "x", "É" * 125 + "x"]  # 251 bytes each, two clashing pairs
+    for i, stem in enumerate(stems):
+        small_photo(photos / f"{stem}.png", seed=i)
+    with stand_in(monkeypatch):
+        code, stdout, stderr = run_cli(["predict", photos, "-o", out, "-q", "--npz"])
+    assert code == 0, stderr
+    rows = json.loads((out / "run.json").read_text())["images"]
+    assert [r["status"] for r in rows] == ["done"] * 4, rows
+    names = [r["output"] for r in rows]
+    assert len({n.casefold() for n in names}) == 4 and all(len(n.encode()) <= 255 for n in names), names
+    assert all((out / n / "result.json").is_file() for n in names)
+    assert any("cut to fit 255 bytes" in r["renamed"]["why"] for r in rows), rows
+
+
+def one_frame_clip(path: Path) -> Path:
+    """A valid mp4 of a single 32x24 frame: it opens, then fails as a clip (at least 2 frames are needed)."""
+    import cv2
+
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 8.0, (32, 24))
+    writer.write(np.full((24, 32, 3), 128, np.uint8))
+    writer.release()
+    return path
+
+
+def test_a_failed_clip_leaves_no_folder_and_bytes_are_not_named_by_their_temporary_file(tmp_path, monkeypatch):
+    """A clip that failed once its folder was made (here: a single frame, found when the frames are read) left an
+    empty OUT/NAME/ behind; the folder goes now, as a failed photo's does. And `predict_video(<bytes>)` named its
+    temporary copy (`tt_moge-video-*/upload.video`) in its errors, a path the caller never gave: they say "the
+    video bytes" now."""
+    import tt_moge.cli.video as video_cli
+    from tests.stand_in import StandInModel
+    from tt_moge.host import InputError
+    from tt_moge.video import predict_video
+
+    clip, out = one_frame_clip(tmp_path / "short.mp4"), tmp_path / "out"
+    monkeypatch.setattr(video_cli, "load_model", lambda args: StandInModel())
+    code, stdout, stderr = run_cli(["predict", clip, "-o", out, "-q"])
+    assert code == 1 and "has 1 frame" in stderr, (code, stderr)
+    assert json.loads((out / "run.json").read_text())["clips"][0]["status"] == "failed"
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"], "the failed clip's folder is gone"
+
+    for data, message in ((b"not a video at all", "cannot read"), (clip.read_bytes(), "has 1 frame")):
+        with pytest.raises(InputError, match=message) as caught:
+            predict_video(StandInModel(), data)
+        assert "the video bytes" in str(caught.value), caught.value
+        assert "upload.video" not in str(caught.value) and "tt_moge-video-" not in str(caught.value), caught.value
+
+
+def test_removing_an_unfinished_folder_takes_only_the_writers_files(tmp_path):
+    """`export.remove_incomplete` (a batch job stopped while a replica wrote): the files write_outputs writes and
+    its temporary files go, then the folders left empty up to OUT; anything else stays, and a complete folder
+    (result.json) is not touched."""
+    from tt_moge.export import remove_incomplete
+
+    out = tmp_path / "out"
+    partial, mixed, complete = out / "trip" / "a", out / "b", out / "c"
+    for folder, names in (
+        (partial, ["depth.png", "result.npz", ".result.json.77.tmp"]),
+        (mixed, ["depth.png", "notes.txt"]),
+        (complete, ["depth.png", "result.json"]),
+    ):
+        folder.mkdir(parents=True)
+        for name in names:
+            (folder / name).write_bytes(b"x")
+    assert remove_incomplete(partial, out) and not (out / "trip").exists() and out.is_dir()
+    assert not remove_incomplete(mixed, out) and sorted(p.name for p in mixed.iterdir()) == ["notes.txt"]
+    assert not remove_incomplete(complete, out) and sorted(p.name for p in complete.iterdir()) == [
+        "depth.png",
+        "result.json",
+    ]
+    assert not remove_incomplete(tmp_path / "elsewhere", out) and not remove_incomplete(out, out)
+
+
 # ---------------------------------------------------------------------------------------------- the lock
 def test_a_second_run_into_a_folder_in_use_is_refused_or_waits(tmp_path, monkeypatch):
     """Two runs into one OUT used to mix silently. While another process holds OUT (here: this test process),
@@ -333,6 +576,35 @@ def test_help_and_a_misspelt_command_answer_without_importing_torch():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_each_commands_help_answers_without_importing_torch():
+    """`tt-moge predict --help` took 6.6-7.9 s: building its flags from the option definitions imported torch
+    (through the host, the network, the weights, the video pipeline). The definitions import without torch now
+    (host/call_options.py; the packages' other names on first use): every command's help, in one fresh process,
+    imports neither torch nor OpenCV."""
+    probe = (
+        "import sys, contextlib, io\n"
+        "from tt_moge.cli import main\n"
+        "for command in (['predict'], ['batch'], ['info'], ['serve'], ['bench'], ['export', 'onnx']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "        try:\n"
+        "            code = main(command + ['--help'])\n"
+        "        except SystemExit as exc:\n"
+        "            code = exc.code\n"
+        "    assert code == 0 and 'usage: tt-moge' in out.getvalue(), (command, code)\n"
+        "heavy = sorted(m for m in ('torch', 'cv2') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=CODE_DIR,
+        env={**os.environ, "PYTHONPATH": str(CODE_DIR)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_progress_moves_before_the_first_photo_is_done(tmp_path, monkeypatch):
     """The CPU progress bar sat at 0/5 for two minutes on ViT-L: it only moved when an image was written. It now
     names the images the model is on, and its clock is redrawn while the model runs."""
@@ -347,6 +619,112 @@ def test_progress_moves_before_the_first_photo_is_done(tmp_path, monkeypatch):
     before_first = [line for line in stderr.replace("\r", "\n").splitlines() if " 0/2 " in line]
     assert any("model on images 1-2" in line for line in before_first), stderr
     assert any("[00:0" in line and "[00:00" not in line for line in before_first), f"the clock stood still: {stderr}"
+
+
+class Terminal(io.StringIO):
+    """stderr as a person sees it: a terminal (slow steps name themselves only there, `tt_moge.progress`)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_slow_steps_of_a_load_say_what_they_do_on_a_terminal(checkpoint, monkeypatch):
+    """from_pretrained's warm-up forwards said nothing (34 s on a tiny model at 1920x1080). Each step of a load
+    that takes longer than SLOW_STEP_S now names itself on a terminal, and says how long it took; with the bound
+    at 0 every step does. Piped stderr (not a terminal) stays silent."""
+    from tt_moge import MoGeModel, progress
+
+    def load(stderr) -> str:
+        with contextlib.redirect_stderr(stderr):
+            MoGeModel.from_pretrained(
+                checkpoint("tiny-vits-normal"), device="cpu", resolution=(224, 126), num_tokens=1200, warmup=1
+            ).close()
+        return stderr.getvalue()
+
+    monkeypatch.setattr(progress, "SLOW_STEP_S", 0.0)
+    said = load(Terminal())
+    for step in ("loading the weights", "preparing the cpu runner", "warm-up forward 1 of 1 on cpu ..."):
+        assert step in said, said
+    assert re.search(r"warm-up forward 1 of 1 on cpu: \d+\.\d s", said), said
+    assert "warming the host steps" in said, said
+    assert load(io.StringIO()) == "", "not a terminal: nothing"
+
+
+def test_one_photo_shows_its_progress_bar(tmp_path, monkeypatch):
+    """`tt-moge predict photo.jpg` showed nothing until its summary (45 s on a CPU with the ViT-L): the bar was
+    for two images or more. One photo gets it too, naming the model's work and moving its clock."""
+    photo = small_photo(tmp_path / "one.png")
+    with stand_in(monkeypatch):
+        code, stdout, stderr = run_cli(["predict", photo, "-o", tmp_path / "out"])
+    assert code == 0, stderr
+    assert "tt-moge predict:" in stderr and "1/1" in stderr and "model on image 1" in stderr, stderr
+
+
+def test_a_clips_bar_names_the_calibration(tmp_path, monkeypatch):
+    """A clip's bar sat at 0 % through its calibration (minutes on a CPU) with nothing named. The bar now shows
+    the stage: "calibrating the camera on frames 1-4" while that runs, then the frames the model is on."""
+    import cv2
+
+    import tt_moge.cli.video as video_cli
+    from tt_moge.testing.scene import camera_path, render_path
+    from tt_moge.testing.video import stand_in as video_stand_in
+
+    renders = render_path(camera_path(12)[::2], 160, 120)
+    frames = tmp_path / "walk"
+    frames.mkdir()
+    for i, r in enumerate(renders):
+        cv2.imwrite(str(frames / f"f{i}.png"), r.image[..., ::-1])
+
+    class SlowOracle:  # the video tests' stand-in model, 0.4 s per model call, as a context manager
+        def __init__(self):
+            self.oracle = video_stand_in(renders)
+
+        def __getattr__(self, name):
+            attribute = getattr(self.oracle, name)
+            if name.endswith("_many"):
+
+                def slow(*args, **kwargs):
+                    time.sleep(0.4)
+                    return attribute(*args, **kwargs)
+
+                return slow
+            return attribute
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def info(self):
+            return {"model": "video stand-in"}
+
+    monkeypatch.setattr(video_cli, "load_model", lambda args: SlowOracle())
+    args = ["predict", "--sequence", frames, "-o", tmp_path / "out", "--calibration-frames", 4, "--npz"]
+    code, stdout, stderr = run_cli(args)
+    assert code == 0, stderr
+    assert "calibrating the camera on frames 1-4" in stderr, stderr
+    assert re.search(r"model on frames \d+-\d+", stderr), stderr
+
+
+def test_the_summary_counts_the_whole_command(tmp_path):
+    """The summary said `in 18.0 s` for a command that took 44.6 s: start-up and imports were not counted. It
+    now gives the time since the process started, then its parts, and run.json has it too."""
+    photos, out = some_photos(tmp_path / "photos", 2), tmp_path / "out"
+    t = time.monotonic()
+    proc = start_predict(photos, out, 0.0)
+    stdout, stderr = proc.communicate(timeout=120)
+    waited = time.monotonic() - t
+    assert proc.returncode == 0, stderr
+    line = next(line for line in stdout.splitlines() if line.startswith("tt-moge predict:"))
+    found = re.search(r"in (\d+\.\d) s \(start-up (\d+\.\d) s, model load \d+\.\d s, images \d+\.\d s: ", line)
+    assert found, line
+    total, startup = float(found.group(1)), float(found.group(2))
+    # all but the process's exit (an interpreter with torch takes a second or two to end on a busy machine)
+    assert waited / 2 <= total <= waited + 0.1, (total, waited, line)
+    assert startup > 0.3, f"imports take time: {line}"
+    run = json.loads((out / "run.json").read_text())
+    assert run["total_seconds"] == pytest.approx(total, abs=0.06) and run["startup_seconds"] >= startup - 0.06
 
 
 def test_a_file_system_without_locks_runs_unlocked_and_says_so(tmp_path, monkeypatch):

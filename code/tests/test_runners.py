@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
@@ -590,6 +591,38 @@ def test_forced_attention_kernel_runs_in_the_graph(attention, tmp_path):
     assert {block.attention for block in runner.graph.blocks} == {attention}
     assert runner.describe()["attention_why"] == f"{attention} (forced)"
     assert np.isfinite(runner.forward(calibration_image(*SMALL, seed=3)).points.numpy()).all()
+
+
+@pytest.mark.parametrize(
+    "precision, forced",
+    [("bf16", ""), ("int8", "int8_base=fp32,int8_matmul=int8")],  # (int8 in bfloat16: the test above, on all CPUs)
+    ids=["bf16", "int8-in-fp32"],
+)
+def test_the_avx2_path_runs_on_every_cpu(precision, forced, monkeypatch, tmp_path):
+    """The CPU runner as it loads on a CPU without AVX512-BF16 or AMX (AVX2 only: a Zen 3 EPYC), made so on any
+    CPU: there the 16 tests of the AVX512-BF16 kernels skip, and on a CPU with them nothing ran the AVX2 choices.
+    Only the AVX2 candidates are offered (attention: sdpa and heads; no oneDNN packed bfloat16 linear in an
+    emulated bfloat16 graph; int8 in a bfloat16 or a float32 graph, chosen by time), the runner says so, and the
+    graph it builds stays within the documented limits."""
+    import tt_moge.runners.cpu as cpu_runner
+
+    monkeypatch.setattr(precision_mod, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_runner, "native_attention_supported", lambda lib, head_dim: False)  # no AVX512 build
+    net = _network("tiny-vits-normal")
+    with forcing(forced) if forced else contextlib.nullcontext():
+        runner = CpuGraphRunner(net, SMALL, SMALL_TOKENS, precision, cache=KernelCache(tmp_path / "k.json"))
+    info = runner.describe()
+    assert set(runner.choices["attention"].times_ms) == {"sdpa", "heads"}, runner.choices["attention"]
+    assert {block.attention for block in runner.graph.blocks} == {info["attention"]} <= {"sdpa", "heads"}
+    dtype = runner.graph.dtype
+    if precision == "bf16":
+        assert dtype == torch.bfloat16 and "vit_linear" not in info, info  # timing both emulated: minutes, no gain
+    else:
+        assert dtype == torch.float32
+        assert isinstance(runner.graph.blocks[0].ffn_in, Int8Linear)
+    err = _graph_errors(runner.graph, net, calibration_image(*SMALL, seed=6))
+    _check_limits(err, INT8_LIMITS if precision == "int8" else REDUCED_LIMITS)
+    assert err["encoder_rms"] > 1e-4, "no rounding at all: the graph did not run in reduced precision"
 
 
 def test_graph_rejects_another_canvas():

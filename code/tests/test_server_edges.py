@@ -6,7 +6,7 @@
 - File descriptors: under `ulimit -n 1024`, --max-connections is lowered to fit (said in the log and /info); 1100
   idle sockets never drive accept() into EMFILE, the log stays a few lines, /health answers. An accept() that
   fails all the same is logged once per interval (in process).
-- A non-ASCII API key works over real HTTP (compared as UTF-8 bytes).
+- A non-ASCII API key works over real HTTP (compared as UTF-8 bytes, as sent or percent-decoded).
 - Truncated JPEG/PNG data is 400 bad_image; a PNG that declares 200 MP gets a 413 that quotes --max-pixels.
 - EXIF orientation: an orientation-6 JPEG comes out turned (displayed size) from the server, its web page and
   `tt-moge predict`, unturned with `exif=false` / `--no-exif`, and unturned through the plain Python API.
@@ -180,10 +180,17 @@ def test_a_failing_accept_is_logged_once_per_interval(caplog):
 
 # --------------------------------------------------------------------------------------------------- API key
 def test_a_non_ascii_api_key_works_over_http(server):
+    """As UTF-8 bytes (curl), and percent-encoded UTF-8 (the web page: a browser cannot send a header beyond
+    Latin-1, and sends Latin-1 as single bytes, which are another key)."""
+    from urllib.parse import quote
+
     assert httpx.get(server.url + "/info", headers=auth(), timeout=10).status_code == 200
+    encoded = {"Authorization": f"Bearer {quote(KEY, safe='')}"}  # what encodeURIComponent(key) makes
+    assert httpx.get(server.url + "/info", headers=encoded, timeout=10).status_code == 200
     for wrong in (
         b"Bearer " + KEY.replace("-7c1d", "").encode("utf-8"),
         b"Bearer " + "schlüssel".encode("latin-1"),  # the same text in another encoding is another key
+        f"Bearer {quote(KEY.replace('-7c1d', ''), safe='')}".encode(),
         None,
     ):
         r = httpx.get(server.url + "/info", headers={"Authorization": wrong} if wrong else {}, timeout=10)

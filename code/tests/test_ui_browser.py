@@ -8,7 +8,7 @@ the browser downloads equals POST /predict bit for bit, that everything the page
 itself, and that a corrupt and a too-large upload show the API's error while the server keeps serving; when the
 server stops, its result folder is gone.
 
-MOGE_UI_SCREENSHOT=PATH saves a screenshot of the page with the result (media/web-ui.png in the docs).
+MOGE_UI_SCREENSHOT=PATH saves a screenshot of the page with the result (docs/web-ui.png).
 The test is skipped without selenium or Chromium, unless MOGE_BROWSER_TESTS=required (.ci/run sets it).
 Run: cd code && python -m pytest tests/test_ui_browser.py -q
 """
@@ -49,7 +49,9 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parents[2] / "media" / "source.png"
-KEY = "browser-test-key"
+# Non-ASCII, as a person may choose one: "é" is Latin-1 (a browser sent it as the single byte 0xE9: 401), the
+# rest is not (a browser refuses such a header: the run failed in the page). The page sends it percent-encoded.
+KEY = "clé-東京-browser-test"
 # 1920x1080 fits (2.07 MP); the too-large test image does not.
 FLAGS = ["--queue-size", "2", "--host-threads", "2", "--max-pixels", "2500000", "--max-body-mb", "8"]
 BACKGROUND = np.array([240, 240, 242])  # the view's clear colour (viewer.js)
@@ -86,7 +88,8 @@ def browser(downloads):
 
 @pytest.fixture(scope="module")
 def api(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as client:
+    authorization = b"Bearer " + KEY.encode("utf-8")  # as curl sends it (httpx takes a non-ASCII header as bytes)
+    with httpx.Client(base_url=server.url, headers={"Authorization": authorization}, timeout=120) as client:
         yield client
 
 
@@ -130,7 +133,8 @@ def console_errors(browser) -> list:
 
 @pytest.fixture(scope="module")
 def result_page(server, browser):
-    """The page showing the result of media/source.png, reached as a person would: no key -> asked for one."""
+    """The page showing the result of media/source.png, reached as a person would: no key -> asked for one; the
+    (non-ASCII) key typed into the page's field is accepted."""
     browser.get(server.url + "/")
     WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "server-status").text == "ready")
     assert browser.find_element(By.ID, "key-row").is_displayed()  # the page asks for the key this server needs

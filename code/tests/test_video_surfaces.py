@@ -98,6 +98,7 @@ def client(tiny_model):
 
 
 VIDEO = {"Content-Type": "video/mp4"}
+PNG = {"Content-Type": "image/png"}
 
 
 def test_the_server_answers_the_apis_arrays(api_clip, clip, client):
@@ -267,6 +268,23 @@ def test_known_intrinsics_on_every_photo_surface(tiny_model, client, checkpoint,
     with contextlib.redirect_stderr(stderr):
         assert main([str(a) for a in args + ["--intrinsics", "1,2"]]) == 2
     assert "--intrinsics" in stderr.getvalue()
+
+    # bounded as fov_x is (issue 48, item 11): 1e308 pixels made the camera matrix infinite (null in JSON), 1e-300
+    # normalised made fx 0 (a 180-degree view, no pixel valid); both were accepted everywhere
+    for extreme, status in (("1e308,1e308,160,100", 400), ("1e-300,1e-300,0.5,0.5,normalised", 422)):
+        with pytest.raises(ValueError, match="field of view of .* expected 0.001 < fov_x < 179.999"):
+            tiny_model(image, intrinsics=extreme)
+        # pixels are judged against the photo (400 bad_image), normalised values as the parameter is read (422)
+        refused = client.post(f"/predict?intrinsics={extreme}", content=path.read_bytes(), headers=PNG)
+        assert refused.status_code == status and "field of view" in refused.json()["detail"], refused.text
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):  # normalised: known without the image, a usage error before loading
+        assert main([str(a) for a in args + ["--intrinsics", "1e-300,1e-300,0.5,0.5,normalised"]]) == 2
+    assert "--intrinsics" in stderr.getvalue() and "field of view" in stderr.getvalue(), stderr.getvalue()
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):  # pixels: checked against each photo's size, which fails alone
+        assert main([str(a) for a in args + ["--intrinsics", "1e308,1e308,160,100"]]) == 1
+    assert "photo.png" in stderr.getvalue() and "field of view" in stderr.getvalue(), stderr.getvalue()
 
 
 def test_the_cli_takes_a_sequence_of_frames_and_refuses_mixed_inputs(checkpoint, clip, tmp_path):

@@ -72,6 +72,9 @@ __all__ = [
     "check_formats",
     "missing_format_library",
     "write_outputs",
+    "remove_outputs",
+    "remove_incomplete",
+    "remove_empty_folders",
     "write_text_atomic",
     "RESULT_FILE",
 ]
@@ -416,6 +419,43 @@ def write_outputs(
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only when empty
         raise
+
+
+def remove_outputs(out_dir: Union[str, os.PathLike], root: Union[str, os.PathLike]) -> bool:
+    """Remove the files `write_outputs` writes in `out_dir` (`FILES`, result.json, its temporary files), then the
+    folder and its parents up to `root` that are left empty. Anything else stays, and so does the folder holding
+    it. Nothing happens outside `root`. Returns True when `out_dir` is gone."""
+    out = Path(out_dir)
+    if not out.is_dir() or not inside(out, root) or inside(root, out):
+        return False
+    ours = {name for names in FILES.values() for name in names} | {RESULT_FILE}
+    for path in out.iterdir():
+        temporary = path.name.startswith(f".{RESULT_FILE}.") and path.name.endswith(".tmp")  # write_text_atomic's
+        if (path.name in ours or temporary) and path.is_file():
+            with contextlib.suppress(OSError):
+                path.unlink()
+    remove_empty_folders(out, root)
+    return not out.exists()
+
+
+def remove_incomplete(out_dir: Union[str, os.PathLike], root: Union[str, os.PathLike]) -> bool:
+    """`remove_outputs` of a folder without result.json: what an unfinished `write_outputs` left (a writer stopped
+    with its process). A folder with result.json is complete and stays. Returns True when `out_dir` is gone."""
+    if (Path(out_dir) / RESULT_FILE).exists():
+        return False
+    return remove_outputs(out_dir, root)
+
+
+def remove_empty_folders(folder: Union[str, os.PathLike], root: Union[str, os.PathLike]) -> None:
+    """Remove `folder` and then each parent below `root`, as long as they are empty (never `root` itself)."""
+    top = os.path.realpath(root)
+    for path in (Path(folder), *Path(folder).parents):
+        if os.path.realpath(path) == top or not inside(path, root):
+            break
+        try:
+            path.rmdir()  # only when empty
+        except OSError:
+            break
 
 
 def _write_files(

@@ -38,10 +38,15 @@ __all__ = [
     "collect_images",
     "asked_name",
     "output_name",
+    "unique_names",
+    "NAME_MAX",
     "unreadable_images",
 ]
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
+# The most bytes of one name in a path on the usual file systems (ext4, XFS, Btrfs, tmpfs, APFS, NTFS: 255): a name
+# made longer by a clash's suffix is cut to it before the suffix
+NAME_MAX = 255
 
 
 class InputPathError(ValueError):
@@ -122,12 +127,22 @@ def _expand(argument: str, exclude: Optional[str]) -> list:
     raise InputPathError(f"input {argument!r}: no such file or folder")
 
 
-def _unique_names(wanted: Sequence[tuple]) -> list:
+def unique_names(wanted: Sequence[tuple]) -> list:
     """[(path, safe name, why renamed)] -> [(name, why renamed)]: names unique case-insensitively and never a
-    parent folder of another name."""
+    parent folder of another name (a clash gets the path's extension, then a counter). The one way a run's
+    names are made unique: photos (`collect_images`) and clips (`tt-moge predict a.mp4 a.mov`) alike."""
 
     def parents(name: str) -> list:
         return [p.as_posix().casefold() for p in PurePosixPath(name).parents if p.as_posix() != "."]
+
+    def fitted(name: str, suffix: str) -> str:
+        """name + suffix, the last part of name cut first (at a character) so that the part is NAME_MAX bytes
+        at most: two 251-byte stems that clash became 257 bytes, and their files could not be written."""
+        nonlocal cut
+        head, _, last = name.rpartition("/")
+        kept = last.encode()[: NAME_MAX - len(suffix.encode())].decode(errors="ignore")
+        cut = cut or kept != last
+        return f"{head}/" * bool(head) + kept + suffix
 
     counts: dict = {}
     for _, name, _ in wanted:
@@ -136,19 +151,21 @@ def _unique_names(wanted: Sequence[tuple]) -> list:
     taken: set = set()
     names = []
     for path, name, why in wanted:
-        key, reasons = name.casefold(), [why] if why else []
+        key, reasons, cut = name.casefold(), [why] if why else [], False
         if counts[key] > 1 or key in folders:
             suffix = path.suffix.lstrip(".")
-            name = f"{name}_{suffix}" if suffix else name
+            name = fitted(name, f"_{suffix}") if suffix else name
             reasons.append(
                 f"another input asks for {key!r} too" if counts[key] > 1 else f"{key!r} is a folder of another name"
             )
         base, n = name, 1
         while name.casefold() in taken or name.casefold() in folders:
             n += 1
-            name = f"{base}-{n}"
+            name = fitted(base, f"-{n}")
         if n > 1 and len(reasons) == (1 if why else 0):
             reasons.append(f"{base!r} is taken")
+        if cut:
+            reasons.append(f"cut to fit {NAME_MAX} bytes, a file system's limit on a name")
         taken.add(name.casefold())
         names.append((name, "; ".join(reasons)))
     return names
@@ -170,7 +187,7 @@ def collect_images(arguments: Iterable[str], exclude: Optional[Union[str, os.Pat
     safe = [(path, *output_name(path, base)) for path, base in found]
     return [
         ImageInput(path, name, asked_name(path, base), why)
-        for (path, base), (name, why) in zip(found, _unique_names(safe))
+        for (path, base), (name, why) in zip(found, unique_names(safe))
     ]
 
 

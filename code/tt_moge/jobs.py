@@ -9,7 +9,8 @@ in memory). `predict_chunk` is the model step alone: one bad image costs only it
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -71,29 +72,50 @@ def predict_images(
     run goes on; the files its writing had made are removed again (`write_outputs`), nothing else: clean-up
     only touches what this run wrote, inside out_root. Returns {image index: error message or None};
     `on_done(image, error)` is called for each image as it finishes; `on_stage(text)` before each chunk goes to
-    the model (a model call on the CPU can take minutes: a progress display shows what is happening).
+    the model (a model call on the CPU can take minutes: a progress display shows what is happening). A written
+    image is recorded (`on_done`) by the writer thread that wrote it, one record at a time: an interruption of
+    this thread cannot fall between a finished write and its record.
     `mesh_step` and `mesh_faces` go to `write_outputs`.
 
     An exception in this thread (a signal handler's, e.g. SIGTERM) stops the run: the writes already running
     finish (and are reported to `on_done`), the queued ones are dropped before they create anything.
     """
     status: dict = {}
+    recording = threading.Lock()  # finish() runs in the writer threads: one image's record at a time
 
     def finish(index: int, image: Any, error: Optional[str]) -> None:
-        status[index] = error
-        if on_done is not None:
-            on_done(image, error)
+        with recording:
+            status[index] = error
+            if on_done is not None:
+                on_done(image, error)
+
+    def write_and_record(index: int, image: Any, output: Any, rgb: Any) -> None:
+        """A writer thread's job: the files, then the record. Recorded here, not in the main thread, so that a
+        signal's exception there never comes between a finished write and its record."""
+        try:
+            write_outputs(
+                output,
+                rgb,
+                out_root / image.name,
+                formats,
+                source=str(image.path),
+                mesh_step=mesh_step,
+                mesh_faces=mesh_faces,
+                root=out_root,
+            )
+        except Exception as exc:
+            finish(index, image, _write_reason(image, out_root / image.name, exc))
+        else:
+            finish(index, image, None)
 
     reader = ThreadPoolExecutor(1, thread_name_prefix="tt_moge-read")
     writer = ThreadPoolExecutor(writers, thread_name_prefix="tt_moge-write")
-    writing: list = []  # [(index, image, Future)], oldest first
+    writing: list = []  # Futures of write_and_record, oldest first
 
     def collect(limit: int) -> None:
         while len(writing) > limit:
-            index, image, future = writing[0]
-            exc = future.exception()  # waits; popped after, so that an interruption here loses no image
+            writing[0].result()  # waits (its record is made in the writer thread); raises on_done's error
             writing.pop(0)
-            finish(index, image, None if exc is None else _write_reason(image, out_root / image.name, exc))
 
     try:
         index = 0
@@ -113,35 +135,15 @@ def predict_images(
                 if isinstance(output, BaseException):
                     finish(i, image, failure_text(image.path, output))
                     continue
-                job: Future = writer.submit(
-                    write_outputs,
-                    output,
-                    rgb,
-                    out_root / image.name,
-                    formats,
-                    source=str(image.path),
-                    mesh_step=mesh_step,
-                    mesh_faces=mesh_faces,
-                    root=out_root,
-                )
-                writing.append((i, image, job))
+                writing.append(writer.submit(write_and_record, i, image, output, rgb))
                 collect(2 * writers)  # bounded: finished maps wait for a writer, not pile up in memory
         collect(0)
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
+        # after an interruption: the writes that started run to their end and record themselves; the queued
+        # ones are cancelled before they create anything (and stay "not done")
         writer.shutdown(wait=True, cancel_futures=True)
-        _settle_interrupted(writing, finish, out_root)
     return status
-
-
-def _settle_interrupted(writing: list, finish: Callable, out_root: Path) -> None:
-    """After an interruption: report the writes that ran (to their end: the pool was shut down with wait);
-    those cancelled before they started wrote nothing and stay unreported."""
-    for index, image, future in writing:
-        if not future.cancelled():
-            exc = future.exception()
-            finish(index, image, None if exc is None else _write_reason(image, out_root / image.name, exc))
-    writing.clear()
 
 
 def predict_chunk(service: Any, arrays: list, options: CallOptions = CallOptions()) -> list:
@@ -180,17 +182,39 @@ def predict_panoramas(
     the run goes on; views that failed inside a panorama are listed in its result.json ("views_failed").
     Returns {image index: error message or None}."""
     status: dict = {}
+    recording = threading.Lock()
+
+    def finish(index: int, image: Any, error: Optional[str]) -> None:
+        with recording:
+            status[index] = error
+            if on_done is not None:
+                on_done(image, error)
+
+    def write_and_record(index: int, image: Any, output: Any, rgb: Any) -> None:
+        """In the writer thread: the files, then the record (as predict_images: no window between them)."""
+        try:
+            write_outputs(
+                output,
+                rgb,
+                out_root / image.name,
+                formats,
+                source=str(image.path),
+                mesh_step=mesh_step,
+                mesh_faces=mesh_faces,
+                root=out_root,
+            )
+        except Exception as exc:
+            finish(index, image, failure_text(image.path, exc))
+        else:
+            finish(index, image, None)
+
     writer = ThreadPoolExecutor(1, thread_name_prefix="tt_moge-write")
-    pending: list = []
+    pending: list = []  # the write of the previous panorama, while the next one's views run
 
     def settle() -> None:
         while pending:
-            index, image, future = pending[0]
-            exc = future.exception()
+            pending[0].result()
             pending.pop(0)
-            status[index] = None if exc is None else failure_text(image.path, exc)
-            if on_done is not None:
-                on_done(image, status[index])
 
     try:
         for index, image in enumerate(images):
@@ -201,33 +225,13 @@ def predict_panoramas(
                 output = model.predict_panorama(rgb, apply_mask=apply_mask)
             except Exception as exc:
                 settle()
-                status[index] = failure_text(image.path, exc)
-                if on_done is not None:
-                    on_done(image, status[index])
+                finish(index, image, failure_text(image.path, exc))
                 continue
             settle()
-            pending.append(
-                (
-                    index,
-                    image,
-                    writer.submit(
-                        write_outputs,
-                        output,
-                        rgb,
-                        out_root / image.name,
-                        formats,
-                        source=str(image.path),
-                        mesh_step=mesh_step,
-                        mesh_faces=mesh_faces,
-                        root=out_root,
-                    ),
-                )
-            )
+            pending.append(writer.submit(write_and_record, index, image, output, rgb))
         settle()
     finally:
-        writer.shutdown(wait=True, cancel_futures=True)
-        pending[:] = [entry for entry in pending if not entry[2].cancelled()]
-        settle()  # after an interruption: the write that was running has finished
+        writer.shutdown(wait=True, cancel_futures=True)  # after an interruption: the running write records itself
     return status
 
 

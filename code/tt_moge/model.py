@@ -29,6 +29,7 @@ from .fields import signature
 from .host import CallOptions
 from .options import LoadOptions
 from .output import MoGeOutput
+from .progress import slow_step
 from .runners import make_runner
 from .runners.base import RawMaps, Runner
 from .service import PredictionService
@@ -83,22 +84,25 @@ class MoGeModel:
     def load(cls, options: LoadOptions) -> "MoGeModel":
         """`from_pretrained` with options already resolved (`LoadOptions.resolve`)."""
         t0 = time.perf_counter()
-        network, ckpt = load_network(options.weights, options.revision)
+        with slow_step(f"loading the weights {options.weights}"):
+            network, ckpt = load_network(options.weights, options.revision)
         _log(options.verbose, f"loaded {ckpt.source} ({network.config.describe()}) in {time.perf_counter() - t0:.1f} s")
-        runner = make_runner(
-            network,
-            options.resolution,
-            options.num_tokens,
-            options.device,
-            options.precision,
-            dispatch=options.dispatch,
-            num_command_queues=options.num_command_queues,
-            verbose=options.verbose,
-        )
+        with slow_step(f"preparing the {options.device} runner ({options.precision} precision)"):
+            runner = make_runner(
+                network,
+                options.resolution,
+                options.num_tokens,
+                options.device,
+                options.precision,
+                dispatch=options.dispatch,
+                num_command_queues=options.num_command_queues,
+                verbose=options.verbose,
+            )
         model = cls(runner, options, network_config=network.config, source=ckpt.source, revision=ckpt.revision)
         del network  # the runner holds what it needs (a graph runner: only its folded copy)
         try:
-            native.library()  # build (first use on this machine) and load the native library now, not in a call
+            with slow_step("building the native host library (its first use on this machine)"):
+                native.library()  # build (first use on this machine) and load the native library now, not in a call
             model._device_warmup(options.warmup)
             photos: dict = {}  # one synthetic photo per size for all the variants of this load
             for variant in options.warmup_variants:
@@ -115,7 +119,8 @@ class MoGeModel:
         canvas = self.service.prepare(synthetic_photo(self.resolution), CallOptions()).canvas
         for i in range(count):
             t = time.perf_counter()
-            self._warm_raw = self.service.forward_raw(canvas)
+            with slow_step(f"warm-up forward {i + 1} of {count} on {self.device}"):
+                self._warm_raw = self.service.forward_raw(canvas)
             _log(self.verbose, f"device warm-up forward {i + 1}/{count}: {time.perf_counter() - t:.2f} s")
 
     # ------------------------------------------------------------------------------------ properties
@@ -272,7 +277,8 @@ class MoGeModel:
             self._device_warmup(1)
         # The device part is the same fixed-shape forward for every variant (warmed by the device warm-up);
         # variants warm the host paths, on a copy of this model whose runner replays the warm-up's raw maps.
-        run_variant(self._replaying(self._warm_raw), key, {} if photos is None else photos)
+        with slow_step(f"warming the host steps for {', '.join(f'{k}={val}' for k, val in key) or 'the default call'}"):
+            run_variant(self._replaying(self._warm_raw), key, {} if photos is None else photos)
         seconds = time.perf_counter() - t
         with self._state_lock:
             self._warmed[key] = seconds

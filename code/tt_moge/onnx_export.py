@@ -42,7 +42,11 @@ __all__ = [
 INPUT_NAME = "image"
 OUTPUT_NAMES = ("points", "normal", "mask", "metric_scale")  # in this order, those the checkpoint has
 METADATA_KEYS = ("tt_moge.canvas_width", "tt_moge.canvas_height", "tt_moge.num_tokens", "tt_moge.outputs")
-MISSING_EXTRA = "install the export extra: pip install 'tt-moge[export]' (onnx, onnxscript, onnxruntime)"
+# as the README installs extras (from a clone); the packages by name for an installed wheel
+MISSING_EXTRA = (
+    'install the export extra, from a clone of the repository: pip install -e "code/[export]" '
+    "(or: pip install onnx onnxscript onnxruntime)"
+)
 
 
 def _require(module: str):

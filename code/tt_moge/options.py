@@ -20,17 +20,16 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, MAX_CANVAS_SIDE, PRECISIONS
 from .fields import bind, checked, non_negative_int, option, options_of, signature
-from .host.pipeline import CallOptions
-from .network import validate_token_budget
-from .runners.precision import resolve_precision
-from .warmup import expand_variants
+from .host.call_options import CallOptions
+from .network.config import validate_token_budget
 from .weights import DEFAULT_REPO, DEFAULT_REVISION, WEIGHTS_DIR_ENV
+
+if TYPE_CHECKING:  # only in annotations: torch is imported where a device is chosen
+    import torch
 
 __all__ = [
     "LoadOptions",
@@ -162,6 +161,8 @@ def select_device(device: Any = None, device_id: int = 0, verbose: bool = False)
     CPU build the CPU is the only choice); a `device_id` the machine lacks is a ValueError, never another kind of
     device; TT_VISIBLE_DEVICES=none hides the chips. An open ttnn device is used as it is (never closed by the model);
     "tt" / "tt:N" name a chip; "cpu", "cuda", "cuda:N" or a torch.device a torch device."""
+    import torch  # here, not at the top: the command line builds its flags from these options without torch
+
     _check_device_id(device_id)
     if device is None:
         from .runners.ttnn.device import chips_here
@@ -236,7 +237,7 @@ class LoadOptions:
         check=_check_weights,
         argtype=Union[str, os.PathLike],
     )
-    device: Union[torch.device, TtChip] = option(
+    device: Any = option(  # resolved: a torch.device or a TtChip
         None,
         "cpu, cuda, cuda:N, tt or tt:N (default: a Tenstorrent chip when ttnn sees one, else CUDA when present, "
         "else the CPU)",
@@ -320,11 +321,15 @@ class LoadOptions:
         precision, "main" revision, the warm-up variants for the canvas."""
         given = cls.arguments(*args, **kwargs)
         values = {info.name: given[info.argument] for info in options_of(cls)}
+        from .warmup import expand_variants
+
         values["warmup_variants"] = tuple(expand_variants(values["warmup_variants"], values["resolution"]))
         chosen = select_device(values["device"], values["device_id"], values["verbose"])
         callers_chip = isinstance(chosen, TtChip) and chosen.handle is not None  # opened already: dispatch is moot
         if values["num_command_queues"] == 2 and values["dispatch"] != "worker" and not callers_chip:
             raise ValueError("num_command_queues=2 needs dispatch='worker' (ETH dispatch supports 1 command queue)")
+        from .runners.precision import resolve_precision
+
         values.update(device=chosen, precision=resolve_precision(values["precision"], chosen))
         return cls(**values)
 

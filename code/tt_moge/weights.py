@@ -11,12 +11,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
-
-import torch
+from typing import TYPE_CHECKING, Optional, Union
 
 from . import env as environment
-from .network import ConfigError, MoGe2Config, MoGe2Network
+from .network.config import ConfigError, MoGe2Config
+
+if TYPE_CHECKING:  # annotations only
+    from .network import MoGe2Network
 
 DEFAULT_REPO = "Ruicheng/moge-2-vitl-normal"
 # The Hub revision of Ruicheng/moge-2-vitl-normal that the published numbers use (pass revision=None for main).
@@ -207,6 +208,8 @@ def _download(repo_id: str, revision: Optional[str]) -> Path:
 
 def read_checkpoint(path: Union[str, os.PathLike]) -> tuple[dict, dict]:
     """Read (model_config, state_dict) from a MoGe-2 model.pt with `weights_only=True`."""
+    import torch  # here: the option definitions import this module's constants without torch
+
     path = Path(path)
     size = path.stat().st_size
     try:
@@ -241,6 +244,10 @@ def _listing(keys: list, limit: int = 8) -> str:
 
 def build_network(config: dict, state_dict: dict, source: str = "checkpoint") -> MoGe2Network:
     """Build the network from its config and load the weights strictly, with a message a user can act on."""
+    import torch
+
+    from .network import MoGe2Network
+
     try:
         cfg = MoGe2Config.parse(config)
     except ConfigError as exc:

@@ -35,7 +35,7 @@ from .session import (
     ray_session,
     replica_runtime_env,
 )
-from .sinks import FAILURES_FILE, OUTPUT_FORMATS, SHARDS_DIR, FailureLog, completed_names, write_record
+from .sinks import FAILURES_FILE, OUTPUT_FORMATS, RECORD_FILE, SHARDS_DIR, FailureLog, completed_names, write_record
 
 __all__ = [
     "BatchJob",
@@ -73,6 +73,9 @@ class BatchSummary:
     output_format: str
     failures: list = field(default_factory=list)  # [(input path, error)]
     done_names: list = field(default_factory=list)  # output names of the images done by this run, as reported
+    failed_names: list = field(default_factory=list)  # output names of this run's failures
+    not_done: int = 0  # images neither done nor failed: the job was interrupted before them
+    interrupted: Optional[str] = None  # what stopped the job ("SIGTERM", "SIGINT", "KeyboardInterrupt"), if anything
     renamed: list = field(default_factory=list)  # [{input, output, asked, why}]: inputs not named as they asked
     arrivals: list = field(default_factory=list)  # seconds after the job start at which each image's status came
     unit: str = "images"  # what the counts count: "images", or "clips" for a job over video files
@@ -402,47 +405,94 @@ def _run_locked(
     if address is not None and weights_dir:  # the replicas resolve it, and it wins over a repo id
         model_record["MOGE_WEIGHTS_DIR"] = weights_dir
 
+    if replicas < job.replicas and not job.quiet:  # say why: the README's own example asked for 2 and got 1
+        unit = summary.unit if len(todo) != 1 else summary.unit[:-1]
+        each = (
+            f"one {summary.unit[:-1]} per replica call"
+            if per_call == 1
+            else f"up to {per_call} per replica call (--batch-size)"
+        )
+        print(
+            f"tt-moge batch: {replicas} replica{'s' * (replicas != 1)}, not the {job.replicas} asked for: "
+            f"{len(todo)} {unit} to do, {each}; a replica more would have nothing to do",
+            file=sys.stderr,
+            flush=True,
+        )
     # Ray's own INFO lines, its workers' output and Ray Data's progress bars only with the model's verbose flag
     # (tt-moge batch -v): the job's own progress bar and messages say what a user needs
     ray_quiet = job.quiet or not job.model.get("verbose")
-    with ray_session(ray, address, local_ray_cpus(replicas, cpus), job.object_store_mb, ray_quiet) as (where, start_s):
-        summary.ray_start_seconds = start_s
-        check_resources(ray, replicas, cpus, gpus, strict=address is None)
-        if not job.quiet:
-            print(
-                f"tt-moge batch: {len(todo)} images to do ({summary.skipped} already done) on {where}, "
-                f"{replicas} replica(s) x ({cpus:g} CPU, {gpus:g} GPU), device {device}",
-                file=sys.stderr,
-                flush=True,
-            )
-        t0 = time.perf_counter()
-        with ray_data_output(ray, ray_quiet):
-            if clips or job.panorama:
-                actor, settings = (
-                    (ClipReplica, dict(options=call, video=video, writers=job.writers))
-                    if clips
-                    else (
-                        PanoramaReplica,
-                        dict(
-                            exif=job.exif,
-                            mesh_faces=job.mesh_faces,
-                            apply_mask=call.apply_mask,
-                            output_format=job.output_format,
-                        ),
+    where, t0 = "a Ray that was still starting", time.perf_counter()
+    try:
+        with ray_session(ray, address, local_ray_cpus(replicas, cpus), job.object_store_mb, ray_quiet) as session:
+            where, summary.ray_start_seconds = session
+            check_resources(ray, replicas, cpus, gpus, strict=address is None)
+            if not job.quiet:
+                print(
+                    f"tt-moge batch: {len(todo)} images to do ({summary.skipped} already done) on {where}, "
+                    f"{replicas} replica(s) x ({cpus:g} CPU, {gpus:g} GPU), device {device}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            t0 = time.perf_counter()
+            with ray_data_output(ray, ray_quiet):
+                if clips or job.panorama:
+                    actor, settings = (
+                        (ClipReplica, dict(options=call, video=video, writers=job.writers))
+                        if clips
+                        else (
+                            PanoramaReplica,
+                            dict(
+                                exif=job.exif,
+                                mesh_faces=job.mesh_faces,
+                                apply_mask=call.apply_mask,
+                                output_format=job.output_format,
+                            ),
+                        )
                     )
-                )
-                kwargs = dict(model_kwargs=model_kwargs, out=str(out.resolve()), formats=formats, threads=int(cpus))
-                dataset = _one_per_call_dataset(
-                    ray, job, todo, actor, {**kwargs, **settings}, replicas, cpus, gpus, address is None, chips
-                )
-            else:
-                dataset = _build_dataset(
-                    ray, job, todo, out, formats, call, model_kwargs, replicas, cpus, gpus, address is None, chips
-                )
-            _collect(dataset, summary, failures_path, len(todo), job.progress and not job.quiet, on_failure, t0)
+                    kwargs = dict(model_kwargs=model_kwargs, out=str(out.resolve()), formats=formats, threads=int(cpus))
+                    dataset = _one_per_call_dataset(
+                        ray, job, todo, actor, {**kwargs, **settings}, replicas, cpus, gpus, address is None, chips
+                    )
+                else:
+                    dataset = _build_dataset(
+                        ray, job, todo, out, formats, call, model_kwargs, replicas, cpus, gpus, address is None, chips
+                    )
+                _collect(dataset, summary, failures_path, len(todo), job.progress and not job.quiet, on_failure, t0)
+            summary.seconds = time.perf_counter() - t0
+    except BaseException as exc:
+        if isinstance(exc, Exception):
+            raise
+        # a signal's exception (the CLI's Interrupted, KeyboardInterrupt): Ray is shut down by now (ray_session),
+        # so no replica writes any more; batch.json says what is on disk, then the exception goes on
         summary.seconds = time.perf_counter() - t0
+        summary.interrupted = getattr(exc, "name", type(exc).__name__)
+        _count_interrupted(out, todo, job.output_format, summary)
+        try:
+            write_record(out, summary, where, model_record, options)
+        except OSError as error:  # the interruption stays what the caller hears of
+            print(f"tt-moge batch: could not write {out / RECORD_FILE}: {error}", file=sys.stderr, flush=True)
+        raise
     write_record(out, summary, where, model_record, options)
     return summary
+
+
+def _count_interrupted(out: Path, todo: list, output_format: str, summary: BatchSummary) -> None:
+    """After an interruption, the counts of what is on disk: an image is done when its output is complete
+    (`completed_names`; a replica may have finished it after the driver stopped listening), failed when it was
+    reported so, else not done; a not-done image's partial folder (a replica stopped while writing it) goes."""
+    from ..export import remove_incomplete
+
+    names = [im.name for im in todo]
+    complete = completed_names(out, names, output_format)
+    failed = set(summary.failed_names)
+    summary.done_names = [name for name in names if name in complete]
+    summary.done = len(summary.done_names)
+    summary.failed = len(failed - complete)
+    summary.not_done = len(todo) - summary.done - summary.failed
+    if output_format == "files":
+        for name in names:
+            if name not in complete and name not in failed:
+                remove_incomplete(out / name, out)
 
 
 def _one_per_call_dataset(
@@ -571,6 +621,7 @@ def _collect(
                     if error:
                         summary.failed += 1
                         summary.failures.append((str(path), str(error)))
+                        summary.failed_names.append(str(name))
                         failures.add(str(path), str(name), str(error))
                         if on_failure is not None:
                             on_failure(str(path), str(error))

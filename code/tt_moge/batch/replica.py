@@ -142,9 +142,9 @@ class ClipReplica:
                         writer.add(frame.index, frame.output, frame.image, frame.record(), frame.depth_range)
                     writer.finish(stream.result)
                 errors.append("")
-            except Exception as exc:  # a bad clip costs only itself
+            except Exception as exc:  # a bad clip costs only itself, and leaves no folder
                 if writer is not None:
-                    writer.abort()
+                    writer.abort(remove=True)
                 errors.append(failure_text(path, exc))
         return {"name": names, "path": paths, "error": errors}
 

@@ -4,9 +4,13 @@ job fits in it, and Ray Data's own output. Nothing here knows the model."""
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
+import re
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -28,7 +32,15 @@ __all__ = [
     "replica_runtime_env",
     "TT_RESOURCE",
     "chip_request",
+    "keeping_signal_handlers",
+    "ray_noise_filtered",
+    "RAY_NATIVE_LOG_LINE",
 ]
+
+# A line of Ray's C++ logging ("[2026-12-07 01:49:21,965 E 8740 8740] core_worker.cc:2465: Actor with class name:
+# ... has constructor arguments in the object store and max_restarts > 0 ..."), written by the driver's core
+# worker straight to file descriptor 2, past Python and `logging_level`
+RAY_NATIVE_LOG_LINE = re.compile(rb"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [DIWEF] \d+ \d+\] ")
 
 DEFAULT_OBJECT_STORE_MB = 200  # the embedded local Ray's shared-memory object store (the machine may be shared)
 MIN_OBJECT_STORE_MB = 80  # Ray refuses a smaller object store
@@ -67,6 +79,27 @@ def _log_options(quiet: bool) -> dict:
     return dict(logging_level="WARNING" if quiet else "INFO", log_to_driver=not quiet)
 
 
+# Ray (>= 2.5x) logs a WARNING that token authentication is on each time it starts a local Ray: what we want (it
+# keeps other hosts out), and no news to the user of a job that works
+_AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+@contextlib.contextmanager
+def _without_auth_notice(quiet: bool) -> Iterator[None]:
+    """Ray's token-authentication notice left out while a local Ray starts, when quiet (its logger's level
+    raised for the block; with -v it shows)."""
+    import logging
+
+    logger = logging.getLogger(_AUTH_NOTICE_LOGGER)
+    saved = logger.level
+    if quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(saved)
+
+
 def init_local_ray(
     ray: Any,
     num_cpus: int,
@@ -89,15 +122,16 @@ def init_local_ray(
             f"tt-moge batch: ended {len(pids)} Ray process(es) left by an earlier run whose driver (pid {driver}) died",
             file=sys.stderr,
         )
-    context = ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        object_store_memory=object_store_mb * 2**20,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        **_log_options(quiet),
-    )
+    with _without_auth_notice(quiet):
+        context = ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            object_store_memory=object_store_mb * 2**20,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            **_log_options(quiet),
+        )
     session_dir = (getattr(context, "address_info", None) or {}).get("session_dir", "")
     try:
         return Watcher.start(ray.get_runtime_context().get_node_id(), session_dir)
@@ -130,6 +164,102 @@ def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
 
 
 @contextlib.contextmanager
+def keeping_signal_handlers() -> Iterator[None]:
+    """Put SIGTERM's and SIGINT's handlers back as they were after the block (`ray.init`). Ray's init replaces
+    SIGTERM's with `sys.exit(15)`, and its core worker's C++ failure handler (a stack dump) takes the signal at
+    the C level: a `tt-moge batch` told to stop died with exit 15 or SIGABRT and Ray's dumps, and its own
+    handler (which stops the job and writes batch.json) never ran. `signal.signal` sets the C handler as well,
+    so restoring it removes both. Outside the main thread (where handlers cannot be set) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        for signum, handler in saved.items():
+            if handler is not None:  # None: set outside Python, cannot be put back from here
+                signal.signal(signum, handler)
+
+    try:
+        yield
+    except SystemExit as exc:  # Ray's handler took a SIGTERM during init: hand it to the handler it replaced
+        restore()
+        if exc.code == signal.SIGTERM:
+            signal.raise_signal(signal.SIGTERM)  # the handler's exception (or the default: the end) comes from here
+        raise
+    finally:
+        restore()
+
+
+def _pump(source: int, sink: int, drop: "re.Pattern[bytes]") -> None:
+    """Copy `source` to `sink` until EOF, without the lines that `drop` matches; a partial line is passed on at
+    once (a progress bar's carriage returns) unless it may be the start of such a line ('['). Closes both."""
+    pending = b""
+    try:
+        while True:
+            chunk = os.read(source, 65536)
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            out = b"".join(line + b"\n" for line in lines if not drop.match(line))
+            if pending and not pending.startswith(b"["):
+                out, pending = out + pending, b""
+            while out:
+                out = out[os.write(sink, out) :]
+        if pending and not drop.match(pending):
+            os.write(sink, pending)
+    except OSError:
+        pass
+    finally:
+        os.close(source)
+        os.close(sink)
+
+
+@contextlib.contextmanager
+def ray_noise_filtered(drop: "re.Pattern[bytes]" = RAY_NATIVE_LOG_LINE) -> Iterator[None]:
+    """File descriptor 2 through a pipe that drops Ray's C++ log lines (`drop`) for the block; `sys.stderr` is
+    the terminal itself meanwhile (a new stream on a copy of the old fd 2), so the job's own lines, its progress
+    bar and its terminal width are untouched. Only Ray's native lines, which no Python setting reaches, are
+    filtered: the driver's core worker writes "Actor ... has constructor arguments in the object store" into a
+    run that works. A `sys.stderr` that is not fd 2 (a caller's StringIO) is left as it is. Processes started in
+    the block that inherit fd 2 keep writing into the pipe until they end; the pump then ends too. Linux/macOS,
+    main thread only; elsewhere the block runs unfiltered."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(os, "pipe"):
+        yield
+        return
+    try:
+        sys.stderr.flush()
+        terminal = os.dup(2)
+        read_end, write_end = os.pipe()
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    pump = threading.Thread(
+        target=_pump, args=(read_end, os.dup(terminal), drop), name="tt_moge-ray-stderr", daemon=True
+    )
+    pump.start()
+    saved_stream = sys.stderr
+    try:  # a sys.stderr that is not fd 2 (a caller's StringIO, a test's capture) is left as it is
+        on_fd2 = saved_stream.fileno() == 2
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        on_fd2 = False
+    stream = io.TextIOWrapper(io.FileIO(terminal, "w", closefd=True), write_through=True, line_buffering=True)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    if on_fd2:
+        sys.stderr = stream
+    try:
+        yield
+    finally:
+        stream.flush()
+        if on_fd2:
+            sys.stderr = saved_stream
+        os.dup2(stream.fileno(), 2)  # fd 2 is the terminal again; the pipe ends when the last writer does
+        stream.close()
+        pump.join(timeout=1.0)
+
+
+@contextlib.contextmanager
 def ray_session(ray: Any, address: Optional[str], num_cpus: int, object_store_mb: int, quiet: bool) -> Iterator[tuple]:
     """Yield (where, seconds to start). Reuses a Ray this process already started (and leaves it running);
     else connects to `address`, or starts a local Ray (init_local_ray), and shuts it down after."""
@@ -137,20 +267,23 @@ def ray_session(ray: Any, address: Optional[str], num_cpus: int, object_store_mb
     if ray.is_initialized():
         yield "the Ray of this process", 0.0
         return
-    watcher = None
-    if address:
-        check_ray_address(address)
-        ray.init(address=address, include_dashboard=False, **_log_options(quiet))
-        where = f"the Ray cluster at {address}"
-    else:
-        watcher = init_local_ray(ray, num_cpus, object_store_mb, quiet)
-        where = f"a local Ray ({num_cpus} logical CPUs, {object_store_mb} MB object store)"
-    try:
-        yield where, time.perf_counter() - t0
-    finally:
-        ray.shutdown()
-        if watcher is not None:
-            watcher.release()
+    with ray_noise_filtered() if quiet else contextlib.nullcontext():  # Ray's C++ lines: only with -v
+        watcher = None
+        if address:
+            check_ray_address(address)
+            with keeping_signal_handlers():
+                ray.init(address=address, include_dashboard=False, **_log_options(quiet))
+            where = f"the Ray cluster at {address}"
+        else:
+            with keeping_signal_handlers():
+                watcher = init_local_ray(ray, num_cpus, object_store_mb, quiet)
+            where = f"a local Ray ({num_cpus} logical CPUs, {object_store_mb} MB object store)"
+        try:
+            yield where, time.perf_counter() - t0
+        finally:
+            ray.shutdown()
+            if watcher is not None:
+                watcher.release()
 
 
 def check_resources(ray: Any, replicas: int, cpus: float, gpus: float, strict: bool) -> None:

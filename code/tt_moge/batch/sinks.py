@@ -177,6 +177,8 @@ def write_record(out: Path, summary: Any, where: str, model: Optional[dict], opt
                 "done": summary.done,
                 "failed": summary.failed,
                 "skipped": summary.skipped,
+                "not_done": summary.not_done,
+                "interrupted": summary.interrupted,
                 "seconds": round(summary.seconds, 3),
                 "images_per_second": round(summary.images_per_second, 3),
                 "ray_start_seconds": round(summary.ray_start_seconds, 3),

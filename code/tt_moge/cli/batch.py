@@ -148,7 +148,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         with SignalGuard():
             summary = run_batch(job, on_failure=on_failure)
     except Interrupted as exc:  # SIGTERM / Ctrl-C: Ray is shut down on the way out (ray_session)
-        say(f"{exc}: the images finished so far are kept (OUT/NAME/result.json); rerun the same command to do the rest")
+        say(
+            f"{exc}: the images finished so far are kept ({Path(job.out) / RECORD_FILE} counts them); rerun the "
+            "same command to do the rest"
+        )
         return 128 + exc.signum
     except RayMissingError as exc:
         say(str(exc))

@@ -1,17 +1,21 @@
 """The `tt-moge` commands by name, with their one-line summaries, and the exit codes they share: what the
-top-level `tt-moge --help` shows. Nothing heavy is imported here (the command modules pull in torch through the
-model's option definitions), so that `tt-moge`, `tt-moge --help` and `tt-moge --version` answer at once; a
-command's module is imported only when that command is given (`entry.main`)."""
+top-level `tt-moge --help` shows. Nothing heavy is imported here, so that `tt-moge`, `tt-moge --help` and
+`tt-moge --version` answer at once; a command's module is imported only when that command is given
+(`entry.main`), and builds its flags from the option definitions, which import without torch (a command's
+`--help` takes under a second; torch comes with the work)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
+import time
 from types import ModuleType
 
 __all__ = [
+    "process_seconds",
     "COMMANDS",
     "summary",
     "command_module",
@@ -68,5 +72,22 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, max_help_position=30, width=110)
 
 
+_IMPORTED = time.perf_counter()  # when the command line was first imported: process_seconds' fallback
+
+
+def process_seconds() -> float:
+    """Seconds since this process started: what the user waited for, start-up and imports included (Linux:
+    /proc/self/stat's start time against /proc/uptime, 10 ms ticks; elsewhere since tt_moge.cli was imported)."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            started = int(stat.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+            return max(0.0, float(uptime.read().split()[0]) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.perf_counter() - _IMPORTED
+
+
+SAY_PREFIX = "tt-moge:"  # what the command's own lines on stderr start with
+
+
 def say(message: str) -> None:
-    print(f"tt-moge: {message}", file=sys.stderr, flush=True)
+    print(f"{SAY_PREFIX} {message}", file=sys.stderr, flush=True)

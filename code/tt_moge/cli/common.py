@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -38,6 +39,7 @@ __all__ = [
     "EXIT_TERMINATED",
     "Interrupted",
     "SignalGuard",
+    "Ticker",
     "EXIT_CODES",
     "DEFAULT_OUTPUT",
     "FORMAT_MB",
@@ -91,11 +93,22 @@ class SignalGuard:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:
-            os.write(2, f"tt-moge: {signal.Signals(signum).name} again: stopping now, without clean-up\n".encode())
+            message = f"tt-moge: {signal.Signals(signum).name} again: stopping now, without clean-up\n".encode()
+            try:  # sys.stderr: the terminal even while fd 2 goes through a filter (batch.session.ray_noise_filtered)
+                os.write(sys.stderr.fileno(), message)
+            except (OSError, ValueError, AttributeError):
+                os.write(2, message)
             os._exit(128 + signum)
         self.signum = signum
         if self.raising:
             raise Interrupted(signum)
+
+    def check(self) -> None:
+        """Raise `Interrupted` for a signal received while raising whose exception never arrived: a library
+        swallowed it (trimesh's optional imports catch BaseException). Call it after such code (the first
+        imports of the format writers, the model load) and between steps."""
+        if self.signum is not None and self.raising:
+            raise Interrupted(self.signum)
 
     @property
     def exit_code(self) -> Optional[int]:
@@ -111,6 +124,35 @@ class SignalGuard:
         for signum, handler in self._saved.items():
             signal.signal(signum, handler)
         self._saved = {}
+
+
+class Ticker:
+    """Redraws a progress bar once a second while work runs (a context manager), so that its elapsed time moves
+    before the first item is done (on a CPU, the first chunk of photos or a clip's calibration can take
+    minutes); `stage()`, when given, is shown after the bar each time (what the work is doing now)."""
+
+    def __init__(self, bar: Any, stage: Optional[Any] = None, every_s: float = 1.0) -> None:
+        self.bar, self.stage, self.every_s = bar, stage, every_s
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            if self.stage is not None:
+                self.bar.set_postfix_str(self.stage())  # redraws
+            else:
+                self.bar.refresh()
+
+    def __enter__(self) -> "Ticker":
+        if not self.bar.disable:
+            self._thread = threading.Thread(target=self._run, name="tt_moge-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _dest(info: OptionInfo) -> str:

@@ -6,6 +6,7 @@ import argparse
 import time
 from typing import Any
 
+from .commands import SAY_PREFIX as PREFIX
 from .commands import summary as command_summary
 from .common import EXIT_OK, EXIT_START, EXIT_USAGE, Formatter, add_model_arguments, model_kwargs, say
 
@@ -33,7 +34,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "budget in the model's metadata. Then run the file with ONNX Runtime on a photo-like canvas and print "
         "the largest difference from our forward. The camera solve and the finish are host steps: "
         "docs/export.md shows how to apply them to the file's outputs. Needs the export extra "
-        "(pip install 'tt-moge[export]').",
+        '(from a clone: pip install -e "code/[export]").',
         epilog="examples:\n  tt-moge export onnx -o moge2.onnx\n"
         "  tt-moge export onnx -o small.onnx --weights /models/moge-2 --resolution 640x480 --num-tokens 1200\n\n"
         + EXIT_CODES,
@@ -51,24 +52,27 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`tt-moge export onnx` with parsed arguments -> exit code."""
     from ..onnx_export import check_onnx, export_onnx
     from ..options import LoadOptions
+    from ..progress import slow_step
     from ..weights import load_network
 
     t0 = time.perf_counter()
     try:
         options = LoadOptions.resolve(**model_kwargs(args, only=EXPORT_FLAGS), device="cpu", warmup_variants="none")
-        network, checkpoint = load_network(options.weights, options.revision)
+        with slow_step(f"loading the weights {options.weights}", prefix=PREFIX):
+            network, checkpoint = load_network(options.weights, options.revision)
     except (ValueError, TypeError, OSError, RuntimeError) as exc:
         say(f"could not load the model: {exc}")
         return EXIT_START
     width, height = options.resolution
     try:
-        names = export_onnx(
-            network,
-            args.output,
-            options.resolution,
-            options.num_tokens,
-            metadata={"tt_moge.weights": checkpoint.source},
-        )
+        with slow_step(f"exporting the {width}x{height} forward to {args.output} (torch.onnx)", prefix=PREFIX):
+            names = export_onnx(
+                network,
+                args.output,
+                options.resolution,
+                options.num_tokens,
+                metadata={"tt_moge.weights": checkpoint.source},
+            )
     except ImportError as exc:
         say(str(exc))
         return EXIT_START
@@ -82,7 +86,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.no_check:
         return EXIT_OK
     try:
-        check = check_onnx(args.output, network, options.num_tokens)
+        with slow_step(f"checking {args.output} with ONNX Runtime against our forward", prefix=PREFIX):
+            check = check_onnx(args.output, network, options.num_tokens)
     except ImportError as exc:
         say(f"{exc} (or pass --no-check)")
         return EXIT_START

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -15,6 +14,7 @@ from ..jobs import DEFAULT_CHUNK
 from ..panorama.predict import PANORAMA_CANVAS
 from ..runs import RUN_FILE, OutputBusy, OutputLock
 from . import argtypes
+from .commands import process_seconds
 from .commands import summary as command_summary
 from .common import (
     DEFAULT_OUTPUT,
@@ -28,6 +28,7 @@ from .common import (
     Formatter,
     Interrupted,
     SignalGuard,
+    Ticker,
     add_call_arguments,
     add_format_arguments,
     add_model_arguments,
@@ -238,13 +239,7 @@ def _run_locked(
     from ..jobs import predict_images, predict_panoramas, written_bytes
 
     run_json = out_root / RUN_FILE
-    try:  # it describes the last run: an earlier one's must not stand for this run if this one cannot write its own
-        run_json.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        parser.error(f"cannot replace {str(run_json)!r}: {exc}")
-    missing = missing_format_library(formats)
+    missing = missing_format_library(formats)  # imports the writers' libraries: trimesh's swallow a signal
     if missing:
         say(missing)
         return EXIT_START
@@ -255,6 +250,7 @@ def _run_locked(
     info, interrupted = None, None
     bar: Any = None
     try:
+        guard.check()  # a signal during those imports
         unreadable = unreadable_images(images)  # found by their headers, before the model loads
         for i, reason in unreadable.items():
             status[i] = reason
@@ -263,7 +259,9 @@ def _run_locked(
         t_start = t_loaded = time.perf_counter()
         model = load_model(args) if todo else None
         if todo and model is None:
-            return EXIT_START
+            return EXIT_START  # nothing was done: an earlier run's run.json stays, as on a usage error
+        guard.check()  # a signal while loading that a library swallowed
+        _remove_earlier_record(run_json, parser)
         t_loaded = time.perf_counter()
         from tqdm import tqdm
 
@@ -273,9 +271,9 @@ def _run_locked(
             desc="tt-moge predict",
             file=sys.stderr,
             dynamic_ncols=True,
-            disable=args.quiet or len(todo) < 2,
+            disable=args.quiet or not todo,  # one photo too: its clock shows the model is at work
         )
-        ticker = _Ticker(bar)
+        ticker = Ticker(bar)
 
         def on_done(image: Any, error: Optional[str]) -> None:
             status[index_of[id(image)]] = error
@@ -284,6 +282,7 @@ def _run_locked(
             bar.update(1)
 
         def on_stage(text: str) -> None:
+            guard.check()  # between chunks: a signal that a library swallowed stops the run here
             bar.set_postfix_str(text)
 
         if model is not None:
@@ -324,10 +323,14 @@ def _run_locked(
         guard.raising = False  # from here on a signal only sets the exit code: the record gets written
         if bar is not None:
             bar.close()
+    if interrupted is None and guard.signum is not None:  # swallowed after the last check: still an interruption
+        interrupted = Interrupted(guard.signum)
     if interrupted is not None:
         t_loaded = min(t_loaded, time.perf_counter())
         say(f"{interrupted}: the files being written were finished; writing {run_json}")
     seconds = time.perf_counter() - t_loaded
+    total = process_seconds()  # what the user waited for: start-up and imports too
+    startup = max(0.0, total - (time.perf_counter() - t_start))
     failed = [(images[i], err) for i, err in sorted(status.items()) if err is not None]
     done = sum(1 for err in status.values() if err is None)
     not_done = len(images) - len(status)
@@ -354,8 +357,10 @@ def _run_locked(
         "failed": len(failed),
         "not_done": not_done,
         "interrupted": None if interrupted is None else interrupted.name,
+        "startup_seconds": round(startup, 3),
         "load_seconds": round(t_loaded - t_start, 3),
         "seconds": round(seconds, 3),
+        "total_seconds": round(total, 3),  # the process so far: start-up, model load, images, this record
         "images": [
             {
                 "input": str(img.path),
@@ -374,11 +379,12 @@ def _run_locked(
         say(f"could not write {run_json}: {exc}")
         index, indexed = f"no index: {RUN_FILE} could not be written", False
     if not args.quiet or interrupted is not None:
-        rate = f", {done / seconds:.2f} images/s" if seconds > 0 and done else ""
+        rate = f": {done / seconds:.2f} images/s" if seconds > 0 and done else ""
         stopped = f", {not_done} not done ({interrupted.name})" if interrupted is not None else ""
         print(
-            f"tt-moge predict: {done} of {len(images)} images done, {len(failed)} failed{stopped}, in {seconds:.1f} s"
-            f"{rate} (model load {t_loaded - t_start:.1f} s); outputs in {out_root}/ ({index})"
+            f"tt-moge predict: {done} of {len(images)} images done, {len(failed)} failed{stopped}, in {total:.1f} s "
+            f"(start-up {startup:.1f} s, model load {t_loaded - t_start:.1f} s, images {seconds:.1f} s{rate}); "
+            f"outputs in {out_root}/ ({index})"
         )
         if done:
             mesh = ""
@@ -399,6 +405,17 @@ def _run_locked(
     return EXIT_IMAGES_FAILED if failed or not indexed else EXIT_OK
 
 
+def _remove_earlier_record(run_json: Path, parser: argparse.ArgumentParser) -> None:
+    """Remove an earlier run's run.json once this run starts writing OUT: it must not stand for this run if this
+    one cannot write its own. (A run that stops before, on a usage error or a model that cannot load, leaves it.)"""
+    try:
+        run_json.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        parser.error(f"cannot replace {str(run_json)!r}: {exc}")
+
+
 def _mesh_steps(out_root: Path, names: list) -> list:
     """The grid steps the meshes of these output folders were made with (their result.json), sorted."""
     import json
@@ -410,28 +427,3 @@ def _mesh_steps(out_root: Path, names: list) -> list:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return sorted(steps)
-
-
-class _Ticker:
-    """Redraws a progress bar once a second while the model runs (a context manager), so that its elapsed time
-    and stage move before the first image is done: on a CPU, the first chunk can take minutes."""
-
-    def __init__(self, bar: Any, every_s: float = 1.0) -> None:
-        self.bar, self.every_s = bar, every_s
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.bar.refresh()
-
-    def __enter__(self) -> "_Ticker":
-        if not self.bar.disable:
-            self._thread = threading.Thread(target=self._run, name="tt_moge-progress", daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()

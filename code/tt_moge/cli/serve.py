@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Callable, Iterable, Iterator, Union
 
 from ..server.settings import ACCEPT_BACKLOG, DEFAULT_HOST, DEFAULT_PORT, ServerSettings, fd_limit
 from . import argtypes
@@ -137,6 +137,24 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class QuietProbesWhileLoading(logging.Filter):
+    """The access log without the 503 answers of /ready and /health while the model loads: a client waiting for
+    /ready (the README's loop, an orchestrator) polls every few seconds, and each poll logged a line for a minute.
+    What the server itself says ("serving on ...", "model ready in ...") tells the same once; a probe's 503 while
+    the server stops, and every other line, stay."""
+
+    def __init__(self, serving: Any, probe_paths: Iterable[str]) -> None:
+        super().__init__()
+        self.serving, self.probe_paths = serving, frozenset(probe_paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not (isinstance(args, tuple) and len(args) == 5) or self.serving.status() != "loading":
+            return True
+        _, method, path, _, status = args  # uvicorn's access line: client, method, path, HTTP version, status
+        return not (status == 503 and method in ("GET", "HEAD") and str(path).split("?")[0] in self.probe_paths)
+
+
 def _make_server(uvicorn: Any, config: Any, on_stop: Callable[[int], None]) -> Any:
     """uvicorn.Server with the stopping of `tt-moge serve` (see the module docstring).
 
@@ -179,9 +197,9 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from ..server.app import create_app
-        from ..server.protocol import JsonH11Protocol
+        from ..server.protocol import PROBE_PATHS, JsonH11Protocol
     except ImportError as exc:
-        say(f"serve: the server's libraries are not installed ({exc}): pip install -e 'code/[server]'")
+        say(f'serve: the server\'s libraries are not installed ({exc}): pip install -e "code/[server]"')
         return EXIT_START
     from PIL import Image
 
@@ -255,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
     server = _make_server(uvicorn, config, on_stop)
+    logging.getLogger("uvicorn.access").addFilter(QuietProbesWhileLoading(serving, PROBE_PATHS))
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     page = "" if args.no_ui else f"; the web page: http://{url_host}:{port}/"
@@ -278,7 +297,7 @@ def _run_ray(args: argparse.Namespace, settings: ServerSettings, kwargs: dict) -
     """`tt-moge serve --ray`: the model's replicas and the HTTP entry on Ray Serve (`server.ray_serve`), on a
     local Ray started here (and ended with this process) or the cluster at --address, until SIGTERM / SIGINT.
     Returns 0 after a stop, 1 when the replicas could not start, 3 without Ray Serve."""
-    from ..batch.session import check_ray_address, init_local_ray, replica_runtime_env
+    from ..batch.session import check_ray_address, init_local_ray, keeping_signal_handlers, replica_runtime_env
 
     try:
         import ray
@@ -301,12 +320,11 @@ def _run_ray(args: argparse.Namespace, settings: ServerSettings, kwargs: dict) -
     quiet = args.log_level not in ("info", "debug")
     watcher = None
     try:
-        if local:
-            watcher = init_local_ray(ray, max(cores, count * threads), quiet=quiet)
-        else:
-            ray.init(address=args.address, include_dashboard=False, logging_level="WARNING")
-        for sig in STOP_SIGNALS:  # again: ray.init installs its own SIGTERM handler (a stack dump, then abort)
-            signal.signal(sig, lambda *_: stop.set())
+        with keeping_signal_handlers():  # ray.init installs its own SIGTERM handler (a stack dump, then abort)
+            if local:
+                watcher = init_local_ray(ray, max(cores, count * threads), quiet=quiet)
+            else:
+                ray.init(address=args.address, include_dashboard=False, logging_level="WARNING")
         where = "a local Ray" if local else f"the Ray cluster at {args.address}"
         print(
             f"[tt_moge] serving on http://{args.host}:{port} (Ray Serve on {where}: {args.replicas} replica(s) of "

@@ -7,8 +7,9 @@ its trajectory and its fused scene (`tt_moge.video`; docs/video.md).
     OUT/NAME/depth.mp4 poses.json trajectory.txt scene.ply scene.glb result.json (written last)
 
 NAME is the clip's output name (`inputs.output_name`: a video file's stem, a folder's name), made unique in the
-run. A clip whose model call or files fail is reported and the run goes on; frames whose registration fails
-are flagged in the clip's files, not failures of the run.
+run as photos' names are (`inputs.unique_names`: a.mp4 and a.mov -> a_mp4, a_mov; run.json's `renamed`). A
+clip whose model call or files fail is reported and the run goes on; frames whose registration fails are
+flagged in the clip's files, not failures of the run.
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from .. import __version__
 from ..runs import RUN_FILE
+from .commands import process_seconds
 from .common import (
     EXIT_IMAGES_FAILED,
     EXIT_OK,
     EXIT_START,
     Interrupted,
     SignalGuard,
+    Ticker,
     add_options,
     call_options,
     chosen_formats,
@@ -67,8 +71,9 @@ def wants_video(args: argparse.Namespace) -> bool:
 
 
 def _clips(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list:
-    """[(input path, output name)] of the run's clips, names unique; usage errors for anything else."""
-    from ..inputs import output_name
+    """[(input path, output name, why renamed or "")] of the run's clips, names unique by the rules of photos
+    (`inputs.unique_names`: a.mp4 and a.mov -> a_mp4, a_mov); usage errors for anything else."""
+    from ..inputs import output_name, unique_names
     from ..video import is_video_file
 
     clips = []
@@ -77,30 +82,103 @@ def _clips(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list:
         if args.sequence:
             if not path.is_dir():
                 parser.error(f"input {text!r}: --sequence takes folders of frames, and this is not one")
-            clips.append((path, output_name(path.resolve().name)[0]))
+            clips.append((path, *output_name(path.resolve().name)))
         elif not is_video_file(path):
             parser.error(f"input {text!r} is not a video file: give photos and videos in separate runs")
         elif not path.is_file():
             parser.error(f"input {text!r}: no such file")
         else:
-            clips.append((path, output_name(path)[0]))
-    taken: dict = {}
-    unique = []
-    for path, name in clips:
-        key, count = name.casefold(), taken.get(name.casefold(), 0) + 1
-        taken[key] = count
-        unique.append((path, name if count == 1 else f"{name}-{count}"))
-    return unique
+            clips.append((path, *output_name(path)))
+    return [(path, name, why) for (path, _, _), (name, why) in zip(clips, unique_names(clips))]
+
+
+def _asked(path: Path, sequence: bool) -> str:
+    """The name a clip asks for (`inputs.asked_name`): a video file's stem, a folder's name."""
+    from ..inputs import asked_name
+
+    return path.resolve().name if sequence else asked_name(path)
+
+
+def _clip_row(path: Path, name: str, renamed: Any = None) -> dict:
+    """A clip's entry in run.json, before it runs ("not done" until it is done or failed)."""
+    row: dict = {"input": str(path), "output": name, "status": "not done", "error": None}
+    if renamed:
+        row["renamed"] = renamed
+    return row
+
+
+def _run_clip(
+    args: argparse.Namespace,
+    model: Any,
+    path: Path,
+    folder: Path,
+    call: Any,
+    video: Any,
+    formats: list,
+    row: dict,
+    guard: SignalGuard,
+) -> int:
+    """One clip into `folder`; fills `row` (status done / failed with its error / not done when a signal
+    stops it: Interrupted goes on). Returns the frames written."""
+    from tqdm import tqdm
+
+    from ..host import InputError
+    from ..video import VideoStream
+    from ..video.files import ClipWriter
+
+    writer, stage = None, ["opening the clip"]
+    try:
+        with VideoStream(model, path, call, video, on_stage=lambda text: stage.__setitem__(0, text)) as stream:
+            fps = None if stream.fps is None else stream.fps / video.stride
+            writer = ClipWriter(
+                folder,
+                formats,
+                mesh_step=1 if args.mesh_full else args.mesh_step,
+                fps=fps,
+                writers=args.writers,
+            )
+            bar = tqdm(
+                total=stream.expected_frames,
+                unit="frame",
+                desc=folder.name,
+                file=sys.stderr,
+                dynamic_ncols=True,
+                disable=args.quiet,
+            )
+            with bar, Ticker(bar, lambda: stage[0]):  # the stage (a calibration: minutes on a CPU) and the clock
+                for frame in stream:
+                    writer.add(frame.index, frame.output, frame.image, frame.record(), frame.depth_range)
+                    bar.update(1)
+            record = writer.finish(stream.result)
+    except (InputError, OSError, RuntimeError, ValueError) as exc:
+        if writer is not None:
+            writer.abort(remove=True)  # a failed clip leaves no folder (its frames written so far go too)
+        row.update(status="failed", error=f"{path}: {exc}")
+        say(f"failed: {row['error']}")
+        return 0
+    except Interrupted:  # SIGTERM / Ctrl-C: this clip stays incomplete (no result.json), as documented
+        guard.raising = False
+        if writer is not None:
+            writer.abort()
+        raise
+    row.update(
+        status="done",
+        frames=record["frames"],
+        registered=record["registered"],
+        relocalised=record["relocalised"],
+        chains=len(record["chains"]),
+    )
+    if record["failed"] and not args.quiet:
+        say(f"{folder.name}: {len(record['failed'])} frame(s) not registered (flagged in {folder.name}/poses.json)")
+    return record["frames"]
 
 
 def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`tt-moge predict` on clips -> exit code."""
-    from tqdm import tqdm
-
     from ..export import missing_format_library, to_json, write_text_atomic
     from ..host import InputError
-    from ..video import VideoOptions, VideoStream
-    from ..video.files import VIDEO_FRAME_FORMATS, ClipWriter
+    from ..video import VideoOptions
+    from ..video.files import VIDEO_FRAME_FORMATS
 
     if args.panorama:
         parser.error("--panorama does not apply to videos")
@@ -110,78 +188,56 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     except InputError as exc:
         parser.error(str(exc))
     clips = _clips(args, parser)
+    renamed = {name: {"asked": _asked(path, args.sequence), "why": why} for path, name, why in clips if why}
     formats = chosen_formats(args) or list(VIDEO_FRAME_FORMATS)
     out_root = Path(args.output)
     try:
         out_root.mkdir(parents=True, exist_ok=True)
-        (out_root / RUN_FILE).unlink(missing_ok=True)
     except OSError as exc:
         parser.error(f"cannot prepare the output folder {str(out_root)!r}: {exc}")
     missing = missing_format_library(list(formats) + ["glb"])  # scene.glb needs trimesh
     if missing:
         say(missing)
         return EXIT_START
-    t_start = time.perf_counter()
-    model = load_model(args)
-    if model is None:
-        return EXIT_START
-    t_loaded = time.perf_counter()
-    rows, frames_done = [], 0
+    t_start = t_loaded = time.perf_counter()
+    rows: list = []
+    frames_done, info = 0, None
+    # the handler from the start: a signal during the model load (a minute on a CPU) is a run interrupted,
+    # with its run.json, not a process killed (exit -15) or a KeyboardInterrupt traceback
     guard, interrupted = SignalGuard(), None
-    with guard, model:
-        for path, name in clips:
-            row: dict = {"input": str(path), "output": name, "status": "failed", "error": None}
-            rows.append(row)
-            writer = None
-            try:
-                with VideoStream(model, path, call, video) as stream:
-                    fps = None if stream.fps is None else stream.fps / video.stride
-                    writer = ClipWriter(
-                        out_root / name,
-                        formats,
-                        mesh_step=1 if args.mesh_full else args.mesh_step,
-                        fps=fps,
-                        writers=args.writers,
-                    )
-                    bar = tqdm(
-                        total=stream.expected_frames,
-                        unit="frame",
-                        desc=name,
-                        file=sys.stderr,
-                        dynamic_ncols=True,
-                        disable=args.quiet,
-                    )
-                    with bar:
-                        for frame in stream:
-                            writer.add(frame.index, frame.output, frame.image, frame.record(), frame.depth_range)
-                            bar.update(1)
-                    record = writer.finish(stream.result)
-                row.update(
-                    status="done",
-                    frames=record["frames"],
-                    registered=record["registered"],
-                    relocalised=record["relocalised"],
-                    chains=len(record["chains"]),
-                )
-                frames_done += record["frames"]
-                if record["failed"] and not args.quiet:
-                    say(f"{name}: {len(record['failed'])} frame(s) not registered (flagged in {name}/poses.json)")
-            except (InputError, OSError, RuntimeError, ValueError) as exc:
-                if writer is not None:
-                    writer.abort()
-                row["error"] = f"{path}: {exc}"
-                say(f"failed: {row['error']}")
-            except Interrupted as exc:  # SIGTERM / Ctrl-C: this clip stays incomplete (no result.json), as documented
-                guard.raising = False
-                if writer is not None:
-                    writer.abort()
-                row["status"], interrupted = "not done", exc
-                say(f"{exc}: {name} is not done; writing {out_root / RUN_FILE}")
-                break
-        guard.raising = False  # from here on a signal only sets the exit code: run.json gets written
-        rows += [{"input": str(p), "output": n, "status": "not done", "error": None} for p, n in clips[len(rows) :]]
-        info = model.info()
+    with guard:
+        try:
+            guard.check()  # a signal that the imports above swallowed (trimesh's catch BaseException)
+            model = load_model(args)
+            if model is None:
+                return EXIT_START  # nothing was done: an earlier run's run.json stays, as on a usage error
+            guard.check()  # a signal while loading that a library swallowed
+            try:  # from here on this is OUT's last run: an earlier run.json must not stand for it
+                (out_root / RUN_FILE).unlink(missing_ok=True)
+            except OSError as exc:
+                parser.error(f"cannot replace {str(out_root / RUN_FILE)!r}: {exc}")
+            t_loaded = time.perf_counter()
+            with model:
+                try:
+                    for path, name, _ in clips:
+                        guard.check()
+                        row = _clip_row(path, name, renamed.get(name))
+                        rows.append(row)
+                        frames_done += _run_clip(args, model, path, out_root / name, call, video, formats, row, guard)
+                finally:
+                    info = model.info()
+        except Interrupted as exc:  # during the load, in a clip (it stays incomplete, as documented), between two
+            interrupted = exc
+            where = f"{rows[-1]['output']} is not done; " if rows and rows[-1]["status"] == "not done" else ""
+            say(f"{exc}: {where}writing {out_root / RUN_FILE}")
+        finally:
+            guard.raising = False  # from here on a signal only sets the exit code: run.json gets written
+    if interrupted is None and guard.signum is not None:  # swallowed after the last check
+        interrupted = Interrupted(guard.signum)
+    rows += [_clip_row(p, n, renamed.get(n)) for p, n, _ in clips[len(rows) :]]
     seconds = time.perf_counter() - t_loaded
+    total = process_seconds()  # what the user waited for: start-up and imports too
+    startup = max(0.0, total - (time.perf_counter() - t_start))
     failed = [r for r in rows if r["status"] == "failed"]
     record = {
         "tt_moge": __version__,
@@ -197,8 +253,10 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         "failed": len(failed),
         "not_done": sum(r["status"] == "not done" for r in rows),
         "interrupted": None if interrupted is None else interrupted.name,
+        "startup_seconds": round(startup, 3),
         "load_seconds": round(t_loaded - t_start, 3),
         "seconds": round(seconds, 3),
+        "total_seconds": round(total, 3),  # the process so far: start-up, model load, clips, this record
         "clips": rows,
     }
     indexed = True
@@ -208,11 +266,11 @@ def run_videos(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         say(f"could not write {out_root / RUN_FILE}: {exc}")
         indexed = False
     if not args.quiet:
-        rate = f", {frames_done / seconds:.2f} frames/s" if seconds > 0 and frames_done else ""
+        rate = f": {frames_done / seconds:.2f} frames/s" if seconds > 0 and frames_done else ""
         print(
             f"tt-moge predict: {record['done']} of {len(rows)} clips done ({frames_done} frames), "
-            f"{len(failed)} failed, in {seconds:.1f} s{rate} (model load {t_loaded - t_start:.1f} s); outputs in "
-            f"{out_root}/"
+            f"{len(failed)} failed, in {total:.1f} s (start-up {startup:.1f} s, model load {t_loaded - t_start:.1f} s, "
+            f"clips {seconds:.1f} s{rate}); outputs in {out_root}/"
         )
     if guard.exit_code is not None:
         return guard.exit_code

@@ -1,9 +1,11 @@
-"""Host code shared by every runner, the API, the server and the CLI: decode, canvas fit, solve, finish."""
+"""Host code shared by every runner, the API, the server and the CLI: decode, canvas fit, solve, finish.
 
-from .canvas import CanvasPlan, fit_to_canvas, plan_canvas
-from .decode import ImageNotFoundError, InputError, to_rgb_array
-from .intrinsics import Intrinsics
-from .pipeline import CallOptions, Forwarded, Prepared, Stopwatch, postprocess, prepare, refinish
+The names are imported on first use (as in `runners`): `CallOptions`, `InputError`, `Intrinsics` and the decoders
+import without torch, so that the command line builds its flags from their definitions without it."""
+
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "CallOptions",
@@ -21,3 +23,30 @@ __all__ = [
     "refinish",
     "to_rgb_array",
 ]
+
+_LAZY = {
+    "CallOptions": "call_options",
+    "CanvasPlan": "canvas",
+    "fit_to_canvas": "canvas",
+    "plan_canvas": "canvas",
+    "ImageNotFoundError": "decode",
+    "InputError": "decode",
+    "to_rgb_array": "decode",
+    "Intrinsics": "intrinsics",
+    "Forwarded": "pipeline",
+    "Prepared": "pipeline",
+    "Stopwatch": "pipeline",
+    "postprocess": "pipeline",
+    "prepare": "pipeline",
+    "refinish": "pipeline",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # the next access is a plain attribute
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

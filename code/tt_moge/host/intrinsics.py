@@ -11,7 +11,8 @@ shift (`solve.recover_shift`), and the output's intrinsics are exactly the given
 
 Pixel centres are at half-integers: the pixel (0, 0) is centred at (0.5, 0.5), as in `MoGeOutput.intrinsics_pixels`.
 Impossible values are an InputError naming `intrinsics` (no skew; focal lengths finite and > 0; the principal
-point inside the image, checked once the image's size is known).
+point inside the image; the field of view of each axis strictly inside `FOV_X_RANGE`, the bounds of `fov_x`:
+normalised values when given, pixels once the image's size is known).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..constants import FOV_X_RANGE
 from .decode import InputError
 
 __all__ = ["Intrinsics", "check_intrinsics", "NORMALISED_WORD"]
@@ -70,6 +72,21 @@ class Intrinsics:
             raise InputError(
                 f"intrinsics: a normalised principal point lies inside (0, 1), got cx={self.cx:g}, cy={self.cy:g}{unit}"
             )
+        if self.normalised:
+            self._check_fields_of_view(1.0, 1.0)
+
+    def _check_fields_of_view(self, width: float, height: float) -> None:
+        """Each axis's field of view strictly inside FOV_X_RANGE, as `fov_x` is bounded: 1e-300 normalised made
+        fx 0 (180 degrees, no pixel valid), 1e308 pixels an infinite camera matrix."""
+        low, high = FOV_X_RANGE
+        for axis, focal, side in (("x", self.fx, width), ("y", self.fy, height)):
+            fov = math.degrees(2.0 * math.atan2(0.5 * side, focal))
+            if not low < fov < high:
+                what = "normalised" if self.normalised else f"pixels of a {width:g}x{height:g} image"
+                raise InputError(
+                    f"intrinsics: f{axis}={focal:g} ({what}) is a field of view of {fov:.6g} degrees; expected "
+                    f"{low:g} < fov_{axis} < {high:g} degrees, the bounds of fov_x"
+                )
 
     # ------------------------------------------------------------------------------------ making one
     @classmethod
@@ -125,6 +142,8 @@ class Intrinsics:
                 f"{name}: the principal point ({self.cx:g}, {self.cy:g}){'' if self.normalised else ' pixels'} lies "
                 f"outside the {w}x{h} image"
             )
+        if not self.normalised:
+            self._check_fields_of_view(float(w), float(h))
 
     def normalised_matrix(self, size: tuple) -> np.ndarray:
         """(3, 3) float64 normalised intrinsics for an image of `size` = (width, height)."""

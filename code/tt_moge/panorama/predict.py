@@ -18,7 +18,6 @@ from typing import Any, Optional
 import numpy as np
 
 from ..output import depth_p1_p99, finite_or_none
-from ..service import DeviceError
 from .geometry import VIEW_FOV_DEG, check_panorama_size, panorama_directions, split_panorama, view_cameras
 from .merge import merge_distance_maps
 
@@ -169,6 +168,8 @@ class PanoramaOutput:
 def _predict_views(model: Any, views: list) -> tuple:
     """[MoGeOutput or None], [None or error text]: the views through predict_many; if that fails, one by one,
     so that one failing view costs only itself."""
+    from ..service import DeviceError  # here: importing this module must not import torch (the CLI's --help)
+
     options = dict(fov_x=VIEW_FOV_DEG, apply_mask=False)
     try:
         return list(model.predict_many(views, **options)), [None] * len(views)

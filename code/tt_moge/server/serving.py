@@ -28,6 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Literal, Optional, Union
+from urllib.parse import unquote_to_bytes
 
 from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -333,17 +334,19 @@ class Serving:
     def authorize(self, credentials: Optional[HTTPAuthorizationCredentials] = Depends(_BEARER)) -> None:
         """A route dependency: 401 unless the request carries the API key (when the server has one).
 
-        Compared as bytes, in constant time: the header as it arrived (HTTP headers are bytes; Starlette hands
-        them over decoded as latin-1, which `encode("latin-1")` undoes exactly) against the key's UTF-8 bytes, so
-        a non-ASCII key sent as UTF-8 (what curl and httpx send) matches."""
+        Compared as bytes, in constant time, with the key's UTF-8 bytes: the header as it arrived (HTTP headers
+        are bytes; Starlette hands them over decoded as latin-1, which `encode("latin-1")` undoes exactly), so a
+        non-ASCII key sent as UTF-8 (what curl sends, and httpx given bytes) matches; or the header
+        percent-decoded (`%C3%A9` -> UTF-8 bytes of "é"): a browser cannot send a header beyond Latin-1 (and
+        sends Latin-1 as single bytes), so the web page sends `encodeURIComponent(key)`. Both forms need the key."""
         api_key = self.settings.api_key
         if api_key is None:
             return
-        if (
-            credentials is None
-            or credentials.scheme.lower() != "bearer"
-            or not hmac.compare_digest(credentials.credentials.encode("latin-1"), api_key.encode("utf-8"))
-        ):
+        want = api_key.encode("utf-8")
+        sent = b"" if credentials is None else credentials.credentials.encode("latin-1")
+        as_sent = hmac.compare_digest(sent, want)
+        percent_decoded = hmac.compare_digest(unquote_to_bytes(sent), want)
+        if credentials is None or credentials.scheme.lower() != "bearer" or not (as_sent or percent_decoded):
             raise ApiError(
                 401,
                 "unauthorized",

@@ -8,12 +8,15 @@
 `predict_video` keeps every frame's output; `iter_video` streams them (`VideoStream`). The modules: `source`
 (frames from files, folders, bytes, arrays, iterables), `options` (VideoOptions), `calibrate` (the clip's
 intrinsics and metric level), `registration` (features, 3D lifting, the robust fit), `fusion` (the voxel cloud),
-`predict` (the pipeline), `output` (VideoFrame, VideoOutput), `files` (the clip's folder).
+`predict` (the pipeline), `output` (VideoFrame, VideoOutput), `files` (the clip's folder). The pipeline's names
+are imported on first use: the options and the sources import without torch (the command line's flags).
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 from .options import VideoOptions
-from .output import VideoFrame, VideoOutput
-from .predict import DEFAULT_CHUNK, VideoStream, iter_video, predict_video, split_options
 from .source import VIDEO_SUFFIXES, is_video_file, open_source
 
 __all__ = [
@@ -29,3 +32,23 @@ __all__ = [
     "predict_video",
     "split_options",
 ]
+
+_LAZY = {
+    "VideoFrame": "output",
+    "VideoOutput": "output",
+    "DEFAULT_CHUNK": "predict",
+    "VideoStream": "predict",
+    "iter_video": "predict",
+    "predict_video": "predict",
+    "split_options": "predict",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

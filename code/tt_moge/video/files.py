@@ -36,6 +36,7 @@ from ..export import (
     RESULT_FILE,
     check_formats,
     colorize_depth,
+    remove_outputs,
     to_json,
     write_outputs,
     write_text_atomic,
@@ -150,11 +151,13 @@ class ClipWriter:
         self.mesh_step = DEFAULT_MESH_STEP if mesh_step is None else mesh_step
         self.fps = fps
         self.depth_video = depth_video
+        self._created = [p for p in (self.folder, *self.folder.parents) if not p.exists()]  # deepest first
         self.folder.mkdir(parents=True, exist_ok=True)
         try:
             (self.folder / RESULT_FILE).unlink()
         except FileNotFoundError:
             pass
+        self._written: list = []  # what this writer has made in the folder: frame folders, clip files
         self._pool = ThreadPoolExecutor(writers, thread_name_prefix="tt_moge-video-write")
         self._video_pool = ThreadPoolExecutor(1, thread_name_prefix="tt_moge-video-mp4")
         self._pending: list = []
@@ -165,6 +168,7 @@ class ClipWriter:
 
     def add(self, index: int, output: Any, rgb: np.ndarray, record: dict, depth_range: tuple) -> None:
         """Frame `index`'s files (its folder under frames/, in writer threads) and its depth.mp4 frame."""
+        self._written.append(self.folder / frame_folder(index))
         self._pending.append(
             self._pool.submit(
                 write_outputs,
@@ -196,6 +200,7 @@ class ClipWriter:
         if self._video is None:
             size = (w + w % 2, h + h % 2)  # the codec wants even sides
             fps = self.fps if self.fps and self.fps > 0 else 10.0
+            self._written.append(self.folder / "depth.mp4")
             self._video = cv2.VideoWriter(
                 os.fspath(self.folder / "depth.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), fps, size
             )
@@ -213,6 +218,7 @@ class ClipWriter:
         self._shutdown()
         written = [f for f in ("depth.mp4",) if self.depth_video and (self.folder / f).exists()]
         for name, data in scene_files(result).items():
+            self._written.append(self.folder / name)
             if name.endswith((".json", ".txt")):
                 write_text_atomic(self.folder / name, data.decode())
             else:
@@ -237,10 +243,27 @@ class ClipWriter:
     def _shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def abort(self) -> None:
-        """Stop writing (after an error): wait for the writer threads, close depth.mp4."""
+    def abort(self, remove: bool = False) -> None:
+        """Stop writing (after an error): wait for the writer threads, close depth.mp4. `remove`: also remove
+        what this writer wrote (frame folders, depth.mp4, clip files), then the clip's folder and the parents it
+        created when they are left empty: a failed clip leaves no folder (an earlier run's other files stay)."""
         for future in self._pending:
             future.cancel()
         self._pending = []
         self._shutdown()
         self._close_video()
+        if not remove:
+            return
+        for path in self._written:
+            if path.is_dir():
+                remove_outputs(path, self.folder)  # a frame's folder, and frames/ once it is empty
+            else:
+                try:
+                    path.unlink()
+                except OSError:
+                    pass
+        for folder in [self.folder] + [p for p in self._created if p != self.folder]:  # then the parents it made
+            try:
+                folder.rmdir()  # only when empty
+            except OSError:
+                break

@@ -102,7 +102,9 @@ class VideoStream:
     `on_frame(count, (height, width))`, when given, is called by the reader for each frame as it is decoded
     (`count` frames read so far, this one included), before the frame goes to the model: an exception it raises
     ends the stream with that exception, so the frames after it are never run. The server counts a clip's
-    frames and their memory there, whatever the file's header said."""
+    frames and their memory there, whatever the file's header said. `on_stage(text)`, when given, is called by
+    the producer as it starts a step ("calibrating the camera on frames 1-16", "model on frames 17-20"), for a
+    progress display."""
 
     def __init__(
         self,
@@ -115,12 +117,14 @@ class VideoStream:
         chunk: int = DEFAULT_CHUNK,
         seed: int = 0,
         on_frame: Optional[Callable[[int, tuple], None]] = None,
+        on_stage: Optional[Callable[[str], None]] = None,
     ):
         call = CallOptions() if call is None else call
         video = VideoOptions() if video is None else video
         self.model, self.call, self.video = model, call, video
         self.keep_frames, self.chunk, self.seed = keep_frames, chunk, seed
         self.on_frame = on_frame
+        self.on_stage = on_stage
         self.source = open_source(source, stride=video.stride, max_frames=video.max_frames)
         self.name, self.fps = self.source.name, self.source.fps
         self.result: Optional[VideoOutput] = None
@@ -232,6 +236,10 @@ class VideoStream:
                         )
                     if ahead:
                         segment = list(ahead)[: video.calibration_frames]
+                        self._stage(
+                            f"calibrating the camera on frames {position + 1}-{position + len(segment)}"
+                            + ("" if pending == "start" else f" (a new {pending})")
+                        )
                         calibration = self._calibrate(segment, position, pending, running)
                         forwarded, segment_start, running = calibration.forwarded, position, calibration
                         options = self._options(calibration)
@@ -247,6 +255,7 @@ class VideoStream:
                 if not batch:  # the end of the source: wait for a rewind or the stop
                     ended = self._put(results, _END)
                     continue
+                self._stage(f"model on frames {position + 1}-{position + len(batch)}")
                 outputs = self._outputs(batch, options, forwarded, position - segment_start)
                 if len(outputs) != len(batch):
                     raise RuntimeError(f"the model returned {len(outputs)} outputs for {len(batch)} images")
@@ -256,6 +265,11 @@ class VideoStream:
                 position += len(batch)
         except BaseException as exc:
             self._put(results, exc)
+
+    def _stage(self, text: str) -> None:
+        """What the producer starts now, for `on_stage` (a progress display: a calibration pass can take minutes)."""
+        if self.on_stage is not None:
+            self.on_stage(text)
 
     def _calibrate(self, segment: list, position: int, trigger: str, running: Optional[Calibration]) -> Calibration:
         """The calibration pass of the segment starting at clip index `position`. A new chain's that cannot be made

@@ -57,8 +57,18 @@ class FrameSource:
     `name` (for an output folder), `fps` (None when unknown) and `count` (frames the source says it holds
     before the stride; None when unknown) describe it. `close()` releases the file (and a temporary copy)."""
 
-    def __init__(self, kind: str, target: Any, name: str, *, stride: int = 1, max_frames: Optional[int] = None):
+    def __init__(
+        self,
+        kind: str,
+        target: Any,
+        name: str,
+        *,
+        stride: int = 1,
+        max_frames: Optional[int] = None,
+        described: Optional[str] = None,
+    ):
         self.kind, self.target, self.name = kind, target, name
+        self.described = described  # what errors call it (default: the video file's path, or `name`)
         self.stride, self.max_frames = stride, max_frames
         self.fps: Optional[float] = None
         self.count: Optional[int] = None
@@ -87,6 +97,8 @@ class FrameSource:
         self.count = int(count) if count and np.isfinite(count) and count > 0 else None
 
     def label(self) -> str:
+        if self.described is not None:
+            return self.described
         return f"video file '{self.target}'" if self.kind == "video" else self.name
 
     @property
@@ -172,7 +184,10 @@ def open_source(source: Any, *, stride: int = 1, max_frames: Optional[int] = Non
         path = Path(tmp.name) / "upload.video"
         path.write_bytes(bytes(source))
         try:
-            frames = FrameSource("video", path, "clip", stride=stride, max_frames=max_frames)
+            # errors name "the video bytes": the temporary file is nothing the caller knows of
+            frames = FrameSource(
+                "video", path, "clip", stride=stride, max_frames=max_frames, described="the clip in the video bytes"
+            )
         except BaseException:
             tmp.cleanup()
             raise

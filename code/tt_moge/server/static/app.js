@@ -41,8 +41,10 @@ async function describe(status, bodyText) {
 }
 
 function authHeaders() {
+  // Percent-encoded UTF-8: a browser refuses a header beyond Latin-1 and sends Latin-1 as single bytes, so a
+  // non-ASCII key as typed would never match; the server decodes this form (docs/server.md, --api-key).
   const key = $("api-key").value.trim();
-  return key ? { Authorization: `Bearer ${key}` } : {};
+  return key ? { Authorization: `Bearer ${encodeURIComponent(key)}` } : {};
 }
 
 // ------------------------------------------------------------------------------------------------ input
