@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -115,6 +115,7 @@ class Registration:
     relocalised: bool = False
     reference: Optional[int] = None
     correlation: float = math.nan  # of the grey levels the fit puts on each other, where it was checked (`_agreement`)
+    information: Optional[np.ndarray] = field(default=None, repr=False)  # (7, 7): posegraph.information of the fit
 
     def record(self) -> dict:
         """The JSON-ready numbers of this fit."""
@@ -225,6 +226,8 @@ _PLANE = np.stack(  # [1, dx, dy] of those 16 pixels, from the middle of the fou
     [np.ones(16), np.tile(_TAPS - 0.5, 4), np.repeat(_TAPS - 0.5, 4)], axis=1
 )
 _PLANE_FIT = np.linalg.pinv(_PLANE)  # (3, 16): least-squares plane coefficients of 16 values
+_INNER = np.array([5, 6, 9, 10])  # the 2x2 pixels around the position among the 16
+LIFT_STRAY = 2  # pixels of the rim of the 4x4 that may be off the plane (noise), left out of a second fit
 
 
 def lift(
@@ -238,7 +241,10 @@ def lift(
     is the plane's at the position: inverse depth is linear across a planar surface, so a plane's depth is exact,
     and pixel noise averages out. The position has no usable depth unless those 16 pixels are valid and finite
     and none is off the plane by more than DEPTH_EDGE_RTOL of the inverse depth: on a depth edge the 16 pixels
-    hold two surfaces, and the feature may belong to either."""
+    hold two surfaces, and the feature may belong to either. Up to LIFT_STRAY pixels of the patch's rim may be
+    off (the 2x2 around the position may not): they are left out and the plane fitted again to the others, which
+    must then all be on it. A noisy depth map (per-pixel noise of 2 %, the stand-in's) otherwise loses about half
+    its features to this test; an edge puts at least four pixels, or the inner ones, off the plane."""
     n = len(pixels)
     out = np.full((n, 3), np.nan)
     h, w = depth.shape
@@ -252,8 +258,20 @@ def lift(
     good = mask[rows, cols].reshape(n, 16).all(axis=1) & np.isfinite(patch).all(axis=1) & (patch > 0).all(axis=1)
     inverse = 1.0 / np.where(good[:, None], patch, 1.0)
     plane = inverse @ _PLANE_FIT.T  # (n, 3): inverse depth at the middle, per pixel across, per pixel down
-    off_plane = np.abs(inverse - plane @ _PLANE.T).max(axis=1)
-    good &= off_plane <= DEPTH_EDGE_RTOL * plane[:, 0]
+    off = np.abs(inverse - plane @ _PLANE.T) > DEPTH_EDGE_RTOL * plane[:, :1]
+    # a few stray pixels (noise) on the rim of the patch are left out and the plane fitted again; a depth edge
+    # puts more of them off the plane, or one of the 2x2 around the position
+    stray = off.any(axis=1) & (off.sum(axis=1) <= LIFT_STRAY) & ~off[:, _INNER].any(axis=1) & good
+    if stray.any():
+        weights = (~off[stray]).astype(np.float64)
+        normal = np.einsum("nk,ki,kj->nij", weights, _PLANE, _PLANE)
+        plane[stray] = np.linalg.solve(normal, np.einsum("nk,ki->ni", weights * inverse[stray], _PLANE)[..., None])[
+            ..., 0
+        ]
+        off[stray] = (np.abs(inverse[stray] - plane[stray] @ _PLANE.T) > DEPTH_EDGE_RTOL * plane[stray, :1]) & (
+            weights > 0
+        )
+    good &= ~off.any(axis=1)
     q = plane[:, 0] + plane[:, 1] * (x - x0 - 0.5) + plane[:, 2] * (y - y0 - 0.5)
     good &= q > 0
     fx, fy, cx, cy = (float(intrinsics_pixels[i, j]) for i, j in ((0, 0), (1, 1), (0, 2), (1, 2)))
@@ -262,9 +280,14 @@ def lift(
     return out
 
 
-def umeyama(src: np.ndarray, dst: np.ndarray, weights: Optional[np.ndarray] = None) -> tuple:
+def umeyama(src: np.ndarray, dst: np.ndarray, weights: Optional[np.ndarray] = None, symmetric: bool = False) -> tuple:
     """The similarity (s, R, t) minimising sum w |dst - (s R src + t)|^2 (Umeyama 1991). src, dst (..., N, 3):
-    leading dimensions are separate problems (RANSAC's hypotheses), solved at once."""
+    leading dimensions are separate problems (RANSAC's hypotheses), solved at once.
+
+    `symmetric`: the scale is the ratio of the two sets' spreads, sqrt(sum w |dst - mean|^2 / sum w |src - mean|^2)
+    (Horn 1987's symmetric scale: the geometric mean of the fit of dst on src and of src on dst). The forward fit's
+    scale is low by the share of src's spread that is noise (errors in variables); with the same relative noise in
+    both sets, as two frames of one model have, the ratio of the spreads has none of that bias."""
     w = np.ones(src.shape[:-1]) if weights is None else np.broadcast_to(weights, src.shape[:-1])
     w = w / w.sum(axis=-1, keepdims=True)
     mu_s = (w[..., None] * src).sum(axis=-2)
@@ -277,7 +300,10 @@ def umeyama(src: np.ndarray, dst: np.ndarray, weights: Optional[np.ndarray] = No
     rotation = u @ (d[..., :, None] * vt)
     var = (w * (a * a).sum(axis=-1)).sum(axis=-1)
     with np.errstate(divide="ignore", invalid="ignore"):
-        scale = (sigma * d).sum(axis=-1) / var
+        if symmetric:
+            scale = np.sqrt((w * (b * b).sum(axis=-1)).sum(axis=-1) / var)
+        else:
+            scale = (sigma * d).sum(axis=-1) / var
     translation = mu_d - scale[..., None] * np.einsum("...ij,...j->...i", rotation, mu_s)
     return scale, rotation, translation
 
@@ -311,7 +337,8 @@ def fit_similarity(src: np.ndarray, dst: np.ndarray, seed: int = 0) -> tuple:
     for _ in range(4):  # refit on the inliers, with a threshold from their own spread, until they stop changing
         if inliers.sum() < 3:
             break
-        s, r, t = umeyama(src[inliers], dst[inliers], 1.0 / dst[inliers, 2] ** 2)
+        weights = 1.0 / np.abs(dst[inliers, 2] * src[inliers, 2])  # 1 / depth^2, alike in both frames
+        s, r, t = umeyama(src[inliers], dst[inliers], weights, symmetric=True)
         if not (np.isfinite(s) and s > 0):
             break
         fit = (np.array([s]), r[None], t[None])
@@ -340,6 +367,10 @@ def _check(
         res = _residual(src[inliers], dst[inliers], np.array([scale]), rotation[None], translation[None])[0]
         residual = float(np.sqrt(np.mean(res * res)))
     reg = Registration(True, scale, rotation, translation, matches, count, count / matches, residual)
+    if count >= 3 and rotation is not None:
+        from .posegraph import information
+
+        reg.information = information(dst[inliers], residual)
     if count < least:
         reg.ok, reg.reason = False, f"too few inliers ({count} < {least})"
     elif reg.inlier_ratio < share:
@@ -472,13 +503,31 @@ class Tracker:
         checked = self._confirmed(ref, dataclasses.replace(reg), frame) if reg.ok else reg
         keypoints = None  # this frame's ORB keypoints, where they were found: kept for when it is a reference
         if checked.ok and self._tries == 1:
-            reg = checked
+            reg = self._against_keyframe(checked, kept)
         else:  # lost, a jump (failed frames between), or a fit the two frames do not confirm: candidates compared
             reg, kept, keypoints = self._relocalised(ref, frame, reg, checked, kept)
             if not reg.ok:
                 return reg
         self._pending = (grey, *kept, depth.shape, depth, mask, k_pixels, offset, keypoints)
         return reg
+
+    def _against_keyframe(self, reg: Registration, kept: tuple) -> Registration:
+        """The fit of this frame against the last keyframe instead of the reference, on the features followed from
+        the one to the other (the inliers of `reg` whose ids the keyframe has), where it passes the checks: the
+        scale and the pose then chain from keyframe to keyframe, not from frame to frame, and the few links of a
+        long clip drift less than its many (each fit's error is about the same whatever the frames between)."""
+        keyframe = self.keyframes[-1] if self.keyframes else None
+        if keyframe is None or keyframe is self.ref:
+            return reg
+        _, xyz, ids = kept
+        common, here, there = np.intersect1d(ids, keyframe.ids, assume_unique=True, return_indices=True)
+        if len(common) < MIN_INLIERS:
+            return reg
+        fit, _ = _check(keyframe.xyz[there], xyz[here], self.seed)
+        if not fit.ok:
+            return reg
+        fit.reference, fit.correlation, fit.matches = keyframe.frame, reg.correlation, reg.matches
+        return fit
 
     def _relocalised(self, ref: _Reference, frame: tuple, reg: Registration, checked: Registration, kept) -> tuple:
         """A frame the tracks could not follow, one after failed frames (a jump), or one whose tracks' fit the
