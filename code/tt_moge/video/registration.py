@@ -83,6 +83,10 @@ KEYFRAME_OVERLAP = 0.5  # a reference is kept as a keyframe when fewer than this
 # features are among its own
 MAX_KEYFRAMES = 32  # keyframes kept at most (about 1.5 MB each at 1080p)
 KEYFRAME_TRIES = 3  # relocalisation against older keyframes: the ones with the most descriptor matches tried
+LOOP_GAP = 60  # loop closure: keyframes at least this many frames older than a new one are looked for in it
+LOOP_TRIES = 2  # ... the ones whose thumbnails correlate best with it (at least LOOP_THUMB_CORRELATION)
+LOOP_THUMB_CORRELATION = 0.5
+_LOOP_THUMB = (32, 24)  # the thumbnail a keyframe is first compared on (grey, zero mean, unit norm)
 INLIER_RTOL = 0.03  # RANSAC: a match is an inlier when its 3D residual is below this share of its depth
 INLIER_SIGMAS = 3.0  # the refit's threshold: this many robust standard deviations of the inliers' residuals,
 MIN_INLIER_RTOL = 0.002  # but at least this share of the depth (and at most INLIER_RTOL)
@@ -392,6 +396,18 @@ class _Reference:
     def __init__(self, frame: int, grey: np.ndarray, tracks, xyz, ids, geometry: tuple, keypoints=None):
         self.frame, self.grey, self.tracks, self.xyz, self.ids, self.geometry = frame, grey, tracks, xyz, ids, geometry
         self._keypoints: Optional[tuple] = keypoints
+        self._thumb: Optional[np.ndarray] = None
+
+    @property
+    def thumb(self) -> np.ndarray:
+        """The grey image shrunk to _LOOP_THUMB, zero mean and unit norm (loop-closure candidates)."""
+        if self._thumb is None:
+            import cv2
+
+            small = cv2.resize(self.grey, _LOOP_THUMB, interpolation=cv2.INTER_AREA).astype(np.float64).ravel()
+            small -= small.mean()
+            self._thumb = small / max(float(np.linalg.norm(small)), 1e-9)
+        return self._thumb
 
     @property
     def keypoints(self) -> tuple:
@@ -418,6 +434,7 @@ class Tracker:
         self._pending: Optional[tuple] = None  # what `register` found, for `advance`
         self._next_id = 0
         self._frame = -1  # the number of the last frame seen
+        self.loops: list = []  # the loop closures of the last keyframe `advance` made (Registrations)
         self._tries = 0  # frames registered against this reference so far (more than 1: failed frames between)
 
     @property
@@ -628,6 +645,29 @@ class Tracker:
         reg = self._confirmed(ref, reg, frame)
         return reg, kept if reg.ok else None
 
+    def _loop_closures(self, frame: tuple) -> list:
+        """Fits of the new keyframe (the reference now, its `frame` data) against older keyframes, LOOP_GAP frames
+        back at least: the LOOP_TRIES whose thumbnails correlate best with it, found as relocalisation finds a
+        frame (descriptors, then the tracks, the fit's checks and the two frames' confirmation, `_relocalise`).
+        A camera that comes back to where it was is seen again by a keyframe of then: each fit is an edge of the
+        pose graph that closes the loop (posegraph.py)."""
+        older = [k for k in self.keyframes if k.frame <= self.ref.frame - LOOP_GAP]
+        if not older:
+            return []
+        thumb = self.ref.thumb
+        scores = np.array([float(k.thumb @ thumb) for k in older])
+        order = [i for i in np.argsort(-scores)[:LOOP_TRIES] if scores[i] >= LOOP_THUMB_CORRELATION]
+        found = []
+        for i in order:
+            keypoints = self.ref.keypoints  # found once, kept with the keyframe
+            matches = self._matches(older[i], keypoints)
+            if len(matches) < GUESS_INLIERS:
+                continue
+            reg, _ = self._relocalise(older[i], frame, keypoints, matches)
+            if reg.ok:
+                found.append(reg)
+        return found
+
     def _ranked_keyframes(self, keypoints: tuple) -> list:
         """[(keyframe, its descriptor matches)] of the keyframes other than the reference with at least
         GUESS_INLIERS matches, the KEYFRAME_TRIES with the most (the later first among equals)."""
@@ -679,7 +719,9 @@ class Tracker:
         self.ref = _Reference(self._frame, grey, tracks[keep], xyz[keep], ids[keep], geometry, keypoints)
         self._tries = 0
         last = self.keyframes[-1].ids
+        self.loops = []
         if len(last) == 0 or np.isin(last, self.ref.ids).sum() < KEYFRAME_OVERLAP * len(last):
+            self.loops = self._loop_closures((grey, depth, mask, k_pixels, offset))
             self.keyframes.append(self.ref)
             if len(self.keyframes) > MAX_KEYFRAMES:  # thinned out over the whole clip: every other one goes
                 del self.keyframes[1:-1:2]
