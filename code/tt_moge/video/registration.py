@@ -66,6 +66,7 @@ __all__ = [
     "lift",
     "umeyama",
     "fit_similarity",
+    "refine_pose",
 ]
 
 TRACK_SIDE = 640  # features are found and followed on the frame shrunk to this longer side (pixels)
@@ -84,6 +85,7 @@ KEYFRAME_OVERLAP = 0.5  # a reference is kept as a keyframe when fewer than this
 MAX_KEYFRAMES = 32  # keyframes kept at most (about 1.5 MB each at 1080p)
 KEYFRAME_TRIES = 3  # relocalisation against older keyframes: the ones with the most descriptor matches tried
 LOOP_GAP = 60  # loop closure: keyframes at least this many frames older than a new one are looked for in it
+LOOP_EVERY = 10  # ... and by a frame this many frames after the last search, made a keyframe when it finds one
 LOOP_TRIES = 2  # ... the ones whose thumbnails correlate best with it (at least LOOP_THUMB_CORRELATION)
 LOOP_THUMB_CORRELATION = 0.5
 _LOOP_THUMB = (32, 24)  # the thumbnail a keyframe is first compared on (grey, zero mean, unit norm)
@@ -386,6 +388,74 @@ def _check(
     return reg, inliers
 
 
+RETRACK_PIXELS = 2.0  # a feature followed again from the keyframe must land this near its chained track
+POSE_PIXELS_MIN = 6  # refine_pose: points at least (solvePnP's iterative solver needs 4; a few more for noise)
+POSE_SCALE_RTOL = 0.05  # refine_pose: its scale may differ from the 3D fit's by at most this (else the fit stays)
+
+
+def refine_pose(
+    reg: Registration, src: np.ndarray, pixels: np.ndarray, k_pixels: np.ndarray, dst: np.ndarray, use: np.ndarray
+) -> tuple:
+    """(`reg` with its rotation and translation refined on image positions and its scale read from depths, the
+    correspondences that agree with it) of the reference's points `src` (N, 3), metres of the clip, followed to
+    `pixels` (N, 2) in this frame (full resolution, centres at +0.5), where this frame's own points `dst` (N, 3)
+    are NaN where it has no depth. `use` (N,): the candidates (every track followed into this frame: which of them
+    this frame's noisy depth let into the 3D fit does not matter here).
+
+    The correspondences within 3 robust standard deviations of the 3D fit's reprojection, the pose that minimises
+    their reprojection error (`cv2.solvePnP`, Levenberg-Marquardt from the 3D fit's pose), again until the set
+    stops changing (3 rounds at most); the scale is the median of z_dst / z_placed over those with a depth
+    here. Why: the 3D fit places this frame through its
+    own depth, whose per-pixel noise moves its camera from frame to frame (2-10 cm on the 200x150 loop of
+    tests/test_video_long.py at 2 % noise); the image positions are sub-pixel, and the reference's points are
+    shared by every frame fitted against it, so consecutive frames err alike instead of scattering. This frame's
+    depth enters only its scale. A refinement that fails, or whose scale is more than POSE_SCALE_RTOL from the 3D
+    fit's, leaves `reg` as it was (and `use`)."""
+    import cv2
+
+    if not reg.ok or reg.rotation is None or use.sum() < POSE_PIXELS_MIN:
+        return reg, use
+    src, pixels, k = (np.ascontiguousarray(a, np.float64) for a in (src, pixels, k_pixels))
+    rvec = cv2.Rodrigues(np.asarray(reg.rotation, np.float64))[0]
+    tvec = (np.asarray(reg.translation, np.float64) / reg.scale).reshape(3, 1)
+    good = None
+    for _ in range(3):  # the correspondences within 3 robust standard deviations of the pose, then solved on them
+        projected, _ = cv2.projectPoints(src, rvec, tvec, k, None)
+        error = np.linalg.norm(projected.reshape(-1, 2) - pixels, axis=1)
+        spread = 1.4826 * float(np.median(error[use if good is None else good]))
+        again = use & (error <= 3.0 * spread + 1e-6)
+        if again.sum() < POSE_PIXELS_MIN or (good is not None and np.array_equal(again, good)):
+            break
+        good = again
+        ok, rvec, tvec = cv2.solvePnP(src[good], pixels[good], k, None, rvec, tvec, True, cv2.SOLVEPNP_ITERATIVE)
+        if not ok:
+            return reg, use
+    if good is None:
+        return reg, use
+    rotation, translation = cv2.Rodrigues(rvec)[0], tvec.ravel()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = dst[good, 2] / (src[good] @ rotation[2] + translation[2])
+    ratio = ratio[np.isfinite(ratio) & (ratio > 0)]
+    if len(ratio) < POSE_PIXELS_MIN:
+        return reg, use
+    scale = float(np.exp(np.median(np.log(ratio))))
+    if not abs(scale / reg.scale - 1) <= POSE_SCALE_RTOL:
+        return reg, use
+    return dataclasses.replace(reg, scale=scale, rotation=rotation, translation=scale * translation), good
+
+
+@dataclass
+class _Kept:
+    """What a fit keeps of this frame's features for when it becomes the reference: shrunk-image positions (N, 2),
+    points (N, 3) in its camera (its own depth's where `lifted`, else carried there by the fit from the
+    reference's), ids."""
+
+    tracks: np.ndarray
+    xyz: np.ndarray
+    ids: np.ndarray
+    lifted: np.ndarray
+
+
 class _Reference:
     """A frame the registration fits against: its shrunk grey image, its features (shrunk-image positions, their
     consistent 3D points in its camera axes, ids), its geometry at the grey image's size with the offset and
@@ -393,8 +463,9 @@ class _Reference:
     keypoints (kept from its own relocalisation, else found when first needed) and its frame number (the
     Tracker's count: 0 for `start`)."""
 
-    def __init__(self, frame: int, grey: np.ndarray, tracks, xyz, ids, geometry: tuple, keypoints=None):
+    def __init__(self, frame: int, grey: np.ndarray, tracks, xyz, ids, geometry: tuple, keypoints=None, lifted=None):
         self.frame, self.grey, self.tracks, self.xyz, self.ids, self.geometry = frame, grey, tracks, xyz, ids, geometry
+        self.lifted = np.ones(len(ids), bool) if lifted is None else lifted  # points of its own depth (not carried)
         self._keypoints: Optional[tuple] = keypoints
         self._thumb: Optional[np.ndarray] = None
 
@@ -436,6 +507,7 @@ class Tracker:
         self._frame = -1  # the number of the last frame seen
         self.loops: list = []  # the loop closures of the last keyframe `advance` made (Registrations)
         self._tries = 0  # frames registered against this reference so far (more than 1: failed frames between)
+        self._since_loop_search = 0  # frames since loop closures were last looked for
 
     @property
     def started(self) -> bool:
@@ -520,30 +592,62 @@ class Tracker:
         checked = self._confirmed(ref, dataclasses.replace(reg), frame) if reg.ok else reg
         keypoints = None  # this frame's ORB keypoints, where they were found: kept for when it is a reference
         if checked.ok and self._tries == 1:
-            reg = self._against_keyframe(checked, kept)
+            reg = self._against_keyframe(checked, kept, frame)
         else:  # lost, a jump (failed frames between), or a fit the two frames do not confirm: candidates compared
             reg, kept, keypoints = self._relocalised(ref, frame, reg, checked, kept)
             if not reg.ok:
                 return reg
-        self._pending = (grey, *kept, depth.shape, depth, mask, k_pixels, offset, keypoints)
+        self._pending = (grey, kept, depth.shape, depth, mask, k_pixels, offset, keypoints)
         return reg
 
-    def _against_keyframe(self, reg: Registration, kept: tuple) -> Registration:
+    def _against_keyframe(self, reg: Registration, kept: "_Kept", frame: tuple) -> Registration:
         """The fit of this frame against the last keyframe instead of the reference, on the features followed from
-        the one to the other (the inliers of `reg` whose ids the keyframe has), where it passes the checks: the
-        scale and the pose then chain from keyframe to keyframe, not from frame to frame, and the few links of a
-        long clip drift less than its many (each fit's error is about the same whatever the frames between)."""
+        the one to the other, where it passes the checks: the scale and the pose then chain from keyframe to
+        keyframe, not from frame to frame, and the few links of a long clip drift less than its many (each fit's
+        error is about the same whatever the frames between).
+
+        The features are followed again from the keyframe's image into this frame (Lucas-Kanade from where the
+        frame-to-frame tracks put them): a track chained through every frame drifts as a random walk (0.17 px
+        after one frame of the 200x150 loop of tests/test_video_long.py, 0.64 px after 19, some by 7 px), one
+        measured against the keyframe does not. `kept` is updated with these positions (and their depth here),
+        so the next frame starts from them. The pose is then refined on the image positions (`refine_pose`)."""
+        import cv2
+
         keyframe = self.keyframes[-1] if self.keyframes else None
         if keyframe is None or keyframe is self.ref:
             return reg
-        _, xyz, ids = kept
-        common, here, there = np.intersect1d(ids, keyframe.ids, assume_unique=True, return_indices=True)
+        grey, depth, mask, k_pixels, offset = frame
+        common, here, there = np.intersect1d(kept.ids, keyframe.ids, assume_unique=True, return_indices=True)
         if len(common) < MIN_INLIERS:
             return reg
-        fit, _ = _check(keyframe.xyz[there], xyz[here], self.seed)
+        start = keyframe.tracks[there].reshape(-1, 1, 2)
+        guess = kept.tracks[here].astype(np.float32).reshape(-1, 1, 2).copy()
+        moved, status, _ = cv2.calcOpticalFlowPyrLK(
+            keyframe.grey, grey, start, guess, flags=cv2.OPTFLOW_USE_INITIAL_FLOW, **_LK
+        )
+        moved = moved.reshape(-1, 2)
+        # the two trackings agree (else the feature is dropped: one of them slipped)
+        agree = (status.ravel() == 1) & (np.linalg.norm(moved - kept.tracks[here], axis=1) <= RETRACK_PIXELS)
+        xyz = lift(self._full(moved, depth.shape), depth, mask, k_pixels, offset)
+        lifted = agree & np.isfinite(xyz).all(axis=1)
+        mine = keyframe.lifted[there] & agree  # its own points, not those carried there by a fit
+        both = mine & lifted
+        if both.sum() < MIN_INLIERS:
+            return reg
+        src = keyframe.xyz[there]
+        fit, _ = _check(src[both], xyz[both], self.seed)
         if not fit.ok:
             return reg
+        pixels = self._full(moved[mine], depth.shape)
+        fit, _ = refine_pose(fit, src[mine], pixels, k_pixels, xyz[mine], np.ones(int(mine.sum()), bool))
         fit.reference, fit.correlation, fit.matches = keyframe.frame, reg.correlation, reg.matches
+        # the kept features at their positions against the keyframe: with this frame's depth there, else carried
+        xyz[~lifted] = fit.scale * src[~lifted] @ fit.rotation.T + fit.translation
+        drop = np.zeros(len(kept.ids), bool)
+        drop[here[~agree]] = True
+        kept.tracks[here], kept.xyz[here], kept.lifted[here] = moved, xyz, lifted
+        for name in ("tracks", "xyz", "ids", "lifted"):
+            setattr(kept, name, getattr(kept, name)[~drop])
         return fit
 
     def _relocalised(self, ref: _Reference, frame: tuple, reg: Registration, checked: Registration, kept) -> tuple:
@@ -591,10 +695,23 @@ class Tracker:
         ok &= (moved[:, 1] >= 0) & (moved[:, 1] <= h - 1)
         xyz = np.full((len(moved), 3), np.nan)
         xyz[ok] = lift(self._full(moved[ok], depth.shape), depth, mask, k_pixels, offset)
-        ok &= np.isfinite(xyz).all(axis=1)
-        reg, inliers = _check(ref.xyz[ok], xyz[ok], self.seed)
+        idx = np.flatnonzero(ok)
+        moved, xyz, src, ids = moved[idx], xyz[idx], ref.xyz[idx], ref.ids[idx]
+        lifted = np.isfinite(xyz).all(axis=1)
+        reg, inliers = _check(src[lifted], xyz[lifted], self.seed)
         reg.reference = ref.frame
-        return reg, (moved[ok][inliers], xyz[ok][inliers], ref.ids[ok][inliers])
+        use = ~lifted
+        use[lifted] = inliers  # a point the 3D fit refused is dropped (its track or its depth is off)
+        reg, good = refine_pose(reg, src, self._full(moved, depth.shape), k_pixels, xyz, np.ones(len(idx), bool))
+        good &= use
+        # tracks followed without a depth here (noise, a hole) go on with their point carried by the fit: a
+        # feature is not lost to one frame's depth, so keyframes last as long as their features stay in view
+        carried = good & ~lifted
+        if reg.rotation is not None and carried.any():
+            xyz[carried] = reg.scale * src[carried] @ reg.rotation.T + reg.translation
+        else:
+            good = good & lifted
+        return reg, _Kept(moved[good], xyz[good], ids[good], lifted[good])
 
     @staticmethod
     def _matches(ref: _Reference, keypoints: tuple) -> list:
@@ -647,11 +764,17 @@ class Tracker:
 
     def _loop_closures(self, frame: tuple) -> list:
         """Fits of the new keyframe (the reference now, its `frame` data) against older keyframes, LOOP_GAP frames
-        back at least: the LOOP_TRIES whose thumbnails correlate best with it, found as relocalisation finds a
-        frame (descriptors, then the tracks, the fit's checks and the two frames' confirmation, `_relocalise`).
-        A camera that comes back to where it was is seen again by a keyframe of then: each fit is an edge of the
-        pose graph that closes the loop (posegraph.py)."""
-        older = [k for k in self.keyframes if k.frame <= self.ref.frame - LOOP_GAP]
+        back at least and sharing no followed feature with it: the LOOP_TRIES whose thumbnails correlate best with
+        it, found as relocalisation finds a frame (descriptors, then the tracks, the fit's checks and the two
+        frames' confirmation, `_relocalise`). A camera that comes back to where it was is seen again by a keyframe
+        of then: each fit is an edge of the pose graph that closes the loop (posegraph.py)."""
+        # a keyframe that still shares followed features with this frame is joined to it by the chain already:
+        # only one that does not, but looks alike, closes a loop (else the nearest old keyframes crowd it out)
+        older = [
+            k
+            for k in self.keyframes
+            if k.frame <= self.ref.frame - LOOP_GAP and not np.isin(k.ids, self.ref.ids, assume_unique=True).any()
+        ]
         if not older:
             return []
         thumb = self.ref.thumb
@@ -707,21 +830,29 @@ class Tracker:
         """After a good `register`: that frame becomes the reference, its points x `correction` (1 / the fit's
         scale: consistent with the clip), its inlier tracks kept and new corners added; and a keyframe, when
         fewer than KEYFRAME_OVERLAP of the last keyframe's features are among its own."""
-        grey, tracks, xyz, ids, shape, depth, mask, k_pixels, offset, keypoints = self._pending
+        grey, kept, shape, depth, mask, k_pixels, offset, keypoints = self._pending
         self._pending = None
-        kept = len(tracks)
-        tracks = self._fill(grey, tracks.astype(np.float32))
-        new_xyz = lift(self._full(tracks[kept:], shape), depth, mask, k_pixels, offset)
-        xyz = np.concatenate([xyz, new_xyz]) * correction
-        ids = np.concatenate([ids, self._new_ids(len(tracks) - kept)])
+        count = len(kept.tracks)
+        tracks = self._fill(grey, kept.tracks.astype(np.float32))
+        new_xyz = lift(self._full(tracks[count:], shape), depth, mask, k_pixels, offset)
+        xyz = np.concatenate([kept.xyz, new_xyz]) * correction
+        ids = np.concatenate([kept.ids, self._new_ids(len(tracks) - count)])
+        lifted = np.concatenate([kept.lifted, np.ones(len(tracks) - count, bool)])
         keep = np.isfinite(xyz).all(axis=1)
         geometry = (*_shrunk(grey.shape, depth, mask, k_pixels), offset, correction)
-        self.ref = _Reference(self._frame, grey, tracks[keep], xyz[keep], ids[keep], geometry, keypoints)
+        self.ref = _Reference(
+            self._frame, grey, tracks[keep], xyz[keep], ids[keep], geometry, keypoints, lifted=lifted[keep]
+        )
         self._tries = 0
         last = self.keyframes[-1].ids
         self.loops = []
-        if len(last) == 0 or np.isin(last, self.ref.ids).sum() < KEYFRAME_OVERLAP * len(last):
+        keyframe = len(last) == 0 or np.isin(last, self.ref.ids).sum() < KEYFRAME_OVERLAP * len(last)
+        self._since_loop_search += 1
+        if keyframe or self._since_loop_search >= LOOP_EVERY:  # a frame that closes a loop is made a keyframe
+            self._since_loop_search = 0
             self.loops = self._loop_closures((grey, depth, mask, k_pixels, offset))
+            keyframe = keyframe or bool(self.loops)
+        if keyframe:
             self.keyframes.append(self.ref)
             if len(self.keyframes) > MAX_KEYFRAMES:  # thinned out over the whole clip: every other one goes
                 del self.keyframes[1:-1:2]
