@@ -44,12 +44,21 @@ whole clip beside plain `predict_many` on the same frames.
    alternated --repeats times: frames/s, frames per CPU second, the images that went through the network and
    where the chains start.
 
+7. long (not in "both"): the host work per frame of a long clip, the global step included: --long-frames frames
+   once round the loop (`testing.scene.loop_path`, back to its start), rendered at half --size and enlarged to it
+   (the host work sees frames of --size; the scene's detail is the half size's), through the stand-in with the
+   errors of tests/test_video_long.py (metric scale +-5 %, 2 % ray noise, 3 % holes), `ClipChain.step` on each
+   frame timed alone: wall and CPU milliseconds per frame, the median and the mean (the mean carries the pose
+   graph's solves at each keyframe and the loop-closure searches every 10 frames), then `ClipChain.output` (the
+   final solve over every node) per frame of the clip, the keyframes, loop closures and the ATE against the truth.
+
     python -m perf.video.video_bench                        # all four parts, defaults
     python -m perf.video.video_bench --part host --frames 24
     python -m perf.video.video_bench --part calibration --calibration-frames 16
     python -m perf.video.video_bench --part relocalise
     python -m perf.video.video_bench --part gaps --size 640x480
     python -m perf.video.video_bench --part cuts --clip-frames 32
+    python -m perf.video.video_bench --part long --long-frames 120
 """
 
 from __future__ import annotations
@@ -390,11 +399,96 @@ def gaps_part(size: tuple) -> list:
     return rows
 
 
+def long_part(size: tuple, frames: int) -> dict:
+    import math
+
+    import cv2
+    import numpy as np
+
+    from tt_moge.host import CallOptions, plan_canvas, postprocess
+    from tt_moge.testing.scene import SceneRender, compact, loop_path, render
+    from tt_moge.testing.video import VideoOracle, aligned_positions, symmetric_errors
+    from tt_moge.video.calibrate import Calibration
+    from tt_moge.video.predict import ClipChain
+
+    t = time.perf_counter()
+    poses = loop_path(frames)
+    half = (size[0] // 2, size[1] // 2)
+    renders = []
+    for pose in poses:
+        r = compact(render(*half, pose=pose))
+        k = r.intrinsics.copy()
+        k[:2] *= 2.0
+        renders.append(
+            SceneRender(
+                image=cv2.resize(r.image, size, interpolation=cv2.INTER_LINEAR),
+                depth=cv2.resize(r.depth, size, interpolation=cv2.INTER_NEAREST),
+                points=None,
+                normal=None,
+                mask=cv2.resize(r.mask.astype(np.uint8), size, interpolation=cv2.INTER_NEAREST).astype(bool),
+                intrinsics=k,
+                surface=None,
+            )
+        )
+    print(
+        f"rendered {frames} frames of the loop at {half[0]}x{half[1]}, enlarged to {size[0]}x{size[1]}, in "
+        f"{time.perf_counter() - t:.1f} s",
+        flush=True,
+    )
+    oracle = VideoOracle(
+        renders, scale_errors=symmetric_errors(frames, 0.05, 1), noise=0.02, holes=0.03, has_normal=False
+    )
+    call = CallOptions.make(intrinsics=renders[0].intrinsics)
+    plan = plan_canvas(size, size, "pad")
+    chain = ClipChain(None, 0)
+    start = Calibration(0, frames, None, 1.0, (1.0, 50.0))
+    wall, cpu = [], []
+    for i, r in enumerate(renders):
+        out = postprocess(oracle.raw_maps(i), plan, call)
+        w0, c0 = time.perf_counter(), time.process_time()
+        chain.step(i, r.image, out, start if i == 0 else None, 30.0)
+        if i:
+            wall.append((time.perf_counter() - w0) * 1e3)
+            cpu.append((time.process_time() - c0) * 1e3)
+    w0, c0 = time.perf_counter(), time.process_time()
+    clip = chain.output("loop", 30.0, {})
+    final_wall, final_cpu = (time.perf_counter() - w0) * 1e3 / frames, (time.process_time() - c0) * 1e3 / frames
+    ok = clip.registered
+    length = float(np.linalg.norm(np.diff(poses[:, :3, 3], axis=0), axis=1).sum())
+    aligned = aligned_positions(clip.poses[ok], poses[ok])
+    ate = math.sqrt(float(np.mean(np.sum((aligned - poses[ok][:, :3, 3]) ** 2, axis=1)))) / length
+    result = {
+        "size": list(size),
+        "frames": frames,
+        "registered": int(ok.sum()),
+        "keyframes": sum(len(c.graph) for c in chain.chains),
+        "loop_closures": chain.loop_closures,
+        "step_ms": {
+            "wall_median": round(median(wall), 2),
+            "wall_mean": round(sum(wall) / len(wall), 2),
+            "cpu_median": round(median(cpu), 2),
+            "cpu_mean": round(sum(cpu) / len(cpu), 2),
+        },
+        "final_ms_per_frame": {"wall": round(final_wall, 2), "cpu": round(final_cpu, 2)},
+        "ate_of_path": round(ate, 5),
+    }
+    m = result["step_ms"]
+    print(
+        f"host per {size[0]}x{size[1]} frame of a {frames}-frame loop ({result['registered']} registered, "
+        f"{result['keyframes']} keyframes, {result['loop_closures']} loop closures, "
+        f"ATE {100 * ate:.2f} % of the path):\n"
+        f"  ClipChain.step: median {m['wall_median']:.2f} ms wall, {m['cpu_median']:.2f} ms CPU; mean "
+        f"{m['wall_mean']:.2f} ms wall, {m['cpu_mean']:.2f} ms CPU\n"
+        f"  the final solve and the result, per frame: {final_wall:.2f} ms wall, {final_cpu:.2f} ms CPU"
+    )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--part",
-        choices=("host", "calibration", "clip", "relocalise", "gaps", "cuts", "both"),
+        choices=("host", "calibration", "clip", "relocalise", "gaps", "cuts", "long", "both"),
         default="both",
         help="both: the first four",
     )
@@ -409,6 +503,7 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=2, help="clip part: alternated calls of each; relocalise: x 4 (default 2)"
     )
+    parser.add_argument("--long-frames", type=int, default=120, help="long part: frames round the loop (default 120)")
     parser.add_argument("--json", help="also write the numbers to this JSON file")
     args = parser.parse_args()
     print(cpu_line())
@@ -425,6 +520,8 @@ def main() -> None:
         result["relocalise"] = relocalise_part(args.size, args.repeats)
     if args.part == "cuts":
         result["cuts"] = cuts_part(args.clip_size, args.clip_frames // 2, args.repeats, args.canvas)
+    if args.part == "long":
+        result["long"] = long_part(args.size, args.long_frames)
     if args.part == "gaps":
         print(f"the walk at {args.size[0]}x{args.size[1]} (24 frames, 2.4 m) with runs of textureless frames:")
         result["gaps"] = gaps_part(args.size)
