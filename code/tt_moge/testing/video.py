@@ -26,7 +26,8 @@ maps of frame i are its exact geometry (`testing.scene.render_path`) with:
   features of a registration as per-pixel noise does.
 
 Renders may be `testing.scene.compact` (points lifted from the depth, no normal): for clips of hundreds of frames.
-Raw maps are made when asked and the last RAW_CACHE kept, so a long clip holds a bounded number of them.
+Raw maps are made when asked and the last `raw_cache` (RAW_CACHE) kept, so a long clip holds a bounded number of
+them (about 40 MB each at 1920x1080: a bench that asks for each frame once keeps 1).
 
 Each image is matched to its frame by its 16x12 thumbnail (the nearest in mean absolute difference), so frames
 that went through a lossy video file are still recognised. `calls` records (number of images, options) per call;
@@ -102,9 +103,13 @@ class VideoOracle:
         warp: float = 0.0,
         seed: int = 0,
         has_normal: bool = True,
+        raw_cache: int = RAW_CACHE,
     ):
         n = len(renders)
-        self.renders = list(renders)
+        # listed (a copy), except a sequence of another kind: a bench's frames rendered when asked
+        lazy = hasattr(renders, "__getitem__") and not isinstance(renders, (list, tuple))
+        self.renders = renders if lazy else list(renders)
+        self.raw_cache = raw_cache
         self.scale_errors = np.zeros(n) if scale_errors is None else np.asarray(scale_errors, np.float64)
         self.focal_errors = np.zeros(n) if focal_errors is None else np.asarray(focal_errors, np.float64)
         self.shifts = np.zeros(n) if shifts is None else np.asarray(shifts, np.float64)
@@ -166,7 +171,7 @@ class VideoOracle:
         errors are drawn from (seed, index); the last RAW_CACHE are kept)."""
         if index not in self._raw:
             self._raw[index] = self._make_raw(index)
-            while len(self._raw) > RAW_CACHE:
+            while len(self._raw) > self.raw_cache:
                 self._raw.popitem(last=False)
         self._raw.move_to_end(index)
         return self._raw[index]
