@@ -344,7 +344,7 @@ def test_a_new_chain_is_calibrated_on_its_own_frames(walk):
     8 first frames, so its focal is that lens's and its metric level the median of the model's over those frames,
     not its first frame's (whose scale is 30 % off here). The frames before the cut are as without it. With
     calibrate_chains=False the chain starts at frame 10 (also 30 % off) with the first lens's focal (a third off),
-    and the trajectory and the level show it."""
+    and the focal, the trajectory and the level each miss their bound."""
     from tt_moge.video.predict import DEFAULT_CHUNK
 
     clip_renders, images = cut_clip(walk, tele_fov=50.0)
@@ -372,8 +372,11 @@ def test_a_new_chain_is_calibrated_on_its_own_frames(walk):
     assert model.forwards <= len(images) + 2 + 3 * DEFAULT_CHUNK  # the failed frames held, those run past them
     fx, ate, rotation, level = errors_from(clip, cut)
     assert fx <= 0.05 and ate <= 0.03 and rotation <= 1.0 and level <= 0.03, (fx, ate, rotation, level)
+    # without it every bound above fails; the level by less than before the pose graph, whose prior (each frame's
+    # scale tied to the model's) pulls it back from its first frame's 30 % towards the model's (14.6 % off on
+    # 2026-12-07; the trajectory 26.6 %, focal 33 %, rotation 12.4 degrees)
     fx, ate, rotation, level = errors_from(kept, late_start)
-    assert fx > 0.25 and ate > 0.1 and rotation > 5 and level > 0.2, (fx, ate, rotation, level)
+    assert fx > 0.25 and ate > 0.1 and rotation > 5 and level > 0.03, (fx, ate, rotation, level)
     for a, b in zip(clip.frames[:cut], kept.frames[:cut]):  # the rewind leaves the frames before it alone
         assert np.array_equal(a.depth, b.depth)
 
@@ -589,7 +592,8 @@ def test_a_camera_back_where_it_was_is_found_by_an_older_keyframe(monkeypatch):
     assert not clip.registered[list(gap)].any() and clip.registered[15:].all(), clip.failures
     back = clip.records[15]
     assert back["relocalised"] and back["reference"] < 8, back  # an older keyframe, not the last good frame (10)
-    assert [r["reference"] for r in clip.records[16:]] == list(range(15, len(PAN) - 1))
+    # the frames after it chain on from it (fitted against it, the keyframe of their view), not from before the gap
+    assert all(15 <= clip.records[i]["reference"] < i for i in range(16, len(PAN))), clip.records[16:]
     ok = clip.registered
     ate, rotation = trajectory_errors(clip.poses[ok], poses[ok])
     assert ate <= 0.02 and rotation <= 1.0, (ate, rotation)  # the path: 0.9 m forward, 80 degrees of pan
@@ -614,7 +618,8 @@ def test_a_tracks_fit_the_frames_do_not_confirm_is_replaced(monkeypatch):
     renders = render_path(poses, *SIZE)
     clip = predict_video(oracle(renders), [r.image for r in renders], calibration_frames=4)
     assert clip.registered.all(), clip.failures
-    assert clip.records[11]["relocalised"] and clip.records[11]["reference"] == 10, clip.records[11]
+    # found again against the reference (10) or an older keyframe that confirms it better
+    assert clip.records[11]["relocalised"] and clip.records[11]["reference"] <= 10, clip.records[11]
     ate, rotation = trajectory_errors(clip.poses, poses)
     assert ate <= 0.02 and rotation <= 1.0, (ate, rotation)
 

@@ -44,12 +44,25 @@ whole clip beside plain `predict_many` on the same frames.
    alternated --repeats times: frames/s, frames per CPU second, the images that went through the network and
    where the chains start.
 
+7. long (not in "both"): the host work per frame of a long clip, the global step included, and its memory:
+   --long-frames frames (default 1000) once round the loop (`testing.scene.loop_path`, back to its start), each
+   rendered when asked at --long-render (320x180) and enlarged to --size (the host work sees frames of --size; the
+   scene's detail is the small render's; no clip is held), through the stand-in with the errors of
+   tests/test_video_long.py (metric scale +-5 %, 2 % ray noise, 3 % holes; --warp 0.03 adds the correlated ones,
+   the loop that the tests leave to this bench), `ClipChain.step` on each frame timed alone: wall and CPU
+   milliseconds per frame, the median and the mean (the mean carries the pose graph's solves at each keyframe and
+   the loop-closure searches every 10 frames), then `ClipChain.output` (the final solve over every node) per frame
+   of the clip; the keyframes, loop closures, ATE and end-to-start distance against the truth, and the process's
+   resident memory every 50 frames (its growth after the first quarter: what the clip adds).
+
     python -m perf.video.video_bench                        # all four parts, defaults
     python -m perf.video.video_bench --part host --frames 24
     python -m perf.video.video_bench --part calibration --calibration-frames 16
     python -m perf.video.video_bench --part relocalise
     python -m perf.video.video_bench --part gaps --size 640x480
     python -m perf.video.video_bench --part cuts --clip-frames 32
+    python -m perf.video.video_bench --part long                 # 1000 frames, 1920x1080
+    python -m perf.video.video_bench --part long --warp 0.03
 """
 
 from __future__ import annotations
@@ -390,11 +403,160 @@ def gaps_part(size: tuple) -> list:
     return rows
 
 
+class _Enlarged:
+    """The loop's frames as a sequence, each rendered when asked (compact, at `small`) and enlarged to `size`
+    (image bilinear, depth and mask nearest, intrinsics scaled): a 1000-frame clip at 1080p is not held. The last
+    two are kept (the stand-in asks for a frame once, and once more for its raw maps)."""
+
+    def __init__(self, poses, small: tuple, size: tuple):
+        self.poses, self.small, self.size = poses, small, size
+        self._last: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.poses)
+
+    def __getitem__(self, i: int):
+        import cv2
+        import numpy as np
+
+        from tt_moge.testing.scene import SceneRender, compact, render
+
+        if i not in self._last:
+            r = compact(render(*self.small, pose=self.poses[i]))
+            k = r.intrinsics.copy()
+            k[0] *= self.size[0] / self.small[0]
+            k[1] *= self.size[1] / self.small[1]
+            mask = cv2.resize(r.mask.astype(np.uint8), self.size, interpolation=cv2.INTER_NEAREST).astype(bool)
+            self._last = {
+                i: SceneRender(
+                    image=cv2.resize(r.image, self.size, interpolation=cv2.INTER_LINEAR),
+                    depth=cv2.resize(r.depth, self.size, interpolation=cv2.INTER_NEAREST),
+                    points=None,
+                    normal=None,
+                    mask=mask,
+                    intrinsics=k,
+                    surface=None,
+                ),
+                **{j: v for j, v in self._last.items() if j == i - 1},
+            }
+        return self._last[i]
+
+
+def _resident_mb() -> float:
+    """This process's resident memory (MB, from /proc; NaN elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+    except OSError:
+        return float("nan")
+
+
+def long_part(size: tuple, frames: int, small: tuple, warp: float) -> dict:
+    import math
+    import resource
+
+    import numpy as np
+
+    from tt_moge.host import CallOptions, plan_canvas, postprocess
+    from tt_moge.testing.scene import loop_path
+    from tt_moge.testing.video import VideoOracle, aligned_positions, symmetric_errors
+    from tt_moge.video.calibrate import Calibration
+    from tt_moge.video.predict import ClipChain
+
+    poses = loop_path(frames)
+    renders = _Enlarged(poses, small, size)
+    oracle = VideoOracle(  # its thumbnails render every frame once here
+        renders,
+        scale_errors=symmetric_errors(frames, 0.05, 1),
+        noise=0.02,
+        holes=0.03,
+        warp=warp,
+        has_normal=False,
+        raw_cache=1,
+    )
+    call = CallOptions.make(intrinsics=renders[0].intrinsics)
+    plan = plan_canvas(size, size, "pad")
+    chain = ClipChain(None, 0)
+    start = Calibration(0, frames, None, 1.0, (1.0, 50.0))
+    wall, cpu, split = [], [], {"register": [], "scale": [], "fuse": [], "record": []}
+    resident = {}
+    t = time.perf_counter()
+    for i in range(frames):
+        r = renders[i]
+        out = postprocess(oracle.raw_maps(i), plan, call)
+        timing: dict = {}
+        w0, c0 = time.perf_counter(), time.process_time()
+        chain.step(i, r.image, out, start if i == 0 else None, 30.0, timing)
+        if i:
+            wall.append((time.perf_counter() - w0) * 1e3)
+            cpu.append((time.process_time() - c0) * 1e3)
+            for key in split:
+                split[key].append(timing.get(key, 0.0))
+        del out, r
+        if i % 50 == 0 or i == frames - 1:
+            resident[i] = round(_resident_mb(), 1)
+        if i and i % 100 == 0:
+            print(f"  frame {i}: {time.perf_counter() - t:.0f} s, resident {resident[i]:.0f} MB", flush=True)
+    w0, c0 = time.perf_counter(), time.process_time()
+    clip = chain.output("loop", 30.0, {})
+    final_wall, final_cpu = (time.perf_counter() - w0) * 1e3 / frames, (time.process_time() - c0) * 1e3 / frames
+    resident["result"] = round(_resident_mb(), 1)
+    ok = clip.registered
+    length = float(np.linalg.norm(np.diff(poses[:, :3, 3], axis=0), axis=1).sum())
+    aligned = aligned_positions(clip.poses[ok], poses[ok])
+    ate = math.sqrt(float(np.mean(np.sum((aligned - poses[ok][:, :3, 3]) ** 2, axis=1)))) / length
+    end = float(np.linalg.norm(clip.poses[-1, :3, 3] - clip.poses[0, :3, 3])) / clip.path_length if ok[-1] else None
+    # what the clip adds after its first quarter: the end (the result made) over the least sampled from there on
+    # (a sample can catch a passing peak: the pose graph's solve, a merge of the cloud)
+    quarter = max(1, frames // 4)
+    later = [v for k, v in resident.items() if isinstance(k, int) and k >= quarter]
+    result = {
+        "size": list(size),
+        "rendered_at": list(small),
+        "frames": frames,
+        "warp": warp,
+        "registered": int(ok.sum()),
+        "chains": len(chain.chains),
+        "keyframes": sum(len(c.graph) for c in chain.chains),
+        "loop_closures": chain.loop_closures,
+        "step_ms": {
+            "wall_median": round(median(wall), 2),
+            "wall_mean": round(sum(wall) / len(wall), 2),
+            "cpu_median": round(median(cpu), 2),
+            "cpu_mean": round(sum(cpu) / len(cpu), 2),
+            **{f"{k}_mean": round(sum(v) / len(v), 2) for k, v in split.items()},
+        },
+        "final_ms_per_frame": {"wall": round(final_wall, 2), "cpu": round(final_cpu, 2)},
+        "ate_of_path": round(ate, 5),
+        "end_to_start_of_path": None if end is None else round(end, 5),
+        "resident_mb": resident,
+        "resident_growth_mb": round(resident["result"] - min(later + [resident["result"]]), 1),
+        "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3, 1),
+        "cloud_points": int(len(clip.cloud_points)),
+    }
+    m = result["step_ms"]
+    print(
+        f"host per {size[0]}x{size[1]} frame of a {frames}-frame loop (warp {warp}; {result['registered']} "
+        f"registered, {result['chains']} chain(s), {result['keyframes']} keyframes, {result['loop_closures']} loop "
+        f"closures; ATE {100 * ate:.2f} % of the path"
+        + ("" if end is None else f", end {100 * end:.2f} % of the path from the start")
+        + "):\n"
+        f"  ClipChain.step: median {m['wall_median']:.2f} ms wall, {m['cpu_median']:.2f} ms CPU; mean "
+        f"{m['wall_mean']:.2f} ms wall, {m['cpu_mean']:.2f} ms CPU (mean wall: register {m['register_mean']:.2f}, "
+        f"scale {m['scale_mean']:.2f}, fuse {m['fuse_mean']:.2f}, record {m['record_mean']:.2f})\n"
+        f"  the final solve and the result, per frame: {final_wall:.2f} ms wall, {final_cpu:.2f} ms CPU\n"
+        f"  resident memory (MB) by frame: {resident}; at the end over the least from frame {quarter} on: "
+        f"{result['resident_growth_mb']} MB (fused cloud: {result['cloud_points']} voxels); peak RSS of the "
+        f"process {result['max_rss_mb']} MB"
+    )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--part",
-        choices=("host", "calibration", "clip", "relocalise", "gaps", "cuts", "both"),
+        choices=("host", "calibration", "clip", "relocalise", "gaps", "cuts", "long", "both"),
         default="both",
         help="both: the first four",
     )
@@ -408,6 +570,13 @@ def main() -> None:
     parser.add_argument("--canvas", type=_size, default=(448, 252), help="clip part: the model's canvas")
     parser.add_argument(
         "--repeats", type=int, default=2, help="clip part: alternated calls of each; relocalise: x 4 (default 2)"
+    )
+    parser.add_argument("--long-frames", type=int, default=1000, help="long part: frames round the loop (default 1000)")
+    parser.add_argument(
+        "--long-render", type=_size, default=(320, 180), help="long part: rendered at this size, enlarged to --size"
+    )
+    parser.add_argument(
+        "--warp", type=float, default=0.0, help="long part: the stand-in's smooth depth warp (0.03: correlated errors)"
     )
     parser.add_argument("--json", help="also write the numbers to this JSON file")
     args = parser.parse_args()
@@ -425,6 +594,8 @@ def main() -> None:
         result["relocalise"] = relocalise_part(args.size, args.repeats)
     if args.part == "cuts":
         result["cuts"] = cuts_part(args.clip_size, args.clip_frames // 2, args.repeats, args.canvas)
+    if args.part == "long":
+        result["long"] = long_part(args.size, args.long_frames, args.long_render, args.warp)
     if args.part == "gaps":
         print(f"the walk at {args.size[0]}x{args.size[1]} (24 frames, 2.4 m) with runs of textureless frames:")
         result["gaps"] = gaps_part(args.size)

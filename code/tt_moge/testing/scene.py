@@ -18,7 +18,17 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["SceneRender", "render", "intrinsics_for", "camera_path", "pan_path", "render_path", "DEMO_FOV_X_DEG"]
+__all__ = [
+    "SceneRender",
+    "render",
+    "intrinsics_for",
+    "camera_path",
+    "loop_path",
+    "pan_path",
+    "render_path",
+    "compact",
+    "DEMO_FOV_X_DEG",
+]
 
 DEMO_FOV_X_DEG = 70.0
 GROUND_Y = 1.6  # metres below the camera (y points down)
@@ -38,7 +48,8 @@ LIGHT = np.array([-0.45, -0.8, -0.4]) / np.linalg.norm([-0.45, -0.8, -0.4])  # d
 class SceneRender:
     """image (H, W, 3) uint8; depth (H, W) float64 metres (inf = sky); points (H, W, 3) camera space;
     normal (H, W, 3) unit, facing the camera (0 on sky); mask (H, W) bool (False = sky); intrinsics (3, 3) pixels;
-    surface (H, W) int: which smooth surface each pixel sees (-1 sky), for telling edges from interiors."""
+    surface (H, W) int: which smooth surface each pixel sees (-1 sky), for telling edges from interiors.
+    `compact` renders keep only the image, depth (float32), mask and intrinsics (the others None)."""
 
     image: np.ndarray
     depth: np.ndarray
@@ -195,6 +206,21 @@ def camera_path(frames: int, length: float = 2.4, yaw_deg: float = 12.0, turn: b
     return poses
 
 
+def loop_path(frames: int, radius: float = 1.5, yaw_deg: float = 20.0) -> np.ndarray:
+    """(frames, 4, 4) camera-to-world poses (metres) of a walk once round a circle of `radius` metres in front of
+    the demo camera, back to where it started: the position goes (r sin a, 0.05 sin 3a, r (1 - cos a)) for a from
+    0 to 2 pi (the last frame one step short of the first), the camera faces the scene (+z) turning with the
+    path by up to `yaw_deg` degrees (yaw_deg sin a) and tilting by up to 2 degrees; the first pose is the
+    identity. The path is 2 pi radius long: a loop whose end a drifting trajectory misses."""
+    if frames < 2:
+        raise ValueError(f"frames must be >= 2, got {frames}")
+    poses = np.tile(np.eye(4), (frames, 1, 1))
+    for i, a in enumerate(np.linspace(0.0, 2 * math.pi, frames, endpoint=False)):
+        poses[i, :3, :3] = _rotation(math.radians(yaw_deg) * math.sin(a), math.radians(2.0) * math.sin(2 * a), 0.0)
+        poses[i, :3, 3] = (radius * math.sin(a), 0.05 * math.sin(3 * a), radius * (1 - math.cos(a)))
+    return poses
+
+
 def pan_path(yaws_deg, forward: float = 0.05) -> np.ndarray:
     """(len(yaws_deg), 4, 4) camera-to-world poses (metres) of a camera panning through `yaws_deg` (degrees about
     the vertical, positive to the right) while it creeps `forward` metres a frame along z; the first pose is at
@@ -211,3 +237,18 @@ def render_path(
 ) -> list[SceneRender]:
     """One render per camera-to-world pose of `poses` (N, 4, 4), all with the same intrinsics."""
     return [render(width, height, intrinsics, pose) for pose in poses]
+
+
+def compact(frame: SceneRender) -> SceneRender:
+    """The render as the video stand-in needs it, in about a tenth of the memory: the image, the depth as float32
+    (inf on the sky), the mask and the intrinsics; points, normals and surfaces dropped (None). For clips of
+    hundreds of frames (`testing.video.VideoOracle` lifts the points from the depth and has no normal then)."""
+    return SceneRender(
+        image=frame.image,
+        depth=frame.depth.astype(np.float32),
+        points=None,
+        normal=None,
+        mask=frame.mask,
+        intrinsics=frame.intrinsics,
+        surface=None,
+    )

@@ -18,7 +18,16 @@ maps of frame i are its exact geometry (`testing.scene.render_path`) with:
   the residuals: to first order it leaves the shift solved with the true focal unchanged. This is the near
   degeneracy of MoGe's focal and shift, and what a known or jointly solved focal removes;
 * multiplicative noise along each pixel's ray (`noise`, standard deviation) and holes: random discs covering
-  about `holes` of the frame, where the mask probability is 0 (as on the sky).
+  about `holes` of the frame, where the mask probability is 0 (as on the sky);
+* spatially correlated errors (`warp`): each frame's points multiplied along their rays by a smooth field
+  exp(warp x g(u, v)), g a sum of a few random cosines of one to two cycles across the image, with a
+  standard deviation of 1 over the frame, drawn anew for each frame. A real network errs smoothly (a wall bent,
+  a floor tilted, the far field too near), not pixel by pixel, and such errors do not average out over the
+  features of a registration as per-pixel noise does.
+
+Renders may be `testing.scene.compact` (points lifted from the depth, no normal): for clips of hundreds of frames.
+Raw maps are made when asked and the last `raw_cache` (RAW_CACHE) kept, so a long clip holds a bounded number of
+them (about 40 MB each at 1920x1080: a bench that asks for each frame once keeps 1).
 
 Each image is matched to its frame by its 16x12 thumbnail (the nearest in mean absolute difference), so frames
 that went through a lossy video file are still recognised. `calls` records (number of images, options) per call;
@@ -28,13 +37,15 @@ that went through a lossy video file are still recognised. `calls` records (numb
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["VideoOracle", "PredictOnly", "symmetric_errors", "stand_in", "aligned_positions"]
+__all__ = ["VideoOracle", "PredictOnly", "symmetric_errors", "stand_in", "aligned_positions", "smooth_warp"]
 
 _THUMB = (16, 12)
+RAW_CACHE = 64  # raw maps kept (frames asked again: the calibration's, a rewind's)
 
 
 def symmetric_errors(count: int, spread: float, seed: int = 0) -> np.ndarray:
@@ -64,6 +75,19 @@ def _holes(shape: tuple, fraction: float, rng: np.random.Generator) -> np.ndarra
     return holes
 
 
+def smooth_warp(shape: tuple, rng: np.random.Generator, waves: int = 4) -> np.ndarray:
+    """(H, W) float64: a smooth random field of mean 0 and standard deviation 1 over the frame, the sum of `waves`
+    plane cosines of random direction, 1 to 2 cycles across the image's longer side, and random phase."""
+    h, w = shape
+    rows, cols = np.mgrid[0:h, 0:w].astype(np.float64) / max(h, w)
+    field = np.zeros(shape)
+    for _ in range(waves):
+        angle, cycles, phase = rng.uniform(0, 2 * math.pi), rng.uniform(1.0, 2.0), rng.uniform(0, 2 * math.pi)
+        field += np.cos(2 * math.pi * cycles * (cols * math.cos(angle) + rows * math.sin(angle)) + phase)
+    field -= field.mean()
+    return field / field.std()
+
+
 class VideoOracle:
     """A stand-in for MoGeModel over the frames of `renders` (a list of `testing.scene.SceneRender`, one camera)."""
 
@@ -76,17 +100,23 @@ class VideoOracle:
         shifts: Optional[Sequence[float]] = None,
         noise: float = 0.0,
         holes: float = 0.0,
+        warp: float = 0.0,
         seed: int = 0,
         has_normal: bool = True,
+        raw_cache: int = RAW_CACHE,
     ):
         n = len(renders)
-        self.renders = list(renders)
+        # listed (a copy), except a sequence of another kind: a bench's frames rendered when asked
+        lazy = hasattr(renders, "__getitem__") and not isinstance(renders, (list, tuple))
+        self.renders = renders if lazy else list(renders)
+        self.raw_cache = raw_cache
         self.scale_errors = np.zeros(n) if scale_errors is None else np.asarray(scale_errors, np.float64)
         self.focal_errors = np.zeros(n) if focal_errors is None else np.asarray(focal_errors, np.float64)
         self.shifts = np.zeros(n) if shifts is None else np.asarray(shifts, np.float64)
-        self.noise, self.holes, self.seed, self.has_normal = noise, holes, seed, has_normal
+        self.noise, self.holes, self.warp, self.seed = noise, holes, warp, seed
+        self.has_normal = has_normal and all(r.normal is not None for r in self.renders)
         self._thumbs = np.stack([_thumb(r.image) for r in self.renders])
-        self._raw: dict = {}
+        self._raw: OrderedDict = OrderedDict()
         self.calls: list = []
         self.forwards = 0
 
@@ -137,9 +167,13 @@ class VideoOracle:
 
     # -------------------------------------------------------------------------------- raw maps
     def raw_maps(self, index: int) -> Any:
-        """The raw maps (`runners.base.RawMaps`, at the frame's size) of frame `index`, made once."""
+        """The raw maps (`runners.base.RawMaps`, at the frame's size) of frame `index` (the same every time: its
+        errors are drawn from (seed, index); the last RAW_CACHE are kept)."""
         if index not in self._raw:
             self._raw[index] = self._make_raw(index)
+            while len(self._raw) > self.raw_cache:
+                self._raw.popitem(last=False)
+        self._raw.move_to_end(index)
         return self._raw[index]
 
     def _make_raw(self, index: int) -> Any:
@@ -152,7 +186,11 @@ class VideoOracle:
         h, w = truth.depth.shape
         valid = truth.mask & ~_holes((h, w), self.holes, rng)
         scale = float(np.median(truth.depth[valid]))
-        points = truth.points * (1.0 + self.noise * rng.standard_normal((h, w)))[..., None] / scale
+        points = truth.points if truth.points is not None else _lifted(truth)
+        along = 1.0 + self.noise * rng.standard_normal((h, w))
+        if self.warp:
+            along *= np.exp(self.warp * smooth_warp((h, w), np.random.default_rng((self.seed, index, 1))))
+        points = points * along[..., None] / scale
         if self.focal_errors[index] != 0:
             points[..., :2] *= self._lateral_factor(points, valid, self.focal_errors[index])[..., None]
         points[..., 2] += self.shifts[index]
@@ -201,6 +239,16 @@ class VideoOracle:
             if abs(f_a1 / f0 - target) < 1e-5:
                 break
         return 1.0 + a1 * shape
+
+
+def _lifted(frame: Any) -> np.ndarray:
+    """(H, W, 3) camera-space points of a compact render: depth x K^-1 [u, v, 1] at the pixel centres (0 on sky)."""
+    h, w = frame.depth.shape
+    k = np.asarray(frame.intrinsics, np.float64)
+    u = (np.arange(w) + 0.5 - k[0, 2]) / k[0, 0]
+    v = (np.arange(h) + 0.5 - k[1, 2]) / k[1, 1]
+    z = np.where(frame.mask, frame.depth, 0.0).astype(np.float64)
+    return np.stack([u[None, :] * z, v[:, None] * z, z], axis=-1)
 
 
 def stand_in(renders: Sequence[Any], **overrides: Any) -> "VideoOracle":

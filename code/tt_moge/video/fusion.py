@@ -14,9 +14,10 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["FRAME_POINTS", "VoxelCloud", "frame_points"]
+__all__ = ["FRAME_POINTS", "MERGE_EVERY", "VoxelCloud", "frame_points"]
 
 FRAME_POINTS = 10000  # points a frame contributes at most (before the voxel averaging)
+MERGE_EVERY = 200_000  # the per-frame sums are merged into the cloud when more than this (or than the cloud) wait
 _BITS = 21  # per axis in a voxel key: +-2^20 voxels around the first camera
 _OFFSET = 1 << (_BITS - 1)
 
@@ -61,7 +62,7 @@ class VoxelCloud:
         keys = (cells[:, 0] << (2 * _BITS)) | (cells[:, 1] << _BITS) | cells[:, 2]
         self._pending.append(_reduce(keys, points, colours.astype(np.float64), np.ones(len(keys))))
         self._pending_size += len(self._pending[-1][0])
-        if self._pending_size > max(200_000, 0 if self._merged is None else len(self._merged[0])):
+        if self._pending_size > max(MERGE_EVERY, 0 if self._merged is None else len(self._merged[0])):
             self._merge()
 
     def _merge(self) -> None:

@@ -50,10 +50,12 @@ import numpy as np
 
 from ..fields import bind, options_of, signature
 from ..host import CallOptions, InputError, Stopwatch
+from ..output import finite_or_none
 from .calibrate import Calibration, calibrate
 from .fusion import VoxelCloud, frame_points
 from .options import DEFAULT_NEW_CHAIN_AFTER, VideoOptions
 from .output import VideoFrame, VideoOutput
+from .posegraph import CALIBRATION_STD, PoseGraph, Similarity
 from .registration import MIN_INLIERS, Registration, Tracker
 from .source import open_source
 
@@ -69,6 +71,7 @@ __all__ = [
 
 DEFAULT_CHUNK = 4  # frames per predict_many call of the real pass (its outputs are in memory at once)
 EARLIER_CHAINS = 3  # chains other than the current one that a frame it does not find is looked for in
+LOCAL_NODES = 8  # the newest keyframe nodes of a chain's pose graph solved again at each new keyframe
 _END = object()
 
 
@@ -391,6 +394,7 @@ class _Chain:
     cloud: Optional[VoxelCloud]
     registered: int = 0
     calibration: Optional[Calibration] = None
+    graph: PoseGraph = dataclasses.field(default_factory=PoseGraph)
 
 
 class ClipChain:
@@ -445,6 +449,11 @@ class ClipChain:
         self.records: list = []
         self.kept: list = []
         self.size: Optional[tuple] = None
+        # per registered frame: (chain, node, Similarity raw node -> raw frame) and the scale its tracked points
+        # were given (`_hang`); a few numbers a frame
+        self.hang: dict = {}
+        self.used: dict = {}
+        self.loop_closures = 0
 
     def step(
         self,
@@ -490,14 +499,8 @@ class ClipChain:
             started = cut and self._start_chain(index, rgb, out)
         if started:  # the first frame of a chain: the identity of its world, at its level
             correction, pose, registration = self.level, np.eye(4), Registration(True, scale=1.0, reason=None)
-        elif registration.ok:
-            motion = np.eye(4)
-            motion[:3, :3] = registration.rotation
-            motion[:3, 3] = registration.translation / registration.scale
-            pose = self.rows[registration.reference][2] @ np.linalg.inv(motion)  # its reference's pose
-            # a new window's first frame is re-anchored at its calibrated level
-            correction = self.level if calibration is not None else 1.0 / registration.scale
-            self.tracker.advance(correction)
+        elif registration.ok:  # hung on the pose graph of its reference's chain: its scale and pose from there
+            correction, pose = self._hang(index, registration)
         else:
             pose, correction = np.full((4, 4), np.nan), self.level
         if calibration is not None and (started or not chain_first):  # a window's: the current chain's from now
@@ -586,11 +589,91 @@ class ClipChain:
         tracker = self._tracker(index, rgb, out, least)
         if tracker is None:
             return False
-        self.chains.append(_Chain(tracker, VoxelCloud(self.voxel_size), calibration=self.running))
+        chain = _Chain(tracker, VoxelCloud(self.voxel_size), calibration=self.running)
+        node = chain.graph.add_node(index, Similarity.identity(self.level))
+        self._prior(chain.graph, node, 0.0, index)
+        self.hang[index], self.used[index] = (len(self.chains), node, Similarity.identity()), self.level
+        self.chains.append(chain)
         if len(self.chains) > 1:
             self._switch(len(self.chains) - 1)
         self.failed_in_a_row = 0
         return True
+
+    def _hang(self, index: int, reg: Registration) -> tuple:
+        """A registered frame on its chain's pose graph -> (its scale correction, its pose), the graph's estimate.
+
+        The fit is against its reference's points as the tracker holds them (scaled by `used`): turned into one
+        between the two frames' raw points, and composed with the reference's own hanging, it hangs the frame on
+        the keyframe node its reference hangs on (`hang`: chain, node, raw node -> raw frame). A frame the tracker
+        makes a keyframe becomes a node, with that fit as its edge and any loop closure the tracker found as more;
+        the newest LOCAL_NODES nodes are solved again (all of them after a loop closure). Each frame's prior (its
+        scale correction near 1: the model's own metric scale) is carried by its node."""
+        chain, node, rel_ref = self.hang[reg.reference]
+        graph = self.chains[chain].graph
+        rel = Similarity(reg.scale * self.used[reg.reference], reg.rotation, reg.translation) @ rel_ref
+        estimate = graph.nodes[node] @ rel.inverse()
+        tracker = self.tracker
+        tracker.advance(estimate.scale)
+        self.used[index] = estimate.scale
+        if tracker.keyframes and tracker.keyframes[-1].frame == index and reg.information is not None:
+            new = graph.add_node(index, estimate)
+            graph.add_edge(node, new, rel, reg.information)
+            self._prior(graph, new, 0.0, index)
+            self.hang[index] = (chain, new, Similarity.identity())
+            first = len(graph) - LOCAL_NODES
+            for loop in tracker.loops:
+                if loop.reference in self.hang and self.hang[loop.reference][0] == chain:
+                    _, old, rel_old = self.hang[loop.reference]
+                    measured = Similarity(loop.scale * self.used[loop.reference], loop.rotation, loop.translation)
+                    graph.add_edge(old, new, measured @ rel_old, loop.information)
+                    self.loop_closures += 1
+                    first = min(first, old)  # the loop's nodes, from its oldest: its correction spread along it
+            graph.optimise(first=first)
+            estimate = graph.nodes[new]
+        else:
+            self._prior(graph, node, math.log(rel.scale), index)
+            self.hang[index] = (chain, node, rel)
+        return estimate.scale, estimate.pose()
+
+    def _prior(self, graph: PoseGraph, node: int, log_rel: float, index: int) -> None:
+        """Frame `index`'s metric prior on the node it hangs on (log_rel: the log of its scale relative to the
+        node's). The model's own scale (a scale correction of 1), but the frames of a calibration pass count
+        through the pass's level (the median of the model's scale over them, relative to the pass's first frame:
+        robust to a frame far off): on its first frame, each with CALIBRATION_STD (the others PRIOR_STD: a weak
+        prior, which sets the level of a long chain and leaves a short one at its calibration's); none on the
+        others."""
+        calibration = self.running
+        if calibration is None or not calibration.frames or index >= calibration.start + calibration.frames:
+            graph.add_prior(node, log_rel)
+        elif index == calibration.start:
+            graph.add_prior(node, log_rel + math.log(self.level), CALIBRATION_STD / math.sqrt(calibration.frames))
+
+    def _final(self) -> list:
+        """Every chain's graph solved once more over all its nodes; then each registered frame's (scale
+        correction, pose) from it (None for the others)."""
+        for chain in self.chains:
+            if len(chain.graph) > 1:
+                chain.graph.optimise(first=0, max_nfev=50)
+        final = [None] * len(self.rows)
+        for index, (chain, node, rel) in self.hang.items():
+            if index < len(final) and self.rows[index][5].ok:
+                estimate = self.chains[chain].graph.nodes[node] @ rel.inverse()
+                final[index] = (estimate.scale, estimate.pose())
+        return final
+
+    @staticmethod
+    def _rescaled(out: Any, image: Any, scale: float) -> tuple:
+        return _rescaled_output(out, scale), image
+
+    def _refuse(self, poses: tuple, regs: tuple, chains: tuple) -> None:
+        """The kept frames fused again at the graph's poses (each chain's cloud anew)."""
+        for chain in self.chains:
+            if chain.cloud is not None:
+                chain.cloud = VoxelCloud(chain.cloud.voxel_size)
+        for (out, rgb), pose, reg, c in zip(self.kept, poses, regs, chains):
+            cloud = self.chains[c].cloud
+            if reg.ok and cloud is not None and cloud.voxel_size is not None:
+                cloud.add(*frame_points(out, rgb, pose))
 
     def _calibrated(self, calibration: Calibration, index: int) -> None:
         """A calibration pass's result arrives with frame `index` (its first): its record, its level; the
@@ -649,7 +732,19 @@ class ClipChain:
     def output(self, name: str, fps: Optional[float], seconds: dict) -> VideoOutput:
         if not self.rows:
             raise InputError("source: no frames")
-        source_frames, times, poses, scale, model_scale, regs, cameras, chains = zip(*self.rows)
+        final = self._final()
+        rows = []
+        for row, record, done in zip(self.rows, self.records, final):
+            if done is not None:  # the graph's: the applied scale and the pose change, the rest stays
+                scale = row[4] * done[0]
+                record["pose"] = [[round(float(v), 9) for v in r] for r in done[1]]
+                record["scale"] = finite_or_none(scale)
+                row = (row[0], row[1], done[1], scale, *row[4:])
+            rows.append(row)
+        source_frames, times, poses, scale, model_scale, regs, cameras, chains = zip(*rows)
+        if self.kept:
+            self.kept = [self._rescaled(o, i, s) for (o, i), s in zip(self.kept, scale)]
+            self._refuse(poses, regs, chains)
         cloud = self.chains[self._main()].cloud
         points, colours, _ = cloud.result()
         kept = self.kept or None
@@ -679,6 +774,16 @@ class ClipChain:
             frames=None if kept is None else [o for o, _ in kept],
             images=None if kept is None else [i for _, i in kept],
         )
+
+
+def _rescaled_output(out: Any, scale: float) -> Any:
+    """A kept frame's output at the applied scale `scale` (its depth and points rescaled in place)."""
+    factor = scale / out.metric_scale
+    if math.isfinite(factor) and factor != 1.0:
+        out.depth *= np.float32(factor)
+        out.points *= np.float32(factor)
+        out = dataclasses.replace(out, metric_scale=scale)
+    return out
 
 
 def _same_camera(a: Calibration, b: Optional[Calibration]) -> bool:
