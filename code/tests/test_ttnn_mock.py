@@ -118,8 +118,8 @@ def fast_vitl_report(request, tmp_path_factory) -> dict:
 
 
 def _fast_vitl_args(grid: str) -> tuple:
-    calibration = () if grid == GRIDS[0] else ("--no-calibration",)
-    return (*SPEC_CASE, "--grid", grid, *calibration)
+    first = grid == GRIDS[0]  # the calibration and the back-to-back calls do not depend on the grid
+    return (*SPEC_CASE, "--grid", grid, *(() if first else ("--no-calibration", "--pipeline-calls", "0")))
 
 
 @pytest.mark.full_size
@@ -150,8 +150,9 @@ def test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budg
     assert est["total"] == pytest.approx(est["kernel"] + est["dispatch"], abs=0.01)
     assert len(est["top"]) == 10 and est["device_ops"] > 400
     if grid != GRIDS[0]:
-        assert "calibration" not in report
+        assert "calibration" not in report and "pipeline" not in report
         return
+    _assert_back_to_back_calls(report["pipeline"])
     calibration = report["calibration"]
     points = calibration["points"]
     from tt_moge.ttnn_tools.calibration import POINTS
@@ -162,6 +163,27 @@ def test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budg
     held = [p for p in points if not p["fitted"]]
     assert len(held) >= len(points) / 2 and calibration["held_out_points"] == len(held)
     assert calibration["held_out_mean_abs_error"] <= 0.08 and calibration["held_out_max_abs_error"] <= 0.15
+
+
+def _assert_back_to_back_calls(pipeline: dict) -> None:
+    """The runner's two calls back to back on the mock, two command queues (`mock_check.pipeline_calls`, the trace
+    off): the same ttnn calls each time, both calls' maps back, and tt-metal's order for ops on queue 0 with uploads
+    and reads on queue 1: each forward waits for its upload, the second canvas goes up before the first call's maps
+    are read (the read waits for the first forward, not the second), each read waits for its own forward."""
+    assert pipeline["queues"] == 2 and pipeline["same_ops_every_call"]
+    assert sum(pipeline["ttnn_calls_per_call"][0].values()) > 400
+    assert [m["points"] for m in pipeline["maps"]] == [[3, 1080, 1920]] * 2
+    order = [re.sub(r"ops cq0: \d+ ttnn calls", "ops cq0", step) for step in pipeline["order"]]
+    reads = ["read cq1: outputs[{0}].points", "read cq1: outputs[{0}].normal", "read cq1: outputs[{0}].mask"]
+    expected = [
+        "write cq1: input[uint8,0]", "record cq1: e1", "wait cq0: e1 (logged)", "ops cq0", "record cq0: e2",
+        "write cq1: input[uint8,1]", "record cq1: e3", "wait cq0: e3 (logged)", "ops cq0", "record cq0: e4",
+        "wait cq1: e2 (logged)", *[r.format(0) for r in reads], "read cq1: cls[0]", "record cq1: e5",
+        "host waits: e5",
+        "wait cq1: e4 (logged)", *[r.format(1) for r in reads], "read cq1: cls[1]", "record cq1: e6",
+        "host waits: e6",
+    ]  # fmt: skip
+    assert order == expected, order
 
 
 SAFE_ARGS = (*SPEC_CASE, "--grid", GRIDS[0], "--config", "safe", "--no-calibration", "--no-l1-headroom")
