@@ -69,7 +69,7 @@ if __package__ in (None, ""):
     from tt_moge.runners.ttnn.pre import DeviceInput
     from tt_moge.runners.ttnn.prepare import Prepared
     from tt_moge.ttnn_tools import calibration
-    from tt_moge.ttnn_tools.cost import BLACKHOLE_P150, OpRecorder, estimate
+    from tt_moge.ttnn_tools.cost import BLACKHOLE_P150, OpRecorder, estimate, ops_to_json
 else:
     from ..runners.ttnn.graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
     from ..runners.ttnn.pipeline import DevicePipeline
@@ -77,7 +77,7 @@ else:
     from ..runners.ttnn.pre import DeviceInput
     from ..runners.ttnn.prepare import Prepared
     from . import calibration
-    from .cost import BLACKHOLE_P150, OpRecorder, estimate
+    from .cost import BLACKHOLE_P150, OpRecorder, estimate, ops_to_json
 
 
 def synthetic_canvas(width: int, height: int):
@@ -385,6 +385,8 @@ def run(args) -> dict:
         report["forward_s"] = round(time.perf_counter() - t, 2)
         report["ttnn_calls"] = dict(sorted(recorder.counts.items()))
         report["ttnn_calls_total"] = sum(recorder.counts.values())
+        if args.capture and args.ops:  # the steady forward's device ops in order, to compare two trees' graphs
+            Path(args.ops).write_text(json.dumps(ops_to_json(recorder.ops)))
         if args.capture:
             report["device_operations"] = dict(sorted(recorder.device_counts.items()))
             report["device_operations_total"] = sum(recorder.device_counts.values())
@@ -500,6 +502,12 @@ def main(argv=None) -> int:
         help="also refit the cost model's four fitted figures on the calibration's fitted points (calibration_fit)",
     )
     ap.add_argument("--json", help="also write the report to this file")
+    ap.add_argument(
+        "--ops",
+        metavar="FILE",
+        help="also write the steady forward's device operations, in order, with their tensors and configs "
+        "(cost.ops_to_json), to compare the op lists of two trees",
+    )
     args = ap.parse_args(argv)
     if args.capture_calibration:
         counts = capture_calibration(args.capture_calibration)
