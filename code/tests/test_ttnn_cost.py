@@ -56,7 +56,7 @@ def _tensor(shape, buffer="L1", cores=0, dtype="BFLOAT16", layout=None):
 
 
 # The matmul capture: (1, 1, 1825, 1024) bfloat16 in L1 @ (1024, 3072) bfloat8_b in DRAM, HiFi2, 12x10 cores of
-# per_core_M 6 x per_core_N 8 tiles, in0 blocks of 4 K tiles (what graph._MatmulPlanner gives qkv with whole_grid).
+# per_core_M 6 x per_core_N 8 tiles, in0 blocks of 4 K tiles (what context.MatmulPlanner gives qkv with whole_grid).
 MATMUL_ATTRS = {"grid": [12, 10], "per_core_M": 6, "per_core_N": 8, "in0_block_w": 4}
 
 

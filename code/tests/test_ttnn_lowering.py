@@ -26,6 +26,7 @@ from tt_moge.host import CallOptions, postprocess
 from tt_moge.host.canvas import plan_canvas
 from tt_moge.runners.base import RawMaps
 from tt_moge.runners.ttnn import Formats, Prepared, TtnnGraph, host_input, prepare_weights
+from tt_moge.runners.ttnn.decoder import Conv
 from tt_moge.runners.ttnn.graph import CONFIGS, GraphConfig
 from tt_moge.runners.ttnn.post import DeviceOutput, widen
 from tt_moge.runners.ttnn.pre import DeviceInput
@@ -336,10 +337,10 @@ def test_lofi_weights_are_rounded_to_what_lofi_reads():
     prepared = _prepared("tiny-vits-normal")
     lofi = _fast(mlp_fidelity="lofi", attention_fidelity="hifi2", round_lofi_weights=True)
     graph = _graph(prepared, config=lofi)
-    ffn = graph.w["blocks.0.ffn_in.w"].data
+    ffn = graph.encoder.blocks[0].w["ffn_in.w"].data
     assert torch.equal(truncate_bits(ffn, 5), ffn), "LoFi weights not on LoFi's 5 significant bits"
     assert not torch.equal(ffn, round_bf16(torch.from_numpy(prepared.arrays["blocks.0.ffn_in.w"]).float()))
-    qkv = graph.w["blocks.0.qkv.w"].data  # HiFi2: as they are (bfloat16)
+    qkv = graph.encoder.blocks[0].w["qkv.w"].data  # HiFi2: as they are (bfloat16)
     assert torch.equal(qkv, round_bf16(torch.from_numpy(prepared.arrays["blocks.0.qkv.w"]).float()))
     rounded = _compare("tiny-vits-normal", config=lofi)
     cut = _compare("tiny-vits-normal", config=dataclasses.replace(lofi, round_lofi_weights=False))
@@ -355,11 +356,11 @@ def test_decoder_conv_weights_are_rounded_where_their_level_runs_at_lofi():
     lofi = _fast(decoder_fidelity="lofi", finest_fidelity="hifi4")
     graph = _graph(prepared, config=lofi, prepare_convs=True)
     plan = prepared.plan
-    coarse = graph.convs["neck.res.1.0.conv1"][0].data
+    coarse = graph.neck.conv["res.1.0.conv1"].weight.data
     assert torch.equal(truncate_bits(coarse, 5), coarse), "a LoFi level's conv weights not on LoFi's 5 bits"
-    assert torch.equal(truncate_bits(graph.w["neck.up0.w"].data, 5), graph.w["neck.up0.w"].data)
+    assert torch.equal(truncate_bits(graph.neck.w["up0.w"].data, 5), graph.neck.w["up0.w"].data)
     finest_level = next(i for i, lv in enumerate(plan["levels"]) if lv["height"] == plan["finest"]["in_height"])
-    finest = graph.convs[f"neck.res.{finest_level}.0.conv1"][0].data
+    finest = graph.neck.conv[f"res.{finest_level}.0.conv1"].weight.data
     assert not torch.equal(truncate_bits(finest, 5), finest), "the finest level's weights were rounded too"
     rounded = _compare("tiny-vits-normal", config=lofi)
     cut = _compare("tiny-vits-normal", config=dataclasses.replace(lofi, round_lofi_weights=False))
@@ -375,14 +376,14 @@ def test_the_graph_plans_from_the_grid_the_device_reports(grid):
     emulator = TtnnEmulator()
     graph = TtnnGraph(emulator, EmulatedDevice(grid), prepared, config="fast")
     assert graph.grid == grid and graph.num_cores == grid[0] * grid[1]
-    for name, pc in graph.pc.items():
+    for name, pc in graph.program_configs().items():
         size = pc.compute_with_storage_grid_size
         assert size.x <= grid[0] and size.y <= grid[1], name
-    sdpa_grid = graph.sdpa_config.compute_with_storage_grid_size
+    sdpa_grid = graph.encoder.blocks[0].sdpa_config.compute_with_storage_grid_size
     assert (sdpa_grid.x, sdpa_grid.y) == grid
     graph.load(prepare_convs=False)
     fin = prepared.plan["finest"]
-    _, shard_rows = graph._level_sharding(fin["in_height"], fin["in_width"])
+    _, shard_rows = graph.convs.sharding(fin["in_height"], fin["in_width"])
     assert _cdiv(fin["in_height"] * fin["in_width"], shard_rows) <= graph.num_cores
     image = calibration_image(*SMALL, seed=6)
     raw, _, cls_token = _run(graph, prepared, image)
@@ -409,22 +410,22 @@ def test_sdpa_chunks_leave_the_busiest_core_the_least_work(grid, per_core, q_til
     import types
 
     from tt_moge.runners.ttnn.graph import SDPA_SCORE_TILES
+    from tt_moge.runners.ttnn.vit_block import sdpa_chunks
 
     cores = grid[0] * grid[1]
-    plan = {"seq_len": 1825, "num_heads": 16}
-    fake = types.SimpleNamespace(config=CONFIGS["fast"], plan=plan, num_cores=cores, encoder_in_l1=True)
-    q_chunk, k_chunk = TtnnGraph._sdpa_chunks(fake)
+    fake = types.SimpleNamespace(config=CONFIGS["fast"], num_cores=cores, encoder_in_l1=True)
+    q_chunk, k_chunk = sdpa_chunks(fake, 1825, 16)
     tiles, per_head = _cdiv(1825, 32), cores // 16
     assert q_chunk % 32 == 0 and k_chunk % 32 == 0
     assert (q_chunk // 32, k_chunk // 32) == (q_tiles, 29)
     assert _cdiv(_cdiv(tiles, q_tiles), per_head) * q_tiles == per_core
     assert q_tiles * 29 <= SDPA_SCORE_TILES
-    dram = types.SimpleNamespace(config=CONFIGS["fast"], plan=plan, num_cores=cores, encoder_in_l1=False)
-    q_chunk, k_chunk = TtnnGraph._sdpa_chunks(dram)
+    dram = types.SimpleNamespace(config=CONFIGS["fast"], num_cores=cores, encoder_in_l1=False)
+    q_chunk, k_chunk = sdpa_chunks(dram, 1825, 16)
     assert q_chunk // 32 == per_core and _cdiv(tiles, q_chunk // 32) <= per_head  # one pass over the keys a core
     assert (q_chunk // 32) * (k_chunk // 32) <= SDPA_SCORE_TILES and k_chunk == 480
-    safe = types.SimpleNamespace(config=CONFIGS["safe"], plan=plan, num_cores=cores, encoder_in_l1=False)
-    assert TtnnGraph._sdpa_chunks(safe) == (256, 256)
+    safe = types.SimpleNamespace(config=CONFIGS["safe"], num_cores=cores, encoder_in_l1=False)
+    assert sdpa_chunks(safe, 1825, 16) == (256, 256)
 
 
 # Observed (this network and ViT-L) and what a bfloat16 stream would save: docs/performance.md.
@@ -472,7 +473,7 @@ def test_vit_block_pcc(exact, min_pcc):
         with torch.inference_mode():
             ref = net.encoder.backbone.blocks[i](x)[0].numpy()
         dev = emulator.Tensor(x.numpy()[None], emulator.float32, graph.device, emulator.TILE_LAYOUT)
-        out = graph.to_host(graph.block(dev, i), tuple(ref.shape))
+        out = graph.to_host(graph.encoder.blocks[i].forward(dev), tuple(ref.shape))
         x0 = x[0].numpy()
         assert _pcc(out - x0, ref - x0) >= min_pcc, (i, _pcc(out - x0, ref - x0))
         if exact:
@@ -526,30 +527,28 @@ def test_decoder_pcc(exact, min_pcc):
 
 def _break(graph: TtnnGraph, bug: str) -> None:
     """Inject a plausible lowering bug into a loaded graph."""
-    T, plan, w = graph.ttnn, graph.plan, graph.w
+    T, plan, blocks = graph.ttnn, graph.plan, graph.encoder.blocks
     if bug == "head_split":  # qkv split into the wrong number of heads
-        plan["num_heads"] //= 2
+        for block in blocks:
+            block.num_heads //= 2
     elif bug == "transposed_weight":  # a square weight uploaded in torch's (out, in) layout
         a = graph.prepared.arrays["blocks.1.attn_out.w"]
-        w["blocks.1.attn_out.w"] = graph._tensor(a.T, graph.formats.vit_weights)
+        blocks[1].w["attn_out.w"] = graph.ctx.tensor(a.T, graph.formats.vit_weights)
     elif bug == "zero_padding":  # ttnn's default conv padding instead of MoGe's replicate padding
-        make = graph._conv_config
+        make = graph.convs.conv_config
 
         def zeros(*args, **kwargs):
             config = make(*args, **kwargs)
             config.padding_mode = T.PaddingMode.Zeros
             return config
 
-        graph._conv_config = zeros
+        graph.convs.conv_config = zeros
     elif bug == "phase_order":  # row and column phases swapped in the finest fold
         for name in ["neck"] + [h["name"] for h in plan["heads"]]:
             k = graph.prepared.arrays[f"finest.{name}.w"]
             n = k.shape[0] // 4
             swapped = np.concatenate([k[:n], k[2 * n : 3 * n], k[n : 2 * n], k[3 * n :]])
-            graph.convs[f"finest.{name}"] = (
-                graph._tensor(swapped, "float32", device=False, layout=T.ROW_MAJOR_LAYOUT),
-                None,
-            )
+            graph.finest[name].conv = Conv(swapped)
     elif bug == "class_row":  # the class token read from the first row (the usual prefix-first order)
         slice_ = T.slice
 
@@ -560,7 +559,7 @@ def _break(graph: TtnnGraph, bug: str) -> None:
 
         T.slice = first_row
     elif bug == "no_gelu":
-        for pc in graph.pc.values():
+        for pc in graph.program_configs().values():
             if getattr(pc, "fused_activation", None) is not None:
                 pc.fused_activation = None
     elif bug == "double_scale":  # the attention scale applied again though it is folded into q

@@ -313,7 +313,7 @@ class TtnnRunner(Runner):
                 side.close()
         self.pre = self.post = None
         if self.graph is not None:
-            for tensor in self.graph.w.values():
+            for tensor in self.graph.tensors():
                 T.deallocate(tensor)
             self.graph = None
         if device is not None and self.owns_device:
