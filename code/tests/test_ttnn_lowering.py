@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tt_moge import env as environment
 from tt_moge.host import CallOptions, postprocess
 from tt_moge.host.canvas import plan_canvas
 from tt_moge.runners.base import RawMaps
@@ -31,7 +32,7 @@ from tt_moge.runners.ttnn.graph import CONFIGS, GraphConfig
 from tt_moge.runners.ttnn.post import DeviceOutput, widen
 from tt_moge.runners.ttnn.pre import DeviceInput
 from tt_moge.runners.ttnn.prepare import depth_to_space, metric_scale, phase_fold, resize_antialiased, resize_bilinear
-from tt_moge.testing import calibration_image, make_network, model_config
+from tt_moge.testing import add_residual_outliers, calibration_image, make_network, model_config
 
 from .ttnn_emulator import EmulatedDevice, TtnnEmulator, round_bf16, round_bfp8, truncate_bits
 
@@ -53,8 +54,14 @@ _PREPARED: dict = {}
 
 
 def _network(preset: str):
+    """The preset's random network; "<preset>+outliers": the same with DINOv2's massive activations planted in the
+    ViT's residual stream (`testing.add_residual_outliers`; the channels in `.planted`)."""
     if preset not in _NETWORKS:
-        _NETWORKS[preset] = make_network(_config(preset) if preset in ("registers", "nearest") else preset)
+        base = preset.removesuffix("+outliers")
+        net = make_network(_config(base) if base in ("registers", "nearest") else base)
+        if base != preset:
+            net.planted = add_residual_outliers(net)
+        _NETWORKS[preset] = net
     return _NETWORKS[preset]
 
 
@@ -164,8 +171,10 @@ def _depth_error(ours: dict, ref: dict, canvas) -> float:
     return float((np.abs(a.depth[both] - b.depth[both]) / b.depth[both]).max())
 
 
-def _errors(ours: dict, ref: dict, level0, level0_ref, cls_token, cls_ref, canvas=SMALL) -> dict:
-    """The metrics of test_runners.py / perf/runners/accuracy.py, the ViT's share on its own, and PCCs."""
+def _errors(ours: dict, ref: dict, level0, level0_ref, cls_token, cls_ref, canvas=SMALL, outliers=()) -> dict:
+    """The metrics of test_runners.py / perf/runners/accuracy.py, the ViT's share on its own, and PCCs. `outliers`:
+    the class token's channels with planted massive activations, which would set the scale of its max-relative
+    error: measured apart ("cls_token_outliers", each channel to its own largest value), the rest as usual."""
     assert sorted(k for k, v in ours.items() if v is not None) == sorted(k for k in ref if k != "finished")
     for k, v in ours.items():
         assert v is None or np.isfinite(v).all(), k
@@ -185,7 +194,7 @@ def _errors(ours: dict, ref: dict, level0, level0_ref, cls_token, cls_ref, canva
         scale=abs(ours["metric_scale"] / ref["metric_scale"] - 1),
         encoder_rms=float(np.sqrt(((level0 - level0_ref) ** 2).mean() / (level0_ref**2).mean())),
         pcc_encoder=_pcc(level0, level0_ref),
-        cls_token=float(np.abs(cls_token - cls_ref).max() / np.abs(cls_ref).max()),
+        cls_token=_relative(np.delete(cls_token, list(outliers)), np.delete(cls_ref, list(outliers))),
         depth=_depth_error(ours, ref, canvas),
     )
     return err
@@ -276,7 +285,15 @@ def _compare(
     graph = graph or _graph(prepared, formats, exact, prepare_convs, config)
     raw, level0, cls_token = _run(graph, prepared, calibration_image(*canvas, seed=seed), readback)
     ref, level0_ref, cls_ref = _references(preset, seed, canvas, tokens)
-    return _errors(raw, ref, level0, level0_ref, cls_token, cls_ref, canvas)
+    outliers = getattr(_network(preset), "planted", {}).get("channels", [])
+    err = _errors(raw, ref, level0, level0_ref, cls_token, cls_ref, canvas, outliers)
+    if outliers:
+        err["cls_token_outliers"] = max(_relative(cls_token[[c]], cls_ref[[c]]) for c in outliers)
+    return err
+
+
+def _relative(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def _check_exact(err: dict) -> None:
@@ -318,6 +335,7 @@ def test_the_emulator_sees_each_fidelity_choice():
         mlp_fidelity="hifi2",
         sdpa_fidelity="hifi2",
         decoder_fidelity="hifi2",
+        coarse_fidelity="",  # every coarse level at decoder_fidelity: the change below reaches all of them
     )
     hifi2 = _compare("tiny-vits-normal", config=base, readback=FLOAT32_READBACK)
     hifi4 = _compare("tiny-vits-normal", config=dataclasses.replace(base, attention_fidelity="hifi4"))
@@ -353,7 +371,7 @@ def test_decoder_conv_weights_are_rounded_where_their_level_runs_at_lofi():
     weights as they are. On the conv weights the first forward prepares, and on the outputs: rounded weights give
     a smaller error than cut ones (the points and the depth, which the decoder's error reaches)."""
     prepared = _prepared("tiny-vits-normal")
-    lofi = _fast(decoder_fidelity="lofi", finest_fidelity="hifi4")
+    lofi = _fast(decoder_fidelity="lofi", finest_fidelity="hifi4", coarse_fidelity="")  # every coarse level at LoFi
     graph = _graph(prepared, config=lofi, prepare_convs=True)
     plan = prepared.plan
     coarse = graph.neck.conv["res.1.0.conv1"].weight.data
@@ -680,20 +698,55 @@ def test_emulator_formats_match_ttnn_host_conversions():
 # ------------------------------------------------------------------------------------------- full size
 
 
-# The CPU bfloat16 graph's limits with the issue's depth bound after the full pipeline (1e-3), the full-size mask
-# probability limit of the CPU graph (0.06), and the class token's (it feeds only the scale MLP, whose own limit
-# holds: 4.6e-4 against 0.005) loosened to what the fast graph's LoFi projections give ViT-L (0.0495; 0.020 with
-# the HiFi2 projections before issue 27's grid work). Observed: docs/performance.md.
-FULL_SIZE_LIMITS = {**DEVICE_LIMITS, "mask_prob": 0.06, "depth": 1e-3, "cls_token": 0.06}
+# The CPU bfloat16 graph's limits with the issue's depth bound after the full pipeline (1e-3) and the full-size mask
+# probability limit of the CPU graph (0.06); the class token's is DEVICE_LIMITS' 0.02, the bound it had before the
+# fast graph's LoFi MLP took ViT-L's to 0.0495 and the limit was moved to 0.06 after that was seen (issue 47 puts it
+# back: `test_full_size_vitl_class_token`, not met). Observed: docs/performance.md.
+FULL_SIZE_LIMITS = {**DEVICE_LIMITS, "mask_prob": 0.06, "depth": 1e-3}
+# The spec case on weights with DINOv2's massive activations planted (`testing.add_residual_outliers`) runs when this
+# is "1": another full-size emulation, which the suite's time budget does not take (its figures: docs/performance.md).
+OUTLIERS_FULL_SIZE = environment.get("MOGE_TEST_OUTLIERS_FULL_SIZE") == "1"
+
+
+_FULL_SIZE_WEIGHTS = [
+    "random",
+    pytest.param(
+        "outliers",
+        marks=pytest.mark.skipif(not OUTLIERS_FULL_SIZE, reason="set MOGE_TEST_OUTLIERS_FULL_SIZE=1 to run it"),
+    ),
+]
+_FULL_SIZE: dict = {}
+
+
+def _full_size(weights: str) -> dict:
+    """The errors of ViT-L at the spec case (1920x1080, 1800 tokens: 32x57 grid, 1825 tokens, 24 blocks, 512x912
+    finest level), the fast graph in bf16, on random weights or with DINOv2's massive activations planted; one
+    emulation per weights for the tests below."""
+    if weights not in _FULL_SIZE:
+        preset = "vitl-normal" + ("+outliers" if weights == "outliers" else "")
+        _FULL_SIZE[weights] = _compare(preset, "bf16", canvas=(1920, 1080), tokens=1800)
+    return _FULL_SIZE[weights]
 
 
 @pytest.mark.full_size
-def test_full_size_vitl_in_device_formats():
-    """ViT-L at the spec case (1920x1080, 1800 tokens: 32x57 grid, 1825 tokens, 24 blocks, 512x912 finest level),
-    the fast graph in bf16, within the limits."""
-    canvas, tokens = (1920, 1080), 1800
-    err = _compare("vitl-normal", "bf16", canvas=canvas, tokens=tokens)
-    _check(err, FULL_SIZE_LIMITS, min_pcc=0.999)
+@pytest.mark.parametrize("weights", _FULL_SIZE_WEIGHTS)
+def test_full_size_vitl_in_device_formats(weights):
+    """ViT-L at the spec case within the limits (the class token's below)."""
+    limits = {k: v for k, v in FULL_SIZE_LIMITS.items() if k != "cls_token"}
+    _check(_full_size(weights), limits, min_pcc=0.999)
+
+
+@pytest.mark.full_size
+@pytest.mark.parametrize("weights", _FULL_SIZE_WEIGHTS)
+def test_full_size_vitl_class_token(weights, request):
+    """ViT-L's class token within 0.02 (its outlier channels, if planted, held to it apart). Not met by the fast graph:
+    0.0503 on random weights (0.036 with the MLP at HiFi2, +1.74 ms), 0.0372 on planted ones (their planted channels
+    0.0016): a known failure, strict (it fails the day it passes), not traded against issue 27's 15 ms forward and
+    issue 46's 60 images/s here (docs/tenstorrent.md)."""
+    request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 47, item 2"))
+    err = _full_size(weights)
+    _check(err, {"cls_token": FULL_SIZE_LIMITS["cls_token"]})
+    assert err.get("cls_token_outliers", 0.0) <= FULL_SIZE_LIMITS["cls_token"], err
 
 
 # ------------------------------------------------------------------------------------------ the study

@@ -93,11 +93,12 @@ def _summary(done: subprocess.CompletedProcess) -> dict:
 GRIDS = ("12x10", "11x10")
 
 # The fast graph's estimated network forward at the spec case must not grow past this, per grid (docs/performance.md:
-# the estimates under the calibrated model of issue 27: 12.37 and 13.04 ms). The input and output sides on the device
-# (pre.py, post.py: group "input_output") have their own budget: 1.38 / 1.46 ms estimated (docs/performance.md),
-# 4.7 ms before the per-head output side. Issue 27's goal, the whole forward (network + sides) <= 15 ms on both
-# grids, is FORWARD_GOAL_MS.
-FORWARD_BUDGET_MS = {"12x10": 12.6, "11x10": 13.3}
+# the estimates under the calibrated model of issue 27: 12.37 and 13.04 ms, 12.88 and 13.57 with issue 47's HiFi2 at
+# the decoder's coarse levels, a deliberate precision change, the same margin kept). The input and output sides on the
+# device (pre.py, post.py: group "input_output") have their own budget: 1.38 / 1.46 ms estimated
+# (docs/performance.md), 4.7 ms before the per-head output side. Issue 27's goal, the whole forward (network + sides)
+# <= 15 ms on both grids, is FORWARD_GOAL_MS.
+FORWARD_BUDGET_MS = {"12x10": 13.1, "11x10": 13.8}  # + issue 47's HiFi2 at the decoder's coarse levels (0.51, 0.53)
 INPUT_OUTPUT_BUDGET_MS = 1.6
 FORWARD_GOAL_MS = 15.0
 
@@ -143,7 +144,6 @@ def test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budg
     est = report["estimate_ms"]
     assert _network_ms(est) <= FORWARD_BUDGET_MS[grid], est
     assert 0 < est["input_output"] <= INPUT_OUTPUT_BUDGET_MS, est
-    assert est["total"] <= FORWARD_GOAL_MS, est
     assert est["total"] == pytest.approx(
         sum(est[g] for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers", "input_output")), abs=0.01
     )
@@ -184,6 +184,18 @@ def _assert_back_to_back_calls(pipeline: dict) -> None:
         "host waits: e6",
     ]  # fmt: skip
     assert order == expected, order
+
+
+@pytest.mark.full_size
+def test_the_forward_meets_issue_27s_goal(fast_vitl_report, request):
+    """Issue 27's goal: the whole forward (network and the input and output sides) within 15 ms on both P150 grids,
+    by the cost model. Not met at 11x10 since issue 47's HiFi2 at the decoder's two coarsest levels (which a
+    decoder level's 0.02 bound needs: 15.15 ms, 14.62 before; 12x10 14.38): a known failure, strict (it fails the
+    day it passes), not traded against that bound here (docs/tenstorrent.md)."""
+    if fast_vitl_report["grid"] == "11x10":
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 47, item 2"))
+    est = fast_vitl_report["estimate_ms"]
+    assert est["total"] <= FORWARD_GOAL_MS, est
 
 
 SAFE_ARGS = (*SPEC_CASE, "--grid", GRIDS[0], "--config", "safe", "--no-calibration", "--no-l1-headroom")

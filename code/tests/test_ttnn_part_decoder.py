@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tt_moge.runners.ttnn.decoder import Conv, Convs, ConvStack
-from tt_moge.runners.ttnn.graph import level0_folds
+from tt_moge.runners.ttnn.graph import LOFI_WEIGHT_BITS, level0_folds, round_significant
 from tt_moge.runners.ttnn.heads import Head
 from tt_moge.runners.ttnn.prepare import stack_arrays
 from tt_moge.testing import calibration_image
@@ -194,3 +194,20 @@ def test_the_head_check_catches_a_broken_head(name, bug, exact):
     _break(part, bug)
     with pytest.raises(AssertionError, match="beyond"):
         check_head(exact, name, part)
+
+
+def test_the_coarse_levels_and_their_resamplers_run_at_their_own_fidelity():
+    """The fast graph's decoder fidelity by step (issue 47): its two coarsest levels and the resamplers out of them
+    at HiFi2 (a level's 0.02 needs it: `DEVICE["decoder"]`), the rest at LoFi but the level the finest fold reads
+    (HiFi4); and their weights rounded to what LoFi reads only where LoFi runs."""
+    part = build(False, "neck")
+    convs, heights = part.convs, [level["height"] for level in part.levels]
+    assert [convs.fidelity(heights[i], i) for i in (0, 1)] == ["hifi2", "hifi2"]
+    assert convs.fidelity(heights[2], 1) == "hifi2", "the resampler from level 1 into level 2"
+    assert convs.fidelity(heights[2], 2) == "lofi" and convs.fidelity(heights[-2], 2) == "hifi4"
+    assert "res.2.0.conv1" in part.conv, "a residual block at level 2 (LoFi) to look at"
+    for name, level, height, rounded in [("up.1.conv", 1, heights[2], False), ("res.2.0.conv1", 2, heights[2], True)]:
+        conv = part.conv[name]
+        uploaded = conv.inputs(part.ctx, convs.fidelity(height, level))[0].data.numpy()
+        want = round_significant(conv.weight, LOFI_WEIGHT_BITS) if rounded else conv.weight
+        assert np.array_equal(uploaded, want) and rounded != np.array_equal(uploaded, conv.weight), name

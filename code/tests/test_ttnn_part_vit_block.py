@@ -1,6 +1,7 @@
 """`vit_block.VitBlock` alone, built from one `network/vit.py` `Block` (`prepare.block_arrays`), against that block
-on the ViT's input tokens in the device order (`tests/ttnn_parts.py` says how the part tests work). Compared: the
-update (output - input), which is small beside the input."""
+on the ViT's input tokens in the device order (`tests/ttnn_parts.py` says how the part tests work), on random weights
+and with DINOv2's massive activations planted. Compared: the update (output - input), which is small beside the
+input."""
 
 from __future__ import annotations
 
@@ -15,29 +16,33 @@ from . import ttnn_parts as parts
 from .test_ttnn_lowering import _block_input
 
 
-def build(exact: bool, i: int = 1) -> VitBlock:
-    weights, info = block_arrays(parts.network().encoder.backbone.blocks[i])
+def build(exact: bool, i: int = 1, weights: str = "random") -> VitBlock:
+    arrays, info = block_arrays(parts.network(weights).encoder.backbone.blocks[i])
     seq_len = parts.prepared().plan["seq_len"]
-    part = VitBlock(parts.context(exact), weights, seq_len=seq_len, **info)
+    part = VitBlock(parts.context(exact), arrays, seq_len=seq_len, **info)
     part.load()
     return part
 
 
-def check(exact: bool, i: int = 1, part: VitBlock = None) -> tuple:
-    part = part or build(exact, i)
-    ctx, net = part.ctx, parts.network()
-    x = _block_input(net, parts.prepared(), calibration_image(*parts.SMALL, seed=4))
+def check(exact: bool, i: int = 1, part: VitBlock = None, weights: str = "random") -> tuple:
+    part = part or build(exact, i, weights)
+    ctx, net = part.ctx, parts.network(weights)
+    x = _block_input(net, parts.prepared(weights), calibration_image(*parts.SMALL, seed=4))
     with torch.inference_mode():
         ref = net.encoder.backbone.blocks[i](x)[0].numpy()
     x0 = x[0].numpy()
     out = parts.host(ctx, part.forward(parts.device(ctx, x0, ctx.formats.residual)), ref.shape)
-    return parts.close(out - x0, ref - x0, parts.limits("vit_block", exact), f"block {i}")
+    bounds, outliers = parts.limits("vit_block", exact), parts.outlier_channels(weights)
+    return parts.close(out - x0, ref - x0, bounds, f"block {i} ({weights})", outliers)
 
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "device"])
-def test_vit_block(exact):
-    for i in range(parts.prepared().plan["blocks"]):  # the blocks the graph runs (up to the last tap)
-        check(exact, i)
+@pytest.mark.parametrize("weights", parts.WEIGHTS)
+def test_vit_block(weights, exact):
+    """Every block the graph runs (up to the last tap), on random weights and with DINOv2's massive activations
+    planted in the residual stream (which every block's layer norms then see)."""
+    for i in range(parts.prepared().plan["blocks"]):
+        check(exact, i, weights=weights)
 
 
 def _break(part: VitBlock, bug: str) -> None:

@@ -20,6 +20,7 @@ fail. `cd code && python -m tests.ttnn_parts` prints every part's error and PCC 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
@@ -29,7 +30,7 @@ import torch
 from tt_moge.runners.ttnn import Prepared, prepare_weights
 from tt_moge.runners.ttnn.context import FORMATS, Context, to_host
 from tt_moge.runners.ttnn.graph import CONFIGS
-from tt_moge.testing import make_network
+from tt_moge.testing import add_residual_outliers, make_network
 
 from .test_ttnn_lowering import _pcc
 from .ttnn_emulator import TtnnEmulator
@@ -42,20 +43,34 @@ EXACT = (1e-5, 0.99999)
 # max relative error, PCC beside each); a bfloat16 rounding is up to 2^-9 relative, LoFi reads 5 bits of a weight.
 DEVICE = {
     "patch_embed": (0.02, 0.9999),  # 0.0095, 0.99995: bfloat16 patches and kernel, HiFi2
-    "vit_block": (0.06, 0.9995),  # the update, worst of 4 blocks: 0.039, 0.99977 (LoFi projections, MLP, SDPA)
-    "encoder": (0.04, 0.9995),  # level-0 map 0.017, 0.99993; class token 0.023, 0.99977
-    "decoder": (0.045, 0.9995),  # worst level: 0.0268, 0.99979 (bfloat16 maps, LoFi convs, weights rounded to LoFi)
-    "head_levels": (0.02, 0.99995),  # worst head: 0.0102, 0.99999
+    "vit_block": (0.06, 0.9995),  # the update, worst of 4 blocks: 0.039, 0.99977 (planted: the same)
+    "encoder": (0.04, 0.9995),  # level-0 map 0.017, 0.99993 (planted: 0.0125)
+    # the class token and a decoder level: 0.02, the bounds they had before figures were seen (issue 47: the class
+    # token's had gone to 0.06 at full size, a decoder level's to 0.045 in these tests, once measured). Observed:
+    # class token 0.0218 (planted: 0.0035), a strict known failure (test_ttnn_part_encoder.CLASS_TOKEN_GAP); worst
+    # decoder level 0.0105, 0.99996 with the two coarsest levels at HiFi2 (0.0268 with them at LoFi)
+    "class_token": (0.02, 0.9995),
+    "decoder": (0.02, 0.9995),
+    "head_levels": (0.02, 0.99995),  # worst head: 0.0097, 0.99998
     "finest": (0.006, 0.99999),  # worst map: 0.0033, 0.999997 (bfloat16 input and weights, HiFi4, float32 out)
 }
 
 JUDGE = [True]  # [False]: `main` measures without judging
 
 
+WEIGHTS = ["random", "outliers"]  # the ViT's weights: random, or with DINOv2's massive activations planted
+
+
 @functools.lru_cache(maxsize=None)
-def network():
+def network(weights: str = "random"):
     """tiny-vits-normal with random weights everywhere (make_network gives the ViT's norms ones and zeros and
-    LayerScale 0.1, under which a swap of two norms would go unseen)."""
+    LayerScale 0.1, under which a swap of two norms would go unseen); "outliers": the same with DINOv2's massive
+    activations planted in the residual stream (`testing.add_residual_outliers`: 4 channels, from about 50 to 300
+    times the stream's median magnitude over the blocks)."""
+    if weights == "outliers":
+        net = copy.deepcopy(network())
+        net.planted = add_residual_outliers(net)  # {"channels": [...], "ratios": [...]}
+        return net
     net = make_network("tiny-vits-normal", seed=11, well_posed=False)
     gen = torch.Generator().manual_seed(12)
     with torch.no_grad():
@@ -70,9 +85,9 @@ def network():
 
 
 @functools.lru_cache(maxsize=None)
-def prepared() -> Prepared:
+def prepared(weights: str = "random") -> Prepared:
     """The whole network prepared (its plan: the token grid, the levels; the cross-module folds' weights)."""
-    return prepare_weights(network(), SMALL, TOKENS)
+    return prepare_weights(network(weights), SMALL, TOKENS)
 
 
 def context(exact: bool, config: str = "fast") -> Context:
@@ -89,9 +104,25 @@ def limits(part: str, exact: bool) -> tuple:
     return EXACT if exact else DEVICE[part]
 
 
-def close(ours, ref, bounds: tuple, what: str) -> tuple:
-    """ours against ref within (max relative error, min PCC); both non-trivial. Returns (error, PCC)."""
+def outlier_channels(weights: str) -> list:
+    """The residual-stream channels planted with massive activations in `network(weights)` (none for "random")."""
+    return list(getattr(network(weights), "planted", {}).get("channels", []))
+
+
+def close(ours, ref, bounds: tuple, what: str, outliers: list = ()) -> tuple:
+    """ours against ref within (max relative error, min PCC); both non-trivial. Returns (error, PCC). `outliers`:
+    channels (last axis) with planted massive activations, which would set the scale of a max-relative error and of
+    the PCC and hide the other channels' errors: those are compared apart, each channel to its own largest value
+    (the bound's relative error), and the rest as usual."""
     ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    if len(outliers):
+        picked = ref[..., list(outliers)]
+        err = np.abs(ours[..., list(outliers)] - picked).max(axis=tuple(range(picked.ndim - 1)))
+        worst = float((err / np.abs(picked).max(axis=tuple(range(picked.ndim - 1)))).max())
+        assert not JUDGE[0] or worst <= bounds[0], f"{what}, outlier channels: error {worst:.3g} beyond {bounds}"
+        keep = np.ones(ref.shape[-1], bool)
+        keep[list(outliers)] = False
+        ours, ref = ours[..., keep], ref[..., keep]
     assert ours.shape == ref.shape, (what, ours.shape, ref.shape)
     scale = np.abs(ref).max()
     assert scale > 0 and ref.std() > 1e-3 * scale, f"{what}: the reference is trivial"
@@ -138,14 +169,19 @@ def main() -> None:
         test_ttnn_part_patch_embed,
         test_ttnn_part_vit_block,
     )
+    from . import ttnn_parts as shared  # the module the tests import (this file runs as __main__)
 
-    JUDGE[0] = False
+    shared.JUDGE[0] = False
     for exact in (True, False):
         mode = "exact" if exact else "device"
         rows_ = [("patch_embed", test_ttnn_part_patch_embed.check(exact))]
-        rows_ += [(f"block {i}", test_ttnn_part_vit_block.check(exact, i)) for i in range(prepared().plan["blocks"])]
-        level0, cls = test_ttnn_part_encoder.check(exact)
-        rows_ += [("encoder level 0", level0), ("encoder class token", cls)]
+        for weights in WEIGHTS:
+            blocks = range(prepared().plan["blocks"])
+            rows_ += [
+                (f"block {i} ({weights})", test_ttnn_part_vit_block.check(exact, i, weights=weights)) for i in blocks
+            ]
+            level0, cls = test_ttnn_part_encoder.check(exact, weights=weights)
+            rows_ += [(f"encoder level 0 ({weights})", level0), (f"encoder class token ({weights})", cls)]
         rows_ += [
             (f"{key} level {i}", test_ttnn_part_decoder.check_level(exact, key, i))
             for key, i in test_ttnn_part_decoder.LEVELS
@@ -153,7 +189,7 @@ def main() -> None:
         rows_ += [(f"{n} head levels", test_ttnn_part_decoder.check_head(exact, n)) for n in HEADS]
         rows_ += [(f"{n} finest conv", test_ttnn_part_finest.check(exact, n)) for n in ["neck"] + HEADS]
         for what, (err, pcc) in rows_:
-            print(f"{mode:6s} {what:24s} max rel error {err:.3g}  PCC {pcc:.7f}")
+            print(f"{mode:6s} {what:34s} max rel error {err:.3g}  PCC {pcc:.7f}")
 
 
 HEADS = ["points", "normal", "mask"]

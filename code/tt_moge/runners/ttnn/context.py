@@ -109,6 +109,9 @@ class GraphConfig:
     chunks then planned from the grid (`vit_block.sdpa_chunks`). round_lofi_weights: the weights of a matmul run at
     LoFi are rounded to nearest at the 5 significant bits LoFi's one pass reads of them (`round_significant`), so
     that the pass's cut toward zero loses nothing more (an unbiased error half as large as the cut's).
+    coarse_fidelity, coarse_levels: the fidelity of the decoder's steps at its `coarse_levels` coarsest levels (their
+    residual blocks, 1x1 convs and the resampler to the next level; "": decoder_fidelity): small maps, where LoFi's
+    error is largest and a higher fidelity costs least.
     """
 
     placement: str = "dram"
@@ -127,6 +130,8 @@ class GraphConfig:
     round_lofi_weights: bool = True
     whole_grid: bool = False
     output: str = "tiles"
+    coarse_fidelity: str = ""
+    coarse_levels: int = 0
 
     def __post_init__(self):
         choices = {"placement": ("dram", "l1"), "decoder": ("sliced", "chained"), "output": ("tiles", "rows")}
@@ -137,6 +142,11 @@ class GraphConfig:
             value = getattr(self, name + "_fidelity") or (self.attention_fidelity if name == "tap" else "")
             if value not in _FIDELITIES:
                 raise ValueError(f"GraphConfig.{name}_fidelity: expected one of {sorted(_FIDELITIES)}, got {value!r}")
+        if self.coarse_fidelity and self.coarse_fidelity not in _FIDELITIES:
+            got = self.coarse_fidelity
+            raise ValueError(f"GraphConfig.coarse_fidelity: expected one of {sorted(_FIDELITIES)} or '', got {got!r}")
+        if not (isinstance(self.coarse_levels, int) and self.coarse_levels >= 0):
+            raise ValueError(f"GraphConfig.coarse_levels: expected an int >= 0, got {self.coarse_levels!r}")
         for name in ("sdpa_q_chunk", "sdpa_k_chunk"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value > 0 and value % TILE == 0):
@@ -153,6 +163,8 @@ CONFIGS = {
         mlp_fidelity="lofi",
         sdpa_fidelity="lofi",
         decoder_fidelity="lofi",
+        coarse_fidelity="hifi2",  # the decoder's two coarsest levels and their resamplers (issue 47: a level's 0.02)
+        coarse_levels=2,
         finest_fidelity="hifi4",
         norm_fidelity="hifi4",
         sdpa_q_chunk=512,
@@ -282,6 +294,7 @@ class Context:
         self.ck_tap = compute(c.tap_fidelity or c.attention_fidelity)
         self.ck_mlp = compute(c.mlp_fidelity)
         self.ck_decoder = compute(c.decoder_fidelity)
+        self.ck_coarse = compute(c.coarse_fidelity or c.decoder_fidelity)
         self.ck_finest = compute(c.finest_fidelity)
         self.ck_norm = compute(c.norm_fidelity, l1_acc=False)
         self.ck_sdpa = compute(c.sdpa_fidelity, fp32=False, l1_acc=False)

@@ -149,22 +149,44 @@ class Convs:
                 best = h
         return best
 
-    def fidelity(self, height: int) -> str:
-        """The fidelity of a conv at a decoder level: the finest level's (the one the phase-folded finest conv
-        reads) `finest_fidelity`, the coarser ones' `decoder_fidelity`."""
+    def _kind(self, height: int, level: Optional[int]) -> str:
         config = self.ctx.config
-        return config.finest_fidelity if height == self.finest_height else config.decoder_fidelity
+        if height == self.finest_height:
+            return "finest"
+        if config.coarse_fidelity and level is not None and level < config.coarse_levels:
+            return "coarse"
+        return "decoder"
 
-    def compute(self, height: int):
-        """The compute config of a conv at a decoder level (`fidelity`)."""
-        return self.ctx.ck_finest if height == self.finest_height else self.ctx.ck_decoder
+    def fidelity(self, height: int, level: Optional[int] = None) -> str:
+        """The fidelity of a decoder step whose output has `height` rows, a step of stack level `level` (its
+        residual blocks, 1x1 convs, or its resampler to the next level): at the finest level (the one the
+        phase-folded finest conv reads) `finest_fidelity`, at the `coarse_levels` coarsest `coarse_fidelity`,
+        elsewhere `decoder_fidelity`."""
+        config = self.ctx.config
+        kind = self._kind(height, level)
+        return {"finest": config.finest_fidelity, "coarse": config.coarse_fidelity}.get(kind, config.decoder_fidelity)
 
-    def conv(self, x, conv: Conv, height: int, width: int, relu: bool = False, out_dtype: Optional[str] = None):
+    def compute(self, height: int, level: Optional[int] = None):
+        """The compute config of a decoder step (`fidelity`)."""
+        ctx = self.ctx
+        return {"finest": ctx.ck_finest, "coarse": ctx.ck_coarse}.get(self._kind(height, level), ctx.ck_decoder)
+
+    def conv(
+        self,
+        x,
+        conv: Conv,
+        height: int,
+        width: int,
+        relu: bool = False,
+        out_dtype: Optional[str] = None,
+        level: Optional[int] = None,
+    ):
         """A replicate-padded 3x3 conv (or a 1x1 conv, by the weight's shape) over (1, 1, height * width, C_in)
-        -> (1, 1, height * width, C_out): DRAM in and out in the safe graph, L1 height-sharded when chained."""
+        -> (1, 1, height * width, C_out): DRAM in and out in the safe graph, L1 height-sharded when chained. `level`:
+        the stack level whose step it is (`fidelity`)."""
         ctx = self.ctx
         T = ctx.ttnn
-        weight, bias = conv.inputs(ctx, self.fidelity(height))
+        weight, bias = conv.inputs(ctx, self.fidelity(height, level))
         c_out, c_in, _, k = conv.shape
         out_dtype = out_dtype or ctx.formats.decoder_maps
         shard, slicing = self.placement(height, width, c_in, c_out, out_dtype)
@@ -190,7 +212,7 @@ class Convs:
             groups=1,
             dtype=ctx.dt(out_dtype),
             conv_config=config,
-            compute_config=self.compute(height),
+            compute_config=self.compute(height, level),
             slice_config=slicing,
             memory_config=None if ctx.chained else ctx.dram,
             return_output_dim=True,
@@ -198,11 +220,12 @@ class Convs:
         )
         return y
 
-    def conv_transpose(self, x, conv: Conv, height: int, width: int):
-        """The 2x2 stride-2 conv transpose of a resampler: (height, width) -> (2 height, 2 width)."""
+    def conv_transpose(self, x, conv: Conv, height: int, width: int, level: Optional[int] = None):
+        """The 2x2 stride-2 conv transpose of a resampler of stack level `level`: (height, width) -> (2 height,
+        2 width)."""
         ctx = self.ctx
         T = ctx.ttnn
-        weight, bias = conv.inputs(ctx, self.fidelity(2 * height))
+        weight, bias = conv.inputs(ctx, self.fidelity(2 * height, level))
         c_in, c_out = conv.shape[:2]
         config = self.conv_config(None, False)
         if ctx.chained:  # on the next level's cores, as its maps are (conv_transpose2d shards its output)
@@ -228,7 +251,7 @@ class Convs:
             groups=1,
             dtype=ctx.dt(ctx.formats.decoder_maps),
             conv_config=config,
-            compute_config=self.compute(2 * height),
+            compute_config=self.compute(2 * height, level),
             memory_config=None if ctx.chained else ctx.dram,
             return_output_dim=True,
             return_weights_and_bias=True,
@@ -297,17 +320,23 @@ class ConvStack:
         """The 1x1 convs run as matmuls and the level-0 upsample's matmul to the device (weights rounded to what
         LoFi reads when the decoder runs at LoFi); the other convs stay on the host until their first forward."""
         ctx, f = self.ctx, self.ctx.formats
-        weights = ctx.matmul_weights(ctx.config.decoder_fidelity)
         for name in self.matmuls:
+            weights = ctx.matmul_weights(self.convs.fidelity(*self._where(name)))
             self.w[name + ".w"] = ctx.tensor(weights(self.arrays[name + ".w"]), f.decoder_weights)
             self.w[name + ".b"] = ctx.tensor(self.arrays[name + ".b"], f.activations, (1, -1))
         if self.level0_fold is not None:
             w, b = self.up0
+            weights = ctx.matmul_weights(self.convs.fidelity(self.levels[1]["height"], 0))
             self.w["up0.w"] = ctx.tensor(weights(w), f.decoder_weights)
             self.w["up0.b"] = ctx.tensor(b, f.activations, (1, -1))
 
     def tensors(self) -> list:
         return list(self.w.values())
+
+    def _where(self, name: str) -> tuple:
+        """(rows, level) of a 1x1 conv ("in.<level>", "out.<level>")."""
+        level = int(name.rsplit(".", 1)[1])
+        return self.levels[level]["height"], level
 
     # -------------------------------------------------------------------------------------------- levels
     def matmul1x1(self, x, name: str):
@@ -318,7 +347,7 @@ class ConvStack:
             self.w[name + ".w"],
             bias=self.w[name + ".b"],
             program_config=self.program_configs.get(name),  # set at load in the chained decoder; else ttnn chooses
-            compute_kernel_config=ctx.ck_decoder,
+            compute_kernel_config=self.convs.compute(*self._where(name)),
             dtype=ctx.dt(ctx.formats.activations),
             memory_config=ctx.act_mem if ctx.chained else ctx.dram,
         )
@@ -329,15 +358,15 @@ class ConvStack:
         if not self.ctx.chained or level == 0:
             return self.matmul1x1(x, name)
         size = self.levels[level]
-        return self.convs.conv(x, self.conv[name], size["height"], size["width"])
+        return self.convs.conv(x, self.conv[name], size["height"], size["width"], level=level)
 
-    def res_block(self, x, name: str, height: int, width: int):
+    def res_block(self, x, name: str, height: int, width: int, level: Optional[int] = None):
         """relu -> 3x3 conv (+ fused relu) -> 3x3 conv, plus x (MoGe's residual block without norms)."""
         T, chained = self.ctx.ttnn, self.ctx.chained
         y = T.relu(x, memory_config=x.memory_config() if chained else self.ctx.dram)
-        z = self.convs.conv(y, self.conv[name + ".conv1"], height, width, relu=True)
+        z = self.convs.conv(y, self.conv[name + ".conv1"], height, width, relu=True, level=level)
         T.deallocate(y)
-        y = self.convs.conv(z, self.conv[name + ".conv2"], height, width)
+        y = self.convs.conv(z, self.conv[name + ".conv2"], height, width, level=level)
         T.deallocate(z)
         out = self.convs.add(x, y)
         T.deallocate(y)
@@ -348,7 +377,7 @@ class ConvStack:
         only if `owned`), and the level's output (1x1 conv or x itself) -> (x, output)."""
         size = self.levels[i]
         for j in range(self.plan["res_blocks"][i]):
-            y = self.res_block(x, f"res.{i}.{j}", size["height"], size["width"])
+            y = self.res_block(x, f"res.{i}.{j}", size["height"], size["width"], level=i)
             if owned or j:
                 self.ctx.ttnn.deallocate(x)
             x = y
@@ -359,8 +388,8 @@ class ConvStack:
         """Level i -> i + 1 by the resampler: conv transpose 2x2 stride 2, then its 3x3 conv."""
         T, size = self.ctx.ttnn, self.levels[i]
         height, width = size["height"], size["width"]
-        y = self.convs.conv_transpose(x, self.conv[f"up.{i}.convt"], height, width)
-        z = self.convs.conv(y, self.conv[f"up.{i}.conv"], 2 * height, 2 * width)
+        y = self.convs.conv_transpose(x, self.conv[f"up.{i}.convt"], height, width, level=i)
+        z = self.convs.conv(y, self.conv[f"up.{i}.conv"], 2 * height, 2 * width, level=i)
         T.deallocate(y)
         if self.ctx.chained and 2 * height == self.convs.finest_height:
             # the finest level's map was placed below y (still live then): moved up, out of the next convs' buffers
@@ -380,7 +409,7 @@ class ConvStack:
             self.w["up0.w"],
             bias=self.w["up0.b"],
             program_config=self.program_configs["up0"],
-            compute_kernel_config=ctx.ck_decoder,
+            compute_kernel_config=self.convs.compute(2 * rows, 0),
             dtype=ctx.dt(ctx.formats.activations),
             memory_config=ctx.act_mem,
         )
@@ -391,7 +420,7 @@ class ConvStack:
         s = T.permute(z, (0, 2, 1, 3), memory_config=ctx.act_mem)  # (i, a, j, (b, c)): rows of the upsampled map
         T.deallocate(z)
         s = T.reshape(s, (1, 1, 4 * rows * cols, c))
-        out = self.convs.conv(s, self.conv["up.0.conv"], 2 * rows, 2 * cols)
+        out = self.convs.conv(s, self.conv["up.0.conv"], 2 * rows, 2 * cols, level=0)
         T.deallocate(s)
         return out
 

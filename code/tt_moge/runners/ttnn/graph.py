@@ -56,12 +56,12 @@ chunks and exp, how the decoder runs. Two are named:
   qkv, the attention projection and the MLP run at LoFi with their weights rounded to the bits LoFi reads (the patch
   and tap matmuls at HiFi2), SDPA at LoFi in the chunks that leave the busiest core the least work
   (`vit_block.sdpa_chunks`), with the approximate exp; the decoder's convs are chained in L1, height-sharded, each
-  conv's output feeding the next conv, ReLU and residual add where it lies (no round trip through DRAM, no
-  resharding between ops), at LoFi with their weights rounded like the ViT's (HiFi4 at the finest level); the
-  level-0 upsamples are matmuls and a pixel shuffle; the finest maps are untilized on the device. Where a token
-  budget's maps would not fit L1, the encoder or the decoder falls back to DRAM (`context.placement`). Why each
-  choice, and the accuracy it keeps (measured in the fidelity-aware emulator) and the time it buys (the cost model,
-  `cost.py`), are in docs/tenstorrent.md.
+  conv's output feeding the next conv, ReLU and residual add where it lies (no round trip through DRAM, no resharding
+  between ops), at LoFi with their weights rounded like the ViT's (HiFi2 at the two coarsest levels and their
+  resamplers, HiFi4 at the finest level); the level-0 upsamples are matmuls and a pixel shuffle; the finest maps are
+  untilized on the device. Where a token budget's maps would not fit L1, the encoder or the decoder falls back to DRAM
+  (`context.placement`). Why each choice, and the accuracy it keeps (measured in the fidelity-aware emulator) and the
+  time it buys (the cost model, `cost.py`), are in docs/tenstorrent.md.
 * "safe": the first graph that ran on the mock: every activation in DRAM, HiFi4 everywhere, exact exp, each
   conv placed on its own (in L1 when small, else DRAM-sliced by rows). Slower, simpler, and the switch back
   ($MOGE_TTNN_GRAPH=safe) where a choice of "fast" cannot be checked without silicon.
