@@ -22,15 +22,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tt_moge import env as environment
 from tt_moge.host import CallOptions, postprocess
 from tt_moge.host.canvas import plan_canvas
 from tt_moge.runners.base import RawMaps
 from tt_moge.runners.ttnn import Formats, Prepared, TtnnGraph, host_input, prepare_weights
+from tt_moge.runners.ttnn.decoder import Conv
 from tt_moge.runners.ttnn.graph import CONFIGS, GraphConfig
 from tt_moge.runners.ttnn.post import DeviceOutput, widen
 from tt_moge.runners.ttnn.pre import DeviceInput
 from tt_moge.runners.ttnn.prepare import depth_to_space, metric_scale, phase_fold, resize_antialiased, resize_bilinear
-from tt_moge.testing import calibration_image, make_network, model_config
+from tt_moge.testing import add_residual_outliers, calibration_image, make_network, model_config
 
 from .ttnn_emulator import EmulatedDevice, TtnnEmulator, round_bf16, round_bfp8, truncate_bits
 
@@ -52,8 +54,14 @@ _PREPARED: dict = {}
 
 
 def _network(preset: str):
+    """The preset's random network; "<preset>+outliers": the same with DINOv2's massive activations planted in the
+    ViT's residual stream (`testing.add_residual_outliers`; the channels in `.planted`)."""
     if preset not in _NETWORKS:
-        _NETWORKS[preset] = make_network(_config(preset) if preset in ("registers", "nearest") else preset)
+        base = preset.removesuffix("+outliers")
+        net = make_network(_config(base) if base in ("registers", "nearest") else base)
+        if base != preset:
+            net.planted = add_residual_outliers(net)
+        _NETWORKS[preset] = net
     return _NETWORKS[preset]
 
 
@@ -163,8 +171,10 @@ def _depth_error(ours: dict, ref: dict, canvas) -> float:
     return float((np.abs(a.depth[both] - b.depth[both]) / b.depth[both]).max())
 
 
-def _errors(ours: dict, ref: dict, level0, level0_ref, cls_token, cls_ref, canvas=SMALL) -> dict:
-    """The metrics of test_runners.py / perf/runners/accuracy.py, the ViT's share on its own, and PCCs."""
+def _errors(ours: dict, ref: dict, level0, level0_ref, cls_token, cls_ref, canvas=SMALL, outliers=()) -> dict:
+    """The metrics of test_runners.py / perf/runners/accuracy.py, the ViT's share on its own, and PCCs. `outliers`:
+    the class token's channels with planted massive activations, which would set the scale of its max-relative
+    error: measured apart ("cls_token_outliers", each channel to its own largest value), the rest as usual."""
     assert sorted(k for k, v in ours.items() if v is not None) == sorted(k for k in ref if k != "finished")
     for k, v in ours.items():
         assert v is None or np.isfinite(v).all(), k
@@ -184,7 +194,7 @@ def _errors(ours: dict, ref: dict, level0, level0_ref, cls_token, cls_ref, canva
         scale=abs(ours["metric_scale"] / ref["metric_scale"] - 1),
         encoder_rms=float(np.sqrt(((level0 - level0_ref) ** 2).mean() / (level0_ref**2).mean())),
         pcc_encoder=_pcc(level0, level0_ref),
-        cls_token=float(np.abs(cls_token - cls_ref).max() / np.abs(cls_ref).max()),
+        cls_token=_relative(np.delete(cls_token, list(outliers)), np.delete(cls_ref, list(outliers))),
         depth=_depth_error(ours, ref, canvas),
     )
     return err
@@ -275,7 +285,15 @@ def _compare(
     graph = graph or _graph(prepared, formats, exact, prepare_convs, config)
     raw, level0, cls_token = _run(graph, prepared, calibration_image(*canvas, seed=seed), readback)
     ref, level0_ref, cls_ref = _references(preset, seed, canvas, tokens)
-    return _errors(raw, ref, level0, level0_ref, cls_token, cls_ref, canvas)
+    outliers = getattr(_network(preset), "planted", {}).get("channels", [])
+    err = _errors(raw, ref, level0, level0_ref, cls_token, cls_ref, canvas, outliers)
+    if outliers:
+        err["cls_token_outliers"] = max(_relative(cls_token[[c]], cls_ref[[c]]) for c in outliers)
+    return err
+
+
+def _relative(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def _check_exact(err: dict) -> None:
@@ -317,6 +335,7 @@ def test_the_emulator_sees_each_fidelity_choice():
         mlp_fidelity="hifi2",
         sdpa_fidelity="hifi2",
         decoder_fidelity="hifi2",
+        coarse_fidelity="",  # every coarse level at decoder_fidelity: the change below reaches all of them
     )
     hifi2 = _compare("tiny-vits-normal", config=base, readback=FLOAT32_READBACK)
     hifi4 = _compare("tiny-vits-normal", config=dataclasses.replace(base, attention_fidelity="hifi4"))
@@ -336,10 +355,10 @@ def test_lofi_weights_are_rounded_to_what_lofi_reads():
     prepared = _prepared("tiny-vits-normal")
     lofi = _fast(mlp_fidelity="lofi", attention_fidelity="hifi2", round_lofi_weights=True)
     graph = _graph(prepared, config=lofi)
-    ffn = graph.w["blocks.0.ffn_in.w"].data
+    ffn = graph.encoder.blocks[0].w["ffn_in.w"].data
     assert torch.equal(truncate_bits(ffn, 5), ffn), "LoFi weights not on LoFi's 5 significant bits"
     assert not torch.equal(ffn, round_bf16(torch.from_numpy(prepared.arrays["blocks.0.ffn_in.w"]).float()))
-    qkv = graph.w["blocks.0.qkv.w"].data  # HiFi2: as they are (bfloat16)
+    qkv = graph.encoder.blocks[0].w["qkv.w"].data  # HiFi2: as they are (bfloat16)
     assert torch.equal(qkv, round_bf16(torch.from_numpy(prepared.arrays["blocks.0.qkv.w"]).float()))
     rounded = _compare("tiny-vits-normal", config=lofi)
     cut = _compare("tiny-vits-normal", config=dataclasses.replace(lofi, round_lofi_weights=False))
@@ -352,14 +371,14 @@ def test_decoder_conv_weights_are_rounded_where_their_level_runs_at_lofi():
     weights as they are. On the conv weights the first forward prepares, and on the outputs: rounded weights give
     a smaller error than cut ones (the points and the depth, which the decoder's error reaches)."""
     prepared = _prepared("tiny-vits-normal")
-    lofi = _fast(decoder_fidelity="lofi", finest_fidelity="hifi4")
+    lofi = _fast(decoder_fidelity="lofi", finest_fidelity="hifi4", coarse_fidelity="")  # every coarse level at LoFi
     graph = _graph(prepared, config=lofi, prepare_convs=True)
     plan = prepared.plan
-    coarse = graph.convs["neck.res.1.0.conv1"][0].data
+    coarse = graph.neck.conv["res.1.0.conv1"].weight.data
     assert torch.equal(truncate_bits(coarse, 5), coarse), "a LoFi level's conv weights not on LoFi's 5 bits"
-    assert torch.equal(truncate_bits(graph.w["neck.up0.w"].data, 5), graph.w["neck.up0.w"].data)
+    assert torch.equal(truncate_bits(graph.neck.w["up0.w"].data, 5), graph.neck.w["up0.w"].data)
     finest_level = next(i for i, lv in enumerate(plan["levels"]) if lv["height"] == plan["finest"]["in_height"])
-    finest = graph.convs[f"neck.res.{finest_level}.0.conv1"][0].data
+    finest = graph.neck.conv[f"res.{finest_level}.0.conv1"].weight.data
     assert not torch.equal(truncate_bits(finest, 5), finest), "the finest level's weights were rounded too"
     rounded = _compare("tiny-vits-normal", config=lofi)
     cut = _compare("tiny-vits-normal", config=dataclasses.replace(lofi, round_lofi_weights=False))
@@ -375,14 +394,14 @@ def test_the_graph_plans_from_the_grid_the_device_reports(grid):
     emulator = TtnnEmulator()
     graph = TtnnGraph(emulator, EmulatedDevice(grid), prepared, config="fast")
     assert graph.grid == grid and graph.num_cores == grid[0] * grid[1]
-    for name, pc in graph.pc.items():
+    for name, pc in graph.program_configs().items():
         size = pc.compute_with_storage_grid_size
         assert size.x <= grid[0] and size.y <= grid[1], name
-    sdpa_grid = graph.sdpa_config.compute_with_storage_grid_size
+    sdpa_grid = graph.encoder.blocks[0].sdpa_config.compute_with_storage_grid_size
     assert (sdpa_grid.x, sdpa_grid.y) == grid
     graph.load(prepare_convs=False)
     fin = prepared.plan["finest"]
-    _, shard_rows = graph._level_sharding(fin["in_height"], fin["in_width"])
+    _, shard_rows = graph.convs.sharding(fin["in_height"], fin["in_width"])
     assert _cdiv(fin["in_height"] * fin["in_width"], shard_rows) <= graph.num_cores
     image = calibration_image(*SMALL, seed=6)
     raw, _, cls_token = _run(graph, prepared, image)
@@ -409,22 +428,22 @@ def test_sdpa_chunks_leave_the_busiest_core_the_least_work(grid, per_core, q_til
     import types
 
     from tt_moge.runners.ttnn.graph import SDPA_SCORE_TILES
+    from tt_moge.runners.ttnn.vit_block import sdpa_chunks
 
     cores = grid[0] * grid[1]
-    plan = {"seq_len": 1825, "num_heads": 16}
-    fake = types.SimpleNamespace(config=CONFIGS["fast"], plan=plan, num_cores=cores, encoder_in_l1=True)
-    q_chunk, k_chunk = TtnnGraph._sdpa_chunks(fake)
+    fake = types.SimpleNamespace(config=CONFIGS["fast"], num_cores=cores, encoder_in_l1=True)
+    q_chunk, k_chunk = sdpa_chunks(fake, 1825, 16)
     tiles, per_head = _cdiv(1825, 32), cores // 16
     assert q_chunk % 32 == 0 and k_chunk % 32 == 0
     assert (q_chunk // 32, k_chunk // 32) == (q_tiles, 29)
     assert _cdiv(_cdiv(tiles, q_tiles), per_head) * q_tiles == per_core
     assert q_tiles * 29 <= SDPA_SCORE_TILES
-    dram = types.SimpleNamespace(config=CONFIGS["fast"], plan=plan, num_cores=cores, encoder_in_l1=False)
-    q_chunk, k_chunk = TtnnGraph._sdpa_chunks(dram)
+    dram = types.SimpleNamespace(config=CONFIGS["fast"], num_cores=cores, encoder_in_l1=False)
+    q_chunk, k_chunk = sdpa_chunks(dram, 1825, 16)
     assert q_chunk // 32 == per_core and _cdiv(tiles, q_chunk // 32) <= per_head  # one pass over the keys a core
     assert (q_chunk // 32) * (k_chunk // 32) <= SDPA_SCORE_TILES and k_chunk == 480
-    safe = types.SimpleNamespace(config=CONFIGS["safe"], plan=plan, num_cores=cores, encoder_in_l1=False)
-    assert TtnnGraph._sdpa_chunks(safe) == (256, 256)
+    safe = types.SimpleNamespace(config=CONFIGS["safe"], num_cores=cores, encoder_in_l1=False)
+    assert sdpa_chunks(safe, 1825, 16) == (256, 256)
 
 
 # Observed (this network and ViT-L) and what a bfloat16 stream would save: docs/performance.md.
@@ -472,7 +491,7 @@ def test_vit_block_pcc(exact, min_pcc):
         with torch.inference_mode():
             ref = net.encoder.backbone.blocks[i](x)[0].numpy()
         dev = emulator.Tensor(x.numpy()[None], emulator.float32, graph.device, emulator.TILE_LAYOUT)
-        out = graph.to_host(graph.block(dev, i), tuple(ref.shape))
+        out = graph.to_host(graph.encoder.blocks[i].forward(dev), tuple(ref.shape))
         x0 = x[0].numpy()
         assert _pcc(out - x0, ref - x0) >= min_pcc, (i, _pcc(out - x0, ref - x0))
         if exact:
@@ -526,30 +545,28 @@ def test_decoder_pcc(exact, min_pcc):
 
 def _break(graph: TtnnGraph, bug: str) -> None:
     """Inject a plausible lowering bug into a loaded graph."""
-    T, plan, w = graph.ttnn, graph.plan, graph.w
+    T, plan, blocks = graph.ttnn, graph.plan, graph.encoder.blocks
     if bug == "head_split":  # qkv split into the wrong number of heads
-        plan["num_heads"] //= 2
+        for block in blocks:
+            block.num_heads //= 2
     elif bug == "transposed_weight":  # a square weight uploaded in torch's (out, in) layout
         a = graph.prepared.arrays["blocks.1.attn_out.w"]
-        w["blocks.1.attn_out.w"] = graph._tensor(a.T, graph.formats.vit_weights)
+        blocks[1].w["attn_out.w"] = graph.ctx.tensor(a.T, graph.formats.vit_weights)
     elif bug == "zero_padding":  # ttnn's default conv padding instead of MoGe's replicate padding
-        make = graph._conv_config
+        make = graph.convs.conv_config
 
         def zeros(*args, **kwargs):
             config = make(*args, **kwargs)
             config.padding_mode = T.PaddingMode.Zeros
             return config
 
-        graph._conv_config = zeros
+        graph.convs.conv_config = zeros
     elif bug == "phase_order":  # row and column phases swapped in the finest fold
         for name in ["neck"] + [h["name"] for h in plan["heads"]]:
             k = graph.prepared.arrays[f"finest.{name}.w"]
             n = k.shape[0] // 4
             swapped = np.concatenate([k[:n], k[2 * n : 3 * n], k[n : 2 * n], k[3 * n :]])
-            graph.convs[f"finest.{name}"] = (
-                graph._tensor(swapped, "float32", device=False, layout=T.ROW_MAJOR_LAYOUT),
-                None,
-            )
+            graph.finest[name].conv = Conv(swapped)
     elif bug == "class_row":  # the class token read from the first row (the usual prefix-first order)
         slice_ = T.slice
 
@@ -560,7 +577,7 @@ def _break(graph: TtnnGraph, bug: str) -> None:
 
         T.slice = first_row
     elif bug == "no_gelu":
-        for pc in graph.pc.values():
+        for pc in graph.program_configs().values():
             if getattr(pc, "fused_activation", None) is not None:
                 pc.fused_activation = None
     elif bug == "double_scale":  # the attention scale applied again though it is folded into q
@@ -681,20 +698,55 @@ def test_emulator_formats_match_ttnn_host_conversions():
 # ------------------------------------------------------------------------------------------- full size
 
 
-# The CPU bfloat16 graph's limits with the issue's depth bound after the full pipeline (1e-3), the full-size mask
-# probability limit of the CPU graph (0.06), and the class token's (it feeds only the scale MLP, whose own limit
-# holds: 4.6e-4 against 0.005) loosened to what the fast graph's LoFi projections give ViT-L (0.0495; 0.020 with
-# the HiFi2 projections before issue 27's grid work). Observed: docs/performance.md.
-FULL_SIZE_LIMITS = {**DEVICE_LIMITS, "mask_prob": 0.06, "depth": 1e-3, "cls_token": 0.06}
+# The CPU bfloat16 graph's limits with the issue's depth bound after the full pipeline (1e-3) and the full-size mask
+# probability limit of the CPU graph (0.06); the class token's is DEVICE_LIMITS' 0.02, the bound it had before the
+# fast graph's LoFi MLP took ViT-L's to 0.0495 and the limit was moved to 0.06 after that was seen (issue 47 puts it
+# back: `test_full_size_vitl_class_token`, not met). Observed: docs/performance.md.
+FULL_SIZE_LIMITS = {**DEVICE_LIMITS, "mask_prob": 0.06, "depth": 1e-3}
+# The spec case on weights with DINOv2's massive activations planted (`testing.add_residual_outliers`) runs when this
+# is "1": another full-size emulation, which the suite's time budget does not take (its figures: docs/performance.md).
+OUTLIERS_FULL_SIZE = environment.get("MOGE_TEST_OUTLIERS_FULL_SIZE") == "1"
+
+
+_FULL_SIZE_WEIGHTS = [
+    "random",
+    pytest.param(
+        "outliers",
+        marks=pytest.mark.skipif(not OUTLIERS_FULL_SIZE, reason="set MOGE_TEST_OUTLIERS_FULL_SIZE=1 to run it"),
+    ),
+]
+_FULL_SIZE: dict = {}
+
+
+def _full_size(weights: str) -> dict:
+    """The errors of ViT-L at the spec case (1920x1080, 1800 tokens: 32x57 grid, 1825 tokens, 24 blocks, 512x912
+    finest level), the fast graph in bf16, on random weights or with DINOv2's massive activations planted; one
+    emulation per weights for the tests below."""
+    if weights not in _FULL_SIZE:
+        preset = "vitl-normal" + ("+outliers" if weights == "outliers" else "")
+        _FULL_SIZE[weights] = _compare(preset, "bf16", canvas=(1920, 1080), tokens=1800)
+    return _FULL_SIZE[weights]
 
 
 @pytest.mark.full_size
-def test_full_size_vitl_in_device_formats():
-    """ViT-L at the spec case (1920x1080, 1800 tokens: 32x57 grid, 1825 tokens, 24 blocks, 512x912 finest level),
-    the fast graph in bf16, within the limits."""
-    canvas, tokens = (1920, 1080), 1800
-    err = _compare("vitl-normal", "bf16", canvas=canvas, tokens=tokens)
-    _check(err, FULL_SIZE_LIMITS, min_pcc=0.999)
+@pytest.mark.parametrize("weights", _FULL_SIZE_WEIGHTS)
+def test_full_size_vitl_in_device_formats(weights):
+    """ViT-L at the spec case within the limits (the class token's below)."""
+    limits = {k: v for k, v in FULL_SIZE_LIMITS.items() if k != "cls_token"}
+    _check(_full_size(weights), limits, min_pcc=0.999)
+
+
+@pytest.mark.full_size
+@pytest.mark.parametrize("weights", _FULL_SIZE_WEIGHTS)
+def test_full_size_vitl_class_token(weights, request):
+    """ViT-L's class token within 0.02 (its outlier channels, if planted, held to it apart). Not met by the fast graph:
+    0.0503 on random weights (0.036 with the MLP at HiFi2, +1.74 ms), 0.0372 on planted ones (their planted channels
+    0.0016): a known failure, strict (it fails the day it passes), not traded against issue 27's 15 ms forward and
+    issue 46's 60 images/s here (docs/tenstorrent.md)."""
+    request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 47, item 2"))
+    err = _full_size(weights)
+    _check(err, {"cls_token": FULL_SIZE_LIMITS["cls_token"]})
+    assert err.get("cls_token_outliers", 0.0) <= FULL_SIZE_LIMITS["cls_token"], err
 
 
 # ------------------------------------------------------------------------------------------ the study

@@ -93,11 +93,12 @@ def _summary(done: subprocess.CompletedProcess) -> dict:
 GRIDS = ("12x10", "11x10")
 
 # The fast graph's estimated network forward at the spec case must not grow past this, per grid (docs/performance.md:
-# the estimates under the calibrated model of issue 27: 12.37 and 13.04 ms). The input and output sides on the device
-# (pre.py, post.py: group "input_output") have their own budget: 1.38 / 1.46 ms estimated (docs/performance.md),
-# 4.7 ms before the per-head output side. Issue 27's goal, the whole forward (network + sides) <= 15 ms on both
-# grids, is FORWARD_GOAL_MS.
-FORWARD_BUDGET_MS = {"12x10": 12.6, "11x10": 13.3}
+# the estimates under the calibrated model of issue 27: 12.37 and 13.04 ms, 12.88 and 13.57 with issue 47's HiFi2 at
+# the decoder's coarse levels, a deliberate precision change, the same margin kept). The input and output sides on the
+# device (pre.py, post.py: group "input_output") have their own budget: 1.38 / 1.46 ms estimated
+# (docs/performance.md), 4.7 ms before the per-head output side. Issue 27's goal, the whole forward (network + sides)
+# <= 15 ms on both grids, is FORWARD_GOAL_MS.
+FORWARD_BUDGET_MS = {"12x10": 13.1, "11x10": 13.8}  # + issue 47's HiFi2 at the decoder's coarse levels (0.51, 0.53)
 INPUT_OUTPUT_BUDGET_MS = 1.6
 FORWARD_GOAL_MS = 15.0
 
@@ -118,8 +119,8 @@ def fast_vitl_report(request, tmp_path_factory) -> dict:
 
 
 def _fast_vitl_args(grid: str) -> tuple:
-    calibration = () if grid == GRIDS[0] else ("--no-calibration",)
-    return (*SPEC_CASE, "--grid", grid, *calibration)
+    first = grid == GRIDS[0]  # the calibration and the back-to-back calls do not depend on the grid
+    return (*SPEC_CASE, "--grid", grid, *(() if first else ("--no-calibration", "--pipeline-calls", "0")))
 
 
 @pytest.mark.full_size
@@ -143,15 +144,15 @@ def test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budg
     est = report["estimate_ms"]
     assert _network_ms(est) <= FORWARD_BUDGET_MS[grid], est
     assert 0 < est["input_output"] <= INPUT_OUTPUT_BUDGET_MS, est
-    assert est["total"] <= FORWARD_GOAL_MS, est
     assert est["total"] == pytest.approx(
         sum(est[g] for g in ("encoder", "sdpa", "norms_adds", "decoder", "transfers", "input_output")), abs=0.01
     )
     assert est["total"] == pytest.approx(est["kernel"] + est["dispatch"], abs=0.01)
     assert len(est["top"]) == 10 and est["device_ops"] > 400
     if grid != GRIDS[0]:
-        assert "calibration" not in report
+        assert "calibration" not in report and "pipeline" not in report
         return
+    _assert_back_to_back_calls(report["pipeline"])
     calibration = report["calibration"]
     points = calibration["points"]
     from tt_moge.ttnn_tools.calibration import POINTS
@@ -162,6 +163,39 @@ def test_vitl_at_the_spec_canvas_runs_on_the_mock_p150_within_its_estimated_budg
     held = [p for p in points if not p["fitted"]]
     assert len(held) >= len(points) / 2 and calibration["held_out_points"] == len(held)
     assert calibration["held_out_mean_abs_error"] <= 0.08 and calibration["held_out_max_abs_error"] <= 0.15
+
+
+def _assert_back_to_back_calls(pipeline: dict) -> None:
+    """The runner's two calls back to back on the mock, two command queues (`mock_check.pipeline_calls`, the trace
+    off): the same ttnn calls each time, both calls' maps back, and tt-metal's order for ops on queue 0 with uploads
+    and reads on queue 1: each forward waits for its upload, the second canvas goes up before the first call's maps
+    are read (the read waits for the first forward, not the second), each read waits for its own forward."""
+    assert pipeline["queues"] == 2 and pipeline["same_ops_every_call"]
+    assert sum(pipeline["ttnn_calls_per_call"][0].values()) > 400
+    assert [m["points"] for m in pipeline["maps"]] == [[3, 1080, 1920]] * 2
+    order = [re.sub(r"ops cq0: \d+ ttnn calls", "ops cq0", step) for step in pipeline["order"]]
+    reads = ["read cq1: outputs[{0}].points", "read cq1: outputs[{0}].normal", "read cq1: outputs[{0}].mask"]
+    expected = [
+        "write cq1: input[uint8,0]", "record cq1: e1", "wait cq0: e1 (logged)", "ops cq0", "record cq0: e2",
+        "write cq1: input[uint8,1]", "record cq1: e3", "wait cq0: e3 (logged)", "ops cq0", "record cq0: e4",
+        "wait cq1: e2 (logged)", *[r.format(0) for r in reads], "read cq1: cls[0]", "record cq1: e5",
+        "host waits: e5",
+        "wait cq1: e4 (logged)", *[r.format(1) for r in reads], "read cq1: cls[1]", "record cq1: e6",
+        "host waits: e6",
+    ]  # fmt: skip
+    assert order == expected, order
+
+
+@pytest.mark.full_size
+def test_the_forward_meets_issue_27s_goal(fast_vitl_report, request):
+    """Issue 27's goal: the whole forward (network and the input and output sides) within 15 ms on both P150 grids,
+    by the cost model. Not met at 11x10 since issue 47's HiFi2 at the decoder's two coarsest levels (which a
+    decoder level's 0.02 bound needs: 15.15 ms, 14.62 before; 12x10 14.38): a known failure, strict (it fails the
+    day it passes), not traded against that bound here (docs/tenstorrent.md)."""
+    if fast_vitl_report["grid"] == "11x10":
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 47, item 2"))
+    est = fast_vitl_report["estimate_ms"]
+    assert est["total"] <= FORWARD_GOAL_MS, est
 
 
 SAFE_ARGS = (*SPEC_CASE, "--grid", GRIDS[0], "--config", "safe", "--no-calibration", "--no-l1-headroom")

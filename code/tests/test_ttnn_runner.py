@@ -87,13 +87,14 @@ def _assert_close(raw, ref, tol=2e-5):
 
 
 def test_runner_equals_the_reference_and_the_trace_replays_each_new_canvas(network_path, ttnn):
-    """The trace is captured on the first call and replayed after: each call's result is its own canvas's (a
-    replay that kept reading the first input, or a fresh input tensor outside the trace, would fail here)."""
+    """The traces (one per slot of the double-buffered pipeline) are captured on the first call and replayed
+    after: each call's result is its own canvas's (a replay that kept reading the first input, or a fresh input
+    tensor outside the trace, would fail here)."""
     runner = _runner(network_path, ttnn)
     images = [calibration_image(*CANVAS, seed=s) for s in (1, 2, 3)]
     for image in images:
         _assert_close(runner.forward(image), _reference(network_path, image))
-    assert len(ttnn.traces) == 1 and ttnn.op_counts["execute_trace"] == 3
+    assert len(ttnn.traces) == 2 and ttnn.op_counts["execute_trace"] == 3
     runner.close()
     assert ttnn.traces == {} and len(ttnn.closed) == 1, "close() releases the trace and closes the chip it opened"
 
@@ -131,12 +132,133 @@ def test_two_command_queues_give_bit_identical_maps_and_read_on_queue_1(network_
     two = _runner(network_path, ttnn, num_command_queues=2, dispatch="worker")
     second = two.forward(image)
     two.close()
-    assert ttnn.events[-2:] == [("record", 0), ("wait", 1)], "the read waits on queue 1 for the forward on queue 0"
-    assert ttnn.reads == [0, 0, 0, 1, 1, 1], "three maps read on queue 0, then on queue 1"
+    assert ttnn.events[-3:] == [("record", 0), ("wait", 1), ("record", 1)], (
+        "the read waits on queue 1 for the forward on queue 0, and an event marks its end"
+    )
+    assert ttnn.reads == [0] * 4 + [1] * 4, "three maps and the class token read on queue 0, then on queue 1"
     assert ttnn.opened[-1]["num_command_queues"] == 2 and ttnn.opened[-1]["dispatch_core_config"] == "worker"
     for key in ("points", "normal", "mask"):
         assert torch.equal(getattr(first, key), getattr(second, key)), key
     assert first.metric_scale == second.metric_scale
+
+
+def _conflicts(log: list, pipeline) -> tuple:
+    """The emulator's queue log (`TtnnEmulator.queue_log`) as ordering facts. -> (before(i, j): step i is ordered
+    before step j by its queue's order, the events waited for or the host's waits; the pairs of steps that touch the
+    same device buffer, at least one of them writing it, in log order). A trace reads its slot's input and writes
+    its slot's outputs and class token (`pipeline.DevicePipeline`)."""
+    trace_of = {trace_id: key for key, trace_id in pipeline.traces.items()}
+
+    def access(step) -> tuple:  # (written, read) buffer ids
+        what, _, detail = step
+        if what == "write":
+            return {id(detail)}, set()
+        if what == "read":
+            return set(), {id(detail)}
+        if what == "trace":
+            kind, slot = trace_of[detail]
+            outs = {id(t) for t in pipeline.outputs[slot].values()} | {id(pipeline.cls[slot])}
+            return outs, {id(pipeline.inputs[kind, slot])}
+        return set(), set()
+
+    preds = {i: set() for i in range(len(log))}
+    last_on, records, host = {}, {}, set()  # host: steps every later step follows (the host waited for them)
+    for i, (what, cq, detail) in enumerate(log):
+        if what == "sync":
+            host.add(records[detail])
+            continue
+        if what == "sync_all":
+            host.update(last_on.values())
+            continue
+        preds[i].update(host)
+        if cq in last_on:
+            preds[i].add(last_on[cq])  # in order on its queue (an event fires when all before it are done)
+        if what == "wait":
+            preds[i].add(records[detail])
+        if what == "record":
+            records[detail] = i
+        last_on[cq] = i
+
+    def before(a: int, b: int) -> bool:
+        seen, todo = set(), [b]
+        while todo:
+            for p in preds[todo.pop()]:
+                if p == a:
+                    return True
+                if p not in seen:
+                    seen.add(p)
+                    todo.append(p)
+        return False
+
+    pairs = []
+    for j in range(len(log)):
+        wj, rj = access(log[j])
+        for i in range(j):
+            wi, ri = access(log[i])
+            if wi & (wj | rj) or wj & ri:
+                pairs.append((i, j))
+    return before, pairs
+
+
+def _steps(log: list, what: str) -> list:
+    return [i for i, step in enumerate(log) if step[0] == what]
+
+
+@pytest.mark.parametrize("queues", [2, 1])
+def test_back_to_back_calls_overlap_and_every_buffer_access_is_ordered(network_path, ttnn, queues):
+    """Three canvases submitted before any result is asked for (`submit` returns before the forward ends): each
+    result is its own canvas's, every pair of queue steps that touch one device buffer (a slot's input, outputs,
+    class token) with a write is ordered by queue order, events or host waits, and with two queues the chip's next
+    trace overlaps the read-back of the last maps and the upload of the next canvas (tt-metal's ops on CQ0,
+    uploads and reads on CQ1); with one, every step runs in order."""
+    runner = _runner(network_path, ttnn, num_command_queues=queues, dispatch="worker")
+    images = [calibration_image(*CANVAS, seed=s) for s in (11, 12, 13)]
+    pending = [runner.submit(image) for image in images]
+    assert not pending[-1].ready, "the last call's maps are not waited for before its result is asked for"
+    for p, image in zip(pending, images):
+        _assert_close(p.result(), _reference(network_path, image))
+    log = [step for step in ttnn.queue_log if step[0] != "sync_all"][-60:]  # the three calls (capture before)
+    before, pairs = _conflicts(log, runner.pipeline)
+    assert pairs and all(before(i, j) for i, j in pairs), "every access to a shared buffer is ordered"
+    traces, writes = _steps(log, "trace"), _steps(log, "write")
+    reads = _steps(log, "read")[::4]  # each call reads three maps and its class token, in order
+    assert len(traces) == len(writes) == len(reads) == 3
+    for i in range(2):
+        if queues == 2:
+            assert not before(reads[i], traces[i + 1]) and not before(traces[i + 1], reads[i]), (
+                f"call {i}'s read-back runs while call {i + 1}'s trace runs"
+            )
+            if i + 2 < 3:
+                assert not before(writes[i + 2], traces[i + 1]), f"call {i + 2}'s upload runs during trace {i + 1}"
+        else:
+            assert before(reads[i], traces[i + 1]), "one queue: the next trace waits for the read-back"
+    runner.close()
+
+
+@pytest.mark.parametrize("broken", ["no event waits", "one slot, no host wait"])
+def test_the_order_check_sees_a_race_when_the_pipeline_is_broken(network_path, ttnn, monkeypatch, broken):
+    """The check above, broken on purpose with two queues: without the event waits (queue 0 would run a trace
+    before its canvas is up, queue 1 read maps before the trace wrote them), or with one slot and no host wait for
+    the call that used it (the next canvas's upload on queue 1 would overwrite the input a trace on queue 0 still
+    reads). The emulator still computes every map right (it runs each step at once); on a chip these are races."""
+    from tt_moge.runners.ttnn import pipeline as pipeline_mod
+
+    if broken == "no event waits":
+        monkeypatch.setattr(ttnn, "wait_for_event", lambda cq_id, event: None)
+        expected = {("write", "trace"), ("trace", "read")}
+    else:
+        monkeypatch.setattr(pipeline_mod, "SLOTS", 1)
+        monkeypatch.setattr(pipeline_mod.DevicePipeline, "_make_room", lambda self: None)
+        expected = {("trace", "write")}
+    runner = _runner(network_path, ttnn, num_command_queues=2, dispatch="worker")
+    pending = [runner.submit(calibration_image(*CANVAS, seed=s)) for s in (14, 15)]
+    for p in pending:
+        p.result()
+    log = [step for step in ttnn.queue_log if step[0] != "sync_all"][-40:]
+    before, pairs = _conflicts(log, runner.pipeline)
+    races = {(log[i][0], log[j][0]) for i, j in pairs if not before(i, j)}
+    assert expected <= races, races
+    runner.close()
 
 
 def test_eth_dispatch_failure_falls_back_to_worker_with_a_warning(network_path, ttnn, monkeypatch):
@@ -235,13 +357,13 @@ def test_a_photo_goes_up_as_8_bit_planes_and_a_float_canvas_as_float32(network_p
         runner, uploads = model.service.runner, []
         upload = runner.pre.upload
         runner.pre.upload = lambda canvas, **kw: (uploads.append(canvas.dtype), upload(canvas, **kw))[1]
-        assert list(ttnn.traces) and len(ttnn.traces) == 1, "the warm-up captured the 8-bit trace"
+        assert len(ttnn.traces) == 2, "the warm-up captured the 8-bit traces (one per slot)"
         got = [model(photo)]
-        assert uploads == [np.uint8] and len(ttnn.traces) == 1
+        assert uploads == [np.uint8] and len(ttnn.traces) == 2
         got.append(model(float_image))
-        assert uploads == [np.uint8, np.float32] and len(ttnn.traces) == 2
+        assert uploads == [np.uint8, np.float32] and len(ttnn.traces) == 4
         got.append(model(photo))  # the first trace again, with the second one captured since
-        assert uploads[-1] == np.uint8 and len(ttnn.traces) == 2
+        assert uploads[-1] == np.uint8 and len(ttnn.traces) == 4
         # read-back sets: one holds the warm-up's raw maps (the model keeps them for later warm-ups), one serves
         # the single calls; predict_many reads image i+1 while image i's finish holds its maps: one more, and
         # every result its own image's (a set reused under a finish would give image i image i+1's maps)

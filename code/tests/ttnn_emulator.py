@@ -348,6 +348,10 @@ class TtnnEmulator:
         self.closed: list = []
         self.events: list = []  # (call, cq_id) of record_event / wait_for_event, in order
         self.reads: list = []  # cq_id of each copy_device_to_host_tensor, in order
+        # every command-queue step, in the order the host enqueued it: (what, cq_id, detail): ("write", cq, device
+        # tensor), ("trace", cq, trace id), ("read", cq, device tensor), ("record", cq, event), ("wait", cq, event),
+        # and the host's waits ("sync", None, event), ("sync_all", None, None)
+        self.queue_log: list = []
         self.MeshCoordinate = lambda *coordinate: coordinate
         self.DispatchCoreType = types.SimpleNamespace(ETH="eth", WORKER="worker")
         self.DispatchCoreConfig = lambda kind=None, *a, **k: kind
@@ -388,6 +392,7 @@ class TtnnEmulator:
         if trace_id not in self.traces:
             raise RuntimeError(f"execute_trace: no trace {trace_id} (released or never captured)")
         self._count("execute_trace")
+        self.queue_log.append(("trace", cq_id, trace_id))
         for fn, args, kwargs, result in self.traces[trace_id]:
             _overwrite(result, fn(*args, **kwargs))
 
@@ -397,13 +402,16 @@ class TtnnEmulator:
 
     def record_event(self, device, cq_id=0):
         self.events.append(("record", cq_id))
-        return ("event", cq_id, len(self.events))
+        event = ("event", cq_id, len(self.events))
+        self.queue_log.append(("record", cq_id, event))
+        return event
 
     def wait_for_event(self, cq_id, event) -> None:
         self.events.append(("wait", cq_id))
+        self.queue_log.append(("wait", cq_id, event))
 
     def event_synchronize(self, event) -> None:
-        pass
+        self.queue_log.append(("sync", None, event))
 
     def round(self, t: torch.Tensor, dtype: DataType) -> torch.Tensor:
         if self.exact or dtype == DataType.FLOAT32:
@@ -489,6 +497,7 @@ class TtnnEmulator:
             raise RuntimeError("copy_device_to_host_tensor: dtype and layout must match")
         self._count("copy_device_to_host_tensor")
         self.reads.append(cq_id)
+        self.queue_log.append(("read", cq_id, device_tensor))
         host_tensor.data.copy_(device_tensor.data)
 
     def to_device(self, t, device, memory_config=None, **_):
@@ -504,7 +513,8 @@ class TtnnEmulator:
     def allocate_tensor_on_device(self, shape, dtype, layout, device, memory_config=None):
         return self._new(torch.zeros(tuple(shape)), dtype, layout, device, memory_config)
 
-    def copy_host_to_device_tensor(self, host, device_tensor, *_, **__) -> None:
+    def copy_host_to_device_tensor(self, host, device_tensor, cq_id=0) -> None:
+        self.queue_log.append(("write", cq_id, device_tensor))
         self._check(host, "copy_host_to_device_tensor", on_device=False)
         self._check(device_tensor, "copy_host_to_device_tensor")
         if host.device is not None or tuple(host.data.shape) != tuple(device_tensor.data.shape):
@@ -570,7 +580,16 @@ class TtnnEmulator:
         t.deallocated = True
 
     def synchronize_device(self, *_, **__) -> None:
-        pass
+        self.queue_log.append(("sync_all", None, None))
+
+    def copy(self, a, b) -> None:
+        """ttnn.copy: a's values into the existing device tensor b (same shape), in b's format."""
+        self._check(a, "copy")
+        self._check(b, "copy")
+        if tuple(a.data.shape) != tuple(b.data.shape):
+            raise RuntimeError(f"copy: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)} differ")
+        self._count("copy")
+        b.data = self.round(a.data.clone(), b.dtype)
 
     # ---------------------------------------------------------------------------------- data movement
     def reshape(self, t, shape, **_):
@@ -1208,6 +1227,7 @@ _TRACED_OPS = (
     "untilize",
     "reallocate",
     "deallocate",
+    "copy",
 )
 
 

@@ -6,10 +6,11 @@ Every prediction of tt_moge is a call of this one object: `MoGeModel.__call__` /
 the server's /predict routes and its web page (`server/app.py`, `server/ui.py`), `tt-moge predict` and each
 batch replica (`jobs.py`). The same image and `CallOptions` therefore give the same arrays on every surface.
 
-The device forward runs one canvas at a time under a lock; the host stages (`host.prepare`, `host.postprocess`)
-of different calls run in parallel. `predict_many` overlaps the decode of the next image and the finish of the
-previous one with the device. `forward_many` and `finish_many` are its two halves: one forward, finished as
-often as asked with different options.
+Canvases are submitted to the device one at a time under a lock (a runner whose `submit` returns before its
+forward ends, CUDA's and Tenstorrent's, then has the next call's canvas in flight while the last one runs); the
+host stages (`host.prepare`, `host.postprocess`) of different calls run in parallel. `predict_many` overlaps the
+decode of the next image and the finish of the previous one with the device. `forward_many` and `finish_many`
+are its two halves: one forward, finished as often as asked with different options.
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ class PredictionService:
             raise RuntimeError("this MoGeModel is closed; load a new one with MoGeModel.from_pretrained(...)")
 
     def submit(self, canvas: torch.Tensor, watch: Optional[Stopwatch] = None) -> PendingMaps:
-        """Start the device forward of a canvas (on CUDA it returns before the maps are back; `.result()`
-        waits). `watch` laps "device_wait": the time spent waiting while another call held the device. A failure
-        of the runner, when submitting or waiting, is a `DeviceError`."""
+        """Start the device forward of a canvas (on CUDA and Tenstorrent it returns before the maps are back;
+        `.result()` waits). `watch` laps "device_wait": the time spent waiting while another call held the device.
+        A failure of the runner, when submitting or waiting, is a `DeviceError`."""
         with self._device_lock:
             if watch is not None:
                 watch.lap("device_wait")
@@ -149,10 +150,10 @@ class PredictionService:
                 if i + 1 < len(images):
                     next_prepared = pool.submit(self.prepare, images[i + 1], options, None, f"images[{i + 1}]")
                 if running is not None and running[0].ready:  # image i-1's maps are back (a runner whose submit
-                    # waits for its forward: the CPU, Tenstorrent): finish it while the device runs image i
+                    # waits for its forward: the CPU): finish it while the device runs image i
                     finish(*running)
                     running = None
-                pending = self.submit(prepared.canvas)  # on CUDA, starts while image i-1 still copies back
+                pending = self.submit(prepared.canvas)  # CUDA, Tenstorrent: starts while image i-1 still runs
                 if running is not None:
                     finish(*running)
                 running = (pending, prepared.plan)

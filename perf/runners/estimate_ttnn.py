@@ -10,7 +10,8 @@ one trace) is the cost model's; what remains on the host is measured here.
   passed to it and checked against the report's grid);
 * PCIe: the canvas up (uint8 planes: a photo's canvas is 8-bit, `Runner.takes_uint8`) and the raw maps down
   (rows in each head's read-back format, `post.READBACK`: the points and the mask float32, the normals bfloat16)
-  with the class token, at the cost model's link rate;
+  with the class token, at tt-metal's measured Blackhole rates (`cost.Link`: the read into pinned memory, which
+  ttnn uses for the runner's preallocated host tensors; the unpinned rate beside it);
 * ttnn host, measured in the mock's Python (when it is set up): the canvas into a host tensor, the read maps lent
   as numpy views of recycled host tensors (`post.DeviceOutput.read`: no copy, no fresh pages per call);
 * runner host, measured here: the raw maps as (H, W, 3) views and the scale MLP (`runner.device_raw_maps`);
@@ -23,7 +24,21 @@ The host steps do not depend on the backbone, only on the canvas and the token g
 the spec's canvas and token budget gives their shapes. Prints a table, the total beside the spec's p150
 `model(array)` median (25.6 ms) and the issue's goal (25 ms), the CPU, and the command to rerun it.
 
+Throughput (`throughput_per_s`): the steady-state images per second of `predict_many` on 1920x1080 photo arrays
+(issue 46). The runner keeps two calls in flight (`pipeline.DevicePipeline`), so the chip's period per image is
+  one command queue (ETH dispatch, the P150 at 12x10):    upload + trace + read-back (one queue runs them in order)
+  two command queues (worker dispatch, 11x10 on a P150):  max(trace, upload + read-back) (the link's queue beside)
+and the host's, on N cores, is the larger of the stages one thread runs in turn (decode + canvas fit on the
+prepare thread; the canvas into a host tensor, the read maps' views and the scale MLP on the calling thread) and
+all the host's work per image (each step timed here on one thread: its core-milliseconds) spread over N cores: an
+upper bound for N beyond this machine's cores (perfect scaling of the multithreaded solve and finish assumed; the
+spec's host measured solve + finish at 16 threads at about 5 ms an image, a bound of 200 images/s for that stage).
+The images per second are 1000 / max(the chip's period, the host's). `--host-cores` sets the N reported (default
+16, the spec's host, and 2); `--queues` the chip's configuration (default: one queue at 12x10 and 13x10, two at
+11x10, as a P150 runs them).
+
     python -m perf.runners.estimate_ttnn --report /tmp/vitl.json --runs 20 --grid 12x10 --json out.json
+    python -m perf.runners.estimate_ttnn --grid 12x10 --json F     # a fresh mock check; total_ms, throughput_per_s
 """
 
 from __future__ import annotations
@@ -34,6 +49,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -179,17 +195,28 @@ def main() -> None:
     ap.add_argument("--grid", default="", help="CxR: the compute grid to estimate on (passed to tt-mock-check)")
     ap.add_argument("--runs", type=int, default=20, help="timed calls per host step")
     ap.add_argument("--json", help="also write the numbers to this file (total_ms and each part)")
+    ap.add_argument(
+        "--host-cores",
+        default="16,2",
+        help="host cores N to report the throughput for, comma-separated (default 16 (the spec's host), 2)",
+    )
+    ap.add_argument(
+        "--queues",
+        type=int,
+        choices=(1, 2),
+        help="command queues of the chip (default: 1 at 12x10 / 13x10 (ETH dispatch), 2 at 11x10 (worker))",
+    )
     args = ap.parse_args()
 
     import torch
 
-    from tt_moge import MoGeModel
+    from tt_moge import MoGeModel, native
     from tt_moge.host import CallOptions
     from tt_moge.runners.ttnn.post import READBACK
     from tt_moge.runners.ttnn.prepare import prepare_weights
     from tt_moge.runners.ttnn.runner import device_raw_maps
     from tt_moge.testing import make_checkpoint, make_network
-    from tt_moge.ttnn_tools.cost import BLACKHOLE_P150
+    from tt_moge.ttnn_tools.cost import PCIE
 
     torch.set_num_threads(os.cpu_count() or 1)
     report = _mock_report(args.report, args.grid)
@@ -212,7 +239,9 @@ def main() -> None:
     down_bytes = sum(SIZE[0] * SIZE[1] * h["channels"] * width[READBACK[h["name"]]] for h in plan["heads"])
     down_bytes += plan["dim"] * 4
     formats = ", ".join(f"{h['name']} {READBACK[h['name']]}" for h in plan["heads"])
-    pcie_ms = (up_bytes + down_bytes) / BLACKHOLE_P150.pcie_bytes_per_s * 1e3
+    up_ms = up_bytes / PCIE.h2d * 1e3
+    down_ms = {"pinned": down_bytes / PCIE.d2h_pinned * 1e3, "unpinned": down_bytes / PCIE.d2h_unpinned * 1e3}
+    pcie_ms = up_ms + down_ms["pinned"]
 
     with tempfile.TemporaryDirectory() as tmp:  # the shared host stages, on raw maps of a real forward
         make_checkpoint(tmp, "tiny-vits-normal")
@@ -230,17 +259,39 @@ def main() -> None:
             views_ms = common.median_min_ms(lambda: device_raw_maps(prepared, maps, cls_token), args.runs)[0]
             replay = service.replaying(raw)
             replay.runner.takes_uint8 = True  # the canvas fit the Tenstorrent runner's service runs
-            stages: dict = {}
-            for _ in range(args.runs + 1):
-                timing: dict = {}
-                replay.predict(image, CallOptions(), timing)
-                for k, v in timing.items():
-                    stages.setdefault(k, []).append(v)
-    shared = {k: common.median(v[1:]) for k, v in stages.items() if k not in ("device", "device_wait")}
+
+            def host_stages() -> dict:  # medians of each shared host stage, ms; "cpu_share": CPU time / wall time
+                stages: dict = {}
+                for _ in range(args.runs + 1):
+                    timing: dict = {}
+                    wall, cpu = time.perf_counter(), time.process_time()
+                    replay.predict(image, CallOptions(), timing)
+                    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                    for k, v in timing.items():
+                        stages.setdefault(k, []).append(v)
+                    stages.setdefault("cpu_share", []).append(min(1.0, cpu / wall))
+                return {k: common.median(v[1:]) for k, v in stages.items() if k not in ("device", "device_wait")}
+
+            shared = host_stages()
+            shared.pop("cpu_share")
+            threads = torch.get_num_threads(), native.threads()
+            torch.set_num_threads(1)  # one thread: each step's core-milliseconds, for the throughput on N cores
+            if threads[1]:
+                native.set_threads(1)
+            try:  # on one thread, CPU time / wall time is the share of the wall the thread ran (a busy machine
+                # takes the core away): each stage's wall times that share is its core-milliseconds
+                one_thread = host_stages()
+                share = one_thread.pop("cpu_share")
+                one_thread = {k: v * share for k, v in one_thread.items()}
+                views_core_ms = common.median_min_ms(lambda: device_raw_maps(prepared, maps, cls_token), args.runs)[0]
+            finally:
+                torch.set_num_threads(threads[0])
+                if threads[1]:
+                    native.set_threads(threads[1])
 
     rows = [
         ("device forward (cost model, mock P150 op list)", forward_ms, "estimated"),
-        (f"PCIe: canvas up (uint8), raw maps down ({formats})", pcie_ms, "estimated"),
+        (f"PCIe: canvas up (uint8), raw maps down ({formats}), pinned", pcie_ms, "estimated"),
     ]
     if ttnn_host:
         rows += [
@@ -275,8 +326,69 @@ def main() -> None:
         f"ratio {total / SPEC_MS:.2f})"
     )
     parts = {name: round(value, 3) for name, value, _ in rows}
+
+    # ---- throughput of predict_many (see the module docstring)
+    queues = args.queues or (2 if grid == "11x10" else 1)
+    ttnn_canvas = ttnn_host.get("canvas_to_host_tensor_ms", 0.0)  # one thread's work already (a copy)
+    ttnn_views = ttnn_host.get("maps_to_numpy_ms", 0.0)
+    prepare_ms = one_thread.get("decode", 0.0) + one_thread["canvas"]  # the prepare thread
+    calling_ms = ttnn_canvas + ttnn_views + views_core_ms  # predict_many's own thread: submit, views, scale MLP
+    core_ms = prepare_ms + calling_ms + one_thread["solve"] + one_thread["finish"]
+    host_cores = [int(n) for n in args.host_cores.split(",") if n.strip()]
+    throughput = {}
+    for read in ("pinned", "unpinned"):
+        serial = up_ms + forward_ms + down_ms[read]
+        chip_ms = serial if queues == 1 else max(forward_ms, up_ms + down_ms[read])
+        copy_ms = down_ms[read] if read == "unpinned" else 0.0  # ttnn's copy out of the completion queue
+        for n in host_cores:
+            host_ms = max(prepare_ms, calling_ms, copy_ms, (core_ms + copy_ms) / n)
+            throughput[f"{read}, {n} host cores"] = {
+                "chip_period_ms": round(chip_ms, 3),
+                "host_period_ms": round(host_ms, 3),
+                "images_per_s": round(1000.0 / max(chip_ms, host_ms), 1),
+                "bound": "chip" if chip_ms >= host_ms else "host",
+            }
+    headline = throughput[f"pinned, {host_cores[0]} host cores"]
+    print(
+        f"predict_many throughput, {queues} command queue{'s' if queues == 2 else ''} on the {grid} grid "
+        f"(the chip's period {'upload + trace + read' if queues == 1 else 'max(trace, upload + read)'}; the host's "
+        f"on N cores: max(prepare thread {prepare_ms:.2f}, calling thread {calling_ms:.2f}, {core_ms:.2f} core-ms / N))"
+    )
+    print(
+        f"  link: canvas up {up_ms:.2f} ms, maps down {down_ms['pinned']:.2f} ms pinned / "
+        f"{down_ms['unpinned']:.2f} ms unpinned (cost.Link: tt-metal issue 27846, PR 25791)"
+    )
+    for name, t in throughput.items():
+        print(
+            f"  {name:28s} chip {t['chip_period_ms']:6.2f} ms, host {t['host_period_ms']:6.2f} ms -> "
+            f"{t['images_per_s']:6.1f} images/s ({t['bound']}-bound)"
+        )
     common.finish_report(
-        {"rows": rows, "parts_ms": parts, "total_ms": total, "grid": grid, "goal_ms": GOAL_MS, "host": cpu},
+        {
+            "rows": rows,
+            "parts_ms": parts,
+            "total_ms": total,
+            "grid": grid,
+            "goal_ms": GOAL_MS,
+            "host": cpu,
+            "throughput_per_s": headline["images_per_s"],
+            "throughput": {
+                "queues": queues,
+                "forward_ms": forward_ms,
+                "upload_ms": up_ms,
+                "readback_ms": down_ms,
+                "load_average": os.getloadavg()[0],
+                "cpu_share_one_thread": share,
+                "host_core_ms": {
+                    "prepare (decode + canvas fit)": prepare_ms,
+                    "calling thread (canvas to host tensor, views, scale MLP)": calling_ms,
+                    "solve": one_thread["solve"],
+                    "finish": one_thread["finish"],
+                    "total": core_ms,
+                },
+                "by_read_and_cores": throughput,
+            },
+        },
         args.json,
     )
 

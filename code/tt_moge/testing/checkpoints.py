@@ -22,14 +22,22 @@ import copy
 import math
 import os
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
 
 from ..network import MoGe2Config, MoGe2Network, token_grid
 
-__all__ = ["PRESETS", "model_config", "make_checkpoint", "make_network", "calibration_image", "add_outlier_channels"]
+__all__ = [
+    "PRESETS",
+    "model_config",
+    "make_checkpoint",
+    "make_network",
+    "calibration_image",
+    "add_outlier_channels",
+    "add_residual_outliers",
+]
 
 _RESAMPLERS = ["conv_transpose", "conv_transpose", "conv_transpose", "bilinear"]
 
@@ -258,6 +266,64 @@ def add_outlier_channels(net: MoGe2Network, seed: int = 1) -> MoGe2Network:
             fc1.weight[idx] *= 20
             fc1.bias[idx] *= 20
     return net
+
+
+def add_residual_outliers(
+    net: MoGe2Network,
+    channels: int = 4,
+    low: float = 50.0,
+    high: float = 300.0,
+    seed: int = 2,
+    image: Optional[torch.Tensor] = None,
+    num_tokens: int = 300,
+) -> dict:
+    """Plant DINOv2's massive activations in the ViT of `net` (in place): `channels` channels of the residual stream
+    (the same in every block) whose magnitude grows with depth from `low` to `high` times the stream's median
+    magnitude after the first and the last block the encoder runs, by an update per block in those channels (the output
+    projection of the MLP zeroed there, its bias set, LayerScale 1). As in trained DINOv2, the channels are a
+    handful and dwarf the rest; the graph's layer norms then subtract means and divide by deviations they dominate.
+    The medians are measured on `image` (a calibration image, default 224x126) at `num_tokens`. Returns
+    {"channels": [...], "ratios": [the planted magnitude / the median after each block]}."""
+    blocks = net.encoder.backbone.blocks
+    image = calibration_image(224, 126, seed=1) if image is None else image
+    gen = torch.Generator().manual_seed(seed)
+    dim = blocks[0].norm1.weight.numel()
+    picked = torch.randperm(dim, generator=gen)[:channels]
+    signs = torch.where(torch.rand(channels, generator=gen) < 0.5, -1.0, 1.0)
+
+    def medians() -> list:  # the residual stream's median |x| after each block
+        seen = []
+        hooks = [b.register_forward_hook(lambda m, i, o: seen.append(o.detach().abs().median().item())) for b in blocks]
+        try:
+            with torch.inference_mode():
+                net.encoder(image, *token_grid(num_tokens, image.shape[-1] / image.shape[-2]))
+        finally:
+            for h in hooks:
+                h.remove()
+        return seen
+
+    before = medians()  # the blocks the encoder runs (up to its last tap)
+    last = max(1, len(before) - 1)
+    previous = torch.zeros(channels)
+    with torch.no_grad():
+        for i, block in enumerate(blocks[: len(before)]):
+            target = before[i] * (low + (high - low) * i / last) * signs
+            fc2 = block.mlp.fc2 if hasattr(block.mlp, "fc2") else block.mlp.w3
+            fc2.weight[picked] = 0.0
+            fc2.bias[picked] = target - previous
+            block.ls2.gamma[picked] = 1.0
+            previous = target
+    after = medians()
+    stream = []
+    hooks = [b.register_forward_hook(lambda m, i, o: stream.append(o.detach())) for b in blocks]
+    try:
+        with torch.inference_mode():
+            net.encoder(image, *token_grid(num_tokens, image.shape[-1] / image.shape[-2]))
+    finally:
+        for h in hooks:
+            h.remove()
+    ratios = [float(x[..., picked].abs().min() / m) for x, m in zip(stream, after)]
+    return {"channels": picked.tolist(), "ratios": ratios}
 
 
 def make_network(

@@ -61,6 +61,8 @@ from typing import Iterable, Optional
 __all__ = [
     "Chip",
     "BLACKHOLE_P150",
+    "Link",
+    "PCIE",
     "TensorInfo",
     "DeviceOp",
     "OpRecorder",
@@ -104,7 +106,6 @@ class Chip:
     noc_bytes_per_cycle: float = 37.0  # what one core reads or writes over the NoC (or L1 to L1), saturated
     kernel_ns: float = 6053.0  # per device op, its kernels' start-up on every core (fitted)
     dispatch_ns: float = 1284.0  # per device op, the gap between ops in a traced replay (fitted)
-    pcie_bytes_per_s: float = 24e9  # host <-> chip, one stream over PCIe Gen5 x16
 
     @property
     def cores(self) -> int:
@@ -119,6 +120,27 @@ class Chip:
 
 
 BLACKHOLE_P150 = Chip()
+
+GIB, MIB = float(1 << 30), float(1 << 20)
+
+
+@dataclass(frozen=True)
+class Link:
+    """Host <-> chip transfer rates over PCIe, bytes per second, as tt-metal's own benchmarks measured them (read
+    from their issues and pull requests, not fitted; each beside its source). Each is the rate at 2048-byte pages,
+    the largest page those tables list: our transfers are row-major rows of 1920 to 7680 bytes.
+
+    d2h_pinned: a device -> host read into pinned host memory, which ttnn uses when it reads into a preallocated
+    host tensor (`copy_device_to_host_tensor`; tt-metal PR 41612's pinned-memory cache); d2h_unpinned: a read
+    through the completion queue (a fresh host tensor, `from_device`), whose copy out of it takes a host core;
+    h2d: a host -> device write (the canvas, 6 MB: under the 32 MiB at which ttnn writes from pinned memory)."""
+
+    d2h_pinned: float = 31.14 * GIB  # tt-metal issue 27846 (Blackhole, 2026-04-30): ReadPinnedMemory, 1 GiB buffer
+    d2h_unpinned: float = 7.38 * GIB  # tt-metal issue 27846 (Blackhole, 2026-04-30): Read, 1 GiB buffer
+    h2d: float = 14373.224 * MIB  # tt-metal PR 25791 (2025-07-24): mesh write, 512 MiB transfer; card not named
+
+
+PCIE = Link()
 
 FIDELITY_PASSES = {"LoFi": 1, "HiFi2": 2, "HiFi3": 3, "HiFi4": 4}
 DTYPE_TILE_BYTES = {

@@ -64,18 +64,20 @@ def _package_shim() -> None:
 if __package__ in (None, ""):
     _package_shim()
     from tt_moge.runners.ttnn.graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
+    from tt_moge.runners.ttnn.pipeline import DevicePipeline
     from tt_moge.runners.ttnn.post import DeviceOutput, widen
     from tt_moge.runners.ttnn.pre import DeviceInput
     from tt_moge.runners.ttnn.prepare import Prepared
     from tt_moge.ttnn_tools import calibration
-    from tt_moge.ttnn_tools.cost import BLACKHOLE_P150, OpRecorder, estimate
+    from tt_moge.ttnn_tools.cost import BLACKHOLE_P150, OpRecorder, estimate, ops_to_json
 else:
     from ..runners.ttnn.graph import CONFIGS, FORMATS, L1_BYTES, TtnnGraph
+    from ..runners.ttnn.pipeline import DevicePipeline
     from ..runners.ttnn.post import DeviceOutput, widen
     from ..runners.ttnn.pre import DeviceInput
     from ..runners.ttnn.prepare import Prepared
     from . import calibration
-    from .cost import BLACKHOLE_P150, OpRecorder, estimate
+    from .cost import BLACKHOLE_P150, OpRecorder, estimate, ops_to_json
 
 
 def synthetic_canvas(width: int, height: int):
@@ -136,10 +138,12 @@ def graph_config(name: str, changes: list):
     return dataclasses.replace(config, **values)
 
 
-def staged_forward(graph, recorder, x, pre=None, post=None) -> dict:
+def staged_forward(graph, recorder, x, pre=None, post=None, slot=None) -> dict:
     """The device forward with the recorder's stage set to "input" (`pre`: canvas -> patch matrix, when given),
     "encoder", "decoder", then "output" (`post`: finest maps -> raw maps, when given), for the estimate's groups.
-    x: the canvas input with `pre`, else the patch matrix."""
+    x: the canvas input with `pre`, else the patch matrix. `slot`: (outputs, class token) of a
+    `pipeline.DevicePipeline` slot, which the maps and the class token are copied into, as the runner's trace does
+    (`DevicePipeline.forward_ops`); returned with "persistent": True."""
     if pre is not None:
         recorder.stage = "input"
         x = pre.forward(x)
@@ -150,9 +154,115 @@ def staged_forward(graph, recorder, x, pre=None, post=None) -> dict:
     out = {"finest": finest, "cls_token": cls_token}
     if post is not None:
         recorder.stage = "output"
-        out = {"maps": post.forward(finest), "cls_token": cls_token}
+        if slot is None:
+            out = {"maps": post.forward(finest), "cls_token": cls_token}
+        else:
+            maps, cls_out = slot
+            post.forward(finest, into=maps)
+            recorder.copy(cls_token, cls_out)
+            recorder.deallocate(cls_token)
+            out = {"maps": maps, "cls_token": cls_out, "persistent": True}
     recorder.stage = ""
     return out
+
+
+class QueueLog:
+    """A proxy for the ttnn module (or an `OpRecorder`) that logs the command-queue steps of
+    `pipeline.DevicePipeline` in the order the host enqueues them: uploads, traces, reads (naming the pipeline's
+    buffers), events recorded and waited for, the host's waits, and, between them, how many ttnn calls ran (the
+    eager forward's ops, on queue 0). `wait_for_event` is logged, not run: it crashes the mock device (tt-metal's
+    queue waits need a chip; docs/tenstorrent.md)."""
+
+    def __init__(self, module, names: dict, run_waits: bool = False):
+        self._module, self._names, self._run_waits = module, names, run_waits
+        self.log: list = []
+        self._ops = 0
+        self._events: list = []
+
+    def _flush(self) -> None:
+        if self._ops:
+            self.log.append(f"ops cq0: {self._ops} ttnn calls")
+            self._ops = 0
+
+    def _name(self, tensor) -> str:
+        return next((name for obj, name in self._names.items() if obj is tensor), "?")
+
+    def _event(self, event) -> str:
+        for known, name in self._events:  # kept alive here: an id() of a freed event could come back
+            if known is event:
+                return name
+        self._events.append((event, f"e{len(self._events) + 1}"))
+        return self._events[-1][1]
+
+    def __getattr__(self, name):
+        attr = getattr(self._module, name)
+        if not callable(attr) or isinstance(attr, type):
+            return attr
+        log = self
+
+        def call(*args, **kwargs):
+            if name == "copy_host_to_device_tensor":
+                log._flush()
+                log.log.append(f"write cq{kwargs.get('cq_id', 0)}: {log._name(args[1])}")
+            elif name == "copy_device_to_host_tensor":
+                log._flush()
+                log.log.append(f"read cq{kwargs.get('cq_id', 0)}: {log._name(args[0])}")
+            elif name == "record_event":
+                log._flush()
+                event = attr(*args, **kwargs)
+                log.log.append(f"record cq{args[1]}: {log._event(event)}")
+                return event
+            elif name == "wait_for_event":
+                log._flush()
+                log.log.append(f"wait cq{args[0]}: {log._event(args[1])}" + ("" if log._run_waits else " (logged)"))
+                return attr(*args, **kwargs) if log._run_waits else None
+            elif name == "event_synchronize":
+                log._flush()
+                log.log.append(f"host waits: {log._event(args[0])}")
+            elif name == "execute_trace":
+                log._flush()
+                log.log.append(f"trace cq{kwargs.get('cq_id', 0)}: {args[1]}")
+            elif name not in ("deallocate", "Shape", "allocate_tensor_on_device", "to_layout", "to_dtype", "Tensor"):
+                log._ops += 1
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def pipeline_calls(ttnn, device, graph, recorder, pre, post, pipeline, canvases: list) -> dict:
+    """The runner's device calls back to back on the device: every canvas submitted before any is waited for
+    (`DevicePipeline.submit` / `wait`, trace off: the mock cannot capture one), through `QueueLog`. -> the queue
+    order, the ttnn calls of each call's forward by op name, and the maps' shapes."""
+    names = {t: f"input[{kind},{slot}]" for (kind, slot), t in pipeline.inputs.items()}
+    for slot, outputs in enumerate(pipeline.outputs):
+        names.update({t: f"outputs[{slot}].{head}" for head, t in outputs.items()})
+        names[pipeline.cls[slot]] = f"cls[{slot}]"
+    log = QueueLog(recorder, names)
+    parts = (pipeline, graph, pre, post)
+    for part in parts:
+        part.ttnn = log
+    per_call = []
+    try:
+        calls = []
+        for canvas in canvases:
+            before = dict(recorder.counts)
+            calls.append(pipeline.submit(canvas))
+            ttnn.synchronize_device(device)
+            per_call.append({k: v - before.get(k, 0) for k, v in recorder.counts.items() if v != before.get(k, 0)})
+        results = [pipeline.wait(call) for call in calls]
+    finally:
+        for part in parts:
+            part.ttnn = recorder
+    queue_steps = ("copy_host_to_device_tensor", "copy_device_to_host_tensor", "record_event", "wait_for_event")
+    forward_calls = [{k: v for k, v in c.items() if k not in queue_steps} for c in per_call]
+    return {
+        "queues": pipeline.queues,
+        "order": log.log,
+        "ttnn_calls_per_call": forward_calls,
+        "same_ops_every_call": all(c == forward_calls[0] for c in forward_calls),
+        "maps": [{k: list(v.shape) for k, v in maps.items()} for maps, _ in results],
+        "cls_token": [list(cls.shape) for _, cls in results],
+    }
 
 
 def _forward_fits(ttnn, device, forward, x, recorder, pages: int, banks: int):
@@ -165,8 +275,9 @@ def _forward_fits(ttnn, device, forward, x, recorder, pages: int, banks: int):
     try:
         out = forward(x)
         ttnn.synchronize_device(device)
-        for t in list(out["maps"].values()) + [out["cls_token"]]:
-            ttnn.deallocate(t)
+        if not out.get("persistent"):
+            for t in list(out["maps"].values()) + [out["cls_token"]]:
+                ttnn.deallocate(t)
         return True, None, None
     except Exception as error:  # the first op that no longer fits
         return False, recorder.last, _short(error)
@@ -228,7 +339,7 @@ def run(args) -> dict:
         seq_len=plan["seq_len"],
     )
     report["read_prepared_s"] = round(time.perf_counter() - t0, 2)
-    device = ttnn.open_device(device_id=0, l1_small_size=args.l1_small_size)
+    device = ttnn.open_device(device_id=0, l1_small_size=args.l1_small_size, num_command_queues=args.queues)
     try:
         grid = device.compute_with_storage_grid_size()
         report["grid"] = f"{grid.x}x{grid.y}"
@@ -258,19 +369,24 @@ def run(args) -> dict:
         except Exception as error:  # name the ttnn call that failed, keeping the error and its traceback
             _note(error, f"in ttnn.{recorder.last}")
             raise
+        # the runner's slots (inputs, outputs, class tokens), allocated at load as the runner does
+        pipeline = DevicePipeline(recorder, device, graph, pre, post, queues=args.queues, trace=False)
         report["load_s"] = round(time.perf_counter() - t, 2)
         # a photo's canvas as the runner uploads it: uint8 planes, into the persistent input a trace would use
         canvas = np.rint(synthetic_canvas(*plan["canvas"]) * 255).astype(np.uint8).transpose(2, 0, 1)[None]
-        x = pre.upload(canvas, into=pre.allocate_input("uint8"))
+        x = pre.upload(canvas, into=pipeline.inputs["uint8", 0])
+        slot = (pipeline.outputs[0], pipeline.cls[0])
         recorder.clear()
         recorder.capture = args.capture
         t = time.perf_counter()
-        out = staged_forward(graph, recorder, x, pre, post)
+        out = staged_forward(graph, recorder, x, pre, post, slot)
         ttnn.synchronize_device(device)
         recorder.capture = False
         report["forward_s"] = round(time.perf_counter() - t, 2)
         report["ttnn_calls"] = dict(sorted(recorder.counts.items()))
         report["ttnn_calls_total"] = sum(recorder.counts.values())
+        if args.capture and args.ops:  # the steady forward's device ops in order, to compare two trees' graphs
+            Path(args.ops).write_text(json.dumps(ops_to_json(recorder.ops)))
         if args.capture:
             report["device_operations"] = dict(sorted(recorder.device_counts.items()))
             report["device_operations_total"] = sum(recorder.device_counts.values())
@@ -278,7 +394,7 @@ def run(args) -> dict:
             report["estimate_ms"] = estimate(recorder.ops, chip).summary(top=args.top)
         if args.l1_headroom:
             t = time.perf_counter()
-            forward = lambda x: staged_forward(graph, recorder, x, pre, post)  # noqa: E731
+            forward = lambda x: staged_forward(graph, recorder, x, pre, post, slot)  # noqa: E731
             report["peak_l1_per_core"] = l1_peak(ttnn, device, forward, x, recorder)
             report["l1_bisection_s"] = round(time.perf_counter() - t, 2)
         if args.capture and args.calibration:  # on the stored runs of the demo models (calibration.RUNS_FILE)
@@ -299,6 +415,13 @@ def run(args) -> dict:
         report["outputs"] = {"shapes": shapes, "finite": finite, "readback": readback}
         if not finite:
             raise RuntimeError("non-finite host outputs")
+        if args.pipeline_calls:  # the runner's calls back to back: queue order and each call's ops
+            t = time.perf_counter()
+            second = np.ascontiguousarray(canvas[:, :, ::-1])  # another canvas: the image mirrored top to bottom
+            canvases = [canvas, second, canvas][: args.pipeline_calls]
+            report["pipeline"] = pipeline_calls(ttnn, device, graph, recorder, pre, post, pipeline, canvases)
+            report["pipeline_s"] = round(time.perf_counter() - t, 2)
+        pipeline.close()
     finally:
         ttnn.close_device(device)
     report["total_s"] = round(time.perf_counter() - t0, 2)
@@ -339,6 +462,22 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--l1-small-size", type=int, default=32768)
     ap.add_argument(
+        "--queues",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="command queues the device opens with, and the runner's pipeline uses (default 2: uploads and reads on "
+        "queue 1, the forward on queue 0)",
+    )
+    ap.add_argument(
+        "--pipeline-calls",
+        type=int,
+        default=2,
+        choices=(0, 1, 2, 3),
+        help="run the runner's device calls back to back this many times (default 2; 0: skip) and report their "
+        "queue / event order and ttnn calls (the trace off: the mock cannot capture one)",
+    )
+    ap.add_argument(
         "--grid",
         metavar="CxR",
         help="the compute grid the device must report (e.g. 12x10); the run fails when it reports another "
@@ -363,6 +502,12 @@ def main(argv=None) -> int:
         help="also refit the cost model's four fitted figures on the calibration's fitted points (calibration_fit)",
     )
     ap.add_argument("--json", help="also write the report to this file")
+    ap.add_argument(
+        "--ops",
+        metavar="FILE",
+        help="also write the steady forward's device operations, in order, with their tensors and configs "
+        "(cost.ops_to_json), to compare the op lists of two trees",
+    )
     args = ap.parse_args(argv)
     if args.capture_calibration:
         counts = capture_calibration(args.capture_calibration)

@@ -30,11 +30,12 @@ __all__ = [
 ]
 
 # Device-wide reservations made when the chip opens: conv2d's small L1 buffers, and the DRAM region that holds
-# the captured traces of the whole forward (two: the uint8 canvas's and, once a float canvas-sized image comes,
-# the float32 canvas's; 64 MB each, what one was given before there were two).
+# the captured traces of the whole forward (two per canvas dtype, one per slot of pipeline.DevicePipeline: the
+# uint8 canvas's and, once a float canvas-sized image comes, the float32 canvas's; 64 MB each, what one was given
+# before there were several).
 VISIBLE_ENV = "TT_VISIBLE_DEVICES"  # tt-metal's chip filter; "none" hides every chip from tt_moge too
 L1_SMALL_SIZE = 32768
-TRACE_REGION_SIZE = 128 << 20
+TRACE_REGION_SIZE = 256 << 20
 
 
 class TtnnUnavailableError(ImportError):

@@ -214,10 +214,32 @@ class DeviceOutput:
         T = self.ttnn
         return T.slice(x, (0, start, 0, 0), (1, start + n, x.shape[2], x.shape[3]), memory_config=self.mem)
 
-    def forward(self, finest) -> dict:
+    def output_shape(self, name: str) -> tuple:
+        """The shape of head `name`'s maps: (1, channels, H, W)."""
+        return (1, next(n for head, _, n in self.heads if head == name), self.height, self.width)
+
+    def allocate_outputs(self) -> dict:
+        """Persistent device tensors for one call's maps ({head: (1, channels, H, W) row-major, DRAM, in the head's
+        read-back format}), which `forward(..., into=)` fills: allocated before any trace is captured, no trace's
+        intermediates lie where they live, so one call's maps stay intact while another call's trace runs."""
+        T = self.ttnn
+        return {
+            name: T.allocate_tensor_on_device(
+                T.Shape(list(self.output_shape(name))),
+                self._out(name),
+                T.ROW_MAJOR_LAYOUT,
+                self.device,
+                T.DRAM_MEMORY_CONFIG,
+            )
+            for name, _, _ in self.heads
+        }
+
+    def forward(self, finest, into: dict = None) -> dict:
         """The graph's finest phase maps (1, 1, h w, 4 C) float32 -> {head name: its maps (1, channels, H, W) float32,
         row-major, DRAM}, after the output activations. Each head runs on its own channels of the interleaved map:
-        columns resized, rows resized (batched matmuls, one channel per batch), its activation, one untilize."""
+        columns resized, rows resized (batched matmuls, one channel per batch), its activation, one untilize.
+        `into` (from `allocate_outputs`): each head's maps are untilized where the intermediates live and copied
+        into it (returned), instead of untilized into a new DRAM tensor."""
         if not self.loaded:
             raise RuntimeError("DeviceOutput.forward before load()")
         T = self.ttnn
@@ -233,7 +255,13 @@ class DeviceOutput:
                     self._channels(hi, start, n), n, "sigmoid" if mask else None, self._out(name) if mask else None
                 )
             done = self._activation(name, maps)
-            out[name] = T.to_layout(done, T.ROW_MAJOR_LAYOUT, memory_config=T.DRAM_MEMORY_CONFIG)
+            if into is None:
+                out[name] = T.to_layout(done, T.ROW_MAJOR_LAYOUT, memory_config=T.DRAM_MEMORY_CONFIG)
+            else:
+                rows = T.to_layout(done, T.ROW_MAJOR_LAYOUT, memory_config=self.mem)
+                T.copy(rows, into[name])
+                T.deallocate(rows)
+                out[name] = into[name]
             T.deallocate(done)
         T.deallocate(q)
         T.deallocate(hi)
@@ -318,8 +346,15 @@ class DeviceOutput:
         return x  # the mask (its sigmoid and format are the matmul's), the linear remap's points
 
     def read(self, outputs: dict, cq_id: int = 0) -> dict:
-        """The device maps -> {head name: numpy (n, H, W), channels-first}, read on queue `cq_id`: float32, or for a
-        bfloat16 head (`readback`) its bits as uint16 (`widen` makes float32 of them).
+        """The device maps -> {head name: numpy (n, H, W), channels-first}, read on queue `cq_id` and waited for:
+        `finish_read(start_read(...))` with a blocking read."""
+        return self.finish_read(self.start_read(outputs, cq_id, blocking=True))
+
+    def start_read(self, outputs: dict, cq_id: int = 0, blocking: bool = False):
+        """Enqueue the read of the device maps on queue `cq_id` (`blocking=False`: returns before the data is on the
+        host; the caller waits for an event recorded after it) -> a handle for `finish_read`: {head name: numpy
+        (n, H, W), channels-first}, float32, or for a bfloat16 head (`readback`) its bits as uint16 (`widen` makes
+        float32 of them).
 
         Each map is read into a host tensor of a recycled set (`copy_device_to_host_tensor`) and handed on as a
         numpy view of that tensor's own memory (`host_view`, lent: `lend`): no copy, and no
@@ -329,7 +364,10 @@ class DeviceOutput:
         nothing made from the last read into it (the raw maps, any view or tensor of them, a result that kept
         one) is alive, so results stay valid across calls: while the host finish of one call holds its maps,
         `predict_many`'s next read goes into another set (allocated then, reused from then on). At most
-        `FREE_SETS` idle sets are kept.
+        `FREE_SETS` idle sets are kept. A preallocated host tensor is also what ttnn reads into through pinned
+        memory (tt-metal's pinned-memory cache, PR 41612: the host buffer is pinned on its first read and the pin
+        kept for the next ones; `from_device`'s fresh tensors are read through the completion queue), about 4x
+        the link rate of an unpinned read on Blackhole (`ttnn_tools.cost.Link`).
 
         `zero_copy` says whether the last read could view (False: this ttnn has no DLPack export of host
         buffers, and copied; or no `copy_device_to_host_tensor` or a tiled map, and read through `from_device`)."""
@@ -337,10 +375,18 @@ class DeviceOutput:
         if not hasattr(T, "copy_device_to_host_tensor") or any(
             outputs[name].layout != T.ROW_MAJOR_LAYOUT for name, _, _ in self.heads
         ):
-            return self._read_fresh(outputs, cq_id)
+            return ("fresh", self._read_fresh(outputs, cq_id))
         slot = self._take_set(outputs)
         for name, _, _ in self.heads:
-            T.copy_device_to_host_tensor(outputs[name], slot[name], blocking=True, cq_id=cq_id)
+            T.copy_device_to_host_tensor(outputs[name], slot[name], blocking=blocking, cq_id=cq_id)
+        return ("set", slot)
+
+    def finish_read(self, handle) -> dict:
+        """`start_read`'s maps, once its read has completed (the caller waited for it)."""
+        kind, value = handle
+        if kind == "fresh":
+            return value
+        T, slot = self.ttnn, value
         views = [host_view(T, slot[name], self.readback[name] == "bfloat16") for name, _, _ in self.heads]
         self.zero_copy = all(viewed for _, viewed in views)
         if self.zero_copy:

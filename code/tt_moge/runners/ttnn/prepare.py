@@ -49,6 +49,8 @@ __all__ = [
     "resize_bilinear",
     "resize_antialiased",
     "resize_taps",
+    "block_arrays",
+    "stack_arrays",
     "PLAN_VERSION",
 ]
 
@@ -239,6 +241,42 @@ def _stack_into(arrays: dict, key: str, stack, levels: int, with_inputs: bool) -
     return plan
 
 
+def _block_into(arrays: dict, key: str, block) -> None:
+    """A `FastBlock` (float32: LayerScale and the attention scale folded) -> its norms and matmuls under `key`."""
+    if block.swiglu:
+        raise ValueError("the ttnn graph runs GELU MLP blocks")
+    for norm in ("norm1", "norm2"):
+        arrays[f"{key}.{norm}.w"] = _t(getattr(block, norm).weight)
+        arrays[f"{key}.{norm}.b"] = _t(getattr(block, norm).bias)
+    for name in ("qkv", "attn_out", "ffn_in", "ffn_out"):
+        _linear_into(arrays, f"{key}.{name}", getattr(block, name))
+
+
+def block_arrays(block) -> tuple:
+    """One `network/vit.py` `Block` -> (the weights of `vit_block.VitBlock` ({"norm1.w", ..., "ffn_out.b"}), folded
+    as `prepare_weights` folds every block (`FastBlock` in float32: one source of the folds), {"num_heads",
+    "ln_eps"})."""
+    import torch
+
+    from ..fixed_graph import FastBlock
+
+    arrays: dict = {}
+    with torch.no_grad():
+        fast = FastBlock(block, torch.float32)
+        _block_into(arrays, "b", fast)
+    return {k[2:]: v for k, v in arrays.items()}, {"num_heads": fast.num_heads, "ln_eps": float(fast.norm1.eps)}
+
+
+def stack_arrays(stack, levels: int, with_inputs: bool) -> tuple:
+    """One `network/convstack.py` `ConvStack` (the neck's or a head's; `levels` of them) -> (its coarse levels'
+    weights for `decoder.ConvStack`, without a prefix ("res.1.0.conv1.w", "in.0.w", ...), its plan), as
+    `prepare_weights` lays out the neck's and the heads'. `with_inputs`: a head's (the neck's level inputs are
+    folded elsewhere)."""
+    arrays: dict = {}
+    plan = _stack_into(arrays, "s", stack, levels, with_inputs)
+    return {k[2:]: v for k, v in arrays.items()}, plan
+
+
 def _upsample_mode(module, key: str) -> str:
     import torch.nn as nn
 
@@ -285,13 +323,7 @@ def prepare_weights(network, canvas_size: tuple, num_tokens: int) -> Prepared:
     arrays["token_table"] = table
     num_heads = fixed.blocks[0].num_heads
     for i, block in enumerate(fixed.blocks):
-        if block.swiglu:
-            raise ValueError("the ttnn graph runs GELU MLP blocks")
-        for norm in ("norm1", "norm2"):
-            arrays[f"blocks.{i}.{norm}.w"] = _t(getattr(block, norm).weight)
-            arrays[f"blocks.{i}.{norm}.b"] = _t(getattr(block, norm).bias)
-        for name in ("qkv", "attn_out", "ffn_in", "ffn_out"):
-            _linear_into(arrays, f"blocks.{i}.{name}", getattr(block, name))
+        _block_into(arrays, f"blocks.{i}", block)
     arrays["final_norm.w"] = _t(fixed.final_norm.weight)
     arrays["final_norm.b"] = _t(fixed.final_norm.bias)
     neck_in0 = _t(fixed.neck_in0.weight)  # (d0, taps * C) over the concatenated normed taps

@@ -3,19 +3,22 @@
 Load: the chip is opened (or the caller's open device used), the weights are prepared from the same folded
 fixed-shape graph the CPU and CUDA runners use (`prepare.prepare_weights`; cached on disk per checkpoint,
 canvas and token budget, so a second load skips it), uploaded once, and the first forward compiles the
-kernels and prepares the conv weights on the device. The first `submit` after that captures the whole forward
-as a ttnn trace; every later call replays it. The canvas is 8-bit for a photo (`takes_uint8`: uint8 planes,
-6 MB at 1920x1080 where float32 is 25 MB) and float32 only for a float image of the canvas size; each dtype has
-its persistent device input (both allocated at load, before any trace) and its trace, captured on its first call.
+kernels and prepares the conv weights on the device. The first `submit` of a canvas dtype after that captures the
+whole forward as two ttnn traces (one per slot); every later call replays one. The canvas is 8-bit for a photo
+(`takes_uint8`: uint8 planes, 6 MB at 1920x1080 where float32 is 25 MB) and float32 only for a float image of the
+canvas size; each dtype has its persistent device inputs (all allocated at load, before any trace).
 
-Per call (`forward`): the canvas (uint8 or float32, as the canvas fit made it) is written into the persistent
-device input of its dtype on command queue 0; its trace replays on queue 0: the canvas's antialiased resize to the
-token grid and its unfold into patches (`pre.DeviceInput`), the network (`graph.TtnnGraph`), then the phase
-interleave, the constant map, the bilinear resize to the canvas and the output activations (`post.DeviceOutput`);
-the raw maps (channels-first, in `post.READBACK`'s formats: the normals bfloat16, the rest float32) and the class
-token are read back, on queue 1 after an event when the chip was opened with two command queues (worker dispatch
-only), else on queue 0, into recycled host tensors (`post.DeviceOutput.read`). The host views the maps as (H, W, 3)
-through strides (no copy) and runs the scale MLP on the class token (a few thousand multiply-adds).
+Per call (`submit`, which returns before the forward ends; `forward` is `submit(...).result()`): the canvas (uint8
+or float32, as the canvas fit made it) is written into one of two persistent device inputs of its dtype, used in
+turn (`pipeline.DevicePipeline`: double-buffered inputs, traces and outputs); that slot's trace replays on queue 0:
+the canvas's antialiased resize to the token grid and its unfold into patches (`pre.DeviceInput`), the network
+(`graph.TtnnGraph`), then the phase interleave, the constant map, the bilinear resize to the canvas and the output
+activations (`post.DeviceOutput`), copied into the slot's outputs; the raw maps (channels-first, in
+`post.READBACK`'s formats: the normals bfloat16, the rest float32) and the class token are read back into recycled
+host tensors (`post.DeviceOutput.start_read`). With two command queues (worker dispatch only) the uploads and reads
+run on queue 1, ordered by events, while the next trace runs on queue 0; with one, everything runs in order on
+queue 0. The host views the maps as (H, W, 3) through strides (no copy) and runs the scale MLP on the class token
+(a few thousand multiply-adds).
 
 The timing boundary of `forward` (the spec's): from the canvas handed to the runner to the raw maps on the host:
 the upload, the device graph and the read-back. Decode, canvas fit, the focal / shift solve and the finish are
@@ -38,12 +41,13 @@ import torch
 import torch.nn.functional as F
 
 from ... import env
-from ..base import RawMaps, Runner
+from ..base import PendingMaps, RawMaps, Runner
 from ..fixed_graph import raw_outputs
 from .device import close_chip, device_count, import_ttnn, open_chip
 from .graph import CONFIGS, TtnnGraph
+from .pipeline import DevicePipeline
 from .post import DeviceOutput
-from .pre import INPUT_DTYPES, DeviceInput
+from .pre import DeviceInput
 from .prepare import PLAN_VERSION, Prepared, depth_to_space, host_input, metric_scale, prepare_weights
 
 __all__ = [
@@ -162,6 +166,21 @@ def device_raw_maps(prepared: Prepared, maps: dict, cls_token: np.ndarray) -> Ra
     return RawMaps(hwc("points"), hwc("normal"), mask, metric_scale(prepared, cls_token))
 
 
+class _PendingCall(PendingMaps):
+    """A submitted canvas (`pipeline.Call`); `result()` waits for its maps and views them as RawMaps."""
+
+    def __init__(self, runner: "TtnnRunner", call):
+        self._runner, self._call = runner, call
+
+    @property
+    def ready(self) -> bool:
+        return self._call.complete
+
+    def result(self) -> RawMaps:
+        maps, cls_token = self._runner.pipeline.wait(self._call)
+        return device_raw_maps(self._runner.prepared, maps, cls_token)
+
+
 class TtnnRunner(Runner):
     """MoGe-2 on one Tenstorrent chip. `chip` is an `options.TtChip`: its `handle` (an open ttnn device the
     caller owns and closes) or its `device_id` (opened here with `dispatch` / `num_command_queues`, closed by
@@ -198,8 +217,7 @@ class TtnnRunner(Runner):
         self.owns_device = chip.handle is None
         self.device_id = chip.device_id
         self.device = f"tt:{chip.device_id}"
-        self._traces: dict = {}  # canvas dtype -> (trace id, the forward's outputs), captured on its first call
-        self._inputs: dict = {}  # canvas dtype -> its persistent device input
+        self.pipeline: Optional[DevicePipeline] = None
         self.graph: Optional[TtnnGraph] = None
         self.pre: Optional[DeviceInput] = None
         self.post: Optional[DeviceOutput] = None
@@ -223,7 +241,9 @@ class TtnnRunner(Runner):
             self.post = DeviceOutput(self.ttnn, self._device, self.prepared)
             self.pre.load()
             self.post.load()
-            self._inputs = {kind: self.pre.allocate_input(kind) for kind in INPUT_DTYPES}
+            self.pipeline = DevicePipeline(
+                self.ttnn, self._device, self.graph, self.pre, self.post, queues=self.queues, trace=self.trace
+            )
         except BaseException:
             self.close()
             raise
@@ -242,33 +262,11 @@ class TtnnRunner(Runner):
             ) from None
 
     # ----------------------------------------------------------------------------------------- calls
-    def _device_forward(self, kind: str) -> dict:
-        """The `kind` canvas input -> {"maps": {head: device maps}, "cls_token"}: pre, the graph, post, all on the
-        device."""
-        out = self.graph.forward(self.pre.forward(self._inputs[kind]))
-        return {"maps": self.post.forward(out["finest"]), "cls_token": out["cls_token"]}
-
-    def _run(self, kind: str) -> dict:
-        """The forward on the current `kind` input: replay its trace (captured on its first call), or run it
-        eagerly."""
-        T = self.ttnn
-        if not self.trace:
-            return self._device_forward(kind)
-        if kind not in self._traces:
-            trace_id = T.begin_trace_capture(self._device, cq_id=0)
-            outputs = self._device_forward(kind)
-            T.end_trace_capture(self._device, trace_id, cq_id=0)
-            self._traces[kind] = (trace_id, outputs)
-        trace_id, outputs = self._traces[kind]
-        T.execute_trace(self._device, trace_id, cq_id=0, blocking=False)
-        return outputs
-
     @torch.inference_mode()
-    def forward(self, canvas: torch.Tensor) -> RawMaps:
-        """The device forward (the spec's `forward`): upload the canvas, run the device graph (resize and unfold,
-        the network, interleave, resize to the canvas, activations), read back the raw maps and the class token;
-        on the host only the scale MLP on the class token and (H, W, 3) views of the maps. `canvas`: (1, 3, H, W)
-        uint8 (0..255) or float (in [0, 1])."""
+    def submit(self, canvas: torch.Tensor) -> PendingMaps:
+        """Start the device forward of a canvas and return before it ends (`pipeline.DevicePipeline.submit`: the
+        canvas goes up, its trace is enqueued, and its read-back); `.result()` waits for the raw maps. `canvas`:
+        (1, 3, H, W) uint8 (0..255) or float (in [0, 1]); its bytes are copied before this returns."""
         height, width = canvas.shape[-2:]
         if (width, height) != self.canvas_size:
             raise ValueError(
@@ -277,18 +275,16 @@ class TtnnRunner(Runner):
         if self.graph is None:
             raise RuntimeError("this Tenstorrent runner is closed")
         if canvas.dtype == torch.uint8:
-            array, kind = canvas.detach().cpu().numpy(), "uint8"
+            array = canvas.detach().cpu().numpy()
         else:
-            array, kind = canvas.detach().to("cpu", torch.float32).numpy(), "float32"
-        self.pre.upload(array, into=self._inputs[kind], cq_id=0)
-        outputs = self._run(kind)
-        read_queue = 0
-        if self.queues == 2:  # read back on the second queue once the forward on the first has finished
-            self.ttnn.wait_for_event(1, self.ttnn.record_event(self._device, 0))
-            read_queue = 1
-        maps = self.post.read(outputs["maps"], cq_id=read_queue)
-        cls_token = self.graph.to_host(outputs["cls_token"], (self.prepared.plan["dim"],), read_queue)
-        return device_raw_maps(self.prepared, maps, cls_token)
+            array = canvas.detach().to("cpu", torch.float32).numpy()
+        return _PendingCall(self, self.pipeline.submit(array))
+
+    def forward(self, canvas: torch.Tensor) -> RawMaps:
+        """The device forward (the spec's `forward`): upload the canvas, run the device graph (resize and unfold,
+        the network, interleave, resize to the canvas, activations), read back the raw maps and the class token;
+        on the host only the scale MLP on the class token and (H, W, 3) views of the maps."""
+        return self.submit(canvas).result()
 
     # -------------------------------------------------------------------------------------- lifetime
     def describe(self) -> dict:
@@ -309,18 +305,16 @@ class TtnnRunner(Runner):
         """Release the trace and the device buffers; close the chip only if this runner opened it."""
         T = self.ttnn
         device, self._device = getattr(self, "_device", None), None
-        if device is not None:
-            for trace_id, _ in self._traces.values():
-                T.release_trace(device, trace_id)
-        self._traces = {}
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
         for side in (self.pre, self.post):
             if side is not None:
                 side.close()
         self.pre = self.post = None
         if self.graph is not None:
-            for tensor in list(self.graph.w.values()) + list(self._inputs.values()):
+            for tensor in self.graph.tensors():
                 T.deallocate(tensor)
-            self._inputs = {}
             self.graph = None
         if device is not None and self.owns_device:
             close_chip(T, device)
