@@ -25,8 +25,8 @@ from tt_moge.host.finish import finish
 from tt_moge.host.solve import native_solve, objective, recover_camera, solve_focal_shift, solve_samples, solve_shift
 from tt_moge.runners.base import RawMaps
 from tt_moge.testing import calibration_image
+from tt_moge.testing.compare import ULP_LIMIT, max_ulps
 
-ULP_LIMIT = 8
 CODE_DIR = Path(__file__).resolve().parents[1]
 
 
@@ -43,18 +43,6 @@ def raw(tiny_model) -> RawMaps:
     valid = (maps.mask > 0.5).float().mean().item()
     assert 0.1 < valid < 0.9 and maps.normal is not None
     return maps
-
-
-def _ulps(a: np.ndarray, b: np.ndarray) -> int:
-    """Largest distance in units in the last place between two float32 arrays with the same inf pattern."""
-    assert a.shape == b.shape and a.dtype == b.dtype == np.float32
-    assert np.array_equal(np.isfinite(a), np.isfinite(b)), "inf pattern differs"
-    fin = np.isfinite(a)
-    assert fin.any()
-    ia, ib = a[fin].view(np.int32).astype(np.int64), b[fin].view(np.int32).astype(np.int64)
-    # map the sign-magnitude ints onto one monotonic line, so -0.0 and +0.0 are 0 apart
-    ia, ib = np.where(ia < 0, -(ia & 0x7FFFFFFF), ia), np.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
-    return int(np.abs(ia - ib).max())
 
 
 def _both_paths(fn):
@@ -77,7 +65,7 @@ def _assert_same_output(ref, got, ulp_limit: int = ULP_LIMIT, all_valid: bool = 
         if a is None:
             assert b is None
             continue
-        assert _ulps(a, b) <= ulp_limit, key
+        assert max_ulps(a, b) <= ulp_limit, key
     np.testing.assert_array_equal(ref.intrinsics, got.intrinsics)
     assert ref.metric_scale == got.metric_scale and ref.fov_x == pytest.approx(got.fov_x, rel=1e-12)
 
@@ -176,7 +164,7 @@ def test_bfloat16_normal_and_mask_are_read_as_they_are(raw, heads, size):
         norm = np.linalg.norm(want.normal[want.mask], axis=-1)
         assert np.abs(norm - 1).max() > 1e-3, "bfloat16 normals are off unit length before the finish"
         want.normal[want.mask] /= norm[:, None]
-        assert _ulps(want.normal, got.normal) <= 4
+        assert max_ulps(want.normal, got.normal) <= 4
         want.normal = got.normal
     _assert_same_output(want, got, 0)
     assert np.abs(np.linalg.norm(got.normal[got.mask], axis=-1) - 1).max() <= 1e-6

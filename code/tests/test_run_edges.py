@@ -666,6 +666,7 @@ def test_a_clips_bar_names_the_calibration(tmp_path, monkeypatch):
     import cv2
 
     import tt_moge.cli.video as video_cli
+    from tt_moge.cli.common import Ticker
     from tt_moge.testing.scene import camera_path, render_path
     from tt_moge.testing.video import stand_in as video_stand_in
 
@@ -700,6 +701,9 @@ def test_a_clips_bar_names_the_calibration(tmp_path, monkeypatch):
             return {"model": "video stand-in"}
 
     monkeypatch.setattr(video_cli, "load_model", lambda args: SlowOracle())
+    # no timed redraws: each stage must be drawn as it starts (CI once missed a calibration shorter than the
+    # once-a-second redraw)
+    monkeypatch.setattr(video_cli, "Ticker", lambda bar, stage: Ticker(bar, stage, every_s=3600.0))
     args = ["predict", "--sequence", frames, "-o", tmp_path / "out", "--calibration-frames", 4, "--npz"]
     code, stdout, stderr = run_cli(args)
     assert code == 0, stderr

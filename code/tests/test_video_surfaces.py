@@ -13,6 +13,7 @@ import json
 import numpy as np
 import pytest
 
+from tt_moge.testing.compare import ULP_LIMIT, assert_same_maps, max_ulps
 from tt_moge.testing.scene import camera_path, render_path
 
 from .conftest import TEST_CANVAS, TEST_TOKENS
@@ -72,17 +73,20 @@ def test_the_cli_writes_the_apis_clip(api_clip, clip, checkpoint, tmp_path):
         summary["relocalised"],
         len(summary["chains"]),
     )
-    assert record["chains"] == summary["chains"] and record["main_chain"] == summary["main_chain"]
+    # the CLI loads its own model: its answers are the API's within the host paths' few ulp (testing.compare)
+    assert record["main_chain"] == summary["main_chain"] and len(record["chains"]) == len(summary["chains"])
+    for written, expected in zip(record["chains"], summary["chains"]):
+        assert written == dict(expected, path_length_m=pytest.approx(expected["path_length_m"], abs=2e-6))
     for i, expected in enumerate(api_clip.frames):
         with OpenEXR.File(str(folder / "frames" / f"{i:06d}" / "depth.exr")) as exr:
             depth = exr.channels()["Y"].pixels
-        assert np.array_equal(depth, expected.depth), f"frame {i}: depth.exr is the API's depth"
+        assert max_ulps(depth, expected.depth) <= ULP_LIMIT, f"frame {i}: depth.exr is the API's depth"
     poses = json.loads((folder / "poses.json").read_text())["frames"]
     for i, frame in enumerate(poses):
         if frame["pose"] is not None:
-            np.testing.assert_allclose(frame["pose"], api_clip.poses[i], atol=1e-8)
+            np.testing.assert_allclose(frame["pose"], api_clip.poses[i], atol=1e-6)
         assert frame["registered"] == bool(api_clip.registered[i])
-        assert frame["scale"] == pytest.approx(api_clip.scale[i], rel=1e-12)
+        assert frame["scale"] == pytest.approx(api_clip.scale[i], rel=1e-6)
     lines = (folder / "trajectory.txt").read_text().splitlines()
     assert len(lines) == 1 + int(api_clip.registered.sum())
 
@@ -105,12 +109,13 @@ def test_the_server_answers_the_apis_arrays(api_clip, clip, client):
     response = client.post(f"/predict/video?calibration_frames={CALIBRATION}", content=clip.read_bytes(), headers=VIDEO)
     assert response.status_code == 200, response.text
     npz = np.load(io.BytesIO(response.content))
-    assert np.array_equal(npz["depth"], np.stack([o.depth for o in api_clip.frames]))
+    assert max_ulps(npz["depth"], np.stack([o.depth for o in api_clip.frames])) <= ULP_LIMIT
     assert np.array_equal(npz["mask"], np.stack([o.mask for o in api_clip.frames]).astype(np.uint8))
-    assert np.array_equal(npz["poses"], api_clip.poses, equal_nan=True)
+    np.testing.assert_allclose(npz["poses"], api_clip.poses, atol=1e-6)  # NaN where not registered, in both
     assert np.array_equal(npz["intrinsics"], api_clip.intrinsics)
-    assert np.array_equal(npz["scale"], api_clip.scale)
-    assert np.array_equal(npz["cloud_points"], api_clip.cloud_points)
+    np.testing.assert_allclose(npz["scale"], api_clip.scale, rtol=1e-6)
+    assert npz["cloud_points"].shape == api_clip.cloud_points.shape
+    np.testing.assert_allclose(npz["cloud_points"], api_clip.cloud_points, atol=1e-5)
 
     summary = client.post(
         f"/predict/video/summary?calibration_frames={CALIBRATION}", content=clip.read_bytes(), headers=VIDEO
@@ -244,14 +249,16 @@ def test_known_intrinsics_on_every_photo_surface(tiny_model, client, checkpoint,
     )
     assert response.status_code == 200, response.text
     served = MoGeOutput.from_npz(response.content)
-    assert np.array_equal(served.depth, one.depth) and np.array_equal(served.intrinsics_pixels, one.intrinsics_pixels)
+    assert_same_maps(one, served, ("depth",), label="/predict")
+    assert np.array_equal(served.intrinsics_pixels, one.intrinsics_pixels)
 
     out = tmp_path / "out"
     args = ["predict", path, "-o", out, "--weights", checkpoint("tiny-vits-normal"), "--device", "cpu", "--npz", "-q"]
     args += ["--resolution", f"{TEST_CANVAS[0]}x{TEST_CANVAS[1]}", "--num-tokens", TEST_TOKENS, "--precision", "fp32"]
     assert main([str(a) for a in args + ["--intrinsics", "260,251,171.5,97.25"]]) == 0
     written = MoGeOutput.from_npz(out / "photo" / "result.npz")
-    assert np.array_equal(written.depth, one.depth) and np.array_equal(written.intrinsics_pixels, one.intrinsics_pixels)
+    assert_same_maps(one, written, ("depth",), label="tt-moge predict")
+    assert np.array_equal(written.intrinsics_pixels, one.intrinsics_pixels)
 
     for bad, message in (
         ((260, 251, 500, 97), "principal point"),

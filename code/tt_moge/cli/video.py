@@ -127,29 +127,32 @@ def _run_clip(
     from ..video.files import ClipWriter
 
     writer, stage = None, ["opening the clip"]
+    # the bar exists before the clip opens, and each stage is drawn as it starts (the Ticker then redraws it once
+    # a second): a stage shorter than the Ticker's second (a quick calibration) would otherwise never be shown
+    bar = tqdm(unit="frame", desc=folder.name, file=sys.stderr, dynamic_ncols=True, disable=args.quiet)
+
+    def on_stage(text: str) -> None:
+        stage[0] = text
+        bar.set_postfix_str(text)
+
     try:
-        with VideoStream(model, path, call, video, on_stage=lambda text: stage.__setitem__(0, text)) as stream:
-            fps = None if stream.fps is None else stream.fps / video.stride
-            writer = ClipWriter(
-                folder,
-                formats,
-                mesh_step=1 if args.mesh_full else args.mesh_step,
-                fps=fps,
-                writers=args.writers,
-            )
-            bar = tqdm(
-                total=stream.expected_frames,
-                unit="frame",
-                desc=folder.name,
-                file=sys.stderr,
-                dynamic_ncols=True,
-                disable=args.quiet,
-            )
-            with bar, Ticker(bar, lambda: stage[0]):  # the stage (a calibration: minutes on a CPU) and the clock
+        with bar, Ticker(bar, lambda: stage[0]):  # the stage (a calibration: minutes on a CPU) and the clock
+            bar.set_postfix_str(stage[0])
+            with VideoStream(model, path, call, video, on_stage=on_stage) as stream:
+                fps = None if stream.fps is None else stream.fps / video.stride
+                writer = ClipWriter(
+                    folder,
+                    formats,
+                    mesh_step=1 if args.mesh_full else args.mesh_step,
+                    fps=fps,
+                    writers=args.writers,
+                )
+                bar.total = stream.expected_frames
+                bar.refresh()
                 for frame in stream:
                     writer.add(frame.index, frame.output, frame.image, frame.record(), frame.depth_range)
                     bar.update(1)
-            record = writer.finish(stream.result)
+                record = writer.finish(stream.result)
     except (InputError, OSError, RuntimeError, ValueError) as exc:
         if writer is not None:
             writer.abort(remove=True)  # a failed clip leaves no folder (its frames written so far go too)
