@@ -9,7 +9,8 @@ The CPU replicas run one torch thread each (`OMP_NUM_THREADS=1` for the plain se
 for the pool and Ray), so "two replicas" against "one" is the scaling of the layout, not of torch's threads. The
 model is a random-weight checkpoint of `tt_moge.testing` (default: the tiny ViT-S on a 640x360 canvas, so a run
 takes minutes on two cores); every request is `POST /predict/summary` of one photo-like 640x480 PNG. Prints a
-table (requests/s, p50 and p99 latency in ms) per layout and concurrency, the ratio of each layout's requests/s
+table (requests/s, p50 and p99 latency in ms) per layout and concurrency for each round (`--rounds`: every
+layout is started and measured in turn, then again), their medians, the ratio of each layout's requests/s
 to the plain server's, the machine and the load average before and after.
 """
 
@@ -113,6 +114,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1200)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level (default 32)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="times each layout is started and measured, in turn (plain, pool, ray, plain, ...); medians are "
+        "reported, so that a change of load during the run falls on every layout (default 2)",
+    )
     args = parser.parse_args()
 
     from PIL import Image
@@ -127,25 +135,31 @@ def main() -> None:
     weights = make_checkpoint(folder, args.preset)
     print(f"{cpu_line()}; load average before: {os.getloadavg()}")
     print(f"model: random {args.preset}, canvas {args.resolution}, {args.tokens} tokens; image 640x480 PNG")
-    rows: dict = {}
-    for layout in args.layouts:
-        proc, url = start(layout, weights, args)
-        try:
-            load(url, body, 2, 4)  # warm: every replica has run
-            for clients in args.concurrency:
-                rows[(layout, clients)] = load(url, body, clients, max(args.requests, clients))
-                rps, p50, p99, failed = rows[(layout, clients)]
-                print(
-                    f"{layout:6s} c={clients:2d}: {rps:6.2f} req/s  p50 {p50:8.0f} ms  p99 {p99:8.0f} ms"
-                    + (f"  ({failed} not 200)" if failed else ""),
-                    flush=True,
-                )
-        finally:
-            proc.terminate()
+    runs: dict = {}
+    for round_ in range(args.rounds):
+        for layout in args.layouts:
+            proc, url = start(layout, weights, args)
             try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+                load(url, body, 2, 4)  # warm: every replica has run
+                for clients in args.concurrency:
+                    row = load(url, body, clients, max(args.requests, clients))
+                    runs.setdefault((layout, clients), []).append(row)
+                    rps, p50, p99, failed = row
+                    print(
+                        f"round {round_ + 1} {layout:6s} c={clients:2d}: {rps:6.2f} req/s  p50 {p50:8.0f} ms  "
+                        f"p99 {p99:8.0f} ms" + (f"  ({failed} not 200)" if failed else ""),
+                        flush=True,
+                    )
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    rows = {key: tuple(statistics.median(r[i] for r in found) for i in range(4)) for key, found in runs.items()}
+    print(f"medians of {args.rounds} round(s):")
+    for (layout, clients), (rps, p50, p99, _) in rows.items():
+        print(f"{layout:6s} c={clients:2d}: {rps:6.2f} req/s  p50 {p50:8.0f} ms  p99 {p99:8.0f} ms")
     print(f"load average after: {os.getloadavg()}")
     if "plain" in args.layouts:
         for layout in args.layouts:
