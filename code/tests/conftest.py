@@ -88,6 +88,50 @@ def upstream():
     return get
 
 
+_LEAKS: list = []  # (test, what it changed) for the session's summary
+_WATCHED_ENV = ("MOGE_CPU_THREADS", "MOGE_HOST", "MOGE_SERVE_THREADS", "OMP_NUM_THREADS")
+
+
+def _process_settings() -> dict:
+    """The process-wide settings that change a model's last bits (see `_settings_restored`)."""
+    import torch
+
+    from tt_moge import native
+
+    settings = {"torch threads": torch.get_num_threads(), "host path override": native._override}
+    if native._lib is not None:  # read only: never build the library here
+        settings["native threads"] = int(native._lib.moge_threads())
+    settings.update({name: os.environ.get(name) for name in _WATCHED_ENV})
+    return settings
+
+
+@pytest.fixture(autouse=True)
+def _settings_restored(request):
+    """Each test starts with the process settings the one before it started with. A model's float sums depend on
+    torch's thread count at its load (and the native kernels' count), so a test that leaves another count behind
+    changes the last bits of every model loaded after it: a comparison of two routes to one answer then fails far
+    from its cause. A leak is undone here and named in the session's summary."""
+    before = _process_settings()
+    yield
+    after = _process_settings()
+    changed = {k: (before[k], after[k]) for k in before if k in after and before[k] != after[k]}
+    if changed:  # (the native library loaded during the test is not a change)
+        import torch
+
+        from tt_moge import native
+
+        _LEAKS.append((request.node.nodeid, changed))
+        torch.set_num_threads(before["torch threads"])
+        native._override = before["host path override"]
+        if "native threads" in before and native._lib is not None:
+            native._lib.moge_set_threads(before["native threads"])
+        for name in _WATCHED_ENV:
+            if before[name] is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before[name]
+
+
 def pytest_collection_finish(session):
     """Start the subprocess checks that the selected tests will ask for (tests/background.py)."""
     runs: dict = {}
@@ -104,6 +148,8 @@ def pytest_sessionfinish(session):
 
 def pytest_terminal_summary(terminalreporter):
     """How the background runs were used (tests/background.py), when there were any."""
+    for nodeid, changed in _LEAKS:
+        terminalreporter.write_line(f"process settings left changed (undone) by {nodeid}: {changed}")
     if background.tally():
         counts = ", ".join(f"{n} {what}" for what, n in sorted(background.tally().items()))
         terminalreporter.write_line(f"background runs: {counts}")

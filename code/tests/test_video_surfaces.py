@@ -48,8 +48,9 @@ def test_the_api_gives_a_consistent_clip(api_clip):
     np.testing.assert_allclose(api_clip.scale, [o.metric_scale for o in api_clip.frames])
 
 
-def test_the_cli_writes_the_apis_clip(api_clip, clip, checkpoint, tmp_path):
+def test_the_cli_writes_the_apis_clip(api_clip, clip, checkpoint, tiny_model, tmp_path):
     import OpenEXR
+    import torch
 
     from tt_moge.cli import main
 
@@ -58,8 +59,14 @@ def test_the_cli_writes_the_apis_clip(api_clip, clip, checkpoint, tmp_path):
     args += ["--resolution", f"{TEST_CANVAS[0]}x{TEST_CANVAS[1]}", "--num-tokens", TEST_TOKENS, "--precision", "fp32"]
     args += ["--calibration-frames", CALIBRATION, "-q"]
     stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
-        assert main([str(a) for a in args]) == 0, stderr.getvalue()
+    # the CLI's model takes torch's thread count at its load, as the API's did at its own: the same count here
+    threads = torch.get_num_threads()
+    torch.set_num_threads(tiny_model._runner.threads.current)
+    try:
+        with contextlib.redirect_stderr(stderr):
+            assert main([str(a) for a in args]) == 0, stderr.getvalue()
+    finally:
+        torch.set_num_threads(threads)
     folder = out / "walk"
     record = json.loads((folder / "result.json").read_text())
     assert record["frames"] == FRAMES and record["files"][-1] == "result.json"
