@@ -3,7 +3,7 @@ CLI, the native or the torch host path): masks identical, floats within a few un
 
 Why not bit for bit: the host's two paths differ by a few ulp where the photo is resized (ATen's bilinear kernel
 orders its arithmetic by the number of stacked channels; the perspective-correct resize takes reciprocals before
-and after), and some CPUs' BLAS orders a sum by thread count or operand alignment. A few ulp is far below anything
+and after), and a model's float sums depend on torch's thread count at its load. A few ulp is far below anything
 a user can see, and far above nothing: a request answered with another's maps, or a different option, fails by
 millions of ulp."""
 
