@@ -369,7 +369,10 @@ def test_decoder_conv_weights_are_rounded_where_their_level_runs_at_lofi():
     """The decoder's convs (3x3, conv transposes, the 1x1 convs and level-0 upsample matmuls) at LoFi get their
     weights rounded to LoFi's 5 bits like the ViT's matmuls; the finest level, at `finest_fidelity`, keeps its
     weights as they are. On the conv weights the first forward prepares, and on the outputs: rounded weights give
-    a smaller error than cut ones (the points and the depth, which the decoder's error reaches)."""
+    a smaller error than cut ones over the whole map (the points' correlation with the reference and the normals'
+    99th-percentile angle, which the decoder's error reaches). Not the largest error of one pixel: that is one
+    value, and it went either way across seeds and CPUs (an AMX Xeon: points 2.09e-4 rounded, 1.96e-4 cut, at the
+    seed that a Zen 3 EPYC had the other way round), while the aggregate favoured rounding at every seed tried."""
     prepared = _prepared("tiny-vits-normal")
     lofi = _fast(decoder_fidelity="lofi", finest_fidelity="hifi4", coarse_fidelity="")  # every coarse level at LoFi
     graph = _graph(prepared, config=lofi, prepare_convs=True)
@@ -382,7 +385,8 @@ def test_decoder_conv_weights_are_rounded_where_their_level_runs_at_lofi():
     assert not torch.equal(truncate_bits(finest, 5), finest), "the finest level's weights were rounded too"
     rounded = _compare("tiny-vits-normal", config=lofi)
     cut = _compare("tiny-vits-normal", config=dataclasses.replace(lofi, round_lofi_weights=False))
-    assert rounded["points"] < cut["points"] and rounded["depth"] < cut["depth"], (rounded, cut)
+    assert 1 - rounded["pcc_points"] < 1 - cut["pcc_points"], (rounded, cut)
+    assert rounded["normal_deg_p99"] < cut["normal_deg_p99"], (rounded, cut)
 
 
 @pytest.mark.parametrize("grid", [(13, 10), (12, 10), (11, 10)])
