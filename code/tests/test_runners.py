@@ -39,6 +39,7 @@ from tt_moge.runners.fixed_graph import (
     Int8Linear,
     OnednnInt8Linear,
     OnednnLinear,
+    onednn_linear_available,
 )
 from tt_moge.runners.kernel_choice import FORCE_ENV, KernelCache, choose, fastest, forced_choices, forcing
 from tt_moge.testing import add_outlier_channels, calibration_image, make_network, model_config
@@ -483,6 +484,50 @@ def test_the_vit_matmul_kernel_is_chosen_by_measurement_and_can_be_forced(tmp_pa
         outs[kernel] = runner.forward(canvas)
     assert torch.allclose(outs["aten"].points, outs["onednn"].points, rtol=1e-4, atol=1e-5)
     assert torch.allclose(outs["aten"].mask, outs["onednn"].mask, atol=1e-5)
+
+
+def test_int8_is_timed_against_the_float_vit_on_whole_mlps(monkeypatch):
+    """The int8 choice compares what the graph would run: the whole MLP (both matmuls, the second's input four
+    times wider, which an int8 kernel must quantize too), smoothed, the prefix tokens apart, against the float MLPs
+    the default graph may run (nn.Linear, and packed with GELU fused where offered). On an AMX Xeon oneDNN's int8 matmul alone tied
+    bfloat16's while its MLP was 1.8x slower, so timing one matmul chose int8 for a forward 1.4x the default's."""
+    import tt_moge.runners.cpu as cpu_mod
+
+    seen = {}
+
+    def recording(point, candidates, key, **kwargs):
+        seen[point] = (candidates, key)
+        forced = {"int8_matmul": next(iter(candidates))} if point == "int8_matmul" else {}
+        return choose(point, candidates, key, **{**kwargs, "forced": forced})
+
+    monkeypatch.setattr(cpu_mod, "choose", recording)
+    net = _network("tiny-vits")
+    runner = make_runner(net, SMALL, SMALL_TOKENS, "cpu", "int8")
+    candidates, key = seen["int8_matmul"]
+    assert "mlp" in key and "prefix tokens apart" in key
+    spec = net.encoder.backbone.spec
+    dim, hidden = spec.embed_dim, net.encoder.backbone.blocks[0].mlp.fc1.out_features
+    calls = []
+    for cls in (Int8Linear, OnednnInt8Linear, OnednnLinear, torch.nn.Linear):
+        original = cls.__call__
+        monkeypatch.setattr(cls, "__call__", (lambda f: lambda m, x: calls.append(m) or f(m, x))(original))
+    base = runner.describe()["int8_base"]
+    packed = onednn_linear_available() and (base == "fp32" or precision_mod.cpu_has_native_bf16())
+    kinds = {"int8": Int8Linear, "onednn": OnednnInt8Linear, base: torch.nn.Linear, f"{base}-packed": OnednnLinear}
+    assert set(candidates) <= set(kinds) and {"int8", base} <= set(candidates)
+    assert (f"{base}-packed" in candidates) == packed
+    for name, call in candidates.items():
+        calls.clear()
+        call()
+        layers = [m for m in calls if type(m) is kinds[name]]
+        assert [m.in_features for m in layers] == [dim, hidden], (name, calls)  # both matmuls of the MLP
+        if kinds[name] is OnednnLinear:
+            assert layers[0].activation == "gelu"  # fused, as the default graph runs it
+        if name in ("int8", "onednn"):
+            assert all(m.inv_smooth is not None for m in layers)  # smoothed, as the graph smooths
+        if name == "onednn":
+            assert all(m.prefix_rows == 1 + spec.num_register_tokens for m in layers)
+    runner.close()
 
 
 def test_host_path_torch_keeps_the_cpu_runner_off_native_kernels():

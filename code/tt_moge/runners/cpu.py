@@ -27,6 +27,7 @@ from .cpu_kernels import attention_bf16, native_attention_supported, native_libr
 from .cpu_threads import ThreadGovernor
 from .fixed_graph import (
     INT8_KERNELS,
+    INT8_SMOOTHING,
     FixedShapeMoGe2,
     HeadByHeadAttention,
     Int8Linear,
@@ -176,45 +177,60 @@ class CpuGraphRunner(Runner):
         if dtype == torch.bfloat16 and native_attention_supported(self.native, dim // heads):
             attention = {"native": lambda: attention_bf16(qkv()[0], heads, self.native), **attention}
         choices["attention"] = choose("attention", attention, key, cache=cache)
+        packed_float = onednn_linear_available() and (dtype == torch.float32 or precision_mod.cpu_has_native_bf16())
+        prefix = 1 + spec.num_register_tokens  # the class and register tokens: their own int8 scale (the graph's)
+
+        def mlp(kernel: str, n: int) -> Callable[[], object]:
+            """The ViT's MLP on `n` tokens: ffn_in, GELU, ffn_out, as the graph would run it with `kernel`: float
+            ("aten", "onednn": packed, GELU fused) or int8 ("int8", "onednn-int8"; smoothed as the graph smooths,
+            the prefix tokens apart). A whole MLP, not one matmul: an int8 kernel also quantizes each input (the
+            second matmul's, four times wider, above all), which one matmul's time leaves out."""
+
+            @functools.lru_cache(maxsize=None)
+            def layers() -> tuple:
+                x, w_in, b_in = ffn(dtype, n)
+                gen = torch.Generator().manual_seed(2)
+                w_out = torch.randn(dim, hidden, generator=gen).div_(hidden**0.5)
+                seen = (x.float().abs().amax(dim=0), torch.rand(hidden, generator=gen).add_(0.1))  # |x| maxima
+                if kernel == "onednn":
+                    fused = OnednnLinear(w_in, b_in, dtype, "gelu", n)
+                    return x, fused, lambda h: h, OnednnLinear(w_out, torch.zeros(dim), dtype, "none", n)
+                if kernel == "int8":
+                    build = lambda w, b, m: Int8Linear(w, b, dtype, self.native, m, INT8_SMOOTHING)  # noqa: E731
+                elif kernel == "onednn-int8":
+                    build = lambda w, b, m: OnednnInt8Linear(w, b, dtype, m, INT8_SMOOTHING, prefix)  # noqa: E731
+                else:
+                    build = lambda w, b, m: make_linear(w, b, dtype)  # noqa: E731
+                first, second = build(w_in, b_in, seen[0]), build(w_out, torch.zeros(dim), seen[1])
+                return x, first, torch.nn.functional.gelu, second
+
+            def call() -> torch.Tensor:
+                x, first, act, second = layers()
+                return second(act(first(x)))
+
+            return call
+
         if self.precision == "int8":
-            kernels = {
-                "int8": lambda w, b: Int8Linear(w, b, dtype, self.native),
-                "onednn": lambda w, b: OnednnInt8Linear(w, b, dtype),
-                BASE_NAMES[dtype]: lambda w, b: make_linear(w, b, dtype),  # int8 does not pay here: no int8
-            }
+            # int8 against the float MLPs the default graph may run (nn.Linear, and packed where that is offered):
+            # int8 pays only where its whole MLP is faster (on an AMX Xeon oneDNN's int8 matmul alone tied
+            # bfloat16's, while its MLP took 1.8x the packed bfloat16 one's time: docs/performance.md)
+            base = BASE_NAMES[dtype]
+            kernels = {"int8": "int8", "onednn": "onednn-int8", base: "aten"}
+            if packed_float:
+                kernels[f"{base}-packed"] = "onednn"  # a float name: the ViT stays float, vit_linear picks its kernel
             if not onednn_int8_available():
                 del kernels["onednn"]
             choices["int8_matmul"] = choose(
                 "int8_matmul",
-                {name: on(tokens, dtype, build) for name, build in kernels.items()},
-                f"{key} | ffn {dim}->{hidden}",
+                {name: mlp(kernel, tokens) for name, kernel in kernels.items()},
+                f"{key} | mlp {dim}->{hidden}->{dim}, {prefix} prefix tokens apart",
                 cache=cache,
-                screen={name: on(SCREEN_ROWS, dtype, build) for name, build in kernels.items()},
+                screen={name: mlp(kernel, SCREEN_ROWS + prefix) for name, kernel in kernels.items()},
             )
         float_vit = self.precision != "int8" or choices["int8_matmul"].kernel not in INT8_KERNELS
         # (where bfloat16 is only emulated both candidates are, and timing them on the full shape takes minutes)
-        if float_vit and onednn_linear_available() and (dtype == torch.float32 or precision_mod.cpu_has_native_bf16()):
-
-            def mlp(kernel: str) -> Callable[[], object]:
-                """The ViT's MLP on the real shape: ffn_in, GELU, ffn_out, as the graph would run it."""
-
-                @functools.lru_cache(maxsize=None)
-                def layers() -> tuple:
-                    x, w_in, b_in = ffn(dtype, tokens)
-                    w_out = torch.randn(dim, hidden, generator=torch.Generator().manual_seed(2)).div_(hidden**0.5)
-                    if kernel == "onednn":
-                        fused = OnednnLinear(w_in, b_in, dtype, "gelu", tokens)
-                        return x, fused, lambda h: h, OnednnLinear(w_out, torch.zeros(dim), dtype, "none", tokens)
-                    gelu = torch.nn.functional.gelu
-                    return x, make_linear(w_in, b_in, dtype), gelu, make_linear(w_out, torch.zeros(dim), dtype)
-
-                def call() -> torch.Tensor:
-                    x, first, act, second = layers()
-                    return second(act(first(x)))
-
-                return call
-
-            mlps = {kernel: mlp(kernel) for kernel in ("aten", "onednn")}  # ties go to aten
+        if float_vit and packed_float:
+            mlps = {kernel: mlp(kernel, tokens) for kernel in ("aten", "onednn")}  # ties go to aten
             choices["vit_linear"] = choose("vit_linear", mlps, f"{key} | mlp {dim}->{hidden}->{dim}", cache=cache)
         return choices, dtype
 

@@ -49,6 +49,7 @@ __all__ = [
     "OnednnInt8Linear",
     "OnednnLinear",
     "INT8_KERNELS",
+    "INT8_SMOOTHING",
     "LINEAR_KERNELS",
     "onednn_linear_available",
     "onednn_int8_available",
@@ -250,6 +251,7 @@ def onednn_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+INT8_SMOOTHING = 0.5  # SmoothQuant's alpha for the int8 ViT: the share of each input channel's range moved to weights
 INT8_KERNELS = ("int8", "onednn")  # Int8Linear (per-token scales, torch._int_mm), OnednnInt8Linear
 
 
@@ -456,7 +458,7 @@ class FixedShapeMoGe2(nn.Module):
         attention: str = "sdpa",
         vit_int8=False,
         native=None,
-        int8_smoothing: Optional[float] = 0.5,
+        int8_smoothing: Optional[float] = INT8_SMOOTHING,
         vit_linear: str = "aten",
     ):
         super().__init__()
