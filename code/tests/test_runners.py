@@ -489,8 +489,9 @@ def test_the_vit_matmul_kernel_is_chosen_by_measurement_and_can_be_forced(tmp_pa
 def test_int8_is_timed_against_the_float_vit_on_whole_mlps(monkeypatch):
     """The int8 choice compares what the graph would run: the whole MLP (both matmuls, the second's input four
     times wider, which an int8 kernel must quantize too), smoothed, the prefix tokens apart, against the float MLPs
-    the default graph may run (nn.Linear, and packed with GELU fused where offered). On an AMX Xeon oneDNN's int8 matmul alone tied
-    bfloat16's while its MLP was 1.8x slower, so timing one matmul chose int8 for a forward 1.4x the default's."""
+    the default graph may run (nn.Linear, and packed with GELU fused where offered). On an AMX Xeon oneDNN's int8
+    matmul alone tied bfloat16's while its MLP was 1.8x slower: timing one matmul chose int8 for a forward 1.4x
+    the default's."""
     import tt_moge.runners.cpu as cpu_mod
 
     seen = {}
