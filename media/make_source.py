@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Render the demo image media/source.png (1920x1080) from tt_moge.testing.scene, optionally with its ground truth.
+"""Render the demo image media/source.png (1920x1080) from tt_moge.scene, optionally with its ground truth.
 
     python media/make_source.py                      # writes media/source.png
     python media/make_source.py --truth truth.npz    # also the exact depth, points, normal, mask, intrinsics
@@ -17,7 +17,7 @@ sys.path.insert(0, str(HERE.parent / "code"))
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from tt_moge.testing.scene import render  # noqa: E402
+from tt_moge.scene import render  # noqa: E402
 
 
 def main() -> int:

@@ -106,6 +106,25 @@ def test_no_import_cycle_no_private_import_no_library_importing_an_app():
     assert library_to_app == []
 
 
+def _testing_and_warmup_imports(edges: list) -> list:
+    """Imports of the test support (`tt_moge.testing`) by the library, and of the warm-up by a runner."""
+    return [
+        f"{importer} -> {target}"
+        for importer, target, _ in edges
+        if (target.startswith("tt_moge.testing") and not importer.startswith("tt_moge.testing"))
+        or (importer.startswith("tt_moge.runners") and target == "tt_moge.warmup")
+    ]
+
+
+def test_the_library_imports_no_test_support_and_no_runner_the_warm_up():
+    """Test support is not a dependency of what users run (issue 47): the demo scene (`tt_moge.scene`), random-weight
+    checkpoints (`tt_moge.random_weights`) and the synthetic photo (`tt_moge.synthetic`) are library modules that
+    `tt_moge.testing` re-exports; a runner does not reach into the warm-up for a photo."""
+    assert _testing_and_warmup_imports(_imports(_modules())) == []
+    fake = {"tt_moge.server.ui": ("tt_moge.testing.scene", None), "tt_moge.runners.graph": ("tt_moge.warmup", None)}
+    assert len(_testing_and_warmup_imports([(k, *v) for k, v in fake.items()])) == 2  # it sees both kinds
+
+
 def test_the_checker_sees_what_it_guards(tmp_path):
     """The rules above fail on a package that breaks them (a cycle, a private import, a library importing cli)."""
     fake = tmp_path / "tt_moge"

@@ -33,7 +33,8 @@ from .progress import slow_step
 from .runners import make_runner
 from .runners.base import RawMaps, Runner
 from .service import PredictionService
-from .warmup import canonical_variant, run_variant, synthetic_photo
+from .synthetic import synthetic_photo
+from .warmup import canonical_variant, run_variant
 from .weights import load_network
 
 __all__ = ["MoGeModel"]

@@ -175,7 +175,7 @@ def check_onnx(path: Union[str, os.PathLike], network: Any, num_tokens: int, can
     size = (int(meta["tt_moge.canvas_width"]), int(meta["tt_moge.canvas_height"]))
     if canvas is None:
         from .host import CallOptions, prepare
-        from .warmup import synthetic_photo
+        from .synthetic import synthetic_photo
 
         canvas = prepare(synthetic_photo(size, seed=3), size, CallOptions()).canvas
     session = ort.InferenceSession(os.fspath(path), providers=["CPUExecutionProvider"])

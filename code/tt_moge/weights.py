@@ -119,7 +119,7 @@ def describe_source(
 # A random-weight checkpoint of the real format: the third way out when the real weights cannot be had.
 RANDOM_WEIGHTS_DIR = "/tmp/moge-tiny"
 RANDOM_WEIGHTS_ONE_LINER = (
-    f'python -c "from tt_moge.testing import make_checkpoint; '
+    f'python -c "from tt_moge.random_weights import make_checkpoint; '
     f"make_checkpoint('{RANDOM_WEIGHTS_DIR}', 'tiny-vits-normal')\""
 )
 _COMMIT_HASH = re.compile(r"[0-9a-f]{40}")

@@ -22,8 +22,8 @@ from perf import common
 def _graph(args) -> torch.nn.Module:
     width, height = (int(v) for v in args.size.lower().split("x"))
     if args.graph == "sdpa":
+        from tt_moge.random_weights import make_network
         from tt_moge.runners.fixed_graph import FixedShapeMoGe2
-        from tt_moge.testing.checkpoints import make_network
 
         return FixedShapeMoGe2(make_network(args.preset), (width, height), args.tokens, torch.bfloat16).eval()
     from tt_moge import MoGeModel

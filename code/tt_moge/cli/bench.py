@@ -48,7 +48,7 @@ def add_bench_model_arguments(parser: argparse.ArgumentParser, warmup_variants: 
     parser.add_argument(
         "--random-weights",
         metavar="PRESET",
-        help="use a random-weight checkpoint of this tt_moge.testing preset instead of --weights "
+        help="use a random-weight checkpoint of this tt_moge.random_weights preset instead of --weights "
         "(e.g. tiny-vits-normal)",
     )
 
@@ -59,7 +59,7 @@ def load_bench_model(args: argparse.Namespace, scratch: str, **overrides: Any):
 
     kwargs = {**model_kwargs(args), **overrides}
     if args.random_weights:
-        from ..testing import make_checkpoint
+        from ..random_weights import make_checkpoint
 
         kwargs["pretrained_model_name_or_path"] = str(make_checkpoint(Path(scratch) / "random", args.random_weights))
     return MoGeModel.from_pretrained(**kwargs)
@@ -71,7 +71,7 @@ def default_image(size: tuple, scratch: str) -> str:
         return str(DEMO_IMAGE)
     from PIL import Image
 
-    from ..warmup import synthetic_photo
+    from ..synthetic import synthetic_photo
 
     path = Path(scratch) / f"synthetic_{size[0]}x{size[1]}.png"
     Image.fromarray(synthetic_photo(size, seed=1)).save(path)

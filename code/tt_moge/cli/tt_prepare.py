@@ -34,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--random",
         metavar="PRESET",
-        help="instead of --weights: a random-weight checkpoint of this tt_moge.testing preset (e.g. vitl-normal), "
-        "written into the cache folder once",
+        help="instead of --weights: a random-weight checkpoint of this tt_moge.random_weights preset "
+        "(e.g. vitl-normal), written into the cache folder once",
     )
     parser.add_argument(
         "--cache", default=None, help=f"folder of prepared weights (default ${CACHE_ENV} or ~/.cache/tt_moge/ttnn)"
@@ -60,7 +60,7 @@ def main(argv: Optional[list] = None) -> int:
         parser.error("give --weights or --random, not both")
     cache = Path(args.cache) if args.cache else default_cache_dir()
     if args.random:
-        from ..testing import make_checkpoint
+        from ..random_weights import make_checkpoint
 
         weights, revision = cache / "checkpoints" / args.random / "model.pt", None
         if not weights.is_file():

@@ -552,7 +552,7 @@ class FixedShapeMoGe2(nn.Module):
         """Calibration of the int8 smoothing: per block, {linear name: per input channel max |x|} of the
         `dtype` graph on a synthetic photo at a reduced token budget (at most CALIBRATION_TOKENS; the channels
         with outliers are the same at every size)."""
-        from ..warmup import synthetic_photo
+        from ..synthetic import synthetic_photo
 
         rows, cols = token_grid(min(CALIBRATION_TOKENS, self.rows * self.cols), self.aspect)
         pos = vit.position_embedding(rows, cols).detach().float()

@@ -9,7 +9,7 @@ Routes (none is in the OpenAPI schema: the API is /predict and /predict/summary)
     GET  /ui/static/<file>          its script, viewer and style sheet
     GET  /ui/api/config             whether an API key is needed, the call options (the page's controls) and the
                                     summary's numbers (the rows of the page's numbers table)
-    GET  /ui/demo.png               the demo image: the pixels of media/source.png (tt_moge.testing.scene)
+    GET  /ui/demo.png               the demo image: the pixels of media/source.png (tt_moge.scene)
     POST /ui/api/predict            the image and the call options, as for POST /predict/summary -> JSON: the
                                     same summary, plus the URLs of the maps, the 3D view and the downloads
     POST /ui/api/predict_panorama   an equirectangular photo and apply_mask, as for POST /predict/panorama/summary
@@ -527,7 +527,7 @@ def _warm_up() -> None:
 
 def _demo_png() -> bytes:
     """media/source.png, rendered from the analytic scene (our own image, shipped as code)."""
-    from ..testing.scene import render
+    from ..scene import render
 
     return _encode(render(1920, 1080).image, ".png")
 

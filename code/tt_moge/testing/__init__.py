@@ -1,8 +1,10 @@
 """Test and benchmark support that ships with the package: random-weight checkpoints in the published
-`model.pt` format (`checkpoints`), the analytic demo scene with exact ground truth (`scene`) and the room of
-planes of the panorama path, with a recorder of upstream's panorama least squares (`room`)."""
+`model.pt` format (`tt_moge.random_weights`, re-exported here), the analytic demo scene with exact ground truth
+(`scene`: `tt_moge.scene`), the room of planes of the panorama path, with a recorder of upstream's panorama least
+squares (`room`), the stand-in video model (`video`) and the comparisons of one answer by two routes (`compare`).
+The library itself imports nothing from here (tests/test_layout.py)."""
 
-from .checkpoints import (
+from ..random_weights import (
     PRESETS,
     add_outlier_channels,
     add_residual_outliers,

@@ -27,7 +27,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from ..network import MoGe2Config, MoGe2Network, token_grid
+from .network import MoGe2Config, MoGe2Network, token_grid
 
 __all__ = [
     "PRESETS",
