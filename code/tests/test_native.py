@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -237,6 +238,32 @@ def test_output_buffers_are_reused_only_after_release():
     del t, b
     assert buffers.free_bytes() == 2 * 512 * 512 * 3 * 4
     assert buffers.empty((10, 10), np.float32).base is None  # small arrays: plain numpy
+
+
+def test_a_release_on_a_thread_that_holds_the_pools_lock_does_not_wait():
+    """A pooled array's release is a finalizer, and a finalizer runs wherever a garbage collection starts: also
+    inside `buffers.empty` while its thread holds the pool's lock (an allocation there collects a lease left in a
+    reference cycle). It used to wait for that lock, held by its own thread: CI hung in
+    test_api.py::test_calls_are_thread_safe with one thread in `_release` under `empty`. Here the last reference
+    goes while the lock is held (the finalizer runs at once); the block reaches the pool when the lock is free."""
+    buffers.clear()
+    size = (1 << 20,)
+    a = buffers.empty(size, np.uint8)
+    address = a.ctypes.data
+    arrays = [a]
+    del a
+
+    def inside_the_lock():
+        with buffers._lock:
+            arrays.clear()  # the lease's finalizer runs here, on this thread, under the lock
+
+    thread = threading.Thread(target=inside_the_lock, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the release waited for the lock its own thread holds"
+    assert buffers.free_bytes() == size[0]  # pooled once the lock was free
+    assert buffers.empty(size, np.uint8).ctypes.data == address
+    buffers.clear()
 
 
 def test_output_buffer_pool_keeps_the_newest_sizes(monkeypatch):

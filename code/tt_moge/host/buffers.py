@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from math import prod
 
 import numpy as np
@@ -30,6 +30,11 @@ MAX_FREE_BYTES = 512 << 20
 _lock = threading.Lock()
 _free: "OrderedDict[int, np.ndarray]" = OrderedDict()  # id -> released block (uint8 array), oldest release first
 _free_total = 0
+# Released blocks on their way into `_free`. A release is a finalizer, and a finalizer runs wherever a garbage
+# collection happens to start: also inside `empty` on a thread that holds `_lock` (an allocation there set off the
+# collection of a lease in a reference cycle). So a release only appends here (deque.append is atomic) and moves
+# the blocks into the pool when it can take the lock at once; whoever holds the lock moves them on.
+_pending: "deque[np.ndarray]" = deque()
 
 
 def empty(shape: tuple, dtype) -> np.ndarray:
@@ -40,6 +45,7 @@ def empty(shape: tuple, dtype) -> np.ndarray:
         return np.empty(shape, dtype)
     global _free_total
     with _lock:
+        _drain()
         key = next((k for k in reversed(_free) if _free[k].nbytes == nbytes), None)  # the newest of this size
         block = _free.pop(key) if key is not None else None
         if block is not None:
@@ -67,24 +73,40 @@ class _Lease:
 
 
 def _release(block: np.ndarray) -> None:
-    global _free_total
+    """A lease's finalizer: never waits for `_lock` (see `_pending`)."""
     if block.nbytes > MAX_FREE_BYTES:
         return
-    with _lock:
-        while _free_total + block.nbytes > MAX_FREE_BYTES:
+    _pending.append(block)
+    if _lock.acquire(blocking=False):  # else its holder (maybe this very thread, below us) drains it
+        try:
+            _drain()
+        finally:
+            _lock.release()
+
+
+def _drain() -> None:
+    """Move the pending releases into the pool, dropping the oldest releases over MAX_FREE_BYTES (`_lock` held)."""
+    global _free_total
+    while _pending:
+        block = _pending.popleft()
+        while _free and _free_total + block.nbytes > MAX_FREE_BYTES:
             _free_total -= _free.popitem(last=False)[1].nbytes  # the oldest release
-        _free[id(block)] = block
-        _free_total += block.nbytes
+        if block.nbytes <= MAX_FREE_BYTES:
+            _free[id(block)] = block
+            _free_total += block.nbytes
 
 
 def free_bytes() -> int:
     """Bytes of released blocks the pool holds now."""
-    return _free_total
+    with _lock:
+        _drain()
+        return _free_total
 
 
 def clear() -> None:
     """Drop every released block (their memory goes back to the allocator)."""
     global _free_total
     with _lock:
+        _pending.clear()
         _free.clear()
         _free_total = 0
