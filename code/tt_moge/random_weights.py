@@ -291,9 +291,9 @@ def add_residual_outliers(
     picked = torch.randperm(dim, generator=gen)[:channels]
     signs = torch.where(torch.rand(channels, generator=gen) < 0.5, -1.0, 1.0)
 
-    def medians() -> list:  # the residual stream's median |x| after each block
+    def after_each_block(keep) -> list:  # keep(residual stream) after each block the encoder runs, in order
         seen = []
-        hooks = [b.register_forward_hook(lambda m, i, o: seen.append(o.detach().abs().median().item())) for b in blocks]
+        hooks = [b.register_forward_hook(lambda m, i, o: seen.append(keep(o.detach()))) for b in blocks]
         try:
             with torch.inference_mode():
                 net.encoder(image, *token_grid(num_tokens, image.shape[-1] / image.shape[-2]))
@@ -301,6 +301,9 @@ def add_residual_outliers(
             for h in hooks:
                 h.remove()
         return seen
+
+    def medians() -> list:  # the residual stream's median |x| after each block
+        return after_each_block(lambda x: x.abs().median().item())
 
     before = medians()  # the blocks the encoder runs (up to its last tap)
     last = max(1, len(before) - 1)
@@ -314,14 +317,7 @@ def add_residual_outliers(
             block.ls2.gamma[picked] = 1.0
             previous = target
     after = medians()
-    stream = []
-    hooks = [b.register_forward_hook(lambda m, i, o: stream.append(o.detach())) for b in blocks]
-    try:
-        with torch.inference_mode():
-            net.encoder(image, *token_grid(num_tokens, image.shape[-1] / image.shape[-2]))
-    finally:
-        for h in hooks:
-            h.remove()
+    stream = after_each_block(lambda x: x)
     ratios = [float(x[..., picked].abs().min() / m) for x, m in zip(stream, after)]
     return {"channels": picked.tolist(), "ratios": ratios}
 
