@@ -74,8 +74,6 @@ class _Lease:
 
 def _release(block: np.ndarray) -> None:
     """A lease's finalizer: never waits for `_lock` (see `_pending`)."""
-    if block.nbytes > MAX_FREE_BYTES:
-        return
     _pending.append(block)
     if _lock.acquire(blocking=False):  # else its holder (maybe this very thread, below us) drains it
         try:
@@ -85,15 +83,17 @@ def _release(block: np.ndarray) -> None:
 
 
 def _drain() -> None:
-    """Move the pending releases into the pool, dropping the oldest releases over MAX_FREE_BYTES (`_lock` held)."""
+    """Move the pending releases into the pool, dropping the oldest releases over MAX_FREE_BYTES (`_lock` held); a
+    block larger than that is not kept."""
     global _free_total
     while _pending:
         block = _pending.popleft()
-        while _free and _free_total + block.nbytes > MAX_FREE_BYTES:
+        if block.nbytes > MAX_FREE_BYTES:
+            continue
+        while _free_total + block.nbytes > MAX_FREE_BYTES:
             _free_total -= _free.popitem(last=False)[1].nbytes  # the oldest release
-        if block.nbytes <= MAX_FREE_BYTES:
-            _free[id(block)] = block
-            _free_total += block.nbytes
+        _free[id(block)] = block
+        _free_total += block.nbytes
 
 
 def free_bytes() -> int:
