@@ -34,7 +34,7 @@ def full_size_checkpoint(path: str | None, preset: str = "vitl-normal") -> Path:
 
 def photo(size: tuple):
     """The benchmark image: a photo-like (H, W, 3) uint8 array of `size` = (width, height)."""
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
 
     return synthetic_photo(size, seed=1)
 

@@ -67,7 +67,7 @@ def encode_image(rgb: np.ndarray, fmt: str, **save_kwargs) -> bytes:
 
 def photo(width: int, height: int, seed: int = 0) -> np.ndarray:
     """A photo-like (H, W, 3) uint8 image, different for each seed."""
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
 
     img = synthetic_photo((width, height), seed=seed)
     return np.roll(img, shift=(seed * 7) % width, axis=1)

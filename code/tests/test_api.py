@@ -19,7 +19,8 @@ from tt_moge.host.decode import InputError
 from tt_moge.output import INFER_KEYS, NPZ_LAYOUT
 from tt_moge.runners.base import PendingMaps
 from tt_moge.runners.ttnn.device import chips_here
-from tt_moge.warmup import PRESETS, synthetic_photo
+from tt_moge.synthetic import synthetic_photo
+from tt_moge.warmup import PRESETS
 from tt_moge.weights import DEFAULT_REPO, DEFAULT_REVISION, WEIGHTS_DIR_ENV
 
 from .conftest import TEST_CANVAS, TEST_TOKENS

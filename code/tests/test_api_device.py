@@ -68,7 +68,7 @@ def gpu_model(request, checkpoint):
 def photo_png():
     from PIL import Image
 
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
 
     rgb = synthetic_photo(CANVAS, seed=21)
     buf = io.BytesIO()
@@ -133,7 +133,7 @@ def _pcc(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_tenstorrent_heads_against_the_float32_reference(checkpoint):
     """PCC >= 0.99 per head of the chip's raw maps against the float32 reference network on the CPU."""
     from tt_moge import MoGeModel
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
 
     photo = synthetic_photo(CANVAS, seed=22)
     raw = {}
@@ -162,7 +162,7 @@ def test_tenstorrent_heads_against_the_float32_reference(checkpoint):
 def test_tenstorrent_one_and_two_command_queues_are_bit_identical(checkpoint):
     """Worker dispatch with 1 and with 2 command queues (the read-back on the second): the same maps, bit for bit."""
     from tt_moge import MoGeModel
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
 
     photo = synthetic_photo(CANVAS, seed=23)
     outs = []
@@ -184,7 +184,7 @@ def test_tenstorrent_one_and_two_command_queues_are_bit_identical(checkpoint):
 
 
 def test_predict_many_equals_single_calls(gpu_model, photo_png):
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
 
     photos = [synthetic_photo((1280, 720), seed=s) for s in range(3)] + [photo_png[0]]
     many = gpu_model.predict_many(photos)

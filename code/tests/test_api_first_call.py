@@ -56,7 +56,7 @@ def _inputs(variant: dict, seed: int, folder: Path) -> list:
     import torch
     from PIL import Image
 
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
 
     out = []
     for k in range(2 if variant["call"] == "predict_many" else 1):

@@ -14,7 +14,7 @@ from PIL import Image, ImageOps
 from tt_moge import native
 from tt_moge.host import decode as dec
 from tt_moge.host.decode import InputError, decode_bytes, decode_with_pillow, to_rgb_array
-from tt_moge.warmup import synthetic_photo
+from tt_moge.synthetic import synthetic_photo
 
 
 @pytest.fixture(autouse=True)

@@ -194,7 +194,7 @@ def photo_1080p(tmp_path_factory) -> Path:
     """A 1920x1080 photo-like PNG (gradients, a horizon, mild noise): its texture weighs what a photo's does."""
     from PIL import Image
 
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
 
     path = tmp_path_factory.mktemp("photo") / "photo.png"
     Image.fromarray(synthetic_photo((1920, 1080), seed=1)).save(path)

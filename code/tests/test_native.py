@@ -366,7 +366,7 @@ def test_concurrent_builds_share_one_cached_library(tmp_path):
 )
 def test_canvas_native_is_bit_identical(size, fit):
     from tt_moge.host.canvas import fit_to_canvas
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
 
     plan = plan_canvas(size, (448, 252), fit)
     photo = synthetic_photo(size, seed=3)
@@ -387,7 +387,7 @@ def test_8_bit_canvas_is_the_float_canvas_times_255_on_both_paths(size, fit):
     planes holding exactly 255 x the float canvas (bars, resized content, identity), native and numpy alike, from
     C-contiguous and strided images; a float image of the canvas size has no 8-bit form and stays float32."""
     from tt_moge.host.canvas import fit_to_canvas
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
 
     plan = plan_canvas(size, (448, 252), fit)
     photo = synthetic_photo(size, seed=4)

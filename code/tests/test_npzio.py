@@ -60,7 +60,7 @@ def test_object_arrays_are_refused():
 
 
 def test_moge_output_npz_uses_it(tiny_model):
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
 
     out = tiny_model(synthetic_photo((96, 64)))
     for compress in (False, True):

@@ -62,7 +62,7 @@ def test_export_writes_the_raw_forward_that_onnx_runtime_runs_to_our_precision(e
 
     from tt_moge.host import CallOptions, prepare
     from tt_moge.onnx_export import read_metadata
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
     from tt_moge.weights import load_network
 
     path, code, printed = exported
@@ -105,7 +105,7 @@ def test_the_host_steps_of_docs_export_md_finish_its_outputs_as_model_does(expor
     precision fp32 (the reference network) on the same checkpoint and canvas."""
     from tt_moge.host import CallOptions, postprocess, prepare
     from tt_moge.onnx_export import raw_maps
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
 
     path, code, printed = exported
     assert code == 0, printed

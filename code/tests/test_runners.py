@@ -42,8 +42,8 @@ from tt_moge.runners.fixed_graph import (
     onednn_linear_available,
 )
 from tt_moge.runners.kernel_choice import FORCE_ENV, KernelCache, choose, fastest, forced_choices, forcing
+from tt_moge.synthetic import synthetic_photo
 from tt_moge.testing import add_outlier_channels, calibration_image, make_network, model_config
-from tt_moge.warmup import synthetic_photo
 
 SMALL, SMALL_TOKENS = (224, 126), 300  # graph-level tests: a small 16:9 canvas, seconds on 2 cores
 MODEL_CANVAS, MODEL_TOKENS = (448, 252), 1200  # MoGeModel tests: its smallest token budget

@@ -45,7 +45,6 @@ __all__ = [
     "canonical_variant",
     "expand_variants",
     "run_variant",
-    "synthetic_photo",
 ]
 
 INPUTS = ("array", "float", "png", "jpeg", "pil")

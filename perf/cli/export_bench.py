@@ -12,7 +12,7 @@ model, limits `tt-moge predict`.
     python -m perf.cli.export_bench --image noise --all-valid         # the largest files: worst texture, no mask
     python -m perf.cli.export_bench --weights /models/moge-2 --image photo.jpg --runs 10 --device cuda
 
-`--image synthetic` is `tt_moge.warmup.synthetic_photo((1920, 1080), seed=1)`: gradients, a horizon and mild
+`--image synthetic` is `tt_moge.synthetic.synthetic_photo((1920, 1080), seed=1)`: gradients, a horizon and mild
 noise, so that the texture inside mesh.glb weighs what a photo's does (media/source.png, a rendered scene,
 compresses far better). The sizes in `tt-moge predict --help` come from this image. `--image noise` is uniform
 random RGB (a texture that does not compress) and `--all-valid` makes the random checkpoint mask no pixel:
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     from tt_moge import MoGeModel
     from tt_moge.export import DEFAULT_FORMATS, DEFAULT_MESH_STEP, FORMATS, kept_pixels, write_outputs
     from tt_moge.host import to_rgb_array
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
 
     with tempfile.TemporaryDirectory(prefix="tt_moge-export-bench-") as tmp:
         weights = args.weights

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         png = (ROOT / "media" / "source.png").read_bytes()
         source = "media/source.png"
     else:
-        from tt_moge.warmup import synthetic_photo
+        from tt_moge.synthetic import synthetic_photo
 
         buf = io.BytesIO()
         Image.fromarray(synthetic_photo((1920, 1080))).save(buf, format="PNG")

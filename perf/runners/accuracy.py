@@ -96,8 +96,8 @@ def main() -> None:
     from tt_moge.host.finish import finish
     from tt_moge.host.solve import recover_camera
     from tt_moge.runners import make_runner
+    from tt_moge.synthetic import synthetic_photo
     from tt_moge.testing import add_outlier_channels, make_checkpoint
-    from tt_moge.warmup import synthetic_photo
     from tt_moge.weights import load_network
 
     if args.checkpoint:

@@ -36,7 +36,7 @@ def main() -> None:
 
     from tt_moge.network import token_grid
     from tt_moge.runners import make_runner
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
     from tt_moge.weights import load_network
 
     if args.threads:

@@ -125,8 +125,8 @@ def main() -> None:
 
     from PIL import Image
 
+    from tt_moge.synthetic import synthetic_photo
     from tt_moge.testing import make_checkpoint
-    from tt_moge.warmup import synthetic_photo
 
     buf = io.BytesIO()
     Image.fromarray(synthetic_photo((640, 480), seed=3)).save(buf, format="PNG")

@@ -52,7 +52,7 @@ def _image(args: argparse.Namespace) -> bytes:
         return Path(args.image).read_bytes()
     from PIL import Image
 
-    from tt_moge.warmup import synthetic_photo
+    from tt_moge.synthetic import synthetic_photo
 
     buf = io.BytesIO()
     Image.fromarray(synthetic_photo(tuple(args.image_size))).save(buf, format="PNG")
