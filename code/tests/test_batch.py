@@ -797,7 +797,7 @@ def test_video_files_are_one_job_each_and_resume_clip_by_clip(local_ray, ckpt, t
     import cv2
     from OpenEXR import File as ExrFile
 
-    from tt_moge.testing.scene import camera_path, render_path
+    from tt_moge.scene import camera_path, render_path
 
     clips = {}
     for name, start in (("a", 0), ("b", 6)):

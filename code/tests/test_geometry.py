@@ -1,4 +1,4 @@
-"""Host geometry against exact ground truth: the ray-cast demo scene (tt_moge.testing.scene).
+"""Host geometry against exact ground truth: the ray-cast demo scene (tt_moge.scene).
 
 The raw forward output is replaced by what a perfect network would predict for the canvas: the true canvas
 point map made affine (an unknown scale s and z-shift t: s * (X, Y, Z + t)), the true normals, a mask that is
@@ -19,7 +19,7 @@ from scipy import ndimage
 from tt_moge.host.canvas import plan_canvas
 from tt_moge.host.pipeline import CallOptions, postprocess
 from tt_moge.runners.base import RawMaps
-from tt_moge.testing.scene import intrinsics_for, render
+from tt_moge.scene import intrinsics_for, render
 
 CANVAS = (960, 540)
 SCALE, SHIFT = 0.37, 0.9  # the unknown affine of the "network" output

@@ -23,7 +23,7 @@ import torch
 from tt_moge import MoGeModel
 from tt_moge.host import InputError
 from tt_moge.pool import CHUNK, ModelPool, NoReplicaError, parse_devices
-from tt_moge.testing.scene import camera_path, render_path
+from tt_moge.scene import camera_path, render_path
 
 from .conftest import TEST_CANVAS, TEST_TOKENS
 from .server_harness import encode_image, micro_config, photo

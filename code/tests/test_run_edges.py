@@ -667,7 +667,7 @@ def test_a_clips_bar_names_the_calibration(tmp_path, monkeypatch):
 
     import tt_moge.cli.video as video_cli
     from tt_moge.cli.common import Ticker
-    from tt_moge.testing.scene import camera_path, render_path
+    from tt_moge.scene import camera_path, render_path
     from tt_moge.testing.video import stand_in as video_stand_in
 
     renders = render_path(camera_path(12)[::2], 160, 120)

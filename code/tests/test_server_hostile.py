@@ -25,8 +25,8 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
+from tt_moge.scene import camera_path, render_path  # noqa: E402
 from tt_moge.server.settings import BODY_RATE_GRACE_S, OVER_LIMIT_SLOTS  # noqa: E402
-from tt_moge.testing.scene import camera_path, render_path  # noqa: E402
 
 from .server_harness import ServerProcess, micro_config  # noqa: E402
 

@@ -477,7 +477,7 @@ def test_a_clip_shows_its_scene_and_the_apis_numbers(result_page, api, tmp_path)
     the 3D view shows the fused cloud with the camera path (not blank, red path pixels, moves when dragged)."""
     import cv2
 
-    from tt_moge.testing.scene import camera_path, render_path
+    from tt_moge.scene import camera_path, render_path
 
     browser = result_page
     clip = tmp_path / "walk.mp4"

@@ -1,4 +1,4 @@
-"""The video path against exact truth: a camera walking through the analytic scene (`testing.scene.camera_path`,
+"""The video path against exact truth: a camera walking through the analytic scene (`tt_moge.scene.camera_path`,
 `render_path`: exact depth, intrinsics and camera-to-world poses per frame) and a stand-in model
 (`testing.video.VideoOracle`) whose per-frame metric scale is off by up to +-15 %, its focal by up to +-10 %,
 with pixel noise, holes and an arbitrary shift per frame. The pipeline (calibration, registration, fusion)
@@ -19,7 +19,7 @@ import weakref
 import numpy as np
 import pytest
 
-from tt_moge.testing.scene import camera_path, intrinsics_for, pan_path, render_path
+from tt_moge.scene import camera_path, intrinsics_for, pan_path, render_path
 from tt_moge.testing.video import PredictOnly, aligned_positions, stand_in
 from tt_moge.video import iter_video, predict_video
 

@@ -11,7 +11,7 @@ registration links alone (no global step) drifts at least 5 times less than it d
 unbiased (the figure of the code before them is written down in the test).
 
 Frames are rendered once per module, small (320x240 for the walk, 200x150 for the loop) and compact
-(`testing.scene.compact`: image, depth, mask), so that the module stays within its share of the CI time. At
+(`tt_moge.scene.compact`: image, depth, mask), so that the module stays within its share of the CI time. At
 240x180 the noisy walk's drift is 1.7 % (features and depth too coarse); at 160x120 the loop loses frames. The
 loop runs here with per-pixel errors only; with the correlated ones it is `python -m perf.video.video_bench --part
 long --warp 0.03` (a second 1000-frame run would double the module's time). The walk under correlated errors is
@@ -26,7 +26,7 @@ import os
 import numpy as np
 import pytest
 
-from tt_moge.testing.scene import camera_path, compact, loop_path, render
+from tt_moge.scene import camera_path, compact, loop_path, render
 from tt_moge.testing.video import VideoOracle, aligned_positions, symmetric_errors
 from tt_moge.video import iter_video, predict_video
 from tt_moge.video.registration import Tracker

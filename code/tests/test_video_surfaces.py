@@ -13,8 +13,8 @@ import json
 import numpy as np
 import pytest
 
+from tt_moge.scene import camera_path, render_path
 from tt_moge.testing.compare import ULP_LIMIT, assert_same_maps, max_ulps
-from tt_moge.testing.scene import camera_path, render_path
 
 from .conftest import TEST_CANVAS, TEST_TOKENS
 
@@ -235,7 +235,7 @@ def test_known_intrinsics_on_every_photo_surface(tiny_model, client, checkpoint,
     from tt_moge.cli import main
     from tt_moge.host import Intrinsics
     from tt_moge.output import MoGeOutput
-    from tt_moge.testing.scene import render
+    from tt_moge.scene import render
 
     k = np.array([[260.0, 0.0, 171.5], [0.0, 251.0, 97.25], [0.0, 0.0, 1.0]])
     image = render(320, 200).image
@@ -307,7 +307,7 @@ def test_the_cli_takes_a_sequence_of_frames_and_refuses_mixed_inputs(checkpoint,
     import cv2
 
     from tt_moge.cli import main
-    from tt_moge.testing.scene import camera_path, render_path
+    from tt_moge.scene import camera_path, render_path
 
     frames = tmp_path / "corridor"
     frames.mkdir()

@@ -1,7 +1,7 @@
 """The video path's cost: the host work it adds per frame (registration, consistency, fusion), and frames/s of a
 whole clip beside plain `predict_many` on the same frames.
 
-1. host: the analytic walk (`tt_moge.testing.scene.camera_path`) rendered at --size (1920x1080 by default), its
+1. host: the analytic walk (`tt_moge.scene.camera_path`) rendered at --size (1920x1080 by default), its
    frames' outputs made by the stand-in model (`tt_moge.testing.video.VideoOracle`, the camera given, so no
    time goes to a network), then `video.predict.ClipChain.step` on each frame, timed alone: what the video
    path adds to every frame on top of the model's own call (`tt_moge.video.registration`: shrink to 640 px,
@@ -45,7 +45,7 @@ whole clip beside plain `predict_many` on the same frames.
    where the chains start.
 
 7. long (not in "both"): the host work per frame of a long clip, the global step included, and its memory:
-   --long-frames frames (default 1000) once round the loop (`testing.scene.loop_path`, back to its start), each
+   --long-frames frames (default 1000) once round the loop (`tt_moge.scene.loop_path`, back to its start), each
    rendered when asked at --long-render (320x180) and enlarged to --size (the host work sees frames of --size; the
    scene's detail is the small render's; no clip is held), through the stand-in with the errors of
    tests/test_video_long.py (metric scale +-5 %, 2 % ray noise, 3 % holes; --warp 0.03 adds the correlated ones,
@@ -83,7 +83,7 @@ def _size(text: str) -> tuple:
 
 def host_part(size: tuple, frames: int) -> dict:
     from tt_moge.host import CallOptions, plan_canvas, postprocess
-    from tt_moge.testing.scene import camera_path, render_path
+    from tt_moge.scene import camera_path, render_path
     from tt_moge.testing.video import VideoOracle, symmetric_errors
     from tt_moge.video.calibrate import Calibration
     from tt_moge.video.predict import ClipChain
@@ -142,7 +142,7 @@ def calibration_part(size: tuple, frames: int) -> dict:
 
     import tt_moge.video.calibrate as calibrate_module
     from tt_moge.host import CallOptions
-    from tt_moge.testing.scene import camera_path, render_path
+    from tt_moge.scene import camera_path, render_path
     from tt_moge.testing.video import VideoOracle, symmetric_errors
 
     t = time.perf_counter()
@@ -222,7 +222,7 @@ def _tiny_model(canvas: tuple):
 
 
 def clip_part(size: tuple, frames: int, repeats: int, canvas: tuple) -> dict:
-    from tt_moge.testing.scene import camera_path, render_path
+    from tt_moge.scene import camera_path, render_path
     from tt_moge.testing.video import PredictOnly
     from tt_moge.video import predict_video
 
@@ -268,7 +268,7 @@ def cuts_part(size: tuple, frames: int, repeats: int, canvas: tuple) -> dict:
     """A clip with a cut through the tiny model: the walk, then the pan (in inverted grey levels) through a 50
     degree lens, `frames` frames each; `predict_video` with calibrate_chains on and off, alternated: frames/s, the
     frames that went through the network (the rewound ones run again), the chains."""
-    from tt_moge.testing.scene import camera_path, intrinsics_for, pan_path, render_path
+    from tt_moge.scene import camera_path, intrinsics_for, pan_path, render_path
 
     walk = render_path(camera_path(frames, length=0.1 * frames), *size)
     pan = render_path(pan_path(range(0, 3 * frames, 3)), *size, intrinsics_for(*size, 50.0))
@@ -329,7 +329,7 @@ def cuts_part(size: tuple, frames: int, repeats: int, canvas: tuple) -> dict:
 def relocalise_part(size: tuple, repeats: int) -> dict:
     import numpy as np
 
-    from tt_moge.testing.scene import camera_path, pan_path, render_path
+    from tt_moge.scene import camera_path, pan_path, render_path
     from tt_moge.video.registration import Tracker
 
     ref, after, jump = render_path(camera_path(24)[[4, 5, 16]], *size)
@@ -370,7 +370,7 @@ def gaps_part(size: tuple) -> list:
 
     import numpy as np
 
-    from tt_moge.testing.scene import camera_path, render_path
+    from tt_moge.scene import camera_path, render_path
     from tt_moge.testing.video import aligned_positions, stand_in
     from tt_moge.video import predict_video
 
@@ -419,7 +419,7 @@ class _Enlarged:
         import cv2
         import numpy as np
 
-        from tt_moge.testing.scene import SceneRender, compact, render
+        from tt_moge.scene import SceneRender, compact, render
 
         if i not in self._last:
             r = compact(render(*self.small, pose=self.poses[i]))
@@ -458,7 +458,7 @@ def long_part(size: tuple, frames: int, small: tuple, warp: float) -> dict:
     import numpy as np
 
     from tt_moge.host import CallOptions, plan_canvas, postprocess
-    from tt_moge.testing.scene import loop_path
+    from tt_moge.scene import loop_path
     from tt_moge.testing.video import VideoOracle, aligned_positions, symmetric_errors
     from tt_moge.video.calibrate import Calibration
     from tt_moge.video.predict import ClipChain

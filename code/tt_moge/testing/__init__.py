@@ -1,8 +1,8 @@
 """Test and benchmark support that ships with the package: random-weight checkpoints in the published
-`model.pt` format (`tt_moge.random_weights`, re-exported here), the analytic demo scene with exact ground truth
-(`scene`: `tt_moge.scene`), the room of planes of the panorama path, with a recorder of upstream's panorama least
-squares (`room`), the stand-in video model (`video`) and the comparisons of one answer by two routes (`compare`).
-The library itself imports nothing from here (tests/test_layout.py)."""
+`model.pt` format (`tt_moge.random_weights`, re-exported here under the names users know), the room of planes of
+the panorama path, with a recorder of upstream's panorama least squares (`room`), the stand-in video model
+(`video`) and the comparisons of one answer by two routes (`compare`). The analytic scene with exact ground truth
+is `tt_moge.scene`. The library itself imports nothing from here (tests/test_layout.py)."""
 
 from ..random_weights import (
     PRESETS,

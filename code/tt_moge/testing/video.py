@@ -6,7 +6,7 @@ an imperfect MoGe-2 would, with every error known.
 `MoGeOutput`s: for each image it builds the raw maps a network would give and runs tt_moge's own host code on
 them (`host.postprocess`: the camera solve, or the shift alone when `intrinsics` or `fov_x` are given, and the
 finish), on a canvas of the frame's own size. So every call option means what it means for the model. The raw
-maps of frame i are its exact geometry (`testing.scene.render_path`) with:
+maps of frame i are its exact geometry (`tt_moge.scene.render_path`) with:
 
 * an arbitrary scale and z-shift (affine-invariant points): the points are divided by the frame's median depth
   and shifted along z by `shifts[i]` (raw units);
@@ -25,7 +25,7 @@ maps of frame i are its exact geometry (`testing.scene.render_path`) with:
   a floor tilted, the far field too near), not pixel by pixel, and such errors do not average out over the
   features of a registration as per-pixel noise does.
 
-Renders may be `testing.scene.compact` (points lifted from the depth, no normal): for clips of hundreds of frames.
+Renders may be `tt_moge.scene.compact` (points lifted from the depth, no normal): for clips of hundreds of frames.
 Raw maps are made when asked and the last `raw_cache` (RAW_CACHE) kept, so a long clip holds a bounded number of
 them (about 40 MB each at 1920x1080: a bench that asks for each frame once keeps 1).
 
@@ -89,7 +89,7 @@ def smooth_warp(shape: tuple, rng: np.random.Generator, waves: int = 4) -> np.nd
 
 
 class VideoOracle:
-    """A stand-in for MoGeModel over the frames of `renders` (a list of `testing.scene.SceneRender`, one camera)."""
+    """A stand-in for MoGeModel over the frames of `renders` (a list of `tt_moge.scene.SceneRender`, one camera)."""
 
     def __init__(
         self,
