@@ -177,6 +177,8 @@ class CpuGraphRunner(Runner):
         if dtype == torch.bfloat16 and native_attention_supported(self.native, dim // heads):
             attention = {"native": lambda: attention_bf16(qkv()[0], heads, self.native), **attention}
         choices["attention"] = choose("attention", attention, key, cache=cache)
+        # oneDNN's packed float linear is offered in float32, or in bfloat16 where the CPU has its instructions (where
+        # bfloat16 is only emulated both candidates are, and timing them on the full shape takes minutes)
         packed_float = onednn_linear_available() and (dtype == torch.float32 or precision_mod.cpu_has_native_bf16())
         prefix = 1 + spec.num_register_tokens  # the class and register tokens: their own int8 scale (the graph's)
 
@@ -228,7 +230,6 @@ class CpuGraphRunner(Runner):
                 screen={name: mlp(kernel, SCREEN_ROWS + prefix) for name, kernel in kernels.items()},
             )
         float_vit = self.precision != "int8" or choices["int8_matmul"].kernel not in INT8_KERNELS
-        # (where bfloat16 is only emulated both candidates are, and timing them on the full shape takes minutes)
         if float_vit and packed_float:
             mlps = {kernel: mlp(kernel, tokens) for kernel in ("aten", "onednn")}  # ties go to aten
             choices["vit_linear"] = choose("vit_linear", mlps, f"{key} | mlp {dim}->{hidden}->{dim}", cache=cache)
