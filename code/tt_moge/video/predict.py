@@ -51,6 +51,7 @@ import numpy as np
 from ..fields import bind, options_of, signature
 from ..host import CallOptions, InputError, Stopwatch
 from ..output import finite_or_none
+from .bundle import View, adjust
 from .calibrate import Calibration, calibrate
 from .fusion import VoxelCloud, frame_points
 from .options import DEFAULT_NEW_CHAIN_AFTER, VideoOptions
@@ -71,6 +72,7 @@ __all__ = [
 
 DEFAULT_CHUNK = 4  # frames per predict_many call of the real pass (its outputs are in memory at once)
 EARLIER_CHAINS = 3  # chains other than the current one that a frame it does not find is looked for in
+BUNDLE_KEYFRAMES = 6  # the newest keyframes of a chain adjusted together at each new keyframe (bundle.py)
 LOCAL_NODES = 8  # the newest keyframe nodes of a chain's pose graph solved again at each new keyframe
 _END = object()
 
@@ -629,11 +631,48 @@ class ClipChain:
                     self.loop_closures += 1
                     first = min(first, old)  # the loop's nodes, from its oldest: its correction spread along it
             graph.optimise(first=first)
+            self._adjust(chain)
             estimate = graph.nodes[new]
         else:
             self._prior(graph, node, math.log(rel.scale), index)
             self.hang[index] = (chain, node, rel)
         return estimate.scale, estimate.pose()
+
+    def _adjust(self, chain: int) -> None:
+        """The newest BUNDLE_KEYFRAMES keyframes of the chain adjusted together (`bundle.adjust`: their poses and
+        scales with the points of the features they share, the oldest held), and the pose graph's edges between
+        them made the adjusted ones: the graph keeps their information and the loop closures, the links between
+        neighbours are the bundle's."""
+        graph, tracker = self.chains[chain].graph, self.chains[chain].tracker
+        window, nodes = [], []
+        for key in tracker.keyframes[-BUNDLE_KEYFRAMES:]:
+            hung = self.hang.get(key.frame)
+            if hung is not None and hung[0] == chain and graph.frames[hung[1]] == key.frame:
+                window.append(key)
+                nodes.append(hung[1])
+        if len(window) < 2:
+            return
+        views = [
+            View(
+                key.geometry[2],
+                key.ids,
+                key.tracks.astype(np.float64) + 0.5,
+                np.where(key.lifted, key.xyz[:, 2] / key.geometry[4], np.nan),
+                graph.nodes[node],
+                held=n == 0,
+                prior=(graph.prior_weight[node], graph.prior_sum[node]),
+            )
+            for n, (key, node) in enumerate(zip(window, nodes))
+        ]
+        result = adjust(views)
+        if result is None:
+            return
+        for node, estimate in zip(nodes, result["estimates"]):
+            graph.nodes[node] = estimate
+        inside = set(nodes)
+        for edge in graph.edges:
+            if edge.a in inside and edge.b in inside:
+                edge.measured = graph.nodes[edge.b].inverse() @ graph.nodes[edge.a]
 
     def _prior(self, graph: PoseGraph, node: int, log_rel: float, index: int) -> None:
         """Frame `index`'s metric prior on the node it hangs on (log_rel: the log of its scale relative to the

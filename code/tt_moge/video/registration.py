@@ -513,6 +513,152 @@ def refine_pose(
     return dataclasses.replace(reg, scale=scale, rotation=rotation, translation=scale * translation), good
 
 
+PNP_PIXELS = 2.0  # image_fit: a correspondence is an inlier when it reprojects within this (tracking pixels)
+
+
+def image_fit(
+    src: np.ndarray, pixels: np.ndarray, k_pixels: np.ndarray, dst: np.ndarray, small: tuple, shape: tuple
+) -> Registration:
+    """The fit of a frame against a keyframe from the image positions alone: the keyframe's points `src` (N, 3)
+    followed to `pixels` (N, 2) in this frame (full resolution, centres at +0.5), by `cv2.solvePnPRansac` (EPnP
+    hypotheses, inliers within PNP_PIXELS of the tracking image `small` (h, w)), then refined as a 3D fit is
+    (`refine_pose`); its scale the median ratio of this frame's own depth (`dst`, NaN where none) to the placed
+    points'. Why: where the two frames' depths disagree by more than a 3D fit admits (a real network's smooth
+    errors bend each frame its own way, several percent: the stand-in's warp of tests/test_video_long.py), the 3D
+    fit of a keyframe link finds too few inliers, and the frame would be chained to the frame before it instead,
+    each such link adding its error; the image positions are not bent. Its residual (for the pose graph's
+    information) is the spread of the log depth ratio over the inliers with a depth here."""
+    import cv2
+
+    matches = len(src)
+    if matches < MIN_INLIERS:
+        return Registration(False, matches=matches, reason=f"too few features for an image fit ({matches})")
+    src, pixels, k = (np.ascontiguousarray(a, np.float64) for a in (src, pixels, k_pixels))
+    threshold = PNP_PIXELS * shape[1] / small[1]
+    ok, rvec, tvec, index = cv2.solvePnPRansac(
+        src, pixels, k, None, iterationsCount=RANSAC_TRIALS * 2, reprojectionError=threshold, flags=cv2.SOLVEPNP_EPNP
+    )
+    if not ok or index is None or len(index) < MIN_INLIERS:
+        return Registration(False, matches=matches, reason="no image fit")
+    good = np.zeros(matches, bool)
+    good[index.ravel()] = True
+    rotation, translation = cv2.Rodrigues(rvec)[0], tvec.ravel()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.log(dst[good, 2] / (src[good] @ rotation[2] + translation[2]))
+    ratio = ratio[np.isfinite(ratio)]
+    if len(ratio) < POSE_PIXELS_MIN:
+        return Registration(False, matches=matches, reason="too few depths under the image fit's inliers")
+    scale = float(np.exp(np.median(ratio)))
+    count = int(good.sum())
+    residual = 1.4826 * float(np.median(np.abs(ratio - np.median(ratio))))
+    reg = Registration(True, scale, rotation, scale * translation, matches, count, count / matches, residual)
+    if not SCALE_RANGE[0] <= scale <= SCALE_RANGE[1] or reg.inlier_ratio < MIN_INLIER_RATIO:
+        return Registration(False, matches=matches, reason="image fit out of range")
+    from .posegraph import information
+
+    reg.information = information(scale * src[good] @ rotation.T + reg.translation, residual)
+    return reg
+
+
+JOINT_ROUNDS = 2  # joint_pose: solved, its spreads measured, solved again with them
+JOINT_PIXEL_STD, JOINT_DEPTH_STD = 1.0, 0.02  # ... the first solve's spreads (tracking pixels; log depth)
+MIN_JOINT_PIXEL_STD, MIN_JOINT_DEPTH_STD = 0.05, 0.001  # ... their floors
+JOINT_LOSS_SCALE = 3.0  # ... residuals beyond this many spreads weigh less (Cauchy)
+
+
+def joint_pose(
+    reg: Registration, src: np.ndarray, pixels: np.ndarray, k_pixels: np.ndarray, dst: np.ndarray, pixel_floor: float
+) -> Registration:
+    """`reg` refined on both what this frame sees of the keyframe's points `src` (N, 3): where they are in the
+    image (`pixels` (N, 2), full resolution, centres at +0.5) and how far (`dst` (N, 3), this frame's own points,
+    NaN where it has no depth), each weighed by its own spread as the fit finds it (the median absolute residual
+    after a first solve, then solved again; the pixels' at least `pixel_floor`).
+
+    Why both: a pose from the image positions alone is loose along what a narrow view leaves loose (a turn and a
+    sideways step project alike), and `solvePnP` started from a 3D fit stops near it there (`refine_pose`); a
+    pose from the depths alone is moved by their errors. Where the depths are good (per-pixel noise only) their
+    spread is small and they hold the pose along the loose directions; where they are bent (a real network's
+    smooth errors: the stand-in's warp of tests/test_video_long.py) their spread is large and the image positions
+    hold it. A Cauchy loss leaves the few wrong tracks out. The unknowns: a rotation correction on the left, the
+    translation and the log scale (this frame's depth / the placed points'), by `scipy.optimize.least_squares`
+    with an analytic Jacobian. Only a fit that turns by at most POSE_MAX_TURN_DEG is refined (as `refine_pose`);
+    one whose scale moves by more than POSE_SCALE_RTOL is left as it was."""
+    from scipy.optimize import least_squares
+    from scipy.spatial.transform import Rotation
+
+    if not reg.ok or reg.rotation is None or len(src) < POSE_PIXELS_MIN:
+        return reg
+    turn = math.degrees(math.acos(min(1.0, max(-1.0, (float(np.trace(reg.rotation)) - 1.0) / 2.0))))
+    if turn > POSE_MAX_TURN_DEG:
+        return reg
+    src, pixels, k = (np.asarray(a, np.float64) for a in (src, pixels, k_pixels))
+    has = np.isfinite(dst).all(axis=1) & (dst[:, 2] > 0)
+    log_z = np.log(dst[has, 2])
+    base = np.asarray(reg.rotation, np.float64)
+    fx, fy = k[0, 0], k[1, 1]
+    n, m = len(src), int(has.sum())
+    stds = [JOINT_PIXEL_STD * pixel_floor / MIN_JOINT_PIXEL_STD, JOINT_DEPTH_STD]
+
+    def placed(x: np.ndarray) -> tuple:
+        turned = src @ (Rotation.from_rotvec(x[:3]).as_matrix() @ base).T
+        q = turned + x[3:6]
+        return turned, q, np.maximum(q[:, 2], 1e-9)
+
+    def errors(x: np.ndarray) -> tuple:
+        _, q, z = placed(x)
+        u = np.stack([fx * q[:, 0] / z + k[0, 2], fy * q[:, 1] / z + k[1, 2]], axis=1) - pixels
+        return u.ravel(), log_z - x[6] - np.log(z[has])
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        u, d = errors(x)
+        return np.concatenate([u / stds[0], d / stds[1]])
+
+    def jacobian(x: np.ndarray) -> np.ndarray:
+        turned, q, z = placed(x)
+        d_q = np.zeros((n, 3, 3))  # d (u, v, log z) / d q
+        d_q[:, 0, 0], d_q[:, 0, 2] = fx / z, -fx * q[:, 0] / z**2
+        d_q[:, 1, 1], d_q[:, 1, 2] = fy / z, -fy * q[:, 1] / z**2
+        d_q[:, 2, 2] = 1.0 / z
+        d_x = np.zeros((n, 3, 7))  # d q / d x: -[R P]x for the rotation, the identity for the translation
+        d_x[:, :, :3] = -_skew_rows(turned)
+        d_x[:, :, 3:6] = np.eye(3)
+        full = d_q @ d_x
+        pixel = full[:, :2].reshape(-1, 7) / stds[0]
+        depth = -full[has, 2] / stds[1]
+        depth[:, 6] = -1.0 / stds[1]
+        return np.concatenate([pixel, depth])
+
+    x = np.concatenate([np.zeros(3), np.asarray(reg.translation, np.float64) / reg.scale, [math.log(reg.scale)]])
+    for _ in range(JOINT_ROUNDS):
+        x = least_squares(
+            residuals,
+            x,
+            jac=jacobian,
+            method="trf",
+            loss="cauchy",
+            f_scale=JOINT_LOSS_SCALE,
+            x_scale="jac",
+            max_nfev=30,
+        ).x
+        u, d = errors(x)
+        stds[0] = max(1.4826 * float(np.median(np.abs(u))), pixel_floor)
+        if m:
+            stds[1] = max(1.4826 * float(np.median(np.abs(d - np.median(d)))), MIN_JOINT_DEPTH_STD)
+    scale = math.exp(x[6])
+    if not (np.isfinite(x).all() and abs(scale / reg.scale - 1) <= POSE_SCALE_RTOL):
+        return reg
+    rotation = Rotation.from_rotvec(x[:3]).as_matrix() @ base
+    return dataclasses.replace(reg, scale=scale, rotation=rotation, translation=scale * x[3:6])
+
+
+def _skew_rows(v: np.ndarray) -> np.ndarray:
+    """(N, 3, 3) cross-product matrices [v]x of (N, 3) vectors."""
+    out = np.zeros((len(v), 3, 3))
+    out[:, 0, 1], out[:, 0, 2], out[:, 1, 2] = -v[:, 2], v[:, 1], -v[:, 0]
+    out[:, 1, 0], out[:, 2, 0], out[:, 2, 1] = v[:, 2], -v[:, 1], v[:, 0]
+    return out
+
+
 @dataclass
 class _Kept:
     """What a fit keeps of this frame's features for when it becomes the reference: shrunk-image positions (N, 2),
@@ -701,17 +847,18 @@ class Tracker:
         lifted = agree & np.isfinite(xyz).all(axis=1)
         mine = keyframe.lifted[there] & agree  # its own points, not those carried there by a fit
         both = mine & lifted
-        if both.sum() < MIN_INLIERS:
-            return reg
         src = keyframe.xyz[there]
-        fit, inliers = _check(src[both], xyz[both], self.seed)
-        if not fit.ok:
-            return reg
-        seed = mine & ~lifted
-        seed[both] = inliers
         pixels = self._full(moved[mine], depth.shape)
-        fit, _ = refine_pose(fit, src[mine], pixels, k_pixels, xyz[mine], seed[mine])
+        seed, _ = _check(src[both], xyz[both], self.seed)
+        if not seed.ok:  # the two frames' depths disagree (smooth errors bend them apart): a seed from the image
+            seed = image_fit(src[mine], pixels, k_pixels, xyz[mine], grey.shape, depth.shape)
+            if not seed.ok:
+                return reg
+        floor = MIN_JOINT_PIXEL_STD * depth.shape[1] / grey.shape[1]  # full-resolution pixels
+        fit = joint_pose(seed, src[mine], pixels, k_pixels, xyz[mine], floor)
         fit = dense_scale(keyframe.geometry, (depth, mask, k_pixels, offset), fit)
+        if not self._confirmed(keyframe, dataclasses.replace(fit), frame).ok:
+            return reg
         fit.reference, fit.correlation, fit.matches = keyframe.frame, reg.correlation, reg.matches
         # the kept features at their positions against the keyframe: with this frame's depth there, else carried
         xyz[~lifted] = fit.scale * src[~lifted] @ fit.rotation.T + fit.translation
@@ -775,7 +922,15 @@ class Tracker:
         seed = ~lifted
         seed[lifted] = inliers
         good = None
-        if guess is None:  # a relocalised fit (tracks from a descriptor guess across a jump) keeps its 3D pose
+        if guess is None and not reg.ok and len(src) >= MIN_INLIERS:  # depths bent apart: the pose from the image
+            fit = image_fit(src, self._full(moved, depth.shape), k_pixels, xyz, grey.shape, depth.shape)
+            if fit.ok:
+                placed = fit.scale * src @ fit.rotation.T + fit.translation
+                off = np.linalg.norm(placed[lifted] - xyz[lifted], axis=1) / xyz[lifted, 2]
+                inliers = off <= 2 * INLIER_RTOL  # the depths this frame keeps for its points
+                reg, seed = dataclasses.replace(fit, reference=ref.frame), ~lifted
+                seed[lifted] = inliers
+        elif guess is None:  # a relocalised fit (tracks from a descriptor guess across a jump) keeps its 3D pose
             reg, good = refine_pose(reg, src, self._full(moved, depth.shape), k_pixels, xyz, seed)
         good = seed if good is None else good  # not refined: the 3D fit's inliers and the tracks without a depth
         lifted[lifted] = inliers  # a depth the 3D fit refused is not this point's (noise, a smooth error)
