@@ -1,26 +1,36 @@
 """One definition per option and per output field: a load option, a call option, an output field, a server setting
-and a batch job setting, each added in one place only (its dataclass field), reach every surface.
+and a batch job setting, each added in one place (its dataclass field), reach every surface.
 
-The test copies the package, adds the five fields to the copy's sources (`LoadOptions` in options.py,
+The Python signatures that take options (`from_pretrained`, `model(...)`, `predict`, ..., `predict_video`,
+`CallOptions.make`) and the server's query parameters are written out in their defs, so that a reader and a static
+tool see them: `test_written_signatures_match_the_definitions` checks each against the fields (the names, kinds,
+defaults and annotations `fields.signature` gives), so an option added to its dataclass but not to one of them fails
+there. That is the one other place a new option goes.
+
+The big test copies the package, adds the five fields to the copy's sources (`LoadOptions` in options.py,
 `CallOptions` in host/call_options.py, `MoGeOutput` in output.py, `ServerSettings` in server/settings.py, `BatchJob`
-in batch/job.py), and checks in a fresh process that the copy's command line, Python signatures, BatchJob,
-warm-up keys, HTTP query parameters and OpenAPI schema, npz, summary and web page all carry them; then that what
-the commands are given reaches what they run: `tt-moge serve` (its uvicorn stood in for by a TestClient) hands the
-load option to the model it loads and the setting to the server, and `tt-moge batch` (Ray and the replicas'
-model stood in for, in this process: tests/stand_in.py) hands the load option to the replicas' model, the call
-option to every call of it and the job setting to its BatchJob. A surface that keeps its own list of names, or
-forwards options by hand, misses them and fails here."""
+in batch/job.py) and the new load and call options' parameters to the written signatures, and checks in a fresh
+process that the copy's command line, Python signatures, BatchJob, warm-up keys, HTTP query parameters and OpenAPI
+schema, npz, summary and web page all carry them; then that what the commands are given reaches what they run:
+`tt-moge serve` (its uvicorn stood in for by a TestClient) hands the load option to the model it loads and the
+setting to the server, and `tt-moge batch` (Ray and the replicas' model stood in for, in this process:
+tests/stand_in.py) hands the load option to the replicas' model, the call option to every call of it and the job
+setting to its BatchJob. A surface that keeps its own list of names, or forwards options by hand, misses them and
+fails here."""
 
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import typing
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -48,6 +58,148 @@ NEW_FIELDS = [
         "default=0.25)",
     ),
 ]
+
+
+# the parameter of each new option in a written signature (a query parameter: `Annotated` with its Query)
+NEW_PARAMETERS = {"LoadOptions": ("cache_tag", "Optional[str]", "None"), "CallOptions": ("sharpen", "bool", "False")}
+
+
+class Written(NamedTuple):
+    """A def with options as its parameters, written out: the parameters before the options, the records whose
+    options follow (in order; keyword-only or not), the parameters after them; `query`: a FastAPI dependency,
+    whose parameters are `Annotated[type, option_query(record, name)]`."""
+
+    func: typing.Any
+    leading: tuple
+    records: tuple
+    keyword_only: bool = True
+    trailing: tuple = ()
+    query: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.func.__module__}.{self.func.__qualname__}"
+
+
+def written_signatures() -> list:
+    """Every written signature of the options (the package's defs that take them as parameters)."""
+    from tt_moge import MoGeModel
+    from tt_moge.host import CallOptions
+    from tt_moge.options import LoadOptions
+    from tt_moge.server.serving import call_options_query
+    from tt_moge.server.video import video_options_query
+    from tt_moge.video import VideoOptions, iter_video, predict_video
+
+    load, call, clip = (LoadOptions,), (CallOptions,), (CallOptions, VideoOptions)
+    upstream = (
+        "self",
+        "image",
+        "fov_x",
+        "force_projection",
+        "apply_mask",
+        "num_tokens",
+        "resolution_level",
+        "use_fp16",
+    )
+    return [
+        Written(MoGeModel.from_pretrained, (), load),
+        Written(LoadOptions.arguments, (), load),
+        Written(LoadOptions.resolve, (), load),
+        Written(MoGeModel.__call__, ("self", "image"), call),
+        Written(MoGeModel.predict, ("self", "image"), call, trailing=("timing",)),
+        Written(MoGeModel.predict_many, ("self", "images"), call),
+        Written(MoGeModel.forward_many, ("self", "images"), call),
+        Written(MoGeModel.finish_many, ("self", "forwarded"), call),
+        Written(MoGeModel.infer, upstream, call),  # upstream's own parameters first, then the other call options
+        Written(MoGeModel.predict_video, ("self", "source"), clip),
+        Written(predict_video, ("model", "source"), clip),
+        Written(iter_video, ("model", "source"), clip),
+        Written(CallOptions.make, (), call, keyword_only=False),
+        Written(VideoOptions.make, (), (VideoOptions,), keyword_only=False),
+        Written(call_options_query, (), call, query=True),
+        Written(video_options_query, (), (VideoOptions,), query=True),
+    ]
+
+
+def _parameters(func: typing.Any) -> list:
+    """The parameters of a def with their annotations evaluated in its module (they are strings there)."""
+    namespace = inspect.unwrap(func).__globals__
+    return [
+        p.replace(annotation=eval(p.annotation, namespace)) if isinstance(p.annotation, str) else p
+        for p in inspect.signature(func).parameters.values()
+    ]
+
+
+def signature_problems(written: Written) -> list:
+    """How the written signature differs from what the definitions of its options give (`fields.signature`, and
+    for a query parameter `serving.query_type` and `serving.option_query`); [] when it does not."""
+    from tt_moge.fields import options_of, signature
+    from tt_moge.server.serving import option_query, query_type
+
+    expected = [
+        p
+        for record in written.records
+        for p in signature(record, keyword_only=written.keyword_only).parameters.values()
+        if p.name not in written.leading
+    ]
+    params = _parameters(written.func)
+    names, want = [p.name for p in params], [*written.leading, *(p.name for p in expected), *written.trailing]
+    if names != want:
+        return [f"{written.label}: parameters {names}; the definitions give {want}"]
+    problems = []
+    infos = {info.argument: (record, info) for record in written.records for info in options_of(record)}
+    for p, e in zip(params[len(written.leading) :], expected):
+        annotation = e.annotation
+        if written.query:
+            record, info = infos[p.name]
+            parts = typing.get_args(p.annotation) if typing.get_origin(p.annotation) is typing.Annotated else ()
+            made = option_query(record, p.name)
+            annotation = query_type(info)
+            if len(parts) != 2 or (parts[1].description, parts[1].metadata) != (made.description, made.metadata):
+                problems.append(f"{written.label}({p.name}): not Annotated with option_query({record.__name__}, ...)")
+            p = p.replace(annotation=parts[0] if parts else p.annotation)
+        for what, got, wanted in (
+            ("kind", p.kind, e.kind),
+            ("default", p.default, e.default),
+            ("annotation", p.annotation, annotation),
+        ):
+            if got != wanted:
+                problems.append(f"{written.label}({p.name}): {what} {got!r}; the definition gives {wanted!r}")
+    return problems
+
+
+def test_written_signatures_match_the_definitions():
+    """Each written signature has the parameters the definitions of its options give: their names in field order,
+    kinds, defaults and annotations (an option added to its dataclass and not to a signature fails here)."""
+    problems = [problem for written in written_signatures() for problem in signature_problems(written)]
+    assert problems == [], "\n".join(problems)
+
+
+def add_parameter(written: Written, copy: Path, record: str) -> None:
+    """In the copy of the package at `copy`, add the new option of `record` (NEW_PARAMETERS) to the written signature
+    `written`, after the parameter of the record's last option."""
+    from tt_moge.fields import options_of
+
+    name, annotation, default = NEW_PARAMETERS[record]
+    if written.query:
+        annotation = f'Annotated[{annotation}, option_query({record}, "{name}")]'
+    source = inspect.unwrap(written.func)
+    path = copy / Path(source.__code__.co_filename).relative_to(PACKAGE)
+    last = options_of(next(r for r in written.records if r.__name__ == record))[-1].argument
+    text = path.read_text()
+
+    def find(body: list, qualname: list) -> ast.AST:
+        node = next(n for n in body if getattr(n, "name", None) == qualname[0])
+        return node if len(qualname) == 1 else find(node.body, qualname[1:])
+
+    args = find(ast.parse(text).body, source.__qualname__.split(".")).args
+    defaults = dict(zip([a.arg for a in args.args][len(args.args) - len(args.defaults) :], args.defaults))
+    defaults.update((a.arg, d) for a, d in zip(args.kwonlyargs, args.kw_defaults))
+    end = defaults[last]
+    lines = text.splitlines(keepends=True)
+    line, at = lines[end.end_lineno - 1], end.end_col_offset
+    lines[end.end_lineno - 1] = f"{line[:at]}, {name}: {annotation} = {default}{line[at:]}"
+    path.write_text("".join(lines))
 
 
 def add_field(path: Path, class_name: str, source: str) -> None:
@@ -227,6 +379,10 @@ CHECKS = textwrap.dedent("""
 def test_a_field_added_in_one_place_reaches_every_surface(tmp_path, checkpoint):
     copy = tmp_path / "pkg" / "tt_moge"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    for written in written_signatures():  # the written signatures first: add_field moves the lines below it
+        for record in NEW_PARAMETERS:
+            if record in {r.__name__ for r in written.records}:
+                add_parameter(written, copy, record)
     for relative, class_name, source in NEW_FIELDS:
         add_field(copy / relative, class_name, source)
     env = {**os.environ, "PYTHONPATH": str(copy.parent), "OMP_NUM_THREADS": "1"}

@@ -2,14 +2,19 @@
 how each surface spells it.
 
 `options.LoadOptions` (the arguments of `from_pretrained`) and `host.CallOptions` (the options of
-`model(image, ...)`) are made of such fields. Everything else is generated from them: the signatures of
-`from_pretrained`, `model(...)`, `predict`, `predict_many` and `CallOptions.make`, the command-line flags
-(`cli/common.py`), the HTTP query parameters and the web page's controls (`server/serving.py`, `server/ui.py`),
-the fields of `batch.BatchJob` and the keys of a warm-up variant (`warmup.py`). The server's limits
-(`server.settings.ServerSettings`) and a batch job's own settings (`batch.BatchJob`) are such fields too: their
-flags, checks and forwarding are generated the same way. A new option is one new field; no surface keeps a list
-of names (tests/test_one_definition.py checks it, down to what reaches the model). The output fields have their
-own definitions, in `output.py`.
+`model(image, ...)`) are made of such fields. Generated from them: the command-line flags (`cli/common.py`), the
+web page's controls (`server/ui.py`), the fields of `batch.BatchJob` and the keys of a warm-up variant
+(`warmup.py`). The server's limits (`server.settings.ServerSettings`) and a batch job's own settings
+(`batch.BatchJob`) are such fields too: their flags, checks and forwarding are generated the same way. The output
+fields have their own definitions, in `output.py`.
+
+The Python signatures (`from_pretrained`, `model(...)`, `predict`, `predict_many`, `infer`, `predict_video`,
+`CallOptions.make`, ...) and the HTTP query parameters (`server/serving.py`, `server/video.py`) are written out in
+their defs, so that a reader and a static tool see them; `signature` gives what each must be, and
+tests/test_one_definition.py checks every written one against it: a new option is one new field plus its
+parameter in those defs, and a def that lacks it fails that test. The defs pass their options on by
+`arguments_of(record, locals())`, never by a list of names; `takes_options` gives an unknown keyword the same
+TypeError as `bind`.
 
 This module is the machinery only; it imports nothing of tt_moge.
 """
@@ -22,7 +27,7 @@ import inspect
 import math
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, TypeVar
 
 __all__ = [
     "Spec",
@@ -32,6 +37,8 @@ __all__ = [
     "options_of",
     "signature",
     "bind",
+    "takes_options",
+    "arguments_of",
     "checked",
     "include_options",
     "own_options",
@@ -40,6 +47,7 @@ __all__ = [
 ]
 
 FIELD_KEY = "tt_moge"  # the key of a field's Spec in its dataclass metadata
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -182,7 +190,8 @@ def signature(
     cls: type, *, keyword_only: bool = True, leading: tuple = (), returns: Any = inspect.Signature.empty
 ) -> inspect.Signature:
     """A function signature with one parameter per option of `cls` (after `leading` parameters): keyword-only
-    (or, with keyword_only=False, positional-or-keyword), except a `positional` option, which comes first."""
+    (or, with keyword_only=False, positional-or-keyword), except a `positional` option, which comes first. What the
+    parameters of a call that takes these options must be (tests/test_one_definition.py checks the written defs)."""
     kinds = inspect.Parameter
     params = list(leading)
     for info in sorted(options_of(cls), key=lambda i: not i.spec.positional):
@@ -196,14 +205,49 @@ def bind(sig: inspect.Signature, where: str, args: tuple, kwargs: dict) -> dict:
     """{argument: value} of a call, defaults filled in; a TypeError naming `where` for unknown or extra arguments."""
     unknown = sorted(set(kwargs) - set(sig.parameters))
     if unknown:
-        names = [name for name, p in sig.parameters.items() if p.kind is not p.VAR_KEYWORD]
-        raise TypeError(f"{where}() got unexpected option(s) {unknown}; it takes {names}")
+        raise _unknown(where, [name for name, p in sig.parameters.items() if p.kind is not p.VAR_KEYWORD], unknown)
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"{where}(): {exc}") from None
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def _unknown(where: str, names: list, unknown: list) -> TypeError:
+    return TypeError(f"{where}() got unexpected option(s) {unknown}; it takes {names}")
+
+
+def takes_options(where: str) -> Callable[[F], F]:
+    """A decorator for a call whose options are written out in its signature: an unknown keyword argument, or too
+    many positional ones, are the TypeErrors of `bind` ("`where`() got unexpected option(s) [...]; it takes
+    [...]", the options it does take) rather than Python's own. The signature stays the def's
+    (`inspect.signature` follows `__wrapped__`)."""
+
+    def decorate(func: F) -> F:
+        sig = inspect.signature(func)
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        accepted = frozenset(name for name, p in sig.parameters.items() if p.kind in kinds)
+        positional = sum(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in sig.parameters.values())
+        options = [name for name, p in sig.parameters.items() if p.kind in kinds and p.default is not p.empty]
+
+        @functools.wraps(func)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not accepted.issuperset(kwargs):
+                raise _unknown(where, options, sorted(set(kwargs) - accepted))
+            if len(args) > positional:
+                raise TypeError(f"{where}(): too many positional arguments")
+            return func(*args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return decorate
+
+
+def arguments_of(cls: type, values: Mapping) -> dict:
+    """{argument: value} for each option of `cls`, taken from `values`: in a def that has the options as its
+    parameters, `arguments_of(cls, locals())` passes all of them on, without a list of names."""
+    return {info.argument: values[info.argument] for info in options_of(cls)}
 
 
 def checked(info: OptionInfo, value: Any, error: type = ValueError, type_error: type = TypeError) -> Any:

@@ -8,24 +8,27 @@ One call = decode -> canvas fit -> device forward -> focal/shift solve -> finish
 runs one canvas at a time under a lock; the host stages of different calls run in parallel.
 
 The keyword arguments of `from_pretrained` are the fields of `options.LoadOptions`, those of `model(image, ...)`,
-`predict` and `predict_many` the fields of `host.CallOptions`: the signatures below are generated from them.
+`predict` and `predict_many` the fields of `host.CallOptions` (and `predict_video`'s those of
+`video.VideoOptions` too), written out below in their order; tests/test_one_definition.py checks each signature
+against the fields, and the defs pass them on with `arguments_of(record, locals())`.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
-import inspect
+import os
 import sys
 import threading
 import time
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from . import __version__, native, openmp
-from .fields import signature
+from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS
+from .fields import arguments_of, takes_options
 from .host import CallOptions
 from .options import LoadOptions
 from .output import MoGeOutput
@@ -34,8 +37,9 @@ from .runners import make_runner
 from .runners.base import RawMaps, Runner
 from .service import PredictionService
 from .synthetic import synthetic_photo
+from .video.options import DEFAULT_CALIBRATION_FRAMES, DEFAULT_NEW_CHAIN_AFTER, VideoOptions
 from .warmup import canonical_variant, run_variant
-from .weights import load_network
+from .weights import DEFAULT_REPO, DEFAULT_REVISION, load_network
 
 __all__ = ["MoGeModel"]
 
@@ -68,7 +72,23 @@ class MoGeModel:
 
     # ------------------------------------------------------------------------------------------- load
     @classmethod
-    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "MoGeModel":
+    @takes_options("from_pretrained")
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: Union[str, os.PathLike] = DEFAULT_REPO,
+        *,
+        device: Any = None,
+        device_id: int = 0,
+        revision: Optional[str] = DEFAULT_REVISION,
+        resolution: Sequence[int] = DEFAULT_CANVAS,
+        num_tokens: int = DEFAULT_NUM_TOKENS,
+        dispatch: str = "eth",
+        num_command_queues: Optional[int] = None,
+        warmup: int = 2,
+        warmup_variants: Any = "default",
+        verbose: bool = False,
+        precision: str = "auto",
+    ) -> "MoGeModel":
         """Load the weights, build the runner for the device, run `warmup` device forwards, warm the host paths.
 
         The arguments are the options of `tt_moge.options.LoadOptions` (its fields: default, meaning, checks).
@@ -79,7 +99,7 @@ class MoGeModel:
         `dispatch` and `num_command_queues` are Tenstorrent options: validated here, used by the ttnn runner,
         ignored by the CPU and CUDA runners.
         """
-        return cls.load(LoadOptions.resolve(*args, **kwargs))
+        return cls.load(LoadOptions.resolve(**arguments_of(LoadOptions, locals())))
 
     @classmethod
     def load(cls, options: LoadOptions) -> "MoGeModel":
@@ -164,33 +184,85 @@ class MoGeModel:
         return f"MoGeModel({self.source}, {self.resolution[0]}x{self.resolution[1]}, {self.num_tokens} tokens, {state})"
 
     # --------------------------------------------------------------------------------------- calls
-    def predict(self, image: Any, *, timing: Optional[dict] = None, **options: Any) -> MoGeOutput:
+    @takes_options("predict")
+    def predict(
+        self,
+        image: Any,
+        *,
+        fit: str = "pad",
+        fov_x: Optional[float] = None,
+        apply_mask: bool = True,
+        force_projection: bool = True,
+        intrinsics: Any = None,
+        timing: Optional[dict] = None,
+    ) -> MoGeOutput:
         """One image -> MoGeOutput. `timing`, if a dict, receives stage times in ms (`service.STAGES`: decode,
         canvas, device_wait (another call held the device), device (the forward only), solve, finish)."""
-        return self.service.predict(image, _call_options("predict", options), timing)
+        return self.service.predict(image, CallOptions.of_arguments(locals()), timing)
 
-    def __call__(self, image: Any, **options: Any) -> Union[MoGeOutput, list]:
+    @takes_options("model")
+    def __call__(
+        self,
+        image: Any,
+        *,
+        fit: str = "pad",
+        fov_x: Optional[float] = None,
+        apply_mask: bool = True,
+        force_projection: bool = True,
+        intrinsics: Any = None,
+    ) -> Union[MoGeOutput, list]:
         """An image -> MoGeOutput at its own resolution; a list of images -> a list of MoGeOutput."""
+        options = arguments_of(CallOptions, locals())
         if isinstance(image, (list, tuple)):
             return self.predict_many(image, **options)
         return self.predict(image, **options)
 
-    def predict_many(self, images: Iterable[Any], **options: Any) -> list:
+    @takes_options("predict_many")
+    def predict_many(
+        self,
+        images: Iterable[Any],
+        *,
+        fit: str = "pad",
+        fov_x: Optional[float] = None,
+        apply_mask: bool = True,
+        force_projection: bool = True,
+        intrinsics: Any = None,
+    ) -> list:
         """Several images, in order, with the same options. While the device runs image i, a host thread
         decodes image i+1 and another finishes image i-1. Same results as single calls."""
-        return self.service.predict_many(images, _call_options("predict_many", options))
+        return self.service.predict_many(images, CallOptions.of_arguments(locals()))
 
-    def forward_many(self, images: Iterable[Any], **options: Any) -> list:
+    @takes_options("forward_many")
+    def forward_many(
+        self,
+        images: Iterable[Any],
+        *,
+        fit: str = "pad",
+        fov_x: Optional[float] = None,
+        apply_mask: bool = True,
+        force_projection: bool = True,
+        intrinsics: Any = None,
+    ) -> list:
         """Several images' forwards without the host steps: `host.Forwarded`s (raw maps on the canvas, where the
         image sits), for `finish_many`: one forward, finished with as many sets of options as wanted (the video
         path finishes its calibration frames twice). Options: those of `predict_many`; `fit` places each image on
         the canvas, and given `intrinsics` are checked against each image here."""
-        return self.service.forward_many(images, _call_options("forward_many", options))
+        return self.service.forward_many(images, CallOptions.of_arguments(locals()))
 
-    def finish_many(self, forwarded: Iterable[Any], **options: Any) -> list:
+    @takes_options("finish_many")
+    def finish_many(
+        self,
+        forwarded: Iterable[Any],
+        *,
+        fit: str = "pad",
+        fov_x: Optional[float] = None,
+        apply_mask: bool = True,
+        force_projection: bool = True,
+        intrinsics: Any = None,
+    ) -> list:
         """`forward_many`'s forwards -> MoGeOutputs with these call options (the `fit` they were forwarded with):
         what `predict_many` gives for their images with these options, without running the network again."""
-        return self.service.finish_many(forwarded, _call_options("finish_many", options))
+        return self.service.finish_many(forwarded, CallOptions.of_arguments(locals()))
 
     def predict_panorama(self, image: Any, *, return_views: bool = False, apply_mask: bool = True) -> Any:
         """A 360-degree equirectangular image (width = 2 x height) -> PanoramaOutput: distance (H, W) metres,
@@ -202,7 +274,24 @@ class MoGeModel:
         self.service.check_open()
         return predict_panorama(self, image, return_views=return_views, apply_mask=apply_mask)
 
-    def predict_video(self, source: Any, **options: Any) -> Any:
+    @takes_options("predict_video")
+    def predict_video(
+        self,
+        source: Any,
+        *,
+        fit: str = "pad",
+        fov_x: Optional[float] = None,
+        apply_mask: bool = True,
+        force_projection: bool = True,
+        intrinsics: Any = None,
+        stride: int = 1,
+        max_frames: Optional[int] = None,
+        calibration_frames: int = DEFAULT_CALIBRATION_FRAMES,
+        window: Optional[int] = None,
+        new_chain_after: int = DEFAULT_NEW_CHAIN_AFTER,
+        calibrate_chains: bool = True,
+        voxel_size: Optional[float] = None,
+    ) -> Any:
         """A clip (a video file, a folder of frames, video bytes, an (N, H, W, 3) array or an iterable of images)
         -> VideoOutput: every frame's MoGeOutput with one set of intrinsics and one metric scale for the clip,
         camera poses from frame-to-frame registration, a fused point cloud. Options: the call options of
@@ -210,6 +299,7 @@ class MoGeModel:
         docs/video.md); `tt_moge.video.iter_video` streams clips that do not fit in memory."""
         from .video import predict_video
 
+        options = {**arguments_of(CallOptions, locals()), **arguments_of(VideoOptions, locals())}
         self.service.check_open()
         return predict_video(self, source, **options)
 
@@ -226,6 +316,7 @@ class MoGeModel:
             out["metric_scale"] = torch.tensor([raw.metric_scale], dtype=torch.float32)
         return out
 
+    @takes_options("infer")
     def infer(
         self,
         image: Any,
@@ -235,14 +326,17 @@ class MoGeModel:
         num_tokens: Optional[int] = None,
         resolution_level: int = 9,
         use_fp16: bool = True,
-        **options: Any,
+        *,
+        fit: str = "pad",
+        intrinsics: Any = None,
     ) -> dict:
         """Drop-in for upstream `MoGeModel.infer`: (3, H, W) or (B, 3, H, W) float in [0, 1] -> dict of torch
         tensors points, intrinsics, depth, mask, normal (batched for a batched input). Images are fitted with
         fit="pad" unless `fit` says otherwise. `num_tokens` must be None or the load-time budget;
-        `resolution_level` and `use_fp16` are ignored (the precision is chosen at load). The named arguments are
-        upstream's; `options` are the other options of `model(image, ...)` (the fields of `host.CallOptions`,
-        e.g. fit, intrinsics), as there."""
+        `resolution_level` and `use_fp16` are ignored (the precision is chosen at load). The positional arguments
+        are upstream's; the keyword-only ones the other options of `model(image, ...)` (the fields of
+        `host.CallOptions`: fit, intrinsics), as there."""
+        given = arguments_of(CallOptions, locals())
         self.service.check_open()
         if num_tokens is not None and num_tokens != self.num_tokens:
             raise ValueError(
@@ -256,8 +350,7 @@ class MoGeModel:
             fovs = [float(f) for f in fov_x]
         else:
             fovs = [fov_x] * len(items)
-        given = {**options, "force_projection": force_projection, "apply_mask": apply_mask}
-        calls = [_call_options("infer", {**given, "fov_x": f}) for f in fovs]  # checked before any forward
+        calls = [CallOptions.of_arguments({**given, "fov_x": f}) for f in fovs]  # checked before any forward
         outs = [self.service.predict(img, call).to_torch() for img, call in zip(items, calls)]
         result = {k: torch.stack([o[k] for o in outs]) if batched else outs[0][k] for k in outs[0]}
         return {k: v.to(device) for k, v in result.items()}
@@ -309,48 +402,3 @@ class MoGeModel:
             self.close()
         except Exception:
             pass
-
-
-def _call_options(where: str, options: dict) -> CallOptions:
-    return CallOptions.of_call(where, (), options) if options else CallOptions()
-
-
-def _generated_signatures() -> None:
-    """inspect.signature / help() of the calls show their options (the fields of LoadOptions, CallOptions)."""
-    param = inspect.Parameter
-    this = param("self", param.POSITIONAL_OR_KEYWORD)
-    MoGeModel.from_pretrained.__func__.__signature__ = signature(
-        LoadOptions, leading=(param("cls", param.POSITIONAL_OR_KEYWORD),), returns="MoGeModel"
-    )
-    for method, first, returns in (
-        (MoGeModel.predict, "image", MoGeOutput),
-        (MoGeModel.__call__, "image", Any),
-        (MoGeModel.predict_many, "images", list),
-        (MoGeModel.forward_many, "images", list),
-        (MoGeModel.finish_many, "forwarded", list),
-    ):
-        sig = signature(CallOptions, leading=(this, param(first, param.POSITIONAL_OR_KEYWORD)), returns=returns)
-        if method is MoGeModel.predict:
-            sig = sig.replace(
-                parameters=[
-                    *sig.parameters.values(),
-                    param("timing", param.KEYWORD_ONLY, default=None, annotation=Optional[dict]),
-                ]
-            )
-        method.__signature__ = sig
-    upstream = [p for p in inspect.signature(MoGeModel.infer).parameters.values() if p.kind is not p.VAR_KEYWORD]
-    MoGeModel.infer.__signature__ = inspect.Signature(
-        [
-            *upstream,
-            *(p for p in signature(CallOptions).parameters.values() if p.name not in {q.name for q in upstream}),
-        ],
-        return_annotation=dict,
-    )
-    from .video.predict import video_signature
-
-    MoGeModel.predict_video.__signature__ = video_signature(
-        (this, param("source", param.POSITIONAL_OR_KEYWORD)), returns="VideoOutput"
-    )
-
-
-_generated_signatures()

@@ -1,8 +1,9 @@
 """The load options of `MoGeModel.from_pretrained`, validated and resolved once, before any weights are read.
 
 Each field of `LoadOptions` is the one definition of its option (`tt_moge.fields`): its default, its help
-and its checks. The signature of `from_pretrained`, the model flags of every `tt-moge` command and the model
-arguments a batch job accepts are generated from these fields.
+and its checks. The model flags of every `tt-moge` command and the model arguments a batch job accepts are
+generated from these fields; `from_pretrained`, `LoadOptions.arguments` and `LoadOptions.resolve` have them written
+out as their parameters (tests/test_one_definition.py checks each against the fields).
 
 `LoadOptions.resolve(...)` takes the arguments as a caller gives them (the API, the server's and the CLI's
 flags) and returns one frozen record in which every choice is made: the weights source and revision, the
@@ -14,7 +15,6 @@ the checks that do not depend on the machine (for a batch job's driver, whose re
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from .constants import DEFAULT_CANVAS, DEFAULT_NUM_TOKENS, MAX_CANVAS_SIDE, PRECISIONS
-from .fields import bind, checked, non_negative_int, option, options_of, signature
+from .fields import arguments_of, checked, non_negative_int, option, options_of, takes_options
 from .host.call_options import CallOptions
 from .network.config import validate_token_budget
 from .weights import DEFAULT_REPO, DEFAULT_REVISION, WEIGHTS_DIR_ENV
@@ -186,7 +186,7 @@ def select_device(device: Any = None, device_id: int = 0, verbose: bool = False)
                 f"no Tenstorrent chip, and no CUDA GPU found by this CUDA build of torch ({torch.__version__}): "
                 "running MoGe-2 on the CPU; pass device='cpu' to choose it explicitly",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=6,  # the caller of from_pretrained (its frame and resolve's, each under takes_options)
             )
         return torch.device("cpu")
     from .runners.ttnn.device import TtnnUnavailableError, import_ttnn, is_ttnn_device
@@ -307,19 +307,51 @@ class LoadOptions:
     )  # concrete once resolved: fp32, bf16, fp16, int8, bfp8
 
     @classmethod
-    def arguments(cls, *args: Any, **kwargs: Any) -> dict:
+    @takes_options("from_pretrained")
+    def arguments(
+        cls,
+        pretrained_model_name_or_path: Union[str, os.PathLike] = DEFAULT_REPO,
+        *,
+        device: Any = None,
+        device_id: int = 0,
+        revision: Optional[str] = DEFAULT_REVISION,
+        resolution: Sequence[int] = DEFAULT_CANVAS,
+        num_tokens: int = DEFAULT_NUM_TOKENS,
+        dispatch: str = "eth",
+        num_command_queues: Optional[int] = None,
+        warmup: int = 2,
+        warmup_variants: Any = "default",
+        verbose: bool = False,
+        precision: str = "auto",
+    ) -> dict:
         """{argument: value} of a `from_pretrained` call with its defaults filled in, each option checked on its
         own (its type, choices and range: a ValueError / TypeError naming it); nothing is chosen for the machine
         yet. Unknown arguments are a TypeError."""
-        given = bind(_SIGNATURE, "from_pretrained", args, kwargs)
+        given = locals()
         return {info.argument: checked(info, given[info.argument]) for info in options_of(cls)}
 
     @classmethod
-    def resolve(cls, *args: Any, **kwargs: Any) -> "LoadOptions":
+    @takes_options("from_pretrained")
+    def resolve(
+        cls,
+        pretrained_model_name_or_path: Union[str, os.PathLike] = DEFAULT_REPO,
+        *,
+        device: Any = None,
+        device_id: int = 0,
+        revision: Optional[str] = DEFAULT_REVISION,
+        resolution: Sequence[int] = DEFAULT_CANVAS,
+        num_tokens: int = DEFAULT_NUM_TOKENS,
+        dispatch: str = "eth",
+        num_command_queues: Optional[int] = None,
+        warmup: int = 2,
+        warmup_variants: Any = "default",
+        verbose: bool = False,
+        precision: str = "auto",
+    ) -> "LoadOptions":
         """Validate the arguments of `from_pretrained` (a ValueError/TypeError naming the argument) and resolve
         them: the device (None -> a Tenstorrent chip, else CUDA, else the CPU with a RuntimeWarning), "auto"
         precision, "main" revision, the warm-up variants for the canvas."""
-        given = cls.arguments(*args, **kwargs)
+        given = cls.arguments(**arguments_of(cls, locals()))
         values = {info.name: given[info.argument] for info in options_of(cls)}
         from .warmup import expand_variants
 
@@ -332,13 +364,3 @@ class LoadOptions:
 
         values.update(device=chosen, precision=resolve_precision(values["precision"], chosen))
         return cls(**values)
-
-
-_SIGNATURE = signature(LoadOptions)
-# inspect.signature(LoadOptions.resolve) and help() show the arguments, not *args, **kwargs
-for _method in (LoadOptions.arguments, LoadOptions.resolve):
-    _method.__func__.__signature__ = signature(
-        LoadOptions,
-        leading=(inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),),
-        returns=dict if _method is LoadOptions.arguments else "LoadOptions",
-    )

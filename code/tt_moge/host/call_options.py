@@ -8,10 +8,10 @@ import inspect
 import math
 from dataclasses import dataclass
 from numbers import Real
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from ..constants import FITS, FOV_X_RANGE
-from ..fields import bind, checked, option, options_of, signature
+from ..fields import bind, checked, option, options_of, takes_options
 from .decode import InputError
 from .intrinsics import Intrinsics, check_intrinsics
 
@@ -50,9 +50,10 @@ def parse_fov_degrees(text: str) -> float:
 @dataclass(frozen=True)
 class CallOptions:
     """The per-call options of `model(image, ...)`, validated (`make`). Each field is the one definition of its
-    option (`tt_moge.fields`): the signatures of `model(...)`, `predict` and `predict_many`, the per-image flags
-    of `tt-moge predict` / `batch`, the query parameters of the server and of its web page, the fields of
-    `BatchJob` and the keys of a warm-up variant are generated from them."""
+    option (`tt_moge.fields`): the per-image flags of `tt-moge predict` / `batch`, the web page's controls, the
+    fields of `BatchJob` and the keys of a warm-up variant are generated from them. The calls that take them
+    (`make`, `model(...)`, `predict`, `predict_many`, ..., the server's query parameters) have them written out
+    in their defs, in this order (tests/test_one_definition.py checks each against these fields)."""
 
     fit: str = option(
         "pad",
@@ -87,26 +88,33 @@ class CallOptions:
             raise InputError("fov_x and intrinsics: give one of them (the intrinsics fix the focal already)")
 
     @classmethod
-    def make(cls, *args: Any, **kwargs: Any) -> "CallOptions":
+    @takes_options("CallOptions.make")
+    def make(
+        cls,
+        fit: str = "pad",
+        fov_x: Optional[float] = None,
+        apply_mask: bool = True,
+        force_projection: bool = True,
+        intrinsics: Any = None,
+    ) -> "CallOptions":
         """Validated options (an InputError naming the option); positional arguments in field order."""
-        return cls.of_call("CallOptions.make", args, kwargs)
+        return cls.of_arguments(locals())
+
+    @classmethod
+    def of_arguments(cls, given: Mapping) -> "CallOptions":
+        """The options in `given`, a mapping that holds every option's argument (a `bind` result, or the `locals()`
+        of a def that has them as its parameters), validated: a bad value is an InputError naming the option."""
+        return cls(**{i.name: checked(i, given[i.argument], InputError, InputError) for i in options_of(cls)})
 
     @classmethod
     def of_call(cls, where: str, args: tuple = (), kwargs: Optional[dict] = None) -> "CallOptions":
         """The options of a call of `where` (e.g. "predict_many"), validated; unknown options are a TypeError
         and bad values an InputError, each naming the option."""
-        given = bind(_MAKE_SIGNATURE, where, args, kwargs or {})
-        return cls(**{i.name: checked(i, given[i.argument], InputError, InputError) for i in options_of(cls)})
+        return cls.of_arguments(bind(_MAKE_SIGNATURE, where, args, kwargs or {}))
 
     def kwargs(self) -> dict:
         """{argument: value}: these options as keyword arguments of `model(image, ...)`."""
         return {i.argument: getattr(self, i.name) for i in options_of(type(self))}
 
 
-_MAKE_SIGNATURE = signature(CallOptions, keyword_only=False)
-CallOptions.make.__func__.__signature__ = signature(
-    CallOptions,
-    keyword_only=False,
-    leading=(inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),),
-    returns="CallOptions",
-)
+_MAKE_SIGNATURE = inspect.signature(CallOptions.make)  # the written one: (fit, fov_x, ...)

@@ -194,7 +194,7 @@ def create_app(
     install_docs(app)
     app.add_middleware(_CountResponses, serving=serving)
     responses = dict(ERROR_RESPONSES)
-    call_query = call_options_query()
+    call_query = call_options_query
 
     @app.post(
         "/predict",

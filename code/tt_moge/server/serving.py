@@ -9,9 +9,10 @@ device forward under its lock, solve, finish) and encodes the answer -> the answ
 (`sending.StreamedAnswer`). The request keeps its queue slot and its memory until the answer has been sent, or
 the client is gone or cut for not reading (`send_timeout_s`).
 
-Also here, generated from the definitions: the query parameters of the call options (`call_options_query`,
-one per field of `host.CallOptions`) and the response records `Timing` (the stages, `service.STAGES` inside)
-and `Summary` (the fields of `MoGeOutput.summary`, `output.SUMMARY_FIELDS`).
+Also here: the query parameters of the call options (`call_options_query`, one per field of `host.CallOptions`,
+written out; their descriptions and limits from the definitions, `option_query`; tests/test_one_definition.py
+checks them against the fields), and, generated from the definitions, the response records `Timing` (the
+stages, `service.STAGES` inside) and `Summary` (the fields of `MoGeOutput.summary`, `output.SUMMARY_FIELDS`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import inspect
 import ipaddress
 import json
 import logging
@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Literal, Optional, Union
+from typing import Annotated, Any, Awaitable, Callable, Literal, Optional, Union
 from urllib.parse import unquote_to_bytes
 
 from fastapi import Depends, Query, Request
@@ -49,7 +49,9 @@ __all__ = [
     "Serving",
     "Prediction",
     "call_options_query",
-    "options_query",
+    "option_query",
+    "query_type",
+    "options_of_query",
     "check_query",
     "summary_model",
     "CALL_OPTION_NAMES",
@@ -136,40 +138,45 @@ def timing_headers(timing_ms: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------ the call options
-def _query_parameter(info: OptionInfo) -> inspect.Parameter:
-    """The query parameter of one call option: its type, limits and description from its definition."""
-    spec, annotation = info.spec, info.type
+def query_type(info: OptionInfo) -> Any:
+    """The type of an option's query parameter: its choices as a Literal, else its own type where a query string
+    says it, else Optional[str] (a structured value, e.g. intrinsics, is sent as its command-line text)."""
+    annotation = info.type
     if annotation not in (bool, int, float, str, Optional[int], Optional[float], Optional[str]):
-        annotation = Optional[str]  # a structured value (e.g. intrinsics) is sent as its command-line text
-    limits: dict = {}
-    if spec.choices is not None:
-        values = tuple(c for c in spec.choices if c is not None)
-        annotation = Literal[values] if None not in spec.choices else Optional[Literal[values]]
-    if spec.bounds is not None:
-        limits = dict(gt=spec.bounds[0], lt=spec.bounds[1], allow_inf_nan=False)
-    query = Query(info.default, description=info.describe(), **limits)
-    return inspect.Parameter(info.argument, inspect.Parameter.KEYWORD_ONLY, default=query, annotation=annotation)
+        annotation = Optional[str]
+    if info.spec.choices is not None:
+        values = tuple(c for c in info.spec.choices if c is not None)
+        annotation = Literal[values] if None not in info.spec.choices else Optional[Literal[values]]
+    return annotation
 
 
-def call_options_query() -> Callable[..., CallOptions]:
+def option_query(record: type, name: str) -> Any:
+    """The FastAPI `Query` of the option `name` of `record` (the `Annotated` part of its written query parameter):
+    its description and limits, from its definition."""
+    info = next(i for i in options_of(record) if i.argument == name)
+    bounds = info.spec.bounds
+    limits = {} if bounds is None else dict(gt=bounds[0], lt=bounds[1], allow_inf_nan=False)
+    return Query(description=info.describe(), **limits)
+
+
+def options_of_query(record: type, given: dict) -> Any:
+    """The `record` (CallOptions, video.VideoOptions) of a query dependency's `locals()`; 422 for a bad value."""
+    try:
+        return record.of_arguments(given)
+    except InputError as exc:
+        raise ApiError(422, "invalid_option", str(exc)) from None
+
+
+def call_options_query(
+    *,
+    fit: Annotated[Literal["pad", "stretch"], option_query(CallOptions, "fit")] = "pad",
+    fov_x: Annotated[Optional[float], option_query(CallOptions, "fov_x")] = None,
+    apply_mask: Annotated[bool, option_query(CallOptions, "apply_mask")] = True,
+    force_projection: Annotated[bool, option_query(CallOptions, "force_projection")] = True,
+    intrinsics: Annotated[Optional[str], option_query(CallOptions, "intrinsics")] = None,
+) -> CallOptions:
     """A FastAPI dependency with one query parameter per field of `host.CallOptions` -> the CallOptions."""
-    return options_query(CallOptions)
-
-
-def options_query(record: type) -> Callable[..., Any]:
-    """A FastAPI dependency with one query parameter per option of `record` (a dataclass of `tt_moge.fields`
-    options with a `make` classmethod: CallOptions, video.VideoOptions) -> the record; 422 for a bad value."""
-
-    def options(**values: Any) -> Any:
-        try:
-            return record.make(**values)
-        except InputError as exc:
-            raise ApiError(422, "invalid_option", str(exc)) from None
-
-    options.__signature__ = inspect.Signature(
-        [_query_parameter(i) for i in options_of(record)], return_annotation=record
-    )
-    return options
+    return options_of_query(CallOptions, locals())
 
 
 def check_query(request: Request, allowed: tuple) -> None:

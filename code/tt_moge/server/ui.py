@@ -633,7 +633,7 @@ def mount_ui(app: MoGeApp, store: Optional[ResultStore] = None) -> ResultStore:
 
     @router.post("/ui/api/predict", dependencies=[Depends(serving.authorize)])
     async def predict(
-        request: Request, options: CallOptions = Depends(call_options_query()), exif: bool = Depends(exif_query)
+        request: Request, options: CallOptions = Depends(call_options_query), exif: bool = Depends(exif_query)
     ) -> Response:
         check_query(request, (*CALL_OPTION_NAMES, EXIF_QUERY))
         done = await serving.predict(request, options, lambda out, upload: make_page_result(out, upload, store), exif)

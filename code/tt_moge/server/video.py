@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
@@ -36,6 +36,7 @@ from ..fields import options_of
 from ..host import CallOptions, InputError
 from ..npzio import npz_parts
 from ..video import VideoOptions, VideoStream
+from ..video.options import DEFAULT_CALIBRATION_FRAMES, DEFAULT_NEW_CHAIN_AFTER
 from ..video.output import VIDEO_NPZ_LAYOUT
 from .errors import ApiError
 from .serving import (
@@ -49,13 +50,22 @@ from .serving import (
     deflate_query,
     json_response,
     npz_response,
-    options_query,
+    option_query,
+    options_of_query,
     timing_headers,
 )
 from .settings import ServerSettings
 from .upload import media_type, read_body
 
-__all__ = ["VIDEO_MEDIA_TYPES", "VIDEO_OPTION_NAMES", "ClipUpload", "receive_clip", "predict_clip", "add_video_routes"]
+__all__ = [
+    "VIDEO_MEDIA_TYPES",
+    "VIDEO_OPTION_NAMES",
+    "ClipUpload",
+    "receive_clip",
+    "predict_clip",
+    "add_video_routes",
+    "video_options_query",
+]
 
 VIDEO_MEDIA_TYPES = (
     "video/mp4",
@@ -67,6 +77,21 @@ VIDEO_MEDIA_TYPES = (
     "application/octet-stream",
 )
 VIDEO_OPTION_NAMES = tuple(info.argument for info in options_of(VideoOptions))
+
+
+def video_options_query(
+    *,
+    stride: Annotated[int, option_query(VideoOptions, "stride")] = 1,
+    max_frames: Annotated[Optional[int], option_query(VideoOptions, "max_frames")] = None,
+    calibration_frames: Annotated[int, option_query(VideoOptions, "calibration_frames")] = DEFAULT_CALIBRATION_FRAMES,
+    window: Annotated[Optional[int], option_query(VideoOptions, "window")] = None,
+    new_chain_after: Annotated[int, option_query(VideoOptions, "new_chain_after")] = DEFAULT_NEW_CHAIN_AFTER,
+    calibrate_chains: Annotated[bool, option_query(VideoOptions, "calibrate_chains")] = True,
+    voxel_size: Annotated[Optional[float], option_query(VideoOptions, "voxel_size")] = None,
+) -> VideoOptions:
+    """A FastAPI dependency with one query parameter per field of `video.VideoOptions` (written out, as
+    `serving.call_options_query`'s) -> the VideoOptions; 422 for a bad value."""
+    return options_of_query(VideoOptions, locals())
 
 
 @dataclass
@@ -297,7 +322,7 @@ _VIDEO_BODY = {
 
 def add_video_routes(app: FastAPI, serving: Serving, responses: dict) -> None:
     """POST /predict/video (npz) and /predict/video/summary (JSON) on `app` (see the module docstring)."""
-    call_query, video_query = call_options_query(), options_query(VideoOptions)
+    call_query, video_query = call_options_query, video_options_query
     names = (*CALL_OPTION_NAMES, *VIDEO_OPTION_NAMES)
     layout = ", ".join(f"{k} {dt} {shape}" for k, (dt, shape, _) in VIDEO_NPZ_LAYOUT.items())
 
@@ -395,7 +420,7 @@ def make_clip_page_result(result: Any, depth: np.ndarray, mask: np.ndarray, stor
 def add_video_page(router: Any, serving: Serving, store: Any) -> None:
     """The web page's clip routes on its router (`ui.mount_ui`): POST /ui/api/predict_video (as POST
     /predict/video/summary, plus the stored files' URLs) and GET /ui/clips/<id>/<file> (CLIP_FILES)."""
-    call_query, video_query = call_options_query(), options_query(VideoOptions)
+    call_query, video_query = call_options_query, video_options_query
     names = (*CALL_OPTION_NAMES, *VIDEO_OPTION_NAMES)
 
     @router.post("/ui/api/predict_video", dependencies=[Depends(serving.authorize)])

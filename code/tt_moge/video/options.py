@@ -1,8 +1,9 @@
 """VideoOptions: the options of a video call beyond those of one image, each defined once (`tt_moge.fields`).
 
 `predict_video(model, source, ...)` and `model.predict_video(source, ...)` take the call options of one image
-(`host.CallOptions`: fit, fov_x, intrinsics, apply_mask, force_projection) and these. `tt-moge predict`'s video
-flags and the query parameters of the server's /predict/video are generated from both.
+(`host.CallOptions`: fit, fov_x, intrinsics, apply_mask, force_projection) and these, written out in their defs
+(tests/test_one_definition.py checks them against these fields). `tt-moge predict`'s video flags are generated
+from both.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import inspect
 import math
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
-from ..fields import bind, checked, option, options_of, signature
+from ..fields import bind, checked, option, options_of, takes_options
 from ..host import InputError
 
 __all__ = ["VideoOptions", "DEFAULT_CALIBRATION_FRAMES", "DEFAULT_NEW_CHAIN_AFTER"]
@@ -63,8 +64,9 @@ def _voxel_text(text: str) -> float:
 @dataclass(frozen=True)
 class VideoOptions:
     """The per-clip options of `predict_video`, validated (`make`). Each field is the one definition of its option:
-    the signatures of `predict_video`, the video flags of `tt-moge predict` and the query parameters of the
-    server's /predict/video are generated from them."""
+    the video flags of `tt-moge predict` are generated from them; `make`, `predict_video`, `iter_video` and the
+    query parameters of the server's /predict/video have them written out, in this order (checked by
+    tests/test_one_definition.py)."""
 
     stride: int = option(
         1, "use every Nth frame of the source", metavar="N", parse=_count_text(1), check=_count("stride", 1, False)
@@ -125,24 +127,33 @@ class VideoOptions:
             )
 
     @classmethod
-    def make(cls, *args: Any, **kwargs: Any) -> "VideoOptions":
+    @takes_options("VideoOptions.make")
+    def make(
+        cls,
+        stride: int = 1,
+        max_frames: Optional[int] = None,
+        calibration_frames: int = DEFAULT_CALIBRATION_FRAMES,
+        window: Optional[int] = None,
+        new_chain_after: int = DEFAULT_NEW_CHAIN_AFTER,
+        calibrate_chains: bool = True,
+        voxel_size: Optional[float] = None,
+    ) -> "VideoOptions":
         """Validated options (an InputError naming the option); positional arguments in field order."""
-        return cls.of_call("VideoOptions.make", args, kwargs)
+        return cls.of_arguments(locals())
+
+    @classmethod
+    def of_arguments(cls, given: Mapping) -> "VideoOptions":
+        """The options in `given`, a mapping that holds every option's argument (a `bind` result, or the `locals()`
+        of a def that has them as its parameters), validated: a bad value is an InputError naming the option."""
+        return cls(**{i.name: checked(i, given[i.argument], InputError, InputError) for i in options_of(cls)})
 
     @classmethod
     def of_call(cls, where: str, args: tuple = (), kwargs: Optional[dict] = None) -> "VideoOptions":
-        given = bind(_MAKE_SIGNATURE, where, args, kwargs or {})
-        return cls(**{i.name: checked(i, given[i.argument], InputError, InputError) for i in options_of(cls)})
+        return cls.of_arguments(bind(_MAKE_SIGNATURE, where, args, kwargs or {}))
 
     def kwargs(self) -> dict:
         """{argument: value}: these options as keyword arguments of `predict_video`."""
         return {i.argument: getattr(self, i.name) for i in options_of(type(self))}
 
 
-_MAKE_SIGNATURE = signature(VideoOptions, keyword_only=False)
-VideoOptions.make.__func__.__signature__ = signature(
-    VideoOptions,
-    keyword_only=False,
-    leading=(inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD),),
-    returns="VideoOptions",
-)
+_MAKE_SIGNATURE = inspect.signature(VideoOptions.make)  # the written one: (stride, max_frames, ...)

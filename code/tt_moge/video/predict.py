@@ -48,13 +48,13 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from ..fields import bind, options_of, signature
+from ..fields import bind, takes_options
 from ..host import CallOptions, InputError, Stopwatch
 from ..output import finite_or_none
 from .bundle import View, adjust
 from .calibrate import Calibration, calibrate
 from .fusion import VoxelCloud, frame_points
-from .options import DEFAULT_NEW_CHAIN_AFTER, VideoOptions
+from .options import DEFAULT_CALIBRATION_FRAMES, DEFAULT_NEW_CHAIN_AFTER, VideoOptions
 from .output import VideoFrame, VideoOutput
 from .posegraph import CALIBRATION_STD, PoseGraph, Similarity
 from .registration import MIN_INLIERS, Registration, Tracker
@@ -67,7 +67,6 @@ __all__ = [
     "ClipChain",
     "DEFAULT_CHUNK",
     "split_options",
-    "video_signature",
 ]
 
 DEFAULT_CHUNK = 4  # frames per predict_many call of the real pass (its outputs are in memory at once)
@@ -81,22 +80,7 @@ def split_options(where: str, options: dict) -> tuple:
     """(CallOptions, VideoOptions) of a video call's keyword arguments; unknown ones are a TypeError naming
     `where`, bad values an InputError naming the option."""
     given = bind(_SIGNATURE, where, (), options)
-    call_names = {info.argument for info in options_of(CallOptions)}
-    call = CallOptions.make(**{k: v for k, v in given.items() if k in call_names})
-    video = VideoOptions.make(**{k: v for k, v in given.items() if k not in call_names})
-    return call, video
-
-
-def video_signature(leading: tuple, returns: Any = inspect.Signature.empty) -> inspect.Signature:
-    """A video call's signature: the `leading` parameters, then the options of CallOptions and VideoOptions
-    (keyword-only), as `predict_video`, `iter_video` and `MoGeModel.predict_video` have it."""
-    call, video = signature(CallOptions), signature(VideoOptions)
-    return inspect.Signature(
-        [*leading, *call.parameters.values(), *video.parameters.values()], return_annotation=returns
-    )
-
-
-_SIGNATURE = video_signature(())
+    return CallOptions.of_arguments(given), VideoOptions.of_arguments(given)
 
 
 class VideoStream:
@@ -833,33 +817,63 @@ def _same_camera(a: Calibration, b: Optional[Calibration]) -> bool:
     return a.source != "solved" or a.intrinsics == b.intrinsics
 
 
-def iter_video(model: Any, source: Any, **options: Any) -> VideoStream:
+@takes_options("iter_video")
+def iter_video(
+    model: Any,
+    source: Any,
+    *,
+    fit: str = "pad",
+    fov_x: Optional[float] = None,
+    apply_mask: bool = True,
+    force_projection: bool = True,
+    intrinsics: Any = None,
+    stride: int = 1,
+    max_frames: Optional[int] = None,
+    calibration_frames: int = DEFAULT_CALIBRATION_FRAMES,
+    window: Optional[int] = None,
+    new_chain_after: int = DEFAULT_NEW_CHAIN_AFTER,
+    calibrate_chains: bool = True,
+    voxel_size: Optional[float] = None,
+) -> VideoStream:
     """The frames of a clip as they are done (a `VideoStream` of `VideoFrame`s; `.result` afterwards): for clips
     that do not fit in memory. Options: those of `predict_video`."""
-    call, video = split_options("iter_video", options)
-    return VideoStream(model, source, call, video)
+    given = locals()
+    return VideoStream(model, source, CallOptions.of_arguments(given), VideoOptions.of_arguments(given))
 
 
-def predict_video(model: Any, source: Any, **options: Any) -> VideoOutput:
+@takes_options("predict_video")
+def predict_video(
+    model: Any,
+    source: Any,
+    *,
+    fit: str = "pad",
+    fov_x: Optional[float] = None,
+    apply_mask: bool = True,
+    force_projection: bool = True,
+    intrinsics: Any = None,
+    stride: int = 1,
+    max_frames: Optional[int] = None,
+    calibration_frames: int = DEFAULT_CALIBRATION_FRAMES,
+    window: Optional[int] = None,
+    new_chain_after: int = DEFAULT_NEW_CHAIN_AFTER,
+    calibrate_chains: bool = True,
+    voxel_size: Optional[float] = None,
+) -> VideoOutput:
     """A clip -> VideoOutput with every frame's consistent MoGeOutput (`frames`), the clip's intrinsics, poses,
     per-frame scales and registration, and the fused cloud (see the module docstring).
 
     `source`: a video file (what OpenCV's FFmpeg reads), a folder of frames (name order), video bytes, an
     (N, H, W, 3) array or an iterable of images. Options: the call options of `model(image, ...)` (fit, fov_x,
     intrinsics, apply_mask, force_projection) and `VideoOptions` (stride, max_frames, calibration_frames,
-    window, voxel_size). `model`: anything with `predict_many` (see the module docstring)."""
-    call, video = split_options("predict_video", options)
+    window, new_chain_after, calibrate_chains, voxel_size). `model`: anything with `predict_many` (see the module
+    docstring)."""
+    given = locals()
+    call, video = CallOptions.of_arguments(given), VideoOptions.of_arguments(given)
     with VideoStream(model, source, call, video, keep_frames=True) as stream:
         for _ in stream:
             pass
         return stream.result
 
 
-param = inspect.Parameter
-predict_video.__signature__ = video_signature(
-    (param("model", param.POSITIONAL_OR_KEYWORD), param("source", param.POSITIONAL_OR_KEYWORD)), VideoOutput
-)
-iter_video.__signature__ = video_signature(
-    (param("model", param.POSITIONAL_OR_KEYWORD), param("source", param.POSITIONAL_OR_KEYWORD)), VideoStream
-)
-del param
+# what split_options binds: the options of predict_video, without its model and source
+_SIGNATURE = inspect.Signature(list(inspect.signature(predict_video).parameters.values())[2:])
