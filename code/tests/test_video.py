@@ -374,9 +374,10 @@ def test_a_new_chain_is_calibrated_on_its_own_frames(walk):
     assert fx <= 0.05 and ate <= 0.03 and rotation <= 1.0 and level <= 0.03, (fx, ate, rotation, level)
     # without it every bound above fails; the level by less than before the pose graph, whose prior (each frame's
     # scale tied to the model's) pulls it back from its first frame's 30 % towards the model's (14.6 % off on
-    # 2026-12-07; the trajectory 26.6 %, focal 33 %, rotation 12.4 degrees)
+    # 2026-12-07; the trajectory 26.6 %, focal 33 %, rotation 12.4 degrees; with the keyframe links fitted on the
+    # image positions too, the trajectory 7.1 %: still over its bound of 3 %)
     fx, ate, rotation, level = errors_from(kept, late_start)
-    assert fx > 0.25 and ate > 0.1 and rotation > 5 and level > 0.03, (fx, ate, rotation, level)
+    assert fx > 0.25 and ate > 0.03 and rotation > 5 and level > 0.03, (fx, ate, rotation, level)
     for a, b in zip(clip.frames[:cut], kept.frames[:cut]):  # the rewind leaves the frames before it alone
         assert np.array_equal(a.depth, b.depth)
 

@@ -72,6 +72,8 @@ __all__ = [
 DEFAULT_CHUNK = 4  # frames per predict_many call of the real pass (its outputs are in memory at once)
 EARLIER_CHAINS = 3  # chains other than the current one that a frame it does not find is looked for in
 BUNDLE_KEYFRAMES = 6  # the newest keyframes of a chain adjusted together at each new keyframe (bundle.py)
+MIN_BUNDLE_KEYFRAMES = 3  # ... once it has this many: two are the link itself fitted again, no third view to
+# average their depths' errors against
 LOCAL_NODES = 8  # the newest keyframe nodes of a chain's pose graph solved again at each new keyframe
 _END = object()
 
@@ -634,7 +636,7 @@ class ClipChain:
             if hung is not None and hung[0] == chain and graph.frames[hung[1]] == key.frame:
                 window.append(key)
                 nodes.append(hung[1])
-        if len(window) < 2:
+        if len(window) < MIN_BUNDLE_KEYFRAMES:
             return
         views = [
             View(

@@ -563,6 +563,8 @@ def image_fit(
 JOINT_ROUNDS = 2  # joint_pose: solved, its spreads measured, solved again with them
 JOINT_PIXEL_STD, JOINT_DEPTH_STD = 1.0, 0.02  # ... the first solve's spreads (tracking pixels; log depth)
 MIN_JOINT_PIXEL_STD, MIN_JOINT_DEPTH_STD = 0.05, 0.001  # ... their floors
+SETTLED_PIXELS = 0.5  # a keyframe link whose points reproject within this (median, tracking pixels) is not
+# looked for again from an image seed
 JOINT_LOSS_SCALE = 3.0  # ... residuals beyond this many spreads weigh less (Cauchy)
 
 
@@ -649,6 +651,16 @@ def joint_pose(
         return reg
     rotation = Rotation.from_rotvec(x[:3]).as_matrix() @ base
     return dataclasses.replace(reg, scale=scale, rotation=rotation, translation=scale * x[3:6])
+
+
+def _reprojection(reg: Registration, src: np.ndarray, pixels: np.ndarray, k_pixels: np.ndarray) -> float:
+    """The median distance (pixels) between the points `src` placed by the fit and where they were followed."""
+    q = src @ reg.rotation.T + reg.translation / reg.scale
+    k = np.asarray(k_pixels, np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        u = np.stack([k[0, 0] * q[:, 0] / q[:, 2] + k[0, 2], k[1, 1] * q[:, 1] / q[:, 2] + k[1, 2]], axis=1)
+    error = np.linalg.norm(u - pixels, axis=1)
+    return float(np.median(np.where(np.isfinite(error), error, np.inf)))
 
 
 def _skew_rows(v: np.ndarray) -> np.ndarray:
@@ -849,18 +861,25 @@ class Tracker:
         both = mine & lifted
         src = keyframe.xyz[there]
         pixels = self._full(moved[mine], depth.shape)
-        seed, _ = _check(src[both], xyz[both], self.seed)
-        if not seed.ok:  # the two frames' depths disagree (smooth errors bend them apart): a seed from the image
-            seed = image_fit(src[mine], pixels, k_pixels, xyz[mine], grey.shape, depth.shape)
-            if not seed.ok:
-                return reg
-        floor = MIN_JOINT_PIXEL_STD * depth.shape[1] / grey.shape[1]  # full-resolution pixels
-        fit = joint_pose(seed, src[mine], pixels, k_pixels, xyz[mine], floor)
+        ratio = depth.shape[1] / grey.shape[1]  # full-resolution pixels per tracking pixel
+        src, dst = src[mine], xyz[mine]
+        fits = []
+        seed, _ = _check(src[both[mine]], dst[both[mine]], self.seed)
+        if seed.ok:
+            fits.append(joint_pose(seed, src, pixels, k_pixels, dst, MIN_JOINT_PIXEL_STD * ratio))
+        if not fits or _reprojection(fits[0], src, pixels, k_pixels) > SETTLED_PIXELS * ratio:
+            seed = image_fit(src, pixels, k_pixels, dst, grey.shape, depth.shape)
+            if seed.ok:
+                fits.append(joint_pose(seed, src, pixels, k_pixels, dst, MIN_JOINT_PIXEL_STD * ratio))
+        if not fits:
+            return reg
+        fit = min(fits, key=lambda f: _reprojection(f, src, pixels, k_pixels))
         fit = dense_scale(keyframe.geometry, (depth, mask, k_pixels, offset), fit)
         if not self._confirmed(keyframe, dataclasses.replace(fit), frame).ok:
             return reg
         fit.reference, fit.correlation, fit.matches = keyframe.frame, reg.correlation, reg.matches
         # the kept features at their positions against the keyframe: with this frame's depth there, else carried
+        src = keyframe.xyz[there]
         xyz[~lifted] = fit.scale * src[~lifted] @ fit.rotation.T + fit.translation
         drop = np.zeros(len(kept.ids), bool)
         drop[here[~agree]] = True
