@@ -33,15 +33,15 @@ from tt_moge.runners.cpu_kernels import (
     quantize_rows,
     quantize_rows_reference,
 )
-from tt_moge.runners.fixed_graph import (
-    FixedShapeMoGe2,
+from tt_moge.runners.fixed_graph import FixedShapeMoGe2
+from tt_moge.runners.kernel_choice import FORCE_ENV, KernelCache, choose, fastest, forced_choices, forcing
+from tt_moge.runners.vit_kernels import (
     HeadByHeadAttention,
     Int8Linear,
     OnednnInt8Linear,
     OnednnLinear,
     onednn_linear_available,
 )
-from tt_moge.runners.kernel_choice import FORCE_ENV, KernelCache, choose, fastest, forced_choices, forcing
 from tt_moge.synthetic import synthetic_photo
 from tt_moge.testing import add_outlier_channels, calibration_image, make_network, model_config
 

@@ -45,7 +45,7 @@ def main() -> None:
     network, _ = load_network(common.full_size_checkpoint(args.checkpoint), None)
     runner = make_runner(network, size, args.tokens, "cpu", args.precision)
     if args.torch_glue:
-        from tt_moge.runners.fixed_graph import Int8Linear
+        from tt_moge.runners.vit_kernels import Int8Linear
 
         for module in runner.graph.modules():
             if isinstance(module, Int8Linear):

@@ -65,8 +65,9 @@ def main() -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
     from tt_moge.runners.cpu import keep_freed_memory
-    from tt_moge.runners.fixed_graph import FixedShapeMoGe2, OnednnLinear
+    from tt_moge.runners.fixed_graph import FixedShapeMoGe2
     from tt_moge.runners.precision import cpu_has_int8_dot, cpu_has_native_bf16
+    from tt_moge.runners.vit_kernels import OnednnLinear
     from tt_moge.weights import load_network
 
     if args.threads:

@@ -25,10 +25,12 @@ from . import precision as precision_mod
 from .base import RawMaps, Runner
 from .cpu_kernels import attention_bf16, native_attention_supported, native_library
 from .cpu_threads import ThreadGovernor
-from .fixed_graph import (
+from .fixed_graph import FixedShapeMoGe2
+from .kernel_choice import KernelCache, choose, cpu_signature
+from .precision import DTYPES
+from .vit_kernels import (
     INT8_KERNELS,
     INT8_SMOOTHING,
-    FixedShapeMoGe2,
     HeadByHeadAttention,
     Int8Linear,
     OnednnInt8Linear,
@@ -37,8 +39,6 @@ from .fixed_graph import (
     onednn_int8_available,
     onednn_linear_available,
 )
-from .kernel_choice import KernelCache, choose, cpu_signature
-from .precision import DTYPES
 
 __all__ = ["CpuGraphRunner", "keep_freed_memory", "MALLOC_TUNING_ENV"]
 

@@ -258,7 +258,7 @@ def block_arrays(block) -> tuple:
     "ln_eps"})."""
     import torch
 
-    from ..fixed_graph import FastBlock
+    from ..vit_kernels import FastBlock
 
     arrays: dict = {}
     with torch.no_grad():
