@@ -59,8 +59,9 @@ def _require(module: str):
 
 
 class ExportGraph:
-    """Builds the module that is exported: `FixedShapeMoGe2` in float32 for one canvas and token budget, its
-    dict of outputs turned into a tuple in OUTPUT_NAMES order (ONNX outputs are positional)."""
+    """Builds the module that is exported: `FixedShapeMoGe2` in float32 for one canvas and token budget (on the
+    folds of `runners.folding.fold`, as every fast path), its dict of outputs turned into a tuple in OUTPUT_NAMES
+    order (ONNX outputs are positional)."""
 
     def __init__(self, network: Any, canvas_size: tuple, num_tokens: int):
         import torch

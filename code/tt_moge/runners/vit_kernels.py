@@ -1,5 +1,5 @@
-"""The ViT's kernels on the fast runners: `FastBlock`, one DINOv2 block with its weights folded, and the matmuls
-and attentions it can run with.
+"""The ViT's kernels on the fast runners: `FastBlock`, one DINOv2 block run from its folded weights
+(`folding.fold_block`), and the matmuls and attentions it can run with.
 
 The float matmuls are `nn.Linear` (`make_linear`), or oneDNN's linear on weights packed at construction with GELU
 fused into the first MLP matmul (`OnednnLinear`). The int8 ones (the CPU's opt-in "int8") are `Int8Linear`
@@ -19,8 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import skip_init
 
-from ..network.vit import Block
 from .cpu_kernels import attention_bf16, dequantize, native_attention_supported, quantize_rows
+from .folding import BlockFolds
 
 __all__ = [
     "FastBlock",
@@ -277,9 +277,10 @@ ATTENTION_KINDS = ("sdpa", "heads", "native")
 
 
 class FastBlock(nn.Module):
-    """A DINOv2 block with LayerScale folded into `attn_out` and `ffn_out`, and the attention scale into the q
-    rows of `qkv`; matmuls in `dtype`, or int8 with `int8` ("int8" or True: `Int8Linear`, "onednn":
-    `OnednnInt8Linear`; smoothed with `act_max`: {linear name: per input channel max |x|}). Attention
+    """A DINOv2 block from its folds (`folding.BlockFolds`: LayerScale folded into `attn_out` and `ffn_out`, the
+    attention scale into the q rows of `qkv`); matmuls in `dtype`, or int8 with `int8` ("int8" or True:
+    `Int8Linear`, "onednn": `OnednnInt8Linear`; smoothed with `act_max`: {linear name: per input channel max
+    |x|}). Attention
     (`attention`): "sdpa" (PyTorch), "heads" (`HeadByHeadAttention`, batch 1, with the shared `workspace`) or
     "native" (the fused bfloat16 kernel of `lib`, batch 1). The float matmuls (`linear`): "aten" (`nn.Linear`,
     GELU after it) or "onednn" (`OnednnLinear`: packed weights, GELU fused into `ffn_in`; `tokens` is the token
@@ -293,7 +294,7 @@ class FastBlock(nn.Module):
 
     def __init__(
         self,
-        block: Block,
+        block: BlockFolds,
         dtype: torch.dtype,
         attention: str = "sdpa",
         workspace: Optional[HeadByHeadAttention] = None,
@@ -309,7 +310,7 @@ class FastBlock(nn.Module):
         names = iter(self.LINEARS)  # the order of the make() calls below
         if linear not in LINEAR_KERNELS:
             raise ValueError(f"linear must be one of {LINEAR_KERNELS}, got {linear!r}")
-        self.gelu_fused = linear == "onednn" and not int8 and not hasattr(block.mlp, "w12")
+        self.gelu_fused = linear == "onednn" and not int8 and not block.swiglu
 
         int8 = "int8" if int8 is True else int8  # True: the original int8 kernel (Int8Linear)
         if int8 and int8 not in INT8_KERNELS:
@@ -326,8 +327,8 @@ class FastBlock(nn.Module):
             return Int8Linear(weight, bias, dt, lib, seen, alpha)
 
         self.dtype = dtype
-        self.num_heads = block.attn.num_heads
-        head_dim = block.attn.qkv.in_features // self.num_heads
+        self.num_heads = block.num_heads
+        head_dim = block.qkv[0].shape[1] // self.num_heads
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         if attention == "native" and not (dtype == torch.bfloat16 and native_attention_supported(lib, head_dim)):
@@ -339,22 +340,11 @@ class FastBlock(nn.Module):
         self.lib = lib
         self.norm1 = copy.deepcopy(block.norm1).float()
         self.norm2 = copy.deepcopy(block.norm2).float()
-        g1, g2 = block.ls1.gamma.detach().float(), block.ls2.gamma.detach().float()
-        dim = block.attn.qkv.in_features
-        q_scale = torch.ones(3 * dim, device=g1.device)
-        q_scale[:dim] = (dim // self.num_heads) ** -0.5
-        self.qkv = make(q_scale[:, None] * block.attn.qkv.weight.float(), q_scale * block.attn.qkv.bias.float(), dtype)
-        self.attn_out = make(g1[:, None] * block.attn.proj.weight.float(), g1 * block.attn.proj.bias.float(), dtype)
-        mlp = block.mlp
-        self.swiglu = hasattr(mlp, "w12")
-        if self.swiglu:
-            self.ffn_in = make(mlp.w12.weight.float(), mlp.w12.bias.float(), dtype)
-            out = mlp.w3
-        else:
-            act = "gelu" if self.gelu_fused else "none"
-            self.ffn_in = make(mlp.fc1.weight.float(), mlp.fc1.bias.float(), dtype, act)
-            out = mlp.fc2
-        self.ffn_out = make(g2[:, None] * out.weight.float(), g2 * out.bias.float(), dtype)
+        self.qkv = make(*block.qkv, dtype)
+        self.attn_out = make(*block.attn_out, dtype)
+        self.swiglu = block.swiglu
+        self.ffn_in = make(*block.ffn_in, dtype, "gelu" if self.gelu_fused else "none")
+        self.ffn_out = make(*block.ffn_out, dtype)
 
     def attend(self, h: torch.Tensor) -> torch.Tensor:
         """Normed tokens (B, N, C) in `dtype` -> attention output before `attn_out`, (B, N, C)."""

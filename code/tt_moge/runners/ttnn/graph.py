@@ -25,7 +25,7 @@ upsamples, 1x1 convs; `network/convstack.py`'s `ConvStack`), `heads.FinestConv` 
 one feature map), the convs of all of them run by one shared `decoder.Convs`. `TtnnGraph` builds them from a
 `prepare.Prepared` and strings them together (`forward`). `tiles.py` holds the tile sizes they share.
 
-What runs on the device, in order (the folds come from `FixedShapeMoGe2` through `prepare.py`):
+What runs on the device, in order (the folds come from `folding.fold` through `prepare.py`):
 
 * Patch embedding: one matmul of the host-unfolded patches by the folded patch kernel, plus a table that holds
   the position embedding (and the patch bias) for the patch rows and the class / register tokens for the

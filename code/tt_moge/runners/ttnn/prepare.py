@@ -1,12 +1,12 @@
 """The torch side of the Tenstorrent runner: export the fixed-shape folds as numpy arrays for the ttnn graph,
 and the numpy host steps around the device forward.
 
-`prepare_weights(network, canvas_size, num_tokens)` builds `FixedShapeMoGe2` in float32 (the one source of the
-weight folds: normalisation in the patch embedding, prefix / position table, LayerScale, attention scale,
-the taps' projections + the neck's level-0 conv, uv constant maps, the finest-level fold) and lays its
-parameters out the way `graph.TtnnGraph` consumes them. The result, `Prepared`, is a JSON-able `plan` (every
-shape and structural choice) plus a dict of float32 arrays, saved as one .npz that numpy alone can read (the
-ttnn process has no torch).
+`prepare_weights(network, canvas_size, num_tokens)` takes the weight folds of `runners.folding.fold` (the one
+source of the folds, shared with the CPU and CUDA graph and the ONNX export: normalisation in the patch
+embedding, prefix / position table, LayerScale, attention scale, the taps' projections + the neck's level-0
+conv, uv constant maps, the finest-level fold) and lays them out the way `graph.TtnnGraph` consumes them. The
+result, `Prepared`, is a JSON-able `plan` (every shape and structural choice) plus a dict of float32 arrays, saved
+as one .npz that numpy alone can read (the ttnn process has no torch).
 
 Two layout decisions are made here, not in the graph:
 
@@ -17,7 +17,7 @@ Two layout decisions are made here, not in the graph:
   patches; the prefix rows of the uploaded patch matrix are zero, so `patches @ W + table` gives the prefix
   tokens from `table` alone (no concat on the device).
 * The finest level. MoGe-2's last resampler is a 2x bilinear (or nearest) upsample followed by a 3x3
-  replicate-padded conv, which `FixedShapeMoGe2` has already merged with the 1x1 convs after it (7 output
+  replicate-padded conv, which the fold has already merged with the 1x1 convs after it (7 output
   channels). Upsample-then-conv equals a 3x3 replicate-padded conv at the *coarser* level with 4x the output
   channels, one group per output phase (row parity, column parity), followed by a depth-to-space: each
   high-resolution tap is a fixed combination of the three low-resolution neighbours, and replicate padding of
@@ -171,13 +171,15 @@ def _supported(network) -> None:
 
 
 def _t(x) -> np.ndarray:
-    return np.ascontiguousarray(x.detach().float().cpu().numpy())
+    """A tensor as a float32 numpy array of its own (never a view of the network's weights)."""
+    return x.detach().float().cpu().numpy().copy()
 
 
-def _linear_into(arrays: dict, key: str, linear) -> None:
-    """nn.Linear (out, in) -> `key.w` (in, out) (the ttnn.linear layout), `key.b` (out,)."""
-    arrays[key + ".w"] = np.ascontiguousarray(_t(linear.weight).T)
-    arrays[key + ".b"] = _t(linear.bias)
+def _linear_into(arrays: dict, key: str, linear: tuple) -> None:
+    """(weight (out, in), bias (out,)) -> `key.w` (in, out) (the ttnn.linear layout), `key.b` (out,)."""
+    weight, bias = linear
+    arrays[key + ".w"] = np.ascontiguousarray(_t(weight).T)
+    arrays[key + ".b"] = _t(bias)
 
 
 def _conv1x1_into(arrays: dict, key: str, module) -> bool:
@@ -242,7 +244,8 @@ def _stack_into(arrays: dict, key: str, stack, levels: int, with_inputs: bool) -
 
 
 def _block_into(arrays: dict, key: str, block) -> None:
-    """A `FastBlock` (float32: LayerScale and the attention scale folded) -> its norms and matmuls under `key`."""
+    """A block's folds (`folding.BlockFolds`: LayerScale and the attention scale folded) -> its norms and matmuls
+    under `key`."""
     if block.swiglu:
         raise ValueError("the ttnn graph runs GELU MLP blocks")
     for norm in ("norm1", "norm2"):
@@ -254,17 +257,14 @@ def _block_into(arrays: dict, key: str, block) -> None:
 
 def block_arrays(block) -> tuple:
     """One `network/vit.py` `Block` -> (the weights of `vit_block.VitBlock` ({"norm1.w", ..., "ffn_out.b"}), folded
-    as `prepare_weights` folds every block (`FastBlock` in float32: one source of the folds), {"num_heads",
+    as `prepare_weights` folds every block (`folding.fold_block`: one source of the folds), {"num_heads",
     "ln_eps"})."""
-    import torch
+    from .. import folding
 
-    from ..vit_kernels import FastBlock
-
+    folds = folding.fold_block(block)
     arrays: dict = {}
-    with torch.no_grad():
-        fast = FastBlock(block, torch.float32)
-        _block_into(arrays, "b", fast)
-    return {k[2:]: v for k, v in arrays.items()}, {"num_heads": fast.num_heads, "ln_eps": float(fast.norm1.eps)}
+    _block_into(arrays, "b", folds)
+    return {k[2:]: v for k, v in arrays.items()}, {"num_heads": folds.num_heads, "ln_eps": float(folds.norm1.eps)}
 
 
 def stack_arrays(stack, levels: int, with_inputs: bool) -> tuple:
@@ -277,90 +277,90 @@ def stack_arrays(stack, levels: int, with_inputs: bool) -> tuple:
     return {k[2:]: v for k, v in arrays.items()}, plan
 
 
-def _upsample_mode(module, key: str) -> str:
+def _upsample_mode(modules: tuple, key: str) -> str:
+    """The mode of the upsampling before a finest-level conv (`modules`: the resampler's modules before it)."""
     import torch.nn as nn
 
-    ups = [m for m in module.modules() if isinstance(m, nn.Upsample)]
-    others = [m for m in module.children() if not isinstance(m, nn.Upsample)]
+    ups = [m for part in modules for m in part.modules() if isinstance(m, nn.Upsample)]
+    others = [m for m in modules if not isinstance(m, nn.Upsample)]
     if len(ups) != 1 or others or ups[0].scale_factor not in (2, 2.0, (2.0, 2.0)) or ups[0].mode not in _PHASE_TAPS:
-        raise ValueError(f"{key}: the finest-level fold needs a plain 2x bilinear or nearest upsample, got {module}")
+        raise ValueError(f"{key}: the finest-level fold needs a plain 2x bilinear or nearest upsample, got {modules}")
     if ups[0].mode == "bilinear" and ups[0].align_corners:
         raise ValueError(f"{key}: bilinear with align_corners=True is not folded")
     return ups[0].mode
 
 
 def prepare_weights(network, canvas_size: tuple, num_tokens: int) -> Prepared:
-    """Export `FixedShapeMoGe2(network, canvas_size, num_tokens, float32)` for `graph.TtnnGraph`.
+    """Lay out the folds of `folding.fold(network, canvas_size, num_tokens)` for `graph.TtnnGraph`.
 
     network: a `MoGe2Network` (any device; read only). canvas_size: (width, height) of the canvas the runner is
     given. Raises ValueError for structures the ttnn graph does not implement (see `_supported`).
     """
     import torch
 
-    from ..fixed_graph import FixedShapeMoGe2
+    from .. import folding
 
     _supported(network)
     width, height = (int(v) for v in canvas_size)
-    with torch.no_grad():
-        fixed = FixedShapeMoGe2(network, (width, height), num_tokens, torch.float32, channels_last=False)
+    folds = folding.fold(network, (width, height), num_tokens)
     cfg = network.config
-    rows, cols, patch = fixed.rows, fixed.cols, fixed.patch
+    rows, cols, patch = folds.rows, folds.cols, folds.patch
     grid_tokens = rows * cols
-    num_prefix = fixed.num_prefix
+    num_prefix = folds.num_prefix
     seq_len = grid_tokens + num_prefix
-    dim = fixed.patch_embed.weight.shape[0]
+    dim = folds.patch_weight.shape[0]
     arrays: dict = {}
 
     # Encoder: patch matmul (folded normalisation), token table, blocks, final norm, tap projections.
-    w = _t(fixed.patch_embed.weight).reshape(dim, -1)  # (C, 3 * p * p), (channel, ky, kx) order
+    w = _t(folds.patch_weight).reshape(dim, -1)  # (C, 3 * p * p), (channel, ky, kx) order
     patch_k = w.shape[1]
     patch_k_padded = -(-patch_k // TILE) * TILE
     arrays["patch.w"] = np.zeros((patch_k_padded, dim), np.float32)
     arrays["patch.w"][:patch_k] = w.T
     table = np.empty((seq_len, dim), np.float32)
-    table[:grid_tokens] = _t(fixed.patch_pos)[0] + _t(fixed.patch_embed.bias)[None]
-    table[grid_tokens:] = _t(fixed.token_prefix)[0]
+    table[:grid_tokens] = _t(folds.patch_pos)[0] + _t(folds.patch_bias)[None]
+    table[grid_tokens:] = _t(folds.token_prefix)[0]
     arrays["token_table"] = table
-    num_heads = fixed.blocks[0].num_heads
-    for i, block in enumerate(fixed.blocks):
+    num_heads = folds.blocks[0].num_heads
+    for i, block in enumerate(folds.blocks):
         _block_into(arrays, f"blocks.{i}", block)
-    arrays["final_norm.w"] = _t(fixed.final_norm.weight)
-    arrays["final_norm.b"] = _t(fixed.final_norm.bias)
-    neck_in0 = _t(fixed.neck_in0.weight)  # (d0, taps * C) over the concatenated normed taps
+    arrays["final_norm.w"] = _t(folds.final_norm.weight)
+    arrays["final_norm.b"] = _t(folds.final_norm.bias)
+    neck_in0 = _t(folds.neck_in0)  # (d0, taps * C) over the concatenated normed taps
     d0 = neck_in0.shape[0]
-    for k in range(len(fixed.layers)):
+    for k in range(len(folds.layers)):
         arrays[f"neck_in0.{k}.w"] = np.ascontiguousarray(neck_in0[:, k * dim : (k + 1) * dim].T)  # (C, d0)
-    arrays["neck_in0.const"] = _t(fixed.neck_in0_const)  # (rows * cols, d0)
+    arrays["neck_in0.const"] = _t(folds.neck_in0_const)  # (rows * cols, d0)
 
     # Decoder: coarse levels of the neck and heads, constant uv maps, the phase-folded finest conv.
-    levels = fixed.num_levels
+    levels = folds.num_levels
     dims = list(cfg.neck.dim_res_blocks)
     level_shapes = [(rows * 2**i, cols * 2**i) for i in range(levels)]
     for i in range(1, levels - 1):
-        const = _t(getattr(fixed, f"neck_const{i}"))[0]  # (d_i, H_i, W_i)
+        const = _t(folds.neck_consts[i])[0]  # (d_i, H_i, W_i)
         arrays[f"neck.const.{i}"] = np.ascontiguousarray(const.reshape(const.shape[0], -1).T)  # (H_i W_i, d_i)
-    neck_plan = _stack_into(arrays, "neck", fixed.neck, levels, with_inputs=False)
-    heads = list(fixed.head_names)
+    neck_plan = _stack_into(arrays, "neck", folds.neck, levels, with_inputs=False)
+    heads = list(folds.heads)
     head_plans, head_dims = {}, {}
     for name in heads:
-        head_plans[name] = _stack_into(arrays, f"head.{name}", fixed.heads[name], levels, with_inputs=True)
+        head_plans[name] = _stack_into(arrays, f"head.{name}", folds.heads[name], levels, with_inputs=True)
         head_dims[name] = list(getattr(cfg, name + "_head").dim_res_blocks)
-    channels = list(fixed.head_channels)
+    channels = list(folds.head_channels)
     total = sum(channels)
-    mode = _upsample_mode(fixed.neck_up, "neck")
-    arrays["finest.neck.w"] = phase_fold(_t(fixed.neck_fold_conv.weight), mode)
+    mode = _upsample_mode(folds.neck_up, "neck")
+    arrays["finest.neck.w"] = phase_fold(_t(folds.neck_fold), mode)
     start = 0
-    for name, up, conv, c in zip(heads, fixed.head_ups, fixed.head_convs, channels):
+    for name, up, weight, c in zip(heads, folds.head_ups, folds.head_folds, channels):
         if _upsample_mode(up, name) != mode:
             raise ValueError("the finest-level fold needs the same upsample mode in the neck and every head")
-        kernel = np.zeros((total,) + tuple(conv.weight.shape[1:]), np.float32)
-        kernel[start : start + c] = _t(conv.weight)
+        kernel = np.zeros((total,) + tuple(weight.shape[1:]), np.float32)
+        kernel[start : start + c] = _t(weight)
         arrays[f"finest.{name}.w"] = phase_fold(kernel, mode)
         start += c
-    arrays["finest.const"] = _t(fixed.finest_const)[0]  # (sum channels, H_L, W_L)
+    arrays["finest.const"] = _t(folds.finest_const)[0]  # (sum channels, H_L, W_L)
     scale_dims = None
-    if fixed.scale_head is not None:
-        linears = [m for m in fixed.scale_head if isinstance(m, torch.nn.Linear)]
+    if folds.scale_head is not None:
+        linears = [m for m in folds.scale_head if isinstance(m, torch.nn.Linear)]
         scale_dims = [linears[0].in_features] + [m.out_features for m in linears]
         for k, lin in enumerate(linears):
             arrays[f"scale.{k}.w"] = _t(lin.weight)  # (out, in): host numpy, y = x @ w.T + b
@@ -383,10 +383,10 @@ def prepare_weights(network, canvas_size: tuple, num_tokens: int) -> Prepared:
         "num_heads": num_heads,
         "head_dim": dim // num_heads,
         "ffn_dim": arrays["blocks.0.ffn_in.w"].shape[1],
-        "blocks": len(fixed.blocks),
-        "taps": list(fixed.layers),
-        "ln_eps": float(fixed.blocks[0].norm1.eps),
-        "final_ln_eps": float(fixed.final_norm.eps),
+        "blocks": len(folds.blocks),
+        "taps": list(folds.layers),
+        "ln_eps": float(folds.blocks[0].norm1.eps),
+        "final_ln_eps": float(folds.final_norm.eps),
         "neck_in0_dim": d0,
         "levels": [{"height": h, "width": w_, "dim": d} for (h, w_), d in zip(level_shapes, dims)],
         "neck": neck_plan,
@@ -403,7 +403,7 @@ def prepare_weights(network, canvas_size: tuple, num_tokens: int) -> Prepared:
             "height": level_shapes[-1][0],
             "width": level_shapes[-1][1],
         },
-        "remap": fixed.remap,
+        "remap": folds.remap,
         "scale_head": scale_dims,
     }
     return Prepared(plan, arrays)

@@ -1,0 +1,83 @@
+"""One fold (`runners/folding.py`): the CPU/CUDA graph (`FixedShapeMoGe2`), the ONNX export's module and the
+Tenstorrent runner's `prepare_weights` each take their folded weights from one call of `folding.fold`, and
+`prepare_weights` builds no torch module to get them (it used to build the whole CPU graph to read its
+weights)."""
+
+from __future__ import annotations
+
+import torch
+
+from tt_moge.testing import make_network
+
+SMALL, SMALL_TOKENS = (224, 126), 300
+
+
+def test_prepare_weights_builds_no_torch_module(monkeypatch):
+    from tt_moge.runners.ttnn.prepare import prepare_weights
+
+    network = make_network("tiny-vits-normal")
+    built = []
+    init = torch.nn.Module.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__init__", counted)
+    torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert built == ["Linear", "Sequential"]  # the counter sees modules being built
+    built.clear()
+    prepared = prepare_weights(network, SMALL, SMALL_TOKENS)
+    monkeypatch.undo()
+    assert built == []
+    assert prepared.plan["blocks"] == 4 and len(prepared.arrays) > 20
+
+
+def test_every_fast_path_takes_its_weights_from_one_fold(monkeypatch):
+    from tt_moge.onnx_export import ExportGraph
+    from tt_moge.runners import folding
+    from tt_moge.runners.fixed_graph import FixedShapeMoGe2
+    from tt_moge.runners.ttnn.prepare import prepare_weights
+
+    network = make_network("tiny-vits-normal")
+    calls, real = [], folding.fold
+
+    def spy(*args):
+        calls.append(args)
+        folds = real(*args)
+        results.append(folds)
+        return folds
+
+    results: list = []
+    monkeypatch.setattr(folding, "fold", spy)
+    graph = FixedShapeMoGe2(network, SMALL, SMALL_TOKENS, torch.float32, channels_last=False)
+    prepared = prepare_weights(network, SMALL, SMALL_TOKENS)
+    exported = ExportGraph(network, SMALL, SMALL_TOKENS).module.fixed
+    assert [(args[0] is network, tuple(args[1]), args[2]) for args in calls] == [(True, SMALL, SMALL_TOKENS)] * 3
+    folds = results[0]
+    grid = folds.rows * folds.cols
+    # what each consumer holds is the fold, laid out its own way
+    for module in (graph, exported):
+        assert torch.equal(module.neck_fold_conv.weight, folds.neck_fold)
+        assert torch.equal(module.finest_const, folds.finest_const)
+        assert torch.equal(module.blocks[0].qkv.weight, folds.blocks[0].qkv[0])
+    assert (prepared.arrays["finest.const"] == folds.finest_const[0].numpy()).all()
+    assert (prepared.arrays["token_table"][grid:] == folds.token_prefix[0].numpy()).all()
+    assert (prepared.arrays["blocks.0.qkv.w"] == folds.blocks[0].qkv[0].numpy().T).all()
+
+
+def test_fold_leaves_the_network_alone_and_prepared_arrays_are_copies():
+    from tt_moge.runners import folding
+    from tt_moge.runners.ttnn.prepare import prepare_weights
+
+    network = make_network("tiny-vits-normal")
+    before = {k: v.clone() for k, v in network.state_dict().items()}
+    folds = folding.fold(network, SMALL, SMALL_TOKENS)
+    prepared = prepare_weights(network, SMALL, SMALL_TOKENS)
+    assert all(torch.equal(v, before[k]) for k, v in network.state_dict().items())
+    assert folds.num_levels == len(network.neck.res_blocks) and list(folds.heads) == ["points", "normal", "mask"]
+    # arrays read from the network's own modules (norms, the coarse convs) do not share its memory
+    weight = network.encoder.backbone.norm.weight
+    with torch.no_grad():
+        weight += 1
+    assert not (prepared.arrays["final_norm.w"] == weight.detach().numpy()).any()
