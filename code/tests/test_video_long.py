@@ -15,7 +15,8 @@ Frames are rendered once per module, small (320x240 for the walk, 200x150 for th
 240x180 the noisy walk's drift is 1.7 % (features and depth too coarse); at 160x120 the loop loses frames. The
 loop runs here with per-pixel errors only; with the correlated ones it is `python -m perf.video.video_bench --part
 long --warp 0.03` (a second 1000-frame run would double the module's time). The walk under correlated errors is
-not met (an expected failure, strict: it shows when it is).
+asked of five draws of the stand-in's errors and is not met on all of them (an expected failure, strict: it shows
+when it is).
 """
 
 from __future__ import annotations
@@ -128,17 +129,28 @@ def test_a_long_walk_with_exact_answers_is_on_the_true_path(walk):
     assert figures["ate"] <= 0.005, figures
 
 
+WARP_SEEDS = 5  # the warped walk is asked of this many draws of the stand-in's errors, not only the first
+
+
 @pytest.mark.xfail(
     strict=True,
-    reason="not met: spread 2.1 %, drift 5.2 %, ATE 3.7 % (2026-12-07): under the warp each 3D fit's pose is off "
-    "(9 cm of a 29 cm step), and the dense scale read through that pose with it (docs/video.md)",
+    reason="not met on every draw (2026-12-07, AMX Xeon): spread / drift / ATE 0.96 / 0.43 / 0.84 % on the first, "
+    "0.74 / 1.98 / 0.91 % on the second, and over five draws spread 0.74-1.10 %, drift 0.16-1.98 %, ATE 0.84-1.26 % "
+    "(docs/video.md)",
 )
 def test_a_long_walk_holds_under_correlated_errors(walk):
-    """The walk's errors plus a smooth warp of each frame's depth (3 %): the same bounds."""
+    """The walk's errors plus a smooth warp of each frame's depth (3 %): the same bounds, on each of WARP_SEEDS
+    draws of the stand-in's errors (its scale errors, noise, holes and warps): the first draw met them once the
+    links were fitted on the image positions too, the others did not all, so one draw is not the proof."""
     poses, renders = walk
-    clip = predict_video(real_errors(renders, warp=WARP), [r.image for r in renders])
-    figures = check_walk(clip, poses, renders)
-    assert figures["spread"] <= 0.01 and figures["drift"] <= 0.01 and figures["ate"] <= 0.01, figures
+    n = len(renders)
+    for seed in range(WARP_SEEDS):
+        model = VideoOracle(
+            renders, scale_errors=symmetric_errors(n, 0.05, seed + 1), noise=0.02, holes=0.03, warp=WARP, seed=seed
+        )
+        clip = predict_video(model, [r.image for r in renders])
+        figures = check_walk(clip, poses, renders)
+        assert figures["spread"] <= 0.01 and figures["drift"] <= 0.01 and figures["ate"] <= 0.01, (seed, figures)
 
 
 def resident_mb() -> float:
