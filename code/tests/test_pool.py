@@ -2,7 +2,7 @@
 
 - The answers are the bytes of a MoGeModel loaded on that device with that thread count (`cpu,cpu` on 2 threads:
   two replicas of 1 thread each), for one image, `predict_many` (spread in chunks over both replicas: both run)
-  and a clip.
+  and a clip; the call options are parsed once per call (per clip), not again in each chunk on its replica.
 - A replica whose device fails is taken out of service and its call runs again on the other (same answer);
   with none left the call raises NoReplicaError; a bad image is the caller's error, and takes no replica out.
 - The server takes a pool: /predict answers the pool's bytes, /info lists the replicas; under 16 concurrent
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tt_moge import MoGeModel
-from tt_moge.host import InputError
+from tt_moge.host import CallOptions, InputError
 from tt_moge.pool import CHUNK, ModelPool, NoReplicaError, parse_devices
 from tt_moge.scene import camera_path, render_path
 
@@ -100,13 +100,22 @@ def break_replica(monkeypatch, replica) -> None:
     monkeypatch.setattr(runner, "submit", lost)
 
 
-def test_a_pool_gives_each_devices_bytes_and_spreads_predict_many(pool, single):
+def parses(monkeypatch) -> list:
+    """The options given to `CallOptions.of_arguments` from now on in this test: one entry per parse."""
+    parse, parsed = CallOptions.of_arguments.__func__, []
+    monkeypatch.setattr(CallOptions, "of_arguments", classmethod(lambda cls, g: parsed.append(g) or parse(cls, g)))
+    return parsed
+
+
+def test_a_pool_gives_each_devices_bytes_and_spreads_predict_many(pool, single, monkeypatch):
     assert [r.device for r in pool.replicas] == ["cpu", "cpu"]
     assert all(r.model.service.runner.threads.fixed == 1 for r in pool.replicas)  # the threads split
     batch = images(3 * CHUNK)
     before = [r.done for r in pool.replicas]
+    parsed = parses(monkeypatch)
     outs = pool.predict_many(batch)
     assert all(r.done > b for r, b in zip(pool.replicas, before)), "predict_many ran on one replica only"
+    assert len(parsed) == 1  # the options parsed once, not again for each chunk on its replica
     reference = one_thread(lambda: single.predict_many(batch))
     for a, b in zip(outs, reference):
         assert_same(a, b)
@@ -115,9 +124,11 @@ def test_a_pool_gives_each_devices_bytes_and_spreads_predict_many(pool, single):
     assert [r["device"] for r in info["replicas"]] == ["cpu", "cpu"] and info["device"] == "cpu,cpu"
 
 
-def test_a_clip_runs_on_a_pool_as_on_one_model(pool, single):
+def test_a_clip_runs_on_a_pool_as_on_one_model(pool, single, monkeypatch):
     frames = np.stack([r.image for r in render_path(camera_path(12)[::3], 160, 120)])
+    parsed = parses(monkeypatch)
     got = pool.predict_video(frames, calibration_frames=2)
+    assert len(parsed) == 1  # the clip's options, once: its calls take them parsed (the pool's service)
     want = one_thread(lambda: single.predict_video(frames, calibration_frames=2))
     np.testing.assert_array_equal(got.poses, want.poses)
     for a, b in zip(got.frames, want.frames):

@@ -680,6 +680,47 @@ def test_each_frame_runs_through_the_model_once(walk, options):
     np.testing.assert_array_equal(clip.poses, again.poses)
 
 
+@pytest.mark.parametrize("frames", [12, 24])
+def test_the_call_options_are_parsed_once_per_clip(walk, monkeypatch, frames):
+    """The clip's call options are parsed (validated) once, when it starts, however many chunks it has: the
+    calibration pass and every chunk of the real pass call the model's `service` with that `CallOptions` (the real
+    pass with one and the same object, the clip's intrinsics in it), not keyword arguments that each call parses
+    again. A model with `predict_many` only (no `service`) still gets keyword arguments, the same options, and
+    gives the same clip."""
+    from tt_moge.host import CallOptions
+
+    _, renders = walk
+    renders = renders[:frames]
+    images = [r.image for r in renders]
+    parse, parsed = CallOptions.of_arguments.__func__, []
+    monkeypatch.setattr(CallOptions, "of_arguments", classmethod(lambda cls, g: parsed.append(g) or parse(cls, g)))
+    model = oracle(renders)
+    clip = predict_video(model, images, calibration_frames=4, apply_mask=False)
+    assert len(parsed) == 1 and clip.registered.all()
+    # the calibration's forward_many and finish_many, then the chunks: the kept forwards finished, the rest run
+    assert [n for n, _ in model.calls] == [4, 4] + [4] * (frames // 4)
+    calibration, real = [c for _, c in model.calls[:2]], [c for _, c in model.calls[2:]]
+    assert all(not c.apply_mask and not c.force_projection and c.intrinsics is None for c in calibration)
+    assert all(c is real[0] for c in real) and not real[0].apply_mask and real[0].force_projection
+    assert real[0].intrinsics is not None
+
+    given = []
+
+    class Keywords:  # the least a model may be: predict_many(images, **options)
+        def predict_many(self, images, **options):
+            given.append(options)
+            return model.predict_many(images, **options)
+
+    parsed.clear()
+    again = predict_video(Keywords(), images, calibration_frames=4, apply_mask=False)
+    assert [set(options) for options in given] == [set(CallOptions().kwargs())] * len(given)
+    assert [CallOptions(**options) for options in given] == [calibration[0]] + real
+    assert len(parsed) == 1 + len(given)  # the clip, then each call's own parse in the model
+    np.testing.assert_array_equal(clip.poses, again.poses)
+    for a, b in zip(clip.frames, again.frames):
+        np.testing.assert_array_equal(a.depth, b.depth)
+
+
 def test_a_video_file_through_opencv(walk, tmp_path):
     """The frames written to an mp4 by OpenCV (lossy) come back through the same path, in order, with the
     file's frame rate in the times."""

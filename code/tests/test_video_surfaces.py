@@ -157,8 +157,9 @@ def test_one_forward_finished_again_is_predict_many(tiny_model, clip, monkeypatc
     """forward_many then finish_many gives predict_many's arrays, exactly, for any call options of the same fit,
     without running the network again; so a clip runs each frame through the network once (its calibration
     frames' forwards are kept and finished again with the clip's intrinsics), not its calibration frames twice.
-    A forward finished with another fit, or something that is not a forward, is refused by name."""
-    from tt_moge.host import InputError, Intrinsics
+    A forward finished with another fit, or something that is not a forward, is refused by name. The clip's call
+    options are parsed once, not again in each of its calls."""
+    from tt_moge.host import CallOptions, InputError, Intrinsics
 
     images = [r.image for r in render_path(camera_path(9)[::3], *SIZE)]
     runner, forwards = tiny_model.service.runner, []
@@ -180,8 +181,11 @@ def test_one_forward_finished_again_is_predict_many(tiny_model, clip, monkeypatc
         tiny_model.finish_many([forwarded[0], images[1]])
 
     forwards.clear()
+    parse, parsed = CallOptions.of_arguments.__func__, []
+    monkeypatch.setattr(CallOptions, "of_arguments", classmethod(lambda cls, g: parsed.append(g) or parse(cls, g)))
     tiny_model.predict_video(clip, calibration_frames=CALIBRATION)
     assert len(forwards) == FRAMES
+    assert len(parsed) == 1  # the clip's options, once: each call gets them parsed (the model's service)
 
 
 def test_clip_limits(tiny_model, clip):

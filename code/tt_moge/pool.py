@@ -104,14 +104,26 @@ class Replica:
 
 
 class PoolService:
-    """The pool as the server's PredictionService: `predict(image, options, timing, exif=...)` on the least busy
-    replica's service, with the pool's failover."""
+    """The pool as a PredictionService, the calls that take a validated `CallOptions`: `predict(image, options,
+    timing, exif=...)` on the least busy replica's service, with the pool's failover (the server's);
+    `predict_many` / `forward_many` spread in chunks over the replicas' services, and `finish_many` (the pool's
+    own calls, after parsing their keyword arguments once, and the video path's, with the clip's options)."""
 
     def __init__(self, pool: "ModelPool"):
         self.pool = pool
 
     def predict(self, image: Any, options: CallOptions = CallOptions(), timing: Optional[dict] = None, **kw: Any):
         return self.pool.run(lambda model: model.service.predict(image, options, timing, **kw))
+
+    def predict_many(self, images: Iterable[Any], options: CallOptions = CallOptions()) -> list:
+        return self.pool._spread(list(images), lambda model, chunk: model.service.predict_many(chunk, options))
+
+    def forward_many(self, images: Iterable[Any], options: CallOptions = CallOptions()) -> list:
+        return self.pool._spread(list(images), lambda model, chunk: model.service.forward_many(chunk, options))
+
+    def finish_many(self, forwarded: Iterable[Any], options: CallOptions = CallOptions()) -> list:
+        self.pool.check_open()
+        return self.pool.replicas[0].model.service.finish_many(forwarded, options)
 
     def check_open(self) -> None:
         self.pool.check_open()
@@ -276,18 +288,17 @@ class ModelPool:
     def predict_many(self, images: Iterable[Any], **options: Any) -> list:
         """`MoGeModel.predict_many` over the replicas: chunks of CHUNK images, each on the replica that frees up
         first; the outputs in the images' order."""
-        CallOptions.of_call("predict_many", (), options)  # a bad option fails here, once, not in every chunk
-        return self._spread(list(images), lambda model, chunk: model.predict_many(chunk, **options))
+        call = CallOptions.of_call("predict_many", (), options)  # parsed once, here, not in every chunk
+        return self.service.predict_many(images, call)
 
     def forward_many(self, images: Iterable[Any], **options: Any) -> list:
         """`MoGeModel.forward_many` over the replicas, as `predict_many`."""
-        CallOptions.of_call("forward_many", (), options)
-        return self._spread(list(images), lambda model, chunk: model.forward_many(chunk, **options))
+        return self.service.forward_many(images, CallOptions.of_call("forward_many", (), options))
 
     def finish_many(self, forwarded: Iterable[Any], **options: Any) -> list:
         """`MoGeModel.finish_many`: host steps only, on the caller's thread and any replica's host path."""
         self.check_open()
-        return self.replicas[0].model.finish_many(forwarded, **options)
+        return self.service.finish_many(forwarded, CallOptions.of_call("finish_many", (), options))
 
     def predict_panorama(self, image: Any, *, return_views: bool = False, apply_mask: bool = True) -> Any:
         """`MoGeModel.predict_panorama`, its 12 views spread over the replicas."""

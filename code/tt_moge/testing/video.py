@@ -2,7 +2,9 @@
 an imperfect MoGe-2 would, with every error known.
 
 `VideoOracle(renders)` has the methods the video path calls, `predict_many(images, **call options)` (and
-`predict`), `forward_many` and `finish_many` (MoGeModel's two halves of `predict_many`), and returns real
+`predict`), `forward_many` and `finish_many` (MoGeModel's two halves of `predict_many`); the same three on its
+`service` take the options parsed (a `host.CallOptions`, as MoGeModel's service does: the video path calls
+those, with the clip's options). It returns real
 `MoGeOutput`s: for each image it builds the raw maps a network would give and runs tt_moge's own host code on
 them (`host.postprocess`: the camera solve, or the shift alone when `intrinsics` or `fov_x` are given, and the
 finish), on a canvas of the frame's own size. So every call option means what it means for the model. The raw
@@ -126,30 +128,34 @@ class VideoOracle:
         return int(np.abs(self._thumbs - _thumb(rgb)[None]).mean(axis=(1, 2, 3)).argmin())
 
     def predict_many(self, images: Any, **options: Any) -> list:
-        from ..host import refinish
+        from ..host import CallOptions
 
-        return [refinish(f, call) for f, call in self._forward(images, options)]
+        return self.service.predict_many(images, CallOptions.make(**options))
 
     def predict(self, image: Any, **options: Any) -> Any:
         return self.predict_many([image], **options)[0]
 
     def forward_many(self, images: Any, **options: Any) -> list:
-        return [f for f, _ in self._forward(images, options)]
+        from ..host import CallOptions
+
+        return self.service.forward_many(images, CallOptions.make(**options))
 
     def finish_many(self, forwarded: Any, **options: Any) -> list:
-        from ..host import CallOptions, refinish
+        from ..host import CallOptions
 
-        forwarded = list(forwarded)
-        call = CallOptions.make(**options)
-        self.calls.append((len(forwarded), call))
-        return [refinish(f, call, f"forwarded[{i}]") for i, f in enumerate(forwarded)]
+        return self.service.finish_many(forwarded, CallOptions.make(**options))
 
-    def _forward(self, images: Any, options: dict) -> list:
+    @property
+    def service(self) -> "_OracleService":
+        """The calls with the options already parsed (a `host.CallOptions`), as MoGeModel's `service`: what the
+        video path calls, with the clip's options."""
+        return _OracleService(self)
+
+    def _forward(self, images: Any, call: Any) -> list:
         """[(host.Forwarded, CallOptions)] of the images: each frame's raw maps on a canvas of its own size."""
-        from ..host import CallOptions, Forwarded, plan_canvas, to_rgb_array
+        from ..host import Forwarded, plan_canvas, to_rgb_array
 
         images = list(images)
-        call = CallOptions.make(**options)
         self.calls.append((len(images), call))
         self.forwards += len(images)
         done = []
@@ -239,6 +245,29 @@ class VideoOracle:
             if abs(f_a1 / f0 - target) < 1e-5:
                 break
         return 1.0 + a1 * shape
+
+
+class _OracleService:
+    """`VideoOracle.service`: predict_many / forward_many / finish_many taking a validated `host.CallOptions`
+    (`PredictionService`'s signatures); each call is recorded in the oracle's `calls`."""
+
+    def __init__(self, oracle: VideoOracle):
+        self.oracle = oracle
+
+    def predict_many(self, images: Any, options: Any) -> list:
+        from ..host import refinish
+
+        return [refinish(f, call) for f, call in self.oracle._forward(images, options)]
+
+    def forward_many(self, images: Any, options: Any) -> list:
+        return [f for f, _ in self.oracle._forward(images, options)]
+
+    def finish_many(self, forwarded: Any, options: Any) -> list:
+        from ..host import refinish
+
+        forwarded = list(forwarded)
+        self.oracle.calls.append((len(forwarded), options))
+        return [refinish(f, options, f"forwarded[{i}]") for i, f in enumerate(forwarded)]
 
 
 def _lifted(frame: Any) -> np.ndarray:

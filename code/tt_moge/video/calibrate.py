@@ -27,7 +27,7 @@ are kept (`Calibration.forwarded`), and the real pass only finishes them again w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -36,6 +36,7 @@ from ..constants import SOLVE_GRID
 from ..host import CallOptions
 from ..host.intrinsics import Intrinsics
 from ..host.solve import fast_solve_shift, objective, solve_focal_shift
+from .calls import ModelCalls
 from .registration import TRACK_SIDE, Tracker, lift
 from .selfcal import FocalFit, focal_from_tracks, track_pairs
 
@@ -221,15 +222,16 @@ def calibrate(
     model: Any, frames: list, call: CallOptions, start: int = 0, seed: int = 0, trigger: str = "start"
 ) -> Calibration:
     """The calibration pass of the segment that starts with `frames` ([(source index, RGB)]): see the module
-    docstring. `call`: the clip's call options (its intrinsics or fov_x, if given, are kept); `trigger`: why the
+    docstring. `call`: the clip's call options, validated (its intrinsics or fov_x, if given, are kept), which
+    the model gets as they are (`calls.ModelCalls`) with apply_mask and force_projection off; `trigger`: why the
     segment starts (`Calibration.trigger`)."""
-    options = dict(call.kwargs(), apply_mask=False, force_projection=False)
-    images, forwarded = [rgb for _, rgb in frames], None
-    if hasattr(model, "forward_many") and hasattr(model, "finish_many"):
-        forwarded = model.forward_many(images, **options)
-        outputs = model.finish_many(forwarded, **options)
+    options = replace(call, apply_mask=False, force_projection=False)  # valid: call's, two bools
+    images, forwarded, calls = [rgb for _, rgb in frames], None, ModelCalls(model)
+    if calls.keeps_forwards:
+        forwarded = calls.forward_many(images, options)
+        outputs = calls.finish_many(forwarded, options)
     else:
-        outputs = model.predict_many(images, **options)
+        outputs = calls.predict_many(images, options)
     w, h = outputs[0].size
     focal_fit = None
     if call.intrinsics is not None:

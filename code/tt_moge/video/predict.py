@@ -5,7 +5,9 @@ What is called and read on `model` (so that anything that does the same can stan
 where options are the call options of `model(image, ...)` (`host.CallOptions.kwargs()`), which must return one
 `MoGeOutput` per image, in order; and, where the model has both, `forward_many(images, **options)` and
 `finish_many(forwards, **options)` (its two halves: MoGeModel's), so that the calibration frames run through the
-network once, not twice. Read from each output: depth, mask, points, intrinsics, intrinsics_pixels,
+network once, not twice. The clip's options are parsed once, when it starts; a model whose `service` takes a
+`CallOptions` (MoGeModel, ModelPool, the stand-in) gets that object in each call instead of keyword arguments
+(`calls.ModelCalls`). Read from each output: depth, mask, points, intrinsics, intrinsics_pixels,
 metric_scale (and, for the files, normal). The outputs are changed in place (depth and points scaled).
 
 Steps (threads: a reader decodes frames ahead, a producer runs the model, the caller's thread registers):
@@ -53,6 +55,7 @@ from ..host import CallOptions, InputError, Stopwatch
 from ..output import finite_or_none
 from .bundle import View, adjust
 from .calibrate import Calibration, calibrate
+from .calls import ModelCalls
 from .fusion import VoxelCloud, frame_points
 from .options import DEFAULT_CALIBRATION_FRAMES, DEFAULT_NEW_CHAIN_AFTER, VideoOptions
 from .output import VideoFrame, VideoOutput
@@ -87,7 +90,8 @@ def split_options(where: str, options: dict) -> tuple:
 
 class VideoStream:
     """The frames of a clip as they are done (`VideoFrame`s, in order); after the last, `result` is the
-    `VideoOutput` (with the frames' outputs and images only when `keep_frames`). The source is opened (and
+    `VideoOutput` (with the frames' outputs and images only when `keep_frames`). `call` and `video`: the clip's
+    options, validated (`CallOptions.make`, `VideoOptions.make`; not checked again). The source is opened (and
     checked) here; iterate once. `close()` (or leaving a `with` block) stops early and releases everything.
 
     `on_frame(count, (height, width))`, when given, is called by the reader for each frame as it is decoded
@@ -113,6 +117,7 @@ class VideoStream:
         call = CallOptions() if call is None else call
         video = VideoOptions() if video is None else video
         self.model, self.call, self.video = model, call, video
+        self.calls = ModelCalls(model)  # the model called with `call` as it is, chunk after chunk
         self.keep_frames, self.chunk, self.seed = keep_frames, chunk, seed
         self.on_frame = on_frame
         self.on_stage = on_stage
@@ -275,21 +280,22 @@ class VideoStream:
                 running, start=position, trigger=trigger, frames=0, registered=0, forwarded=None, note=note
             )
 
-    def _options(self, calibration: Calibration) -> dict:
-        """The real pass's call options with a segment's calibration: its intrinsics, where they were solved."""
+    def _options(self, calibration: Calibration) -> CallOptions:
+        """The real pass's call options with a segment's calibration: its intrinsics, where they were solved (the
+        clip's own options otherwise: neither intrinsics nor fov_x given), once per segment."""
         if calibration.source != "solved":
-            return self.call.kwargs()
-        return dict(self.call.kwargs(), intrinsics=calibration.intrinsics)
+            return self.call
+        return dataclasses.replace(self.call, intrinsics=calibration.intrinsics)
 
-    def _outputs(self, batch: list, options: dict, forwarded: Optional[list], offset: int) -> list:
+    def _outputs(self, batch: list, options: CallOptions, forwarded: Optional[list], offset: int) -> list:
         """The model's outputs of a chunk: frames whose forward the calibration kept (`forwarded`, from the
         segment's frame `offset` on) are only finished again with these options, and dropped; the rest run."""
         reuse = [] if forwarded is None else forwarded[offset : offset + len(batch)]
         if reuse:
             forwarded[offset : offset + len(reuse)] = [None] * len(reuse)
-        outputs = self.model.finish_many(reuse, **options) if reuse else []
+        outputs = self.calls.finish_many(reuse, options) if reuse else []
         rest = batch[len(reuse) :]
-        return outputs + (self.model.predict_many([rgb for _, rgb in rest], **options) if rest else [])
+        return outputs + (self.calls.predict_many([rgb for _, rgb in rest], options) if rest else [])
 
     # ---------------------------------------------------------------------------------- the caller
     def _run(self) -> Iterator[VideoFrame]:
