@@ -297,7 +297,7 @@ def refuse_options_not_for_panoramas(options: CallOptions, parser: argparse.Argu
 
 def call_options(args: argparse.Namespace) -> CallOptions:
     """The options of `model(image, ...)` that the per-image flags stand for (checked by their flags' types)."""
-    return CallOptions.make(**{info.argument: getattr(args, _dest(info)) for info in options_of(CallOptions)})
+    return CallOptions.make(**option_values(args, CallOptions))
 
 
 def load_model(args: argparse.Namespace) -> Optional[Any]:
