@@ -21,14 +21,20 @@ when it is).
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
 import pytest
 
 from tt_moge.scene import camera_path, compact, loop_path, render
-from tt_moge.testing.video import VideoOracle, aligned_positions, symmetric_errors
+from tt_moge.testing.video import (
+    VideoOracle,
+    depth_ratio,
+    path_length,
+    real_errors,
+    walk_figures,
+)
+from tt_moge.testing.video import trajectory_error as ate
 from tt_moge.video import iter_video, predict_video
 from tt_moge.video.registration import Tracker
 
@@ -50,41 +56,12 @@ def loop():
     return poses, [compact(render(*LOOP_SIZE, pose=pose)) for pose in poses]
 
 
-def real_errors(renders, **more) -> VideoOracle:
-    """The stand-in with the issue's errors: metric scale +-5 %, 2 % ray noise, 3 % holes (and `more`)."""
-    n = len(renders)
-    return VideoOracle(renders, scale_errors=symmetric_errors(n, 0.05, 1), noise=0.02, holes=0.03, **more)
-
-
-def depth_ratio(out, truth) -> float:
-    """The median of depth / true depth over the pixels valid in both."""
-    both = out.mask & truth.mask & np.isfinite(out.depth)
-    return float(np.median(out.depth[both] / truth.depth[both]))
-
-
-def path_length(poses) -> float:
-    return float(np.linalg.norm(np.diff(poses[:, :3, 3], axis=0), axis=1).sum())
-
-
-def ate(poses, truth) -> float:
-    """The trajectory error after a similarity alignment, as a share of the true path's length."""
-    aligned = aligned_positions(poses, truth)
-    return math.sqrt(np.mean(np.sum((aligned - truth[:, :3, 3]) ** 2, axis=1))) / path_length(truth)
-
-
 def check_walk(clip, poses, renders) -> dict:
-    """The walk's figures: spread and first-to-last drift of depth / truth, ATE (all frames registered)."""
+    """The walk's figures (`walk_figures`), all frames registered."""
     assert len(clip) == len(renders) and clip.registered.all(), clip.failures
-    ratio = np.array([depth_ratio(out, truth) for out, truth in zip(clip.frames, renders)])
-    figures = {
-        "spread": float(ratio.std() / ratio.mean()),
-        "drift": float(abs(ratio[-1] / ratio[0] - 1)),
-        "ate": ate(clip.poses, poses),
-        "first_last": (float(ratio[0]), float(ratio[-1])),
-    }
     # the applied scale is what the frames carry (not a figure of the result alone)
     np.testing.assert_allclose(clip.scale, [f.metric_scale for f in clip.frames], rtol=1e-6)
-    return figures
+    return walk_figures(clip, poses, renders)
 
 
 def test_the_links_alone_drift_five_times_less(walk):
@@ -143,14 +120,10 @@ def test_a_long_walk_holds_under_correlated_errors(walk):
     draws of the stand-in's errors (its scale errors, noise, holes and warps): the first draw met them once the
     links were fitted on the image positions too, the others did not all, so one draw is not the proof."""
     poses, renders = walk
-    n = len(renders)
-    for seed in range(WARP_SEEDS):
-        model = VideoOracle(
-            renders, scale_errors=symmetric_errors(n, 0.05, seed + 1), noise=0.02, holes=0.03, warp=WARP, seed=seed
-        )
-        clip = predict_video(model, [r.image for r in renders])
+    for draw in range(WARP_SEEDS):
+        clip = predict_video(real_errors(renders, draw, warp=WARP), [r.image for r in renders])
         figures = check_walk(clip, poses, renders)
-        assert figures["spread"] <= 0.01 and figures["drift"] <= 0.01 and figures["ate"] <= 0.01, (seed, figures)
+        assert figures["spread"] <= 0.01 and figures["drift"] <= 0.01 and figures["ate"] <= 0.01, (draw, figures)
 
 
 def resident_mb() -> float:

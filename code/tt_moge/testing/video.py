@@ -44,7 +44,19 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["VideoOracle", "PredictOnly", "symmetric_errors", "stand_in", "aligned_positions", "smooth_warp"]
+__all__ = [
+    "VideoOracle",
+    "PredictOnly",
+    "symmetric_errors",
+    "stand_in",
+    "real_errors",
+    "aligned_positions",
+    "smooth_warp",
+    "depth_ratio",
+    "path_length",
+    "trajectory_error",
+    "walk_figures",
+]
 
 _THUMB = (16, 12)
 RAW_CACHE = 64  # raw maps kept (frames asked again: the calibration's, a rewind's)
@@ -302,6 +314,44 @@ def aligned_positions(poses: np.ndarray, truth: np.ndarray) -> np.ndarray:
 
     s, r, t = umeyama(poses[:, :3, 3], truth[:, :3, 3])
     return (s * (r @ poses[:, :3, 3].T)).T + t
+
+
+def real_errors(renders: Sequence[Any], draw: int = 0, **more: Any) -> "VideoOracle":
+    """The stand-in with issue 45's errors of a real network: metric scale +-5 % per frame, 2 % noise along each
+    ray, 3 % holes (and `more`: `warp=0.03` for the correlated ones); `draw` picks another draw of them (0: the
+    tests' own)."""
+    n = len(renders)
+    scales = symmetric_errors(n, 0.05, draw + 1)
+    return VideoOracle(renders, scale_errors=scales, noise=0.02, holes=0.03, seed=draw, **more)
+
+
+def depth_ratio(out: Any, truth: Any) -> float:
+    """The median of a frame's depth / the true depth over the pixels valid in both."""
+    both = out.mask & truth.mask & np.isfinite(out.depth)
+    return float(np.median(out.depth[both] / truth.depth[both]))
+
+
+def path_length(poses: np.ndarray) -> float:
+    return float(np.linalg.norm(np.diff(poses[:, :3, 3], axis=0), axis=1).sum())
+
+
+def trajectory_error(poses: np.ndarray, truth: np.ndarray) -> float:
+    """The trajectory error (root mean square, after a similarity alignment) as a share of the true path's length."""
+    aligned = aligned_positions(poses, truth)
+    return math.sqrt(np.mean(np.sum((aligned - truth[:, :3, 3]) ** 2, axis=1))) / path_length(truth)
+
+
+def walk_figures(clip: Any, poses: np.ndarray, renders: Sequence[Any]) -> dict:
+    """A clip's figures against the truth: the spread (standard deviation / mean) of each frame's depth / true
+    depth, its drift from the first frame to the last, the ATE as a share of the path, and the first and last
+    ratios (`predict_video`'s result with its frames, the true camera-to-world poses, the renders)."""
+    ratio = np.array([depth_ratio(out, truth) for out, truth in zip(clip.frames, renders)])
+    return {
+        "spread": float(ratio.std() / ratio.mean()),
+        "drift": float(abs(ratio[-1] / ratio[0] - 1)),
+        "ate": trajectory_error(clip.poses, poses),
+        "first_last": (float(ratio[0]), float(ratio[-1])),
+    }
 
 
 class PredictOnly:

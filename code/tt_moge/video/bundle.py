@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from .posegraph import Similarity, _skew
+from .posegraph import Similarity, skew
 
 __all__ = ["PIXEL_STD", "DEPTH_STD", "View", "adjust"]
 
@@ -160,7 +160,7 @@ def adjust(views: list, iterations: int = ITERATIONS) -> Optional[dict]:
         d_pixel /= stds[0]
         d_depth = np.zeros((n_depth, 1, 3))
         d_depth[:, 0, 2] = 1.0 / (z[depth_rows] * stds[1])
-        d_cam_rot = rt @ _skew(w)  # d cam / d rotation correction
+        d_cam_rot = rt @ skew(w)  # d cam / d rotation correction
         rows_i, cols_i, vals = [], [], []
 
         def put(rows: np.ndarray, cols: np.ndarray, block: np.ndarray) -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["PRIOR_STD", "CALIBRATION_STD", "Similarity", "PoseGraph", "information"]
+__all__ = ["PRIOR_STD", "CALIBRATION_STD", "Similarity", "PoseGraph", "information", "skew"]
 
 PRIOR_STD = 0.3  # the model's metric scale, frame by frame: the standard deviation of its log error (weak)
 CALIBRATION_STD = 0.1  # ... of each frame of a calibration pass, whose median level (robust) stands for them
@@ -84,7 +84,7 @@ def information(points: np.ndarray, residual: float) -> np.ndarray:
     return np.einsum("nki,nkj,n->ij", jac, jac, 1.0 / sigma**2)
 
 
-def _skew(v: np.ndarray) -> np.ndarray:
+def skew(v: np.ndarray) -> np.ndarray:
     """(..., 3, 3) cross-product matrices [v]x of (..., 3) vectors."""
     out = np.zeros(v.shape[:-1] + (3, 3))
     out[..., 0, 1], out[..., 0, 2], out[..., 1, 2] = -v[..., 2], v[..., 1], -v[..., 0]
@@ -199,12 +199,12 @@ class PoseGraph:
             shrink = np.exp(-lg[eb])[:, None, None]
             da, db = np.zeros((k, 7, 7)), np.zeros((k, 7, 7))
             # rows: d_t (3), d_theta (3), d_l (1); columns: rotation (3), translation (3), log scale (1)
-            da[:, :3, :3] = grow * _skew(v) @ rb_t
+            da[:, :3, :3] = grow * skew(v) @ rb_t
             da[:, :3, 3:6] = shrink * rb_t
             da[:, :3, 6] = -np.exp(d_l)[:, None] * v
             da[:, 3:6, :3] = rb_t
             da[:, 6, 6] = 1.0
-            db[:, :3, :3] = shrink * rb_t @ _skew(c[ea] - c[eb]) - grow * _skew(v) @ rb_t
+            db[:, :3, :3] = shrink * rb_t @ skew(c[ea] - c[eb]) - grow * skew(v) @ rb_t
             db[:, :3, 3:6] = -shrink * rb_t
             db[:, :3, 6] = -pred_t + np.exp(d_l)[:, None] * v
             db[:, 3:6, :3] = -rb_t

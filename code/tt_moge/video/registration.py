@@ -52,6 +52,7 @@ from typing import Optional
 import numpy as np
 
 from ..constants import DEPTH_EDGE_RTOL
+from .posegraph import information, skew
 
 __all__ = [
     "TRACK_SIDE",
@@ -428,8 +429,6 @@ def _check(
         residual = float(np.sqrt(np.mean(res * res)))
     reg = Registration(True, scale, rotation, translation, matches, count, count / matches, residual)
     if count >= 3 and rotation is not None:
-        from .posegraph import information
-
         reg.information = information(dst[inliers], residual)
     if count < least:
         reg.ok, reg.reason = False, f"too few inliers ({count} < {least})"
@@ -554,8 +553,6 @@ def image_fit(
     reg = Registration(True, scale, rotation, scale * translation, matches, count, count / matches, residual)
     if not SCALE_RANGE[0] <= scale <= SCALE_RANGE[1] or reg.inlier_ratio < MIN_INLIER_RATIO:
         return Registration(False, matches=matches, reason="image fit out of range")
-    from .posegraph import information
-
     reg.information = information(scale * src[good] @ rotation.T + reg.translation, residual)
     return reg
 
@@ -622,7 +619,7 @@ def joint_pose(
         d_q[:, 1, 1], d_q[:, 1, 2] = fy / z, -fy * q[:, 1] / z**2
         d_q[:, 2, 2] = 1.0 / z
         d_x = np.zeros((n, 3, 7))  # d q / d x: -[R P]x for the rotation, the identity for the translation
-        d_x[:, :, :3] = -_skew_rows(turned)
+        d_x[:, :, :3] = -skew(turned)
         d_x[:, :, 3:6] = np.eye(3)
         full = d_q @ d_x
         pixel = full[:, :2].reshape(-1, 7) / stds[0]
@@ -694,14 +691,6 @@ def posed(
         if seed.ok:
             fits.append(joint_pose(seed, src, pixels, k_pixels, dst, floor))
     return min(fits, key=median) if fits else fit
-
-
-def _skew_rows(v: np.ndarray) -> np.ndarray:
-    """(N, 3, 3) cross-product matrices [v]x of (N, 3) vectors."""
-    out = np.zeros((len(v), 3, 3))
-    out[:, 0, 1], out[:, 0, 2], out[:, 1, 2] = -v[:, 2], v[:, 1], -v[:, 0]
-    out[:, 1, 0], out[:, 2, 0], out[:, 2, 1] = v[:, 2], -v[:, 1], v[:, 0]
-    return out
 
 
 @dataclass
