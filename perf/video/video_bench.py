@@ -55,6 +55,11 @@ whole clip beside plain `predict_many` on the same frames.
    of the clip; the keyframes, loop closures, ATE and end-to-start distance against the truth, and the process's
    resident memory every 50 frames (its growth after the first quarter: what the clip adds).
 
+8. walk (not in "both"): the 150-frame walk of tests/test_video_long.py at 320x240 through `predict_video`, with
+   the stand-in's exact answers, with issue 45's errors of a real network (`testing.video.real_errors`) and with
+   those plus the 3 % smooth warp, the last two on --draws draws of the errors (0: the tests' own): the spread and
+   first-to-last drift of depth / truth and the ATE as a share of the path, per draw and their largest.
+
     python -m perf.video.video_bench                        # all four parts, defaults
     python -m perf.video.video_bench --part host --frames 24
     python -m perf.video.video_bench --part calibration --calibration-frames 16
@@ -63,6 +68,7 @@ whole clip beside plain `predict_many` on the same frames.
     python -m perf.video.video_bench --part cuts --clip-frames 32
     python -m perf.video.video_bench --part long                 # 1000 frames, 1920x1080
     python -m perf.video.video_bench --part long --warp 0.03
+    python -m perf.video.video_bench --part walk --draws 5
 """
 
 from __future__ import annotations
@@ -552,11 +558,39 @@ def long_part(size: tuple, frames: int, small: tuple, warp: float) -> dict:
     return result
 
 
+def walk_part(draws: int) -> dict:
+    from tt_moge.scene import camera_path, compact, render
+    from tt_moge.testing.video import VideoOracle, real_errors, walk_figures
+    from tt_moge.video import predict_video
+
+    poses = camera_path(150)
+    renders = [compact(render(320, 240, pose=pose)) for pose in poses]
+    images = [r.image for r in renders]
+    runs = [("exact", 0, VideoOracle(renders))]
+    runs += [("noisy", d, real_errors(renders, d)) for d in range(draws)]
+    runs += [("warped", d, real_errors(renders, d, warp=0.03)) for d in range(draws)]
+    result: dict = {}
+    for kind, draw, model in runs:
+        clip = predict_video(model, images)
+        figures = walk_figures(clip, poses, renders)
+        figures["registered"] = int(clip.registered.sum())
+        result.setdefault(kind, []).append(figures)
+        print(
+            f"{kind:6s} draw {draw}: spread {100 * figures['spread']:.2f} %, drift {100 * figures['drift']:.2f} %, "
+            f"ATE {100 * figures['ate']:.2f} % of the path ({figures['registered']} of 150 registered)",
+            flush=True,
+        )
+    for kind, rows in result.items():
+        worst = {k: max(r[k] for r in rows) for k in ("spread", "drift", "ate")}
+        print(f"{kind:6s} largest over {len(rows)}: " + ", ".join(f"{k} {100 * v:.2f} %" for k, v in worst.items()))
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--part",
-        choices=("host", "calibration", "clip", "relocalise", "gaps", "cuts", "long", "both"),
+        choices=("host", "calibration", "clip", "relocalise", "gaps", "cuts", "long", "walk", "both"),
         default="both",
         help="both: the first four",
     )
@@ -578,6 +612,7 @@ def main() -> None:
     parser.add_argument(
         "--warp", type=float, default=0.0, help="long part: the stand-in's smooth depth warp (0.03: correlated errors)"
     )
+    parser.add_argument("--draws", type=int, default=5, help="walk part: draws of the stand-in's errors (default 5)")
     parser.add_argument("--json", help="also write the numbers to this JSON file")
     args = parser.parse_args()
     print(cpu_line())
@@ -596,6 +631,8 @@ def main() -> None:
         result["cuts"] = cuts_part(args.clip_size, args.clip_frames // 2, args.repeats, args.canvas)
     if args.part == "long":
         result["long"] = long_part(args.size, args.long_frames, args.long_render, args.warp)
+    if args.part == "walk":
+        result["walk"] = walk_part(args.draws)
     if args.part == "gaps":
         print(f"the walk at {args.size[0]}x{args.size[1]} (24 frames, 2.4 m) with runs of textureless frames:")
         result["gaps"] = gaps_part(args.size)
