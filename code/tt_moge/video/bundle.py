@@ -29,7 +29,7 @@ import numpy as np
 
 from .posegraph import Similarity, skew
 
-__all__ = ["PIXEL_STD", "DEPTH_STD", "View", "adjust"]
+__all__ = ["PIXEL_STD", "DEPTH_STD", "View", "adjust", "levenberg_marquardt"]
 
 PIXEL_STD = 0.5  # the first solve's spread of a feature's position (pixels of the shrunk tracking image)
 DEPTH_STD = 0.05  # ... of a keyframe's depth at a feature, in log
@@ -37,6 +37,7 @@ LOSS_SCALE = 3.0  # residuals beyond this many spreads weigh less (a slipped tra
 MIN_PIXEL_STD, MIN_DEPTH_STD = 0.05, 0.001  # the measured spreads' floors
 ROUNDS = 2
 ITERATIONS = 20  # Levenberg-Marquardt steps per round at most
+TOLERANCE = 1e-3  # ... until a step lowers the cost by less than this share of it
 MIN_VIEWS = 2  # a point seen by fewer keyframes of the window does not enter
 
 
@@ -190,7 +191,7 @@ def adjust(views: list, iterations: int = ITERATIONS) -> Optional[dict]:
     x = np.zeros(7 * n_free + 3 * n_points)
     before = float(np.sum(residuals(x) ** 2))
     for _ in range(ROUNDS):
-        x, cost = _levenberg_marquardt(residuals, jacobian, x, 7 * n_free, iterations)
+        x, cost = levenberg_marquardt(residuals, jacobian, x, 7 * n_free, iterations)
         pixel, depth = errors(x)
         stds[0] = max(1.4826 * float(np.median(np.abs(pixel))), MIN_PIXEL_STD)
         stds[1] = max(1.4826 * float(np.median(np.abs(depth - np.median(depth)))), MIN_DEPTH_STD)
@@ -206,54 +207,89 @@ def adjust(views: list, iterations: int = ITERATIONS) -> Optional[dict]:
     }
 
 
-def _robust(r: np.ndarray) -> tuple:
+def _robust(r: np.ndarray, scale: float = LOSS_SCALE) -> tuple:
     """(the Cauchy cost sum c^2 log(1 + (r / c)^2) of residuals `r` in spreads, c = LOSS_SCALE; each residual's
     weight in the reweighted normal equations, 1 / (1 + (r / c)^2))."""
-    ratio = (r / LOSS_SCALE) ** 2
-    return float(LOSS_SCALE**2 * np.sum(np.log1p(ratio))), 1.0 / (1.0 + ratio)
+    ratio = (r / scale) ** 2
+    return float(scale**2 * np.sum(np.log1p(ratio))), 1.0 / (1.0 + ratio)
 
 
-def _levenberg_marquardt(residuals, jacobian, x: np.ndarray, split: int, iterations: int) -> tuple:
-    """(x, its robust cost) after Levenberg-Marquardt on the reweighted normal equations, the points' unknowns
-    (those after `split`, three per point, each residual touching at most one point) eliminated by the Schur
-    complement: the keyframes' system is small and dense, the points' 3x3 blocks are inverted each alone. Why not
+def _schur(jac, weight: np.ndarray, r: np.ndarray, split: int):
+    """The reweighted normal equations of a sparse Jacobian whose unknowns after `split` are points (three each,
+    each residual touching at most one point) -> a function of the damping that returns the step, the points
+    eliminated by the Schur complement (the keyframes' system is small and dense, each point's 3x3 block is
+    inverted alone)."""
+    jac = jac.tocsr()
+    weighted = jac.multiply(weight[:, None]).tocsr()
+    views, points = jac[:, :split], jac[:, split:].tocoo()
+    m = (jac.shape[1] - split) // 3
+    per_row = np.zeros((jac.shape[0], 3))
+    point_of = np.full(jac.shape[0], -1)
+    per_row[points.row, points.col % 3] = points.data
+    point_of[points.row] = points.col // 3
+    has = point_of >= 0
+    blocks = np.zeros((m, 3, 3))
+    np.add.at(blocks, point_of[has], weight[has, None, None] * per_row[has, :, None] * per_row[has, None, :])
+    h_vv = (views.T @ weighted[:, :split]).toarray()
+    h_vp = (views.T @ weighted[:, split:]).toarray().reshape(split, m, 3)
+    gradient = weighted.T @ r
+    g_v, g_p = gradient[:split], gradient[split:].reshape(m, 3)
+
+    def step(damping: float) -> np.ndarray:
+        damped = blocks + damping * np.einsum("mii->mi", blocks)[:, :, None] * np.eye(3)
+        inverse = np.linalg.inv(damped + 1e-12 * np.eye(3))
+        through = np.einsum("vmi,mij->vmj", h_vp, inverse)
+        schur = h_vv + damping * np.diag(np.diag(h_vv)) - np.einsum("vmj,umj->vu", through, h_vp)
+        step_v = np.linalg.solve(schur, -g_v + np.einsum("vmj,mj->v", through, g_p))
+        step_p = np.einsum("mij,mj->mi", inverse, -g_p - np.einsum("vmi,v->mi", h_vp, step_v))
+        return np.concatenate([step_v, step_p.ravel()])
+
+    return step
+
+
+def _dense(jac: np.ndarray, weight: np.ndarray, r: np.ndarray):
+    """The reweighted normal equations of a dense Jacobian (a single pose: `registration.joint_pose`) -> a
+    function of the damping that returns the step."""
+    weighted = jac * weight[:, None]
+    normal, gradient = jac.T @ weighted, weighted.T @ r
+
+    def step(damping: float) -> np.ndarray:
+        return np.linalg.solve(normal + damping * np.diag(np.diag(normal)) + 1e-12 * np.eye(len(normal)), -gradient)
+
+    return step
+
+
+def levenberg_marquardt(
+    residuals,
+    jacobian,
+    x: np.ndarray,
+    split: int,
+    iterations: int,
+    loss_scale: float = LOSS_SCALE,
+    tolerance: float = TOLERANCE,
+) -> tuple:
+    """(x, its robust cost) after Levenberg-Marquardt on the reweighted normal equations (the Cauchy loss at
+    `loss_scale`, residuals in spreads), until a step lowers the cost by less than `tolerance` of it. `jacobian`
+    returns a sparse matrix whose unknowns after `split` are points (`_schur`), or an array (`_dense`). Why not
     scipy's least_squares: its trust region on LSMR took over a hundred evaluations to bring a window of six
-    keyframes started 5 cm off back to the truth (tests/test_video_bundle.py), a step of this a few."""
+    keyframes started 5 cm off back to the truth (tests/test_video_bundle.py), a step of this a few; on one pose
+    its overhead per call was most of a frame's registration."""
     r = residuals(x)
-    cost, weight = _robust(r)
+    cost, weight = _robust(r, loss_scale)
     damping = 1e-3
     for _ in range(iterations):
-        jac = jacobian(x).tocsr()
-        weighted = jac.multiply(weight[:, None]).tocsr()
-        views, points = jac[:, :split], jac[:, split:].tocoo()
-        m = (jac.shape[1] - split) // 3
-        per_row = np.zeros((jac.shape[0], 3))
-        point_of = np.full(jac.shape[0], -1)
-        per_row[points.row, points.col % 3] = points.data
-        point_of[points.row] = points.col // 3
-        has = point_of >= 0
-        blocks = np.zeros((m, 3, 3))
-        np.add.at(blocks, point_of[has], weight[has, None, None] * per_row[has, :, None] * per_row[has, None, :])
-        h_vv = (views.T @ weighted[:, :split]).toarray()
-        h_vp = (views.T @ weighted[:, split:]).toarray().reshape(split, m, 3)
-        gradient = weighted.T @ r
-        g_v, g_p = gradient[:split], gradient[split:].reshape(m, 3)
+        jac = jacobian(x)
+        step = _dense(jac, weight, r) if isinstance(jac, np.ndarray) else _schur(jac, weight, r, split)
         while True:
-            damped = blocks + damping * np.einsum("mii->mi", blocks)[:, :, None] * np.eye(3)
-            inverse = np.linalg.inv(damped + 1e-12 * np.eye(3))
-            through = np.einsum("vmi,mij->vmj", h_vp, inverse)
-            schur = h_vv + damping * np.diag(np.diag(h_vv)) - np.einsum("vmj,umj->vu", through, h_vp)
-            step_v = np.linalg.solve(schur, -g_v + np.einsum("vmj,mj->v", through, g_p))
-            step_p = np.einsum("mij,mj->mi", inverse, -g_p - np.einsum("vmi,v->mi", h_vp, step_v))
-            trial = x + np.concatenate([step_v, step_p.ravel()])
+            trial = x + step(damping)
             r_trial = residuals(trial)
-            cost_trial, weight_trial = _robust(r_trial)
+            cost_trial, weight_trial = _robust(r_trial, loss_scale)
             if np.isfinite(cost_trial) and cost_trial < cost:
                 break
             damping *= 4.0
             if damping > 1e8:
                 return x, cost
-        done = cost - cost_trial < 1e-6 * cost
+        done = cost - cost_trial < tolerance * cost
         x, r, cost, weight, damping = trial, r_trial, cost_trial, weight_trial, max(damping / 3.0, 1e-7)
         if done:
             break

@@ -52,6 +52,7 @@ from typing import Optional
 import numpy as np
 
 from ..constants import DEPTH_EDGE_RTOL
+from .bundle import levenberg_marquardt
 from .posegraph import information, skew
 
 __all__ = [
@@ -562,6 +563,8 @@ JOINT_PIXEL_STD, JOINT_DEPTH_STD = 1.0, 0.02  # ... the first solve's spreads (t
 MIN_JOINT_PIXEL_STD, MIN_JOINT_DEPTH_STD = 0.05, 0.001  # ... their floors
 SETTLED_PIXELS = 0.5  # a keyframe link whose points reproject within this (median, tracking pixels) is not
 # looked for again from an image seed
+JOINT_ITERATIONS = 15  # ... Levenberg-Marquardt steps per solve at most
+JOINT_TOLERANCE = 1e-6  # ... until a step lowers the cost by less than this share of it
 JOINT_LOSS_SCALE = 3.0  # ... residuals beyond this many spreads weigh less (Cauchy)
 
 
@@ -579,11 +582,10 @@ def joint_pose(
     spread is small and they hold the pose along the loose directions; where they are bent (a real network's
     smooth errors: the stand-in's warp of tests/test_video_long.py) their spread is large and the image positions
     hold it. A Cauchy loss leaves the few wrong tracks out. The unknowns: a rotation correction on the left, the
-    translation and the log scale (this frame's depth / the placed points'), by `scipy.optimize.least_squares`
-    with an analytic Jacobian. Only a fit that turns by at most POSE_MAX_TURN_DEG is refined (as `refine_pose`);
-    one whose scale moves by more than POSE_SCALE_RTOL is left as it was."""
-    from scipy.optimize import least_squares
-    from scipy.spatial.transform import Rotation
+    translation and the log scale (this frame's depth / the placed points'), by Levenberg-Marquardt
+    (`bundle.levenberg_marquardt`) with an analytic Jacobian. Only a fit that turns by at most POSE_MAX_TURN_DEG
+    is refined (as `refine_pose`); one whose scale moves by more than POSE_SCALE_RTOL is left as it was."""
+    import cv2
 
     if not reg.ok or reg.rotation is None or len(src) < POSE_PIXELS_MIN:
         return reg
@@ -599,7 +601,7 @@ def joint_pose(
     stds = [JOINT_PIXEL_STD * pixel_floor / MIN_JOINT_PIXEL_STD, JOINT_DEPTH_STD]
 
     def placed(x: np.ndarray) -> tuple:
-        turned = src @ (Rotation.from_rotvec(x[:3]).as_matrix() @ base).T
+        turned = src @ (cv2.Rodrigues(x[:3])[0] @ base).T
         q = turned + x[3:6]
         return turned, q, np.maximum(q[:, 2], 1e-9)
 
@@ -629,16 +631,7 @@ def joint_pose(
 
     x = np.concatenate([np.zeros(3), np.asarray(reg.translation, np.float64) / reg.scale, [math.log(reg.scale)]])
     for _ in range(JOINT_ROUNDS):
-        x = least_squares(
-            residuals,
-            x,
-            jac=jacobian,
-            method="trf",
-            loss="cauchy",
-            f_scale=JOINT_LOSS_SCALE,
-            x_scale="jac",
-            max_nfev=30,
-        ).x
+        x, _ = levenberg_marquardt(residuals, jacobian, x, 7, JOINT_ITERATIONS, JOINT_LOSS_SCALE, JOINT_TOLERANCE)
         u, d = errors(x)
         stds[0] = max(1.4826 * float(np.median(np.abs(u))), pixel_floor)
         if m:
@@ -646,7 +639,7 @@ def joint_pose(
     scale = math.exp(x[6])
     if not (np.isfinite(x).all() and abs(scale / reg.scale - 1) <= POSE_SCALE_RTOL):
         return reg
-    rotation = Rotation.from_rotvec(x[:3]).as_matrix() @ base
+    rotation = cv2.Rodrigues(x[:3])[0] @ base
     return dataclasses.replace(reg, scale=scale, rotation=rotation, translation=scale * x[3:6])
 
 
