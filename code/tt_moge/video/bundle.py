@@ -14,8 +14,9 @@ Unknowns: each free keyframe's similarity (raw points -> world, as in posegraph.
 translation and a log scale, corrections to its estimate) and each point's world position. The oldest keyframe of
 the window is held (the window's gauge: its pose and its scale are the pose graph's). A keyframe's scale prior
 (the model's metric scale, posegraph.PRIOR_STD per frame hanging on it) enters as in the pose graph. Solved by
-`scipy.optimize.least_squares` (trust region reflective, LSMR on the sparse Jacobian: an observation touches one
-keyframe and one point), analytic, with a robust (Cauchy) loss at LOSS_SCALE spreads. The spreads themselves are
+Levenberg-Marquardt (`levenberg_marquardt`) on an analytic sparse Jacobian (an observation touches one keyframe and
+one point), the points eliminated by the Schur complement, with a robust (Cauchy) loss at LOSS_SCALE spreads, until
+a step gains less than TOLERANCE of the cost (ITERATIONS at most). The spreads themselves are
 measured: the window is solved with PIXEL_STD and DEPTH_STD, then again with the median absolute residuals it
 left (ROUNDS), so that exact depths hold the poses as a 3D fit would and bent ones leave them to the image.
 """
@@ -35,7 +36,7 @@ PIXEL_STD = 0.5  # the first solve's spread of a feature's position (pixels of t
 DEPTH_STD = 0.05  # ... of a keyframe's depth at a feature, in log
 LOSS_SCALE = 3.0  # residuals beyond this many spreads weigh less (a slipped track, an occlusion)
 MIN_PIXEL_STD, MIN_DEPTH_STD = 0.05, 0.001  # the measured spreads' floors
-ROUNDS = 2
+ROUNDS = 2  # solved, its spreads measured, solved again with them
 ITERATIONS = 20  # Levenberg-Marquardt steps per round at most
 TOLERANCE = 1e-3  # ... until a step lowers the cost by less than this share of it
 MIN_VIEWS = 2  # a point seen by fewer keyframes of the window does not enter

@@ -519,15 +519,15 @@ PNP_PIXELS = 2.0  # image_fit: a correspondence is an inlier when it reprojects 
 def image_fit(
     src: np.ndarray, pixels: np.ndarray, k_pixels: np.ndarray, dst: np.ndarray, small: tuple, shape: tuple
 ) -> Registration:
-    """The fit of a frame against a keyframe from the image positions alone: the keyframe's points `src` (N, 3)
-    followed to `pixels` (N, 2) in this frame (full resolution, centres at +0.5), by `cv2.solvePnPRansac` (EPnP
-    hypotheses, inliers within PNP_PIXELS of the tracking image `small` (h, w)), then refined as a 3D fit is
-    (`refine_pose`); its scale the median ratio of this frame's own depth (`dst`, NaN where none) to the placed
-    points'. Why: where the two frames' depths disagree by more than a 3D fit admits (a real network's smooth
-    errors bend each frame its own way, several percent: the stand-in's warp of tests/test_video_long.py), the 3D
-    fit of a keyframe link finds too few inliers, and the frame would be chained to the frame before it instead,
-    each such link adding its error; the image positions are not bent. Its residual (for the pose graph's
-    information) is the spread of the log depth ratio over the inliers with a depth here."""
+    """The fit of a frame against a reference from the image positions alone, a seed for `joint_pose` (`posed`):
+    the reference's points `src` (N, 3) followed to `pixels` (N, 2) in this frame (full resolution, centres at
+    +0.5), by `cv2.solvePnPRansac` (EPnP hypotheses, inliers within PNP_PIXELS of the tracking image `small`
+    (h, w), `shape` the frame's); its scale the median ratio of this frame's own depth (`dst`, NaN where none) to
+    the placed points'. Why: where the two frames' depths disagree by more than a 3D fit admits (a real network's
+    smooth errors bend each frame its own way, several percent: the stand-in's warp of tests/test_video_long.py),
+    the 3D fit finds too few inliers, or passes on a few whose errors agree, with a pose far off; the image
+    positions are not bent. Its residual (for the pose graph's information) is the spread of the log depth ratio
+    over the inliers with a depth here."""
     import cv2
 
     matches = len(src)
@@ -561,11 +561,11 @@ def image_fit(
 JOINT_ROUNDS = 2  # joint_pose: solved, its spreads measured, solved again with them
 JOINT_PIXEL_STD, JOINT_DEPTH_STD = 1.0, 0.02  # ... the first solve's spreads (tracking pixels; log depth)
 MIN_JOINT_PIXEL_STD, MIN_JOINT_DEPTH_STD = 0.05, 0.001  # ... their floors
-SETTLED_PIXELS = 0.5  # a keyframe link whose points reproject within this (median, tracking pixels) is not
-# looked for again from an image seed
 JOINT_ITERATIONS = 15  # ... Levenberg-Marquardt steps per solve at most
 JOINT_TOLERANCE = 1e-6  # ... until a step lowers the cost by less than this share of it
 JOINT_LOSS_SCALE = 3.0  # ... residuals beyond this many spreads weigh less (Cauchy)
+SETTLED_PIXELS = 0.5  # posed: a link whose points land within this (median, tracking pixels) of where they were
+# followed is not looked for again from an image seed
 
 
 def joint_pose(
@@ -598,7 +598,7 @@ def joint_pose(
     base = np.asarray(reg.rotation, np.float64)
     fx, fy = k[0, 0], k[1, 1]
     n, m = len(src), int(has.sum())
-    stds = [JOINT_PIXEL_STD * pixel_floor / MIN_JOINT_PIXEL_STD, JOINT_DEPTH_STD]
+    stds = [JOINT_PIXEL_STD * pixel_floor / MIN_JOINT_PIXEL_STD, JOINT_DEPTH_STD]  # full-resolution pixels
 
     def placed(x: np.ndarray) -> tuple:
         turned = src @ (cv2.Rodrigues(x[:3])[0] @ base).T
