@@ -25,7 +25,8 @@ CLASS_TOKEN_GAP = "the fast graph's LoFi MLP and attention: the class token beyo
 
 
 def build(exact: bool, weights: str = "random") -> Encoder:
-    part = Encoder(parts.context(exact), parts.prepared(weights))
+    prepared = parts.prepared_part("encoder", weights)
+    part = Encoder(parts.context(exact, plan=prepared.plan), prepared)
     part.load()
     return part
 
@@ -33,7 +34,7 @@ def build(exact: bool, weights: str = "random") -> Encoder:
 def run(exact: bool, part: Encoder = None, weights: str = "random") -> dict:
     """The encoder's level-0 map and class token against the reference's, on the host."""
     part = part or build(exact, weights)
-    ctx, plan = part.ctx, parts.prepared(weights).plan
+    ctx, plan = part.ctx, parts.prepared_part("encoder", weights).plan
     image = calibration_image(*parts.SMALL, seed=5)
     level0, cls_token = part.forward(parts.device(ctx, host_input(plan, image.numpy()), ctx.formats.activations))
     level0_ref, cls_ref = _encoder_reference(parts.network(weights), image, plan)

@@ -18,7 +18,8 @@ from . import ttnn_parts as parts
 
 
 def build(exact: bool, name: str) -> FinestConv:
-    ctx, prepared = parts.context(exact), parts.prepared()
+    prepared = parts.prepared_part("finest")
+    ctx = parts.context(exact, plan=prepared.plan)
     fin = prepared.plan["finest"]
     convs = Convs(ctx, fin["in_height"])
     return FinestConv(ctx, convs, prepared.arrays[f"finest.{name}.w"], fin["in_height"], fin["in_width"])
@@ -26,7 +27,7 @@ def build(exact: bool, name: str) -> FinestConv:
 
 def check(exact: bool, name: str, part: FinestConv = None) -> tuple:
     part = part or build(exact, name)
-    net, plan, ctx = parts.network(), parts.prepared().plan, part.ctx
+    net, plan, ctx = parts.network(), parts.prepared_part("finest").plan, part.ctx
     fin, last = plan["finest"], len(plan["levels"]) - 1
     stack = net.neck if name == "neck" else getattr(net, name + "_head")
     x = parts.random_map((1, stack.resamplers[last - 1][-1].in_channels, fin["in_height"], fin["in_width"]), 40)

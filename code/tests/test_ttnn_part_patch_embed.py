@@ -15,17 +15,19 @@ from .test_ttnn_lowering import _block_input
 
 
 def build(exact: bool) -> PatchEmbed:
-    part = PatchEmbed.from_prepared(parts.context(exact), parts.prepared())
+    prepared = parts.prepared_part("patch_embed")
+    part = PatchEmbed.from_prepared(parts.context(exact, plan=prepared.plan), prepared)
     part.load()
     return part
 
 
 def check(exact: bool, part: PatchEmbed = None) -> tuple:
     part = part or build(exact)
-    ctx, plan = part.ctx, parts.prepared().plan
+    prepared = parts.prepared_part("patch_embed")
+    ctx, plan = part.ctx, prepared.plan
     image = calibration_image(*parts.SMALL, seed=3)
     patches = parts.device(ctx, host_input(plan, image.numpy()), ctx.formats.activations)
-    ref = _block_input(parts.network(), parts.prepared(), image)[0].numpy()
+    ref = _block_input(parts.network(), prepared, image)[0].numpy()
     out = parts.host(ctx, part.forward(patches), ref.shape)
     return parts.close(out, ref, parts.limits("patch_embed", exact), "patch_embed")
 
@@ -41,7 +43,7 @@ def _break(part: PatchEmbed, bug: str) -> None:
         part.w["table"] = ctx.tensor(0 * a["table"], ctx.formats.residual, (1, 1) + a["table"].shape)
     elif bug == "swapped_colours":  # the patch kernel's red and blue rows swapped
         k = a["weight"].copy()
-        pp = parts.prepared().plan["patch"] ** 2
+        pp = parts.prepared_part("patch_embed").plan["patch"] ** 2
         k[:pp], k[2 * pp : 3 * pp] = a["weight"][2 * pp : 3 * pp], a["weight"][:pp]
         part.w["weight"] = ctx.tensor(k, ctx.formats.decoder_weights)
     else:

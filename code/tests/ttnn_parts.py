@@ -7,7 +7,9 @@ Each part test builds only its part, from its own weights, on a `context.Context
 * `patch_embed.PatchEmbed`, `encoder.Encoder`, `heads.FinestConv`: their weights are folds across modules (the
   image normalisation into the patch kernel, the position embedding and prefix tokens into the table, the taps'
   projections into the neck's level-0 conv; the last resampler and the 1x1 convs after it into the phase-folded
-  conv), which `prepare.prepare_weights` makes (once per session here);
+  conv), each part's from only the modules it folds (`prepare.prepare_patch_embed`, `prepare_encoder`,
+  `prepare_finest`, over `folding.fold_patch_embed`, `fold_encoder`, `fold_finest`: `prepared_part`), laid out
+  as `prepare.prepare_weights` lays out the whole network's, with the plan's shapes (`prepare.shapes`);
 * `vit_block.VitBlock`: from one `network/vit.py` `Block` (`prepare.block_arrays`);
 * `decoder.ConvStack` (a level of the neck or of a head) and `heads.Head` (a head's levels): from one
   `network/convstack.py` `ConvStack` (`prepare.stack_arrays`).
@@ -30,6 +32,7 @@ import torch
 from tt_moge.runners.ttnn import Prepared, prepare_weights
 from tt_moge.runners.ttnn.context import FORMATS, Context, to_host
 from tt_moge.runners.ttnn.graph import CONFIGS
+from tt_moge.runners.ttnn.prepare import prepare_encoder, prepare_finest, prepare_patch_embed
 from tt_moge.testing import add_residual_outliers, make_network
 
 from .test_ttnn_lowering import _pcc
@@ -90,14 +93,23 @@ def prepared(weights: str = "random") -> Prepared:
     return prepare_weights(network(weights), SMALL, TOKENS)
 
 
-def context(exact: bool, config: str = "fast") -> Context:
+@functools.lru_cache(maxsize=None)
+def prepared_part(part: str, weights: str = "random") -> Prepared:
+    """One part's weights alone, folded from its own modules (`prepare.prepare_patch_embed`, `prepare_encoder`,
+    `prepare_finest`: "patch_embed", "encoder", "finest"), with the plan's shapes (`prepare.shapes`)."""
+    make = {"patch_embed": prepare_patch_embed, "encoder": prepare_encoder, "finest": prepare_finest}[part]
+    return make(network(weights), SMALL, TOKENS)
+
+
+def context(exact: bool, config: str = "fast", plan: dict = None) -> Context:
     """A context on a fresh emulator (exact: float32 everything, and no weights rounded to what LoFi reads, a
-    format choice too), placed as the graph of `prepared()` is."""
+    format choice too), placed as the graph of `prepared()` is (from `plan`, a part's, when given: the same
+    shapes)."""
     emulator = TtnnEmulator(exact=exact)
     cfg = CONFIGS[config]
     if exact:
         cfg = dataclasses.replace(cfg, round_lofi_weights=False)
-    return Context.for_plan(emulator, emulator.open_device(), prepared().plan, FORMATS["bf16"], cfg)
+    return Context.for_plan(emulator, emulator.open_device(), plan or prepared().plan, FORMATS["bf16"], cfg)
 
 
 def limits(part: str, exact: bool) -> tuple:

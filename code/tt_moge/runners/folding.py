@@ -31,7 +31,18 @@ import torch.nn as nn
 
 from ..network import MoGe2Network, token_grid
 
-__all__ = ["HEADS", "BlockFolds", "Folds", "fold", "fold_block", "token_tables"]
+__all__ = [
+    "HEADS",
+    "BlockFolds",
+    "Folds",
+    "fold",
+    "fold_block",
+    "fold_encoder",
+    "fold_finest",
+    "fold_patch_embed",
+    "grid",
+    "token_tables",
+]
 
 HEADS = ("points", "normal", "mask")  # the dense heads, in the order their channels are stacked
 
@@ -126,16 +137,18 @@ def token_tables(vit, rows: int, cols: int) -> tuple:
         return torch.cat(prefix, dim=1), pos[:, 1:]
 
 
-def fold(network: MoGe2Network, canvas_size: tuple, num_tokens: int) -> Folds:
-    """The folds of `network` for a canvas (width, height) and a token budget. Raises ValueError for a structure
-    the finest-level fold does not cover (residual blocks at the finest level, a neck whose level-0 input is not
-    a 1x1 conv, a last resampler that does not end in a 3x3 replicate-padded conv)."""
+def grid(canvas_size: tuple, num_tokens: int) -> tuple:
+    """(width, height, aspect, rows, cols): the canvas and the token grid of a token budget on it."""
     width, height = (int(v) for v in canvas_size)
     aspect = width / height
     rows, cols = token_grid(num_tokens, aspect)
+    return width, height, aspect, rows, cols
+
+
+def fold_patch_embed(network: MoGe2Network, rows: int, cols: int) -> dict:
+    """The patch embedding's folds for a rows x cols grid (the encoder's normalisation and the ViT's patch conv and
+    token tables only): the `Folds` fields patch_weight, patch_bias, token_prefix, patch_pos."""
     enc, vit = network.encoder, network.encoder.backbone
-    layers = list(enc.layers)
-    device = next(network.parameters()).device
     with torch.no_grad():
         # (x - mean) / std -> patch conv  ==  conv with weight W / std and bias b - sum(W * mean / std)
         proj = vit.patch_embed.proj
@@ -143,9 +156,16 @@ def fold(network: MoGe2Network, canvas_size: tuple, num_tokens: int) -> Folds:
         w = proj.weight.detach().float() / std[None, :, None, None]
         b = proj.bias.detach().float() - (w * mean[None, :, None, None]).sum(dim=(1, 2, 3))
         token_prefix, patch_pos = token_tables(vit, rows, cols)
-        uv = network.uv_planes(rows, cols, aspect, torch.float32, device)
-        neck = network.neck
-        last = len(neck.res_blocks) - 1
+    return {"patch_weight": w, "patch_bias": b, "token_prefix": token_prefix, "patch_pos": patch_pos}
+
+
+def fold_neck_in0(network: MoGe2Network, rows: int, cols: int, aspect: float) -> dict:
+    """The taps' projections times the neck's level-0 conv (its input blocks and the encoder's output projections
+    only): the `Folds` fields neck_in0, neck_in0_const."""
+    enc, neck = network.encoder, network.neck
+    device = next(network.parameters()).device
+    with torch.no_grad():
+        uv0 = network.uv_planes(rows, cols, aspect, torch.float32, device)[0][0].flatten(1)  # (2, rows*cols)
         # Level 0 of the neck: conv1x1(cat(sum_i P_i LN_i + p, uv0)) == [LN_5 | LN_11 | ...] @ W^T + const map.
         in0 = neck.input_blocks[0]
         if not isinstance(in0, nn.Conv2d):
@@ -158,9 +178,50 @@ def fold(network: MoGe2Network, canvas_size: tuple, num_tokens: int) -> Folds:
             p_w, p_b = _matrix(conv, 0, conv.weight.device)
             mats.append(w_feat @ p_w)
             bias += w_feat @ p_b
-        uv0 = uv[0][0].flatten(1)  # (2, rows*cols)
+        return {
+            "neck_in0": torch.cat(mats, dim=1),
+            "neck_in0_const": (w_uv @ uv0 + bias[:, None]).t().contiguous(),  # (rows*cols, d0)
+        }
+
+
+def fold_encoder(network: MoGe2Network, rows: int, cols: int, aspect: float) -> dict:
+    """The encoder's folds (the patch embedding's, the blocks' up to the last tap, the level-0 fold): the `Folds`
+    fields patch_weight .. neck_in0_const, and layers."""
+    layers = list(network.encoder.layers)
+    vit = network.encoder.backbone
+    return {
+        "layers": layers,
+        **fold_patch_embed(network, rows, cols),
+        "blocks": [fold_block(blk) for blk in list(vit.blocks)[: max(layers) + 1]],
+        "final_norm": vit.norm,
+        **fold_neck_in0(network, rows, cols, aspect),
+    }
+
+
+def fold_finest(network: MoGe2Network, rows: int, cols: int, aspect: float) -> dict:
+    """The finest level's fold (the neck's and the heads' last resamplers and 1x1 convs, the neck's last uv input
+    only): the `Folds` fields heads, neck_up, neck_fold, head_ups, head_folds, head_channels, finest_const."""
+    neck = network.neck
+    last = len(neck.res_blocks) - 1
+    device = next(network.parameters()).device
+    with torch.no_grad():
+        uv = network.uv_planes(rows, cols, aspect, torch.float32, device)
         heads = {h: getattr(network, h + "_head") for h in HEADS if getattr(network, h + "_head", None) is not None}
-        finest = _fold_finest(neck, heads, neck.input_blocks[last](uv[last]).float(), last)
+        return {"heads": heads, **_fold_finest(neck, heads, neck.input_blocks[last](uv[last]).float(), last)}
+
+
+def fold(network: MoGe2Network, canvas_size: tuple, num_tokens: int) -> Folds:
+    """The folds of `network` for a canvas (width, height) and a token budget. Raises ValueError for a structure
+    the finest-level fold does not cover (residual blocks at the finest level, a neck whose level-0 input is not
+    a 1x1 conv, a last resampler that does not end in a 3x3 replicate-padded conv). The parts' folds alone:
+    `fold_patch_embed`, `fold_encoder`, `fold_finest`."""
+    width, height, aspect, rows, cols = grid(canvas_size, num_tokens)
+    vit = network.encoder.backbone
+    device = next(network.parameters()).device
+    neck = network.neck
+    last = len(neck.res_blocks) - 1
+    with torch.no_grad():
+        uv = network.uv_planes(rows, cols, aspect, torch.float32, device)
         return Folds(
             canvas_size=(width, height),
             num_tokens=int(num_tokens),
@@ -168,22 +229,13 @@ def fold(network: MoGe2Network, canvas_size: tuple, num_tokens: int) -> Folds:
             cols=cols,
             patch=vit.spec.patch_size,
             num_prefix=1 + vit.spec.num_register_tokens,
-            layers=layers,
             remap=network.config.remap_output,
-            patch_weight=w,
-            patch_bias=b,
-            token_prefix=token_prefix,
-            patch_pos=patch_pos,
-            blocks=[fold_block(blk) for blk in list(vit.blocks)[: max(layers) + 1]],
-            final_norm=vit.norm,
-            neck_in0=torch.cat(mats, dim=1),
-            neck_in0_const=(w_uv @ uv0 + bias[:, None]).t().contiguous(),  # (rows*cols, d0)
+            **fold_encoder(network, rows, cols, aspect),
             neck=neck,
             # the neck's uv inputs of levels 1..last are constant maps (the last one goes into the finest fold)
             neck_consts={i: neck.input_blocks[i](uv[i]).detach() for i in range(1, last)},
-            heads=heads,
             scale_head=getattr(network, "scale_head", None),
-            **finest,
+            **fold_finest(network, rows, cols, aspect),
         )
 
 

@@ -41,6 +41,10 @@ import numpy as np
 __all__ = [
     "Prepared",
     "prepare_weights",
+    "prepare_patch_embed",
+    "prepare_encoder",
+    "prepare_finest",
+    "shapes",
     "host_input",
     "host_output",
     "depth_to_space",
@@ -290,83 +294,34 @@ def _upsample_mode(modules: tuple, key: str) -> str:
     return ups[0].mode
 
 
-def prepare_weights(network, canvas_size: tuple, num_tokens: int) -> Prepared:
-    """Lay out the folds of `folding.fold(network, canvas_size, num_tokens)` for `graph.TtnnGraph`.
-
-    network: a `MoGe2Network` (any device; read only). canvas_size: (width, height) of the canvas the runner is
-    given. Raises ValueError for structures the ttnn graph does not implement (see `_supported`).
-    """
-    import torch
+def shapes(network, canvas_size: tuple, num_tokens: int) -> dict:
+    """The plan of `prepare_weights` without the conv stacks' structure ("neck", a head's "res_blocks" ..) and the
+    scale head's: every shape, from the network's modules, no weight read (the part tests' contexts and parts,
+    `prepare_patch_embed`, `prepare_encoder`, `prepare_finest`). Raises ValueError as `prepare_weights` does."""
+    import torch.nn as nn
 
     from .. import folding
 
     _supported(network)
-    width, height = (int(v) for v in canvas_size)
-    folds = folding.fold(network, (width, height), num_tokens)
-    cfg = network.config
-    rows, cols, patch = folds.rows, folds.cols, folds.patch
-    grid_tokens = rows * cols
-    num_prefix = folds.num_prefix
-    seq_len = grid_tokens + num_prefix
-    dim = folds.patch_weight.shape[0]
-    arrays: dict = {}
-
-    # Encoder: patch matmul (folded normalisation), token table, blocks, final norm, tap projections.
-    w = _t(folds.patch_weight).reshape(dim, -1)  # (C, 3 * p * p), (channel, ky, kx) order
-    patch_k = w.shape[1]
-    patch_k_padded = -(-patch_k // TILE) * TILE
-    arrays["patch.w"] = np.zeros((patch_k_padded, dim), np.float32)
-    arrays["patch.w"][:patch_k] = w.T
-    table = np.empty((seq_len, dim), np.float32)
-    table[:grid_tokens] = _t(folds.patch_pos)[0] + _t(folds.patch_bias)[None]
-    table[grid_tokens:] = _t(folds.token_prefix)[0]
-    arrays["token_table"] = table
-    num_heads = folds.blocks[0].num_heads
-    for i, block in enumerate(folds.blocks):
-        _block_into(arrays, f"blocks.{i}", block)
-    arrays["final_norm.w"] = _t(folds.final_norm.weight)
-    arrays["final_norm.b"] = _t(folds.final_norm.bias)
-    neck_in0 = _t(folds.neck_in0)  # (d0, taps * C) over the concatenated normed taps
-    d0 = neck_in0.shape[0]
-    for k in range(len(folds.layers)):
-        arrays[f"neck_in0.{k}.w"] = np.ascontiguousarray(neck_in0[:, k * dim : (k + 1) * dim].T)  # (C, d0)
-    arrays["neck_in0.const"] = _t(folds.neck_in0_const)  # (rows * cols, d0)
-
-    # Decoder: coarse levels of the neck and heads, constant uv maps, the phase-folded finest conv.
-    levels = folds.num_levels
-    dims = list(cfg.neck.dim_res_blocks)
+    width, height, _, rows, cols = folding.grid(canvas_size, num_tokens)
+    cfg, vit, neck = network.config, network.encoder.backbone, network.neck
+    patch, dim = vit.spec.patch_size, vit.patch_embed.proj.out_channels
+    patch_k = vit.patch_embed.proj.in_channels * patch * patch
+    num_prefix = 1 + vit.spec.num_register_tokens
+    taps = list(network.encoder.layers)
+    block = vit.blocks[0]
+    levels = len(neck.res_blocks)
     level_shapes = [(rows * 2**i, cols * 2**i) for i in range(levels)]
-    for i in range(1, levels - 1):
-        const = _t(folds.neck_consts[i])[0]  # (d_i, H_i, W_i)
-        arrays[f"neck.const.{i}"] = np.ascontiguousarray(const.reshape(const.shape[0], -1).T)  # (H_i W_i, d_i)
-    neck_plan = _stack_into(arrays, "neck", folds.neck, levels, with_inputs=False)
-    heads = list(folds.heads)
-    head_plans, head_dims = {}, {}
+    heads = [h for h in folding.HEADS if getattr(network, h + "_head", None) is not None]
+    channels = []
     for name in heads:
-        head_plans[name] = _stack_into(arrays, f"head.{name}", folds.heads[name], levels, with_inputs=True)
-        head_dims[name] = list(getattr(cfg, name + "_head").dim_res_blocks)
-    channels = list(folds.head_channels)
+        stack = getattr(network, name + "_head")
+        out = stack.output_blocks[levels - 1]
+        channels.append(
+            out.out_channels if isinstance(out, nn.Conv2d) else stack.resamplers[levels - 2][-1].out_channels
+        )
     total = sum(channels)
-    mode = _upsample_mode(folds.neck_up, "neck")
-    arrays["finest.neck.w"] = phase_fold(_t(folds.neck_fold), mode)
-    start = 0
-    for name, up, weight, c in zip(heads, folds.head_ups, folds.head_folds, channels):
-        if _upsample_mode(up, name) != mode:
-            raise ValueError("the finest-level fold needs the same upsample mode in the neck and every head")
-        kernel = np.zeros((total,) + tuple(weight.shape[1:]), np.float32)
-        kernel[start : start + c] = _t(weight)
-        arrays[f"finest.{name}.w"] = phase_fold(kernel, mode)
-        start += c
-    arrays["finest.const"] = _t(folds.finest_const)[0]  # (sum channels, H_L, W_L)
-    scale_dims = None
-    if folds.scale_head is not None:
-        linears = [m for m in folds.scale_head if isinstance(m, torch.nn.Linear)]
-        scale_dims = [linears[0].in_features] + [m.out_features for m in linears]
-        for k, lin in enumerate(linears):
-            arrays[f"scale.{k}.w"] = _t(lin.weight)  # (out, in): host numpy, y = x @ w.T + b
-            arrays[f"scale.{k}.b"] = _t(lin.bias)
-
-    plan = {
+    return {
         "version": PLAN_VERSION,
         "backbone": cfg.backbone_name,
         "canvas": [width, height],
@@ -375,27 +330,26 @@ def prepare_weights(network, canvas_size: tuple, num_tokens: int) -> Prepared:
         "cols": cols,
         "patch": patch,
         "patch_k": patch_k,
-        "patch_k_padded": patch_k_padded,
-        "grid_tokens": grid_tokens,
+        "patch_k_padded": -(-patch_k // TILE) * TILE,
+        "grid_tokens": rows * cols,
         "num_prefix": num_prefix,
-        "seq_len": seq_len,
+        "seq_len": rows * cols + num_prefix,
         "dim": dim,
-        "num_heads": num_heads,
-        "head_dim": dim // num_heads,
-        "ffn_dim": arrays["blocks.0.ffn_in.w"].shape[1],
-        "blocks": len(folds.blocks),
-        "taps": list(folds.layers),
-        "ln_eps": float(folds.blocks[0].norm1.eps),
-        "final_ln_eps": float(folds.final_norm.eps),
-        "neck_in0_dim": d0,
-        "levels": [{"height": h, "width": w_, "dim": d} for (h, w_), d in zip(level_shapes, dims)],
-        "neck": neck_plan,
+        "num_heads": block.attn.num_heads,
+        "head_dim": dim // block.attn.num_heads,
+        "ffn_dim": block.mlp.fc1.out_features,
+        "blocks": max(taps) + 1,
+        "taps": taps,
+        "ln_eps": float(block.norm1.eps),
+        "final_ln_eps": float(vit.norm.eps),
+        "neck_in0_dim": neck.input_blocks[0].out_channels,
+        "levels": [{"height": h, "width": w, "dim": d} for (h, w), d in zip(level_shapes, cfg.neck.dim_res_blocks)],
         "heads": [
-            {"name": name, "channels": c, "dims": head_dims[name], **head_plans[name]}
+            {"name": name, "channels": c, "dims": list(getattr(cfg, name + "_head").dim_res_blocks)}
             for name, c in zip(heads, channels)
         ],
         "finest": {
-            "mode": mode,
+            "mode": _upsample_mode(tuple(neck.resamplers[levels - 2])[:-1], "neck"),
             "channels": total,
             "phase_channels": 4 * total,
             "in_height": level_shapes[-2][0],
@@ -403,9 +357,142 @@ def prepare_weights(network, canvas_size: tuple, num_tokens: int) -> Prepared:
             "height": level_shapes[-1][0],
             "width": level_shapes[-1][1],
         },
-        "remap": folds.remap,
-        "scale_head": scale_dims,
+        "remap": cfg.remap_output,
     }
+
+
+def _patch_embed_into(arrays: dict, folds) -> None:
+    """The patch embedding's folds (`folding.fold_patch_embed`'s fields) -> "patch.w" (the patch matmul, the
+    normalisation folded, padded to whole tiles) and "token_table" (patch rows, then the prefix rows)."""
+    dim = folds.patch_weight.shape[0]
+    w = _t(folds.patch_weight).reshape(dim, -1)  # (C, 3 * p * p), (channel, ky, kx) order
+    patch_k = w.shape[1]
+    arrays["patch.w"] = np.zeros((-(-patch_k // TILE) * TILE, dim), np.float32)
+    arrays["patch.w"][:patch_k] = w.T
+    grid_tokens = folds.patch_pos.shape[1]
+    table = np.empty((grid_tokens + folds.token_prefix.shape[1], dim), np.float32)
+    table[:grid_tokens] = _t(folds.patch_pos)[0] + _t(folds.patch_bias)[None]
+    table[grid_tokens:] = _t(folds.token_prefix)[0]
+    arrays["token_table"] = table
+
+
+def _encoder_into(arrays: dict, folds) -> None:
+    """The encoder's folds (`folding.fold_encoder`'s fields) -> the patch matmul, token table, blocks, final norm
+    and tap projections ("neck_in0.<k>.w", "neck_in0.const")."""
+    _patch_embed_into(arrays, folds)
+    dim = folds.patch_weight.shape[0]
+    for i, block in enumerate(folds.blocks):
+        _block_into(arrays, f"blocks.{i}", block)
+    arrays["final_norm.w"] = _t(folds.final_norm.weight)
+    arrays["final_norm.b"] = _t(folds.final_norm.bias)
+    neck_in0 = _t(folds.neck_in0)  # (d0, taps * C) over the concatenated normed taps
+    for k in range(len(folds.layers)):
+        arrays[f"neck_in0.{k}.w"] = np.ascontiguousarray(neck_in0[:, k * dim : (k + 1) * dim].T)  # (C, d0)
+    arrays["neck_in0.const"] = _t(folds.neck_in0_const)  # (rows * cols, d0)
+
+
+def _finest_into(arrays: dict, folds) -> None:
+    """The finest level's fold (`folding.fold_finest`'s fields) -> the phase-folded kernels "finest.neck.w",
+    "finest.<head>.w" (zero outside the head's channels) and the constant map "finest.const"."""
+    total = sum(folds.head_channels)
+    mode = _upsample_mode(folds.neck_up, "neck")
+    arrays["finest.neck.w"] = phase_fold(_t(folds.neck_fold), mode)
+    start = 0
+    for name, up, weight, c in zip(folds.heads, folds.head_ups, folds.head_folds, folds.head_channels):
+        if _upsample_mode(up, name) != mode:
+            raise ValueError("the finest-level fold needs the same upsample mode in the neck and every head")
+        kernel = np.zeros((total,) + tuple(weight.shape[1:]), np.float32)
+        kernel[start : start + c] = _t(weight)
+        arrays[f"finest.{name}.w"] = phase_fold(kernel, mode)
+        start += c
+    arrays["finest.const"] = _t(folds.finest_const)[0]  # (sum channels, H_L, W_L)
+
+
+def _prepare_part(network, canvas_size: tuple, num_tokens: int, fold_part: Callable, into: Callable) -> Prepared:
+    from types import SimpleNamespace
+
+    from .. import folding
+
+    plan = shapes(network, canvas_size, num_tokens)
+    _, _, aspect, rows, cols = folding.grid(canvas_size, num_tokens)
+    if fold_part is folding.fold_patch_embed:
+        folds = fold_part(network, rows, cols)
+    else:
+        folds = fold_part(network, rows, cols, aspect)
+    arrays: dict = {}
+    into(arrays, SimpleNamespace(**folds))
+    return Prepared(plan, arrays)
+
+
+def prepare_patch_embed(network, canvas_size: tuple, num_tokens: int) -> Prepared:
+    """The patch embedding alone (`patch_embed.PatchEmbed`): `shapes`' plan and the arrays "patch.w",
+    "token_table", from `folding.fold_patch_embed` (the encoder's normalisation and the ViT's patch conv and token
+    tables), as `prepare_weights` lays them out."""
+    from .. import folding
+
+    return _prepare_part(network, canvas_size, num_tokens, folding.fold_patch_embed, _patch_embed_into)
+
+
+def prepare_encoder(network, canvas_size: tuple, num_tokens: int) -> Prepared:
+    """The encoder alone (`encoder.Encoder`): `shapes`' plan and the arrays of the patch embedding, the blocks, the
+    final norm and the taps' projections into the neck's level-0 conv, from `folding.fold_encoder`, as
+    `prepare_weights` lays them out."""
+    from .. import folding
+
+    return _prepare_part(network, canvas_size, num_tokens, folding.fold_encoder, _encoder_into)
+
+
+def prepare_finest(network, canvas_size: tuple, num_tokens: int) -> Prepared:
+    """The finest conv alone (`heads.FinestConv`): `shapes`' plan and the arrays "finest.neck.w",
+    "finest.<head>.w", "finest.const", from `folding.fold_finest` (the last resamplers and 1x1 convs of the neck
+    and the heads), as `prepare_weights` lays them out."""
+    from .. import folding
+
+    return _prepare_part(network, canvas_size, num_tokens, folding.fold_finest, _finest_into)
+
+
+def prepare_weights(network, canvas_size: tuple, num_tokens: int) -> Prepared:
+    """Lay out the folds of `folding.fold(network, canvas_size, num_tokens)` for `graph.TtnnGraph` (the encoder's,
+    the finest level's as `prepare_encoder` and `prepare_finest` do; the plan: `shapes`' and the conv stacks').
+
+    network: a `MoGe2Network` (any device; read only). canvas_size: (width, height) of the canvas the runner is
+    given. Raises ValueError for structures the ttnn graph does not implement (see `_supported`).
+    """
+    import torch
+
+    from .. import folding
+
+    shape_plan = shapes(network, canvas_size, num_tokens)
+    folds = folding.fold(network, canvas_size, num_tokens)
+    arrays: dict = {}
+
+    # Encoder: patch matmul (folded normalisation), token table, blocks, final norm, tap projections.
+    _encoder_into(arrays, folds)
+
+    # Decoder: coarse levels of the neck and heads, constant uv maps, the phase-folded finest conv.
+    levels = folds.num_levels
+    for i in range(1, levels - 1):
+        const = _t(folds.neck_consts[i])[0]  # (d_i, H_i, W_i)
+        arrays[f"neck.const.{i}"] = np.ascontiguousarray(const.reshape(const.shape[0], -1).T)  # (H_i W_i, d_i)
+    neck_plan = _stack_into(arrays, "neck", folds.neck, levels, with_inputs=False)
+    head_plans = {}
+    for name in folds.heads:
+        head_plans[name] = _stack_into(arrays, f"head.{name}", folds.heads[name], levels, with_inputs=True)
+    _finest_into(arrays, folds)
+    scale_dims = None
+    if folds.scale_head is not None:
+        linears = [m for m in folds.scale_head if isinstance(m, torch.nn.Linear)]
+        scale_dims = [linears[0].in_features] + [m.out_features for m in linears]
+        for k, lin in enumerate(linears):
+            arrays[f"scale.{k}.w"] = _t(lin.weight)  # (out, in): host numpy, y = x @ w.T + b
+            arrays[f"scale.{k}.b"] = _t(lin.bias)
+
+    plan = {k: v for k, v in shape_plan.items() if k not in ("heads", "finest", "remap")}
+    plan["neck"] = neck_plan
+    plan["heads"] = [{**h, **head_plans[h["name"]]} for h in shape_plan["heads"]]
+    plan["finest"] = shape_plan["finest"]
+    plan["remap"] = shape_plan["remap"]
+    plan["scale_head"] = scale_dims
     return Prepared(plan, arrays)
 
 
