@@ -81,3 +81,32 @@ def test_fold_leaves_the_network_alone_and_prepared_arrays_are_copies():
     with torch.no_grad():
         weight += 1
     assert not (prepared.arrays["final_norm.w"] == weight.detach().numpy()).any()
+
+
+def test_each_part_prepared_alone_is_that_part_of_the_whole():
+    """A part's weights prepared from its own modules (what the part tests build) are, key for key and bit for bit,
+    those of the whole network prepared (what the runner uploads), and its plan's entries are within the whole
+    plan's (a part's plan leaves the conv stacks' structure out): a part test checks the part the runner runs."""
+    import numpy as np
+
+    from tt_moge.runners.ttnn.prepare import prepare_encoder, prepare_finest, prepare_patch_embed, prepare_weights
+
+    network = make_network("tiny-vits-normal")
+    whole = prepare_weights(network, SMALL, SMALL_TOKENS)
+    for make in (prepare_patch_embed, prepare_encoder, prepare_finest):
+        part = make(network, SMALL, SMALL_TOKENS)
+        assert part.arrays, make.__name__
+        for key, array in part.arrays.items():
+            assert key in whole.arrays, (make.__name__, key)
+            assert array.dtype == whole.arrays[key].dtype and np.array_equal(array, whole.arrays[key]), key
+        for key, value in part.plan.items():
+            assert key in whole.plan and _within(value, whole.plan[key]), (make.__name__, key)
+
+
+def _within(part, whole) -> bool:
+    """`part` equals `whole`, except that a dict of `part` may leave keys of `whole`'s out (recursively)."""
+    if isinstance(part, dict):
+        return isinstance(whole, dict) and all(k in whole and _within(v, whole[k]) for k, v in part.items())
+    if isinstance(part, (list, tuple)):
+        return len(part) == len(whole) and all(_within(a, b) for a, b in zip(part, whole))
+    return part == whole
