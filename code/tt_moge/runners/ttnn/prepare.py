@@ -409,18 +409,16 @@ def _finest_into(arrays: dict, folds) -> None:
 
 
 def _prepare_part(network, canvas_size: tuple, num_tokens: int, fold_part: Callable, into: Callable) -> Prepared:
+    """One part alone: `shapes`' plan and the arrays `into` lays out from `fold_part(rows, cols, aspect)` (the
+    part's folds, a dict of `folding.Folds` fields)."""
     from types import SimpleNamespace
 
     from .. import folding
 
-    plan = shapes(network, canvas_size, num_tokens)
+    plan = shapes(network, canvas_size, num_tokens)  # first: a structure the graph lacks is refused by name
     _, _, aspect, rows, cols = folding.grid(canvas_size, num_tokens)
-    if fold_part is folding.fold_patch_embed:
-        folds = fold_part(network, rows, cols)
-    else:
-        folds = fold_part(network, rows, cols, aspect)
     arrays: dict = {}
-    into(arrays, SimpleNamespace(**folds))
+    into(arrays, SimpleNamespace(**fold_part(rows, cols, aspect)))
     return Prepared(plan, arrays)
 
 
@@ -430,25 +428,32 @@ def prepare_patch_embed(network, canvas_size: tuple, num_tokens: int) -> Prepare
     tables), as `prepare_weights` lays them out."""
     from .. import folding
 
-    return _prepare_part(network, canvas_size, num_tokens, folding.fold_patch_embed, _patch_embed_into)
+    def fold_part(rows: int, cols: int, aspect: float) -> dict:
+        return folding.fold_patch_embed(network, rows, cols)  # the token tables need no aspect
+
+    return _prepare_part(network, canvas_size, num_tokens, fold_part, _patch_embed_into)
 
 
 def prepare_encoder(network, canvas_size: tuple, num_tokens: int) -> Prepared:
     """The encoder alone (`encoder.Encoder`): `shapes`' plan and the arrays of the patch embedding, the blocks, the
     final norm and the taps' projections into the neck's level-0 conv, from `folding.fold_encoder`, as
     `prepare_weights` lays them out."""
+    from functools import partial
+
     from .. import folding
 
-    return _prepare_part(network, canvas_size, num_tokens, folding.fold_encoder, _encoder_into)
+    return _prepare_part(network, canvas_size, num_tokens, partial(folding.fold_encoder, network), _encoder_into)
 
 
 def prepare_finest(network, canvas_size: tuple, num_tokens: int) -> Prepared:
     """The finest conv alone (`heads.FinestConv`): `shapes`' plan and the arrays "finest.neck.w",
     "finest.<head>.w", "finest.const", from `folding.fold_finest` (the last resamplers and 1x1 convs of the neck
     and the heads), as `prepare_weights` lays them out."""
+    from functools import partial
+
     from .. import folding
 
-    return _prepare_part(network, canvas_size, num_tokens, folding.fold_finest, _finest_into)
+    return _prepare_part(network, canvas_size, num_tokens, partial(folding.fold_finest, network), _finest_into)
 
 
 def prepare_weights(network, canvas_size: tuple, num_tokens: int) -> Prepared:
