@@ -5,7 +5,9 @@ smooth warp (`testing.video.smooth_warp`, 3 % standard deviation, each frame its
 Bounds, from the walk's requirement (ATE within 1 % of its 2.97 m, about 15 keyframe links in a chain whose
 errors add up as a random walk: 3 cm / sqrt(15), about 0.8 cm a link): a link's translation within 0.8 cm under
 the warp and within 0.2 cm on exact depths; after the bundle adjustment, every keyframe within 0.8 cm of the
-truth and its scale within 1 %.
+truth and its scale within 1 %. The link left at its 3D fit misses the first on every seed (1.3-5.9 cm); in this
+scene (400 points over the whole view) the fit refined on the image alone met it too, so the walk's figures
+(tests/test_video_long.py), not this file, show what the joint fit gains over that one.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 from tt_moge.testing.video import smooth_warp
 from tt_moge.video.bundle import View, adjust
 from tt_moge.video.posegraph import Similarity
-from tt_moge.video.registration import Registration, fit_similarity, joint_pose, refine_pose
+from tt_moge.video.registration import Registration, fit_similarity, joint_pose
 
 SIZE = (320, 240)
 K = np.array([[300.0, 0, 160.0], [0, 300.0, 120.0], [0, 0, 1.0]])
@@ -61,7 +63,7 @@ def lifted(pixels: np.ndarray, depth: np.ndarray) -> np.ndarray:
 
 
 def link(warp: float, seed: int) -> tuple:
-    """(the truth, the 3D fit refined on the image alone, the joint fit) of a frame 0.29 m and 3 degrees on from its
+    """(the truth, the joint fit) of a frame 0.29 m and 3 degrees on from its
     keyframe: keyframe points from its own bent depth, this frame's from its."""
     rng = np.random.default_rng(seed)
     points = scene(rng)
@@ -73,9 +75,7 @@ def link(warp: float, seed: int) -> tuple:
     truth = r1.T @ r0, r1.T @ (c0 - c1)  # keyframe camera -> this camera
     s, r, t, inliers = fit_similarity(src, dst)
     fit = Registration(True, s, r, t, len(src), int(inliers.sum()), float(inliers.mean()), 0.01)
-    old, _ = refine_pose(fit, src, pixels, K, dst, inliers)
-    new = joint_pose(fit, src, pixels, K, dst, 0.05)
-    return truth, old, new
+    return truth, joint_pose(fit, src, pixels, K, dst)
 
 
 def translation_error(truth: tuple, reg: Registration) -> float:
@@ -84,13 +84,13 @@ def translation_error(truth: tuple, reg: Registration) -> float:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_a_keyframe_link_holds_its_pose_under_smooth_depth_errors(seed):
-    truth, old, new = link(WARP, seed)
-    assert translation_error(truth, new) <= 0.008, (translation_error(truth, new), translation_error(truth, old))
+    truth, new = link(WARP, seed)
+    assert translation_error(truth, new) <= 0.008, translation_error(truth, new)
 
 
 @pytest.mark.parametrize("seed", range(2))
 def test_a_keyframe_link_on_exact_depths_is_exact(seed):
-    truth, _, new = link(0.0, seed)
+    truth, new = link(0.0, seed)
     assert translation_error(truth, new) <= 0.002 and abs(new.scale - 1) <= 0.002, translation_error(truth, new)
 
 

@@ -30,7 +30,6 @@ __all__ = [
     "iter_video",
     "open_source",
     "predict_video",
-    "split_options",
 ]
 
 _LAZY = {
@@ -40,7 +39,6 @@ _LAZY = {
     "VideoStream": "predict",
     "iter_video": "predict",
     "predict_video": "predict",
-    "split_options": "predict",
 }
 
 

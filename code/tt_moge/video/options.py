@@ -8,13 +8,12 @@ from both.
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any, Mapping, Optional
 
-from ..fields import bind, checked, option, options_of, takes_options
+from ..fields import checked, option, options_of, takes_options
 from ..host import InputError
 
 __all__ = ["VideoOptions", "DEFAULT_CALIBRATION_FRAMES", "DEFAULT_NEW_CHAIN_AFTER"]
@@ -147,13 +146,6 @@ class VideoOptions:
         of a def that has them as its parameters), validated: a bad value is an InputError naming the option."""
         return cls(**{i.name: checked(i, given[i.argument], InputError, InputError) for i in options_of(cls)})
 
-    @classmethod
-    def of_call(cls, where: str, args: tuple = (), kwargs: Optional[dict] = None) -> "VideoOptions":
-        return cls.of_arguments(bind(_MAKE_SIGNATURE, where, args, kwargs or {}))
-
     def kwargs(self) -> dict:
         """{argument: value}: these options as keyword arguments of `predict_video`."""
         return {i.argument: getattr(self, i.name) for i in options_of(type(self))}
-
-
-_MAKE_SIGNATURE = inspect.signature(VideoOptions.make)  # the written one: (stride, max_frames, ...)

@@ -40,7 +40,6 @@ scales, registration), so an hour-long video streams. `predict_video` keeps ever
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import queue
 import threading
@@ -50,7 +49,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from ..fields import bind, takes_options
+from ..fields import takes_options
 from ..host import CallOptions, InputError, Stopwatch
 from ..output import finite_or_none
 from .bundle import View, adjust
@@ -69,7 +68,6 @@ __all__ = [
     "VideoStream",
     "ClipChain",
     "DEFAULT_CHUNK",
-    "split_options",
 ]
 
 DEFAULT_CHUNK = 4  # frames per predict_many call of the real pass (its outputs are in memory at once)
@@ -79,13 +77,6 @@ MIN_BUNDLE_KEYFRAMES = 3  # ... once it has this many: two are the link itself f
 # average their depths' errors against
 LOCAL_NODES = 8  # the newest keyframe nodes of a chain's pose graph solved again at each new keyframe
 _END = object()
-
-
-def split_options(where: str, options: dict) -> tuple:
-    """(CallOptions, VideoOptions) of a video call's keyword arguments; unknown ones are a TypeError naming
-    `where`, bad values an InputError naming the option."""
-    given = bind(_SIGNATURE, where, (), options)
-    return CallOptions.of_arguments(given), VideoOptions.of_arguments(given)
 
 
 class VideoStream:
@@ -881,7 +872,3 @@ def predict_video(
         for _ in stream:
             pass
         return stream.result
-
-
-# what split_options binds: the options of predict_video, without its model and source
-_SIGNATURE = inspect.Signature(list(inspect.signature(predict_video).parameters.values())[2:])

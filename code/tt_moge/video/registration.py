@@ -17,6 +17,10 @@ inliers (weights 1 / depth^2: a monocular model's depth error grows with the dep
 set is stable. The reference's points are already consistent (the clip's scale), so s is the current frame's
 scale relative to the clip (1 / s makes it consistent) and (R, t / s) the rigid motion.
 
+Pose (`posed`): a followed fit's pose and scale are then solved again on the image positions and this frame's
+depths together (`joint_pose`), from the 3D fit and, where that leaves the points off their tracks (or there is
+none), from a PnP seed (`image_fit`): a real network's smooth depth errors move a pose fitted on depths alone.
+
 Checks (`Registration.ok`): at least MIN_INLIERS inliers, an inlier share of at least MIN_INLIER_RATIO, a scale
 inside SCALE_RANGE and a residual (root mean square of the inliers' residuals / depth) of at most MAX_RESIDUAL.
 A frame that fails them is flagged; the reference stays, and the next frame is tracked from it.
@@ -68,7 +72,7 @@ __all__ = [
     "lift",
     "umeyama",
     "fit_similarity",
-    "refine_pose",
+    "joint_pose",
     "dense_scale",
 ]
 
@@ -443,74 +447,9 @@ def _check(
 
 
 RETRACK_PIXELS = 2.0  # a feature followed again from the keyframe must land this near its chained track
-POSE_PIXELS_MIN = 6  # refine_pose: points at least (solvePnP's iterative solver needs 4; a few more for noise)
-POSE_SCALE_RTOL = 0.05  # refine_pose: its scale may differ from the 3D fit's by at most this (else the fit stays)
-POSE_MAX_TURN_DEG = 5.0  # refine_pose: only a fit that turns the camera by at most this much (degrees) is refined
-
-
-def refine_pose(
-    reg: Registration, src: np.ndarray, pixels: np.ndarray, k_pixels: np.ndarray, dst: np.ndarray, seed: np.ndarray
-) -> tuple:
-    """(`reg` with its rotation and translation refined on image positions and its scale read from depths, the
-    correspondences that agree with it) of the reference's points `src` (N, 3), metres of the clip, followed to
-    `pixels` (N, 2) in this frame (full resolution, centres at +0.5), where this frame's own points `dst` (N, 3)
-    are NaN where it has no depth. `seed` (N,): the correspondences the first spread is measured on (the 3D fit's
-    inliers and the tracks without a depth here: some tracks may have slipped onto a repeated pattern).
-
-    The correspondences (any of the N: which of them this frame's noisy depth let into the 3D fit does not matter
-    to the image positions) within 3 robust standard deviations of the 3D fit's reprojection, the pose that minimises
-    their reprojection error (`cv2.solvePnP`, Levenberg-Marquardt from the 3D fit's pose), again until the set
-    stops changing (3 rounds at most); the scale is the median of z_dst / z_placed over those with a depth
-    here. Why: the 3D fit places this frame through its
-    own depth, whose per-pixel noise moves its camera from frame to frame (2-10 cm on the 200x150 loop of
-    tests/test_video_long.py at 2 % noise); the image positions are sub-pixel, and the reference's points are
-    shared by every frame fitted against it, so consecutive frames err alike instead of scattering. This frame's
-    depth enters only its scale. A refinement that fails, or whose scale is more than POSE_SCALE_RTOL from the 3D
-    fit's, leaves `reg` as it was (and None for the correspondences).
-
-    Only a fit that turns the camera by at most POSE_MAX_TURN_DEG is refined: on the fast pans of
-    tests/test_video.py (4 and 14 degrees a frame, fits against keyframes up to 16 degrees back) the refined
-    poses of the wider turns were further off than the 3D fits (the pan whose tracks' fit is replaced: ATE
-    2.3 % refining every fit, 1.6 % refining none, 1.4 % with this bar, 1.1 % before the keyframe links; the
-    textureless gap 1.09 / 0.74 / 0.70 %), while the slow clips the refinement is for turn less than that
-    between a frame and its keyframe (the 200x150 loop of tests/test_video_long.py: ATE 0.65 % refining every
-    fit, 0.70 % with the bar). Likely why: over a wide turn the features the two views share sit in a narrow
-    strip of the image, where a turn and a sideways step project alike and the image
-    positions alone separate them poorly; the depths do."""
-    import cv2
-
-    if not reg.ok or reg.rotation is None or seed.sum() < POSE_PIXELS_MIN:
-        return reg, None
-    turn = math.degrees(math.acos(min(1.0, max(-1.0, (float(np.trace(reg.rotation)) - 1.0) / 2.0))))
-    if turn > POSE_MAX_TURN_DEG:
-        return reg, None
-    src, pixels, k = (np.ascontiguousarray(a, np.float64) for a in (src, pixels, k_pixels))
-    rvec = cv2.Rodrigues(np.asarray(reg.rotation, np.float64))[0]
-    tvec = (np.asarray(reg.translation, np.float64) / reg.scale).reshape(3, 1)
-    good = None
-    for _ in range(3):  # the correspondences within 3 robust standard deviations of the pose, then solved on them
-        projected, _ = cv2.projectPoints(src, rvec, tvec, k, None)
-        error = np.linalg.norm(projected.reshape(-1, 2) - pixels, axis=1)
-        spread = 1.4826 * float(np.median(error[seed if good is None else good]))
-        again = error <= 3.0 * spread + 1e-6
-        if again.sum() < POSE_PIXELS_MIN or (good is not None and np.array_equal(again, good)):
-            break
-        good = again
-        ok, rvec, tvec = cv2.solvePnP(src[good], pixels[good], k, None, rvec, tvec, True, cv2.SOLVEPNP_ITERATIVE)
-        if not ok:
-            return reg, None
-    if good is None:
-        return reg, None
-    rotation, translation = cv2.Rodrigues(rvec)[0], tvec.ravel()
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = dst[good, 2] / (src[good] @ rotation[2] + translation[2])
-    ratio = ratio[np.isfinite(ratio) & (ratio > 0)]
-    if len(ratio) < POSE_PIXELS_MIN:
-        return reg, None
-    scale = float(np.exp(np.median(np.log(ratio))))
-    if not abs(scale / reg.scale - 1) <= POSE_SCALE_RTOL:
-        return reg, None
-    return dataclasses.replace(reg, scale=scale, rotation=rotation, translation=scale * translation), good
+POSE_PIXELS_MIN = 6  # a pose from image positions: points at least (PnP needs 4; a few more for noise)
+POSE_SCALE_RTOL = 0.05  # joint_pose: its scale may differ from its seed's by at most this (else the seed stays)
+POSE_MAX_TURN_DEG = 5.0  # joint_pose: only a seed that turns the camera by at most this much (degrees) is refined
 
 
 PNP_PIXELS = 2.0  # image_fit: a correspondence is an inlier when it reprojects within this (tracking pixels)
@@ -569,22 +508,25 @@ SETTLED_PIXELS = 0.5  # posed: a link whose points land within this (median, tra
 
 
 def joint_pose(
-    reg: Registration, src: np.ndarray, pixels: np.ndarray, k_pixels: np.ndarray, dst: np.ndarray, pixel_floor: float
+    reg: Registration, src: np.ndarray, pixels: np.ndarray, k_pixels: np.ndarray, dst: np.ndarray, ratio: float = 1.0
 ) -> Registration:
     """`reg` refined on both what this frame sees of the keyframe's points `src` (N, 3): where they are in the
     image (`pixels` (N, 2), full resolution, centres at +0.5) and how far (`dst` (N, 3), this frame's own points,
     NaN where it has no depth), each weighed by its own spread as the fit finds it (the median absolute residual
-    after a first solve, then solved again; the pixels' at least `pixel_floor`).
+    after a first solve, then solved again; `ratio`: full-resolution pixels per tracking pixel, the unit of the
+    pixel spreads JOINT_PIXEL_STD and MIN_JOINT_PIXEL_STD).
 
     Why both: a pose from the image positions alone is loose along what a narrow view leaves loose (a turn and a
-    sideways step project alike), and `solvePnP` started from a 3D fit stops near it there (`refine_pose`); a
+    sideways step project alike), and `solvePnP` started from a 3D fit stopped near it there (the refinement
+    before this one); a
     pose from the depths alone is moved by their errors. Where the depths are good (per-pixel noise only) their
     spread is small and they hold the pose along the loose directions; where they are bent (a real network's
     smooth errors: the stand-in's warp of tests/test_video_long.py) their spread is large and the image positions
     hold it. A Cauchy loss leaves the few wrong tracks out. The unknowns: a rotation correction on the left, the
     translation and the log scale (this frame's depth / the placed points'), by Levenberg-Marquardt
     (`bundle.levenberg_marquardt`) with an analytic Jacobian. Only a fit that turns by at most POSE_MAX_TURN_DEG
-    is refined (as `refine_pose`); one whose scale moves by more than POSE_SCALE_RTOL is left as it was."""
+    is refined (wider turns came out worse refined on the image: docs/video.md); one whose scale moves by more than
+    POSE_SCALE_RTOL is left as it was."""
     import cv2
 
     if not reg.ok or reg.rotation is None or len(src) < POSE_PIXELS_MIN:
@@ -598,7 +540,8 @@ def joint_pose(
     base = np.asarray(reg.rotation, np.float64)
     fx, fy = k[0, 0], k[1, 1]
     n, m = len(src), int(has.sum())
-    stds = [JOINT_PIXEL_STD * pixel_floor / MIN_JOINT_PIXEL_STD, JOINT_DEPTH_STD]  # full-resolution pixels
+    pixel_floor = MIN_JOINT_PIXEL_STD * ratio
+    stds = [JOINT_PIXEL_STD * ratio, JOINT_DEPTH_STD]  # full-resolution pixels; log depth
 
     def placed(x: np.ndarray) -> tuple:
         turned = src @ (cv2.Rodrigues(x[:3])[0] @ base).T
@@ -673,17 +616,17 @@ def posed(
     joint fit keeps its scale near its seed's, so it cannot leave such a seed, and the image's seed is not bent.
     `fit` itself (failed or not) where neither gives a pose."""
     ratio = shape[1] / small[1]  # full-resolution pixels per tracking pixel
-    floor = MIN_JOINT_PIXEL_STD * ratio
 
-    def median(reg: Registration) -> float:
-        return float(np.median(_reprojections(reg, src, pixels, k_pixels)))
+    def scored(seed: Registration) -> tuple:  # (the median distance its points land from their tracks, the fit)
+        refined = joint_pose(seed, src, pixels, k_pixels, dst, ratio)
+        return float(np.median(_reprojections(refined, src, pixels, k_pixels))), refined
 
-    fits = [joint_pose(fit, src, pixels, k_pixels, dst, floor)] if fit.ok else []
-    if not fits or median(fits[0]) > SETTLED_PIXELS * ratio:
+    candidates = [scored(fit)] if fit.ok else []
+    if not candidates or candidates[0][0] > SETTLED_PIXELS * ratio:
         seed = image_fit(src, pixels, k_pixels, dst, small, shape)
         if seed.ok:
-            fits.append(joint_pose(seed, src, pixels, k_pixels, dst, floor))
-    return min(fits, key=median) if fits else fit
+            candidates.append(scored(seed))
+    return min(candidates, key=lambda c: c[0])[1] if candidates else fit
 
 
 @dataclass
@@ -852,7 +795,7 @@ class Tracker:
         frame-to-frame tracks put them): a track chained through every frame drifts as a random walk (0.17 px
         after one frame of the 200x150 loop of tests/test_video_long.py, 0.64 px after 19, some by 7 px), one
         measured against the keyframe does not. `kept` is updated with these positions (and their depth here),
-        so the next frame starts from them. The pose is then refined on the image positions (`refine_pose`)."""
+        so the next frame starts from them. The pose is then solved on the image positions and the depths (`posed`)."""
         import cv2
 
         keyframe = self.keyframes[-1] if self.keyframes else None
@@ -946,7 +889,9 @@ class Tracker:
         seed = ~lifted
         seed[lifted] = inliers
         good = None
-        if guess is None:  # a relocalised fit (tracks from a descriptor guess across a jump) keeps its 3D pose
+        if (
+            guess is None
+        ):  # followed: posed (a relocalised fit, from a descriptor guess across a jump, keeps its 3D pose)
             pixels = self._full(moved, depth.shape)
             fit = posed(reg, src, pixels, k_pixels, xyz, grey.shape, depth.shape)
             if fit.ok and fit is not reg:
