@@ -35,17 +35,16 @@ class ModelCalls:
         self.service = service if all(callable(getattr(service, name, None)) for name in _MANY) else None
         self.keeps_forwards = self.service is not None or all(hasattr(model, name) for name in _MANY[1:])
 
-    def predict_many(self, images: list, options: CallOptions) -> list:
+    def _call(self, name: str, items: list, options: CallOptions) -> list:
         if self.service is not None:
-            return self.service.predict_many(images, options)
-        return self.model.predict_many(images, **options.kwargs())
+            return getattr(self.service, name)(items, options)
+        return getattr(self.model, name)(items, **options.kwargs())
+
+    def predict_many(self, images: list, options: CallOptions) -> list:
+        return self._call("predict_many", images, options)
 
     def forward_many(self, images: list, options: CallOptions) -> list:
-        if self.service is not None:
-            return self.service.forward_many(images, options)
-        return self.model.forward_many(images, **options.kwargs())
+        return self._call("forward_many", images, options)
 
     def finish_many(self, forwarded: list, options: CallOptions) -> list:
-        if self.service is not None:
-            return self.service.finish_many(forwarded, options)
-        return self.model.finish_many(forwarded, **options.kwargs())
+        return self._call("finish_many", forwarded, options)
