@@ -28,6 +28,7 @@ from tt_moge.runners.cpu_kernels import (
     attention_bf16,
     dequantize,
     dequantize_reference,
+    native_attention_amx,
     native_attention_supported,
     native_library,
     quantize_rows,
@@ -299,13 +300,22 @@ def test_int8_graph_with_native_glue_equals_the_torch_glue():
         assert torch.equal(native_out[key], torch_out[key]), key
 
 
-@pytest.mark.parametrize("tokens", [1, 37, 64, 100, 311])
-def test_native_attention_matches_float32_attention(tokens):
-    """The fused attention (any token count: full and partial 16/32-key blocks and 8-query blocks) against float32
-    SDPA on the same bfloat16 inputs: 10x closer than the unfused bfloat16 path, whose scores are rounded."""
+def _native_attention_or_skip(amx: bool):
     lib = native_library()
     if not native_attention_supported(lib, 64):
         pytest.skip("this CPU has no AVX512-BF16: the fused attention is not built (the torch path runs instead)")
+    if amx and not native_attention_amx(lib):
+        pytest.skip("this CPU has no AMX tiles: the fused attention runs its products by AVX512-BF16 dot products")
+    return lib
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512-bf16", "amx"])
+@pytest.mark.parametrize("tokens", [1, 37, 64, 100, 200, 311])
+def test_native_attention_matches_float32_attention(tokens, amx):
+    """The fused attention (any token count: full and partial 16/32/64-key blocks and 8/32-query blocks), by
+    AVX512-BF16 dot products or on AMX tiles, against float32 SDPA on the same bfloat16 inputs: 10x closer than the
+    unfused bfloat16 path, whose scores are rounded."""
+    lib = _native_attention_or_skip(amx)
     gen = torch.Generator().manual_seed(tokens)
     heads, c = 4, 256
     qkv = torch.randn(tokens, 3 * c, generator=gen) * 1.5
@@ -313,12 +323,33 @@ def test_native_attention_matches_float32_attention(tokens):
     qkv = qkv.bfloat16()
     q, k, v = qkv.float().view(tokens, 3, heads, 64).permute(1, 2, 0, 3)
     ref = F.scaled_dot_product_attention(q, k, v, scale=1.0).transpose(0, 1).reshape(tokens, c)
-    out = attention_bf16(qkv, heads, lib).float()
+    out = attention_bf16(qkv, heads, lib, amx=amx).float()
     unfused = HeadByHeadAttention(2)(qkv.t().contiguous(), heads).float()
     scale = ref.abs().max()
     assert (out - ref).abs().max() < 5e-3 * scale
     if tokens > 1:
         assert (out - ref).abs().max() < 0.5 * (unfused - ref).abs().max()
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512-bf16", "amx"])
+def test_native_attention_holds_when_later_keys_score_higher(amx):
+    """Keys whose scores grow along the sequence, up to a hundred units apart: the AMX kernel walks the keys in
+    blocks with a running maximum, so every block brings a new maximum and rescales what came before (the
+    dot-product kernel takes each row's maximum first). Exponentials far below the maximum must vanish, not wrap."""
+    lib = _native_attention_or_skip(amx)
+    tokens, heads, c = 300, 2, 128
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(tokens, 3 * c, generator=gen)
+    qkv[:, c : 2 * c] *= torch.linspace(0.1, 4.0, tokens)[:, None]  # k: norms growing along the sequence
+    qkv[:, :c] *= 3.0  # scores up to about +-100
+    qkv = qkv.bfloat16()
+    q, k, v = qkv.float().view(tokens, 3, heads, 64).permute(1, 2, 0, 3)
+    scores = q @ k.transpose(-1, -2)
+    assert scores.amax() - scores.amin() > 100  # the case is the one described
+    ref = F.scaled_dot_product_attention(q, k, v, scale=1.0).transpose(0, 1).reshape(tokens, c)
+    out = attention_bf16(qkv, heads, lib, amx=amx).float()
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max() < 5e-3 * ref.abs().max()
 
 
 _OUTLIER_CASES: dict = {}

@@ -210,7 +210,8 @@ _SIGNATURES = {
     "moge_quantize_rows": (ctypes.c_int, [_P, ctypes.c_int, _I64, _I64, _I64, _P, _P, _P]),
     "moge_dequantize": (ctypes.c_int, [_P, _I64, _I64, _P, _P, _P, ctypes.c_int, _P]),
     "moge_attention_supported": (ctypes.c_int, []),
-    "moge_attention_bf16": (ctypes.c_int, [_P, _I64, _I64, _I64, _P]),
+    "moge_attention_amx_supported": (ctypes.c_int, []),
+    "moge_attention_bf16": (ctypes.c_int, [_P, _I64, _I64, _I64, ctypes.c_int, _P]),
 }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -128,7 +129,10 @@ class CpuGraphRunner(Runner):
         threads = torch.get_num_threads()
         if self.native is not None:
             self.native.moge_runner_set_threads(threads)
-        machine = f"{cpu_signature()} | torch {torch.__version__} | {threads} threads"
+        # the native library's build (its file name hashes its sources, flags and CPU): a changed native kernel is
+        # timed again instead of losing to what an older build measured
+        native_build = Path(self.native._name).stem if self.native is not None else "no native library"
+        machine = f"{cpu_signature()} | torch {torch.__version__} | {threads} threads | {native_build}"
         mlp = network.encoder.backbone.blocks[0].mlp
         hidden = (mlp.w12 if hasattr(mlp, "w12") else mlp.fc1).out_features
 

@@ -28,6 +28,7 @@ __all__ = [
     "dequantize",
     "quantize_rows_reference",
     "dequantize_reference",
+    "native_attention_amx",
     "native_attention_supported",
     "attention_bf16",
 ]
@@ -136,18 +137,29 @@ def native_attention_supported(lib, head_dim: int) -> bool:
     return lib is not None and head_dim == NATIVE_HEAD_DIM and bool(lib.moge_attention_supported())
 
 
-def attention_bf16(qkv: torch.Tensor, num_heads: int, lib) -> torch.Tensor:
+def native_attention_amx(lib) -> bool:
+    """Whether `attention_bf16` runs its two products on AMX tiles: the library was built for a CPU with AMX-BF16
+    and Linux lets this process use the tiles. Elsewhere it runs them by AVX512-BF16 dot products."""
+    return lib is not None and bool(lib.moge_attention_amx_supported())
+
+
+def attention_bf16(qkv: torch.Tensor, num_heads: int, lib, amx: bool | None = None) -> torch.Tensor:
     """Fused multi-head softmax attention of one image: qkv (N, 3C) bfloat16 rows [q | k | v] with q already
     scaled by 1/sqrt(head_dim) -> (N, C) bfloat16. Scores and sums in float32, the probabilities rounded to
-    bfloat16 for the product with v (as the unfused bfloat16 path); the score matrix never reaches memory."""
+    bfloat16 for the product with v (as the unfused bfloat16 path); the score matrix never reaches memory.
+    `amx`: the products on AMX tiles (None: where `native_attention_amx`; True where it is not is an error)."""
     _check(qkv, "qkv", (torch.bfloat16,))
     n, three_c = qkv.shape
     c = three_c // 3
     if three_c != 3 * c or c != num_heads * NATIVE_HEAD_DIM:
         raise ValueError(f"qkv: expected (N, 3 * {num_heads} * {NATIVE_HEAD_DIM}), got {tuple(qkv.shape)}")
+    if amx is None:
+        amx = native_attention_amx(lib)
+    elif amx and not native_attention_amx(lib):
+        raise ValueError("amx=True: this CPU (or this build, or the kernel's permission) has no AMX tiles")
     qkv = qkv.contiguous()
     out = torch.empty(n, c, dtype=torch.bfloat16)
-    status = lib.moge_attention_bf16(qkv.data_ptr(), n, c, num_heads, out.data_ptr())
+    status = lib.moge_attention_bf16(qkv.data_ptr(), n, c, num_heads, int(amx), out.data_ptr())
     if status != 0:
         raise RuntimeError(f"moge_attention_bf16 failed ({status}): this build has no AVX512-BF16 attention")
     return out
