@@ -5,6 +5,7 @@ weights)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tt_moge.testing import make_network
@@ -36,7 +37,7 @@ def test_prepare_weights_builds_no_torch_module(monkeypatch):
 def test_every_fast_path_takes_its_weights_from_one_fold(monkeypatch):
     from tt_moge.onnx_export import ExportGraph
     from tt_moge.runners import folding
-    from tt_moge.runners.fixed_graph import FixedShapeMoGe2
+    from tt_moge.runners.fixed_graph import FixedShapeMoGe2, finest_conv
     from tt_moge.runners.ttnn.prepare import prepare_weights
 
     network = make_network("tiny-vits-normal")
@@ -58,7 +59,7 @@ def test_every_fast_path_takes_its_weights_from_one_fold(monkeypatch):
     grid = folds.rows * folds.cols
     # what each consumer holds is the fold, laid out its own way
     for module in (graph, exported):
-        assert torch.equal(module.neck_fold_conv.weight, folds.neck_fold)
+        assert torch.equal(_conv_weight(module.neck_finest), _conv_weight(finest_conv(folds.neck_up, folds.neck_fold)))
         assert torch.equal(module.finest_const, folds.finest_const)
         assert torch.equal(module.blocks[0].qkv.weight, folds.blocks[0].qkv[0])
     assert (prepared.arrays["finest.const"] == folds.finest_const[0].numpy()).all()
@@ -103,6 +104,12 @@ def test_each_part_prepared_alone_is_that_part_of_the_whole():
             assert key in whole.plan and _within(value, whole.plan[key]), (make.__name__, key)
 
 
+def _conv_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The weight of the one convolution in `module` (the finest level's conv, before or after its upsampling)."""
+    (conv,) = [m for m in module.modules() if isinstance(m, torch.nn.Conv2d)]
+    return conv.weight
+
+
 def _within(part, whole) -> bool:
     """`part` equals `whole`, except that a dict of `part` may leave keys of `whole`'s out (recursively)."""
     if isinstance(part, dict):
@@ -110,3 +117,27 @@ def _within(part, whole) -> bool:
     if isinstance(part, (list, tuple)):
         return len(part) == len(whole) and all(_within(a, b) for a, b in zip(part, whole))
     return part == whole
+
+
+@pytest.mark.parametrize("size", [(1, 1), (2, 3), (7, 9)])
+def test_the_finest_conv_runs_at_the_coarse_level_as_the_same_function(size):
+    """conv3x3(replicate pad(bilinear 2x upsample(x))) == pixel shuffle(conv3x3(replicate pad(x)) with
+    subpixel_kernel), to float64 round-off, edges included (the CPU graph's finest level runs the right side);
+    other upsamplings are left as they are."""
+    import torch.nn.functional as F
+
+    from tt_moge.runners.fixed_graph import finest_conv, subpixel_kernel
+
+    gen = torch.Generator().manual_seed(sum(size))
+    w = torch.randn(5, 6, 3, 3, generator=gen, dtype=torch.float64)
+    x = torch.randn(1, 6, *size, generator=gen, dtype=torch.float64)
+    up = F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
+    ref = F.conv2d(F.pad(up, (1, 1, 1, 1), mode="replicate"), w)
+    sub = F.pixel_shuffle(F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), subpixel_kernel(w)), 2)
+    assert ref.shape == sub.shape == (1, 5, 2 * size[0], 2 * size[1])
+    assert (sub - ref).abs().max() < 1e-12 * ref.abs().max()
+    bilinear = finest_conv((torch.nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False),), w.float())
+    assert isinstance(bilinear[-1], torch.nn.PixelShuffle)
+    assert torch.equal(_conv_weight(bilinear), subpixel_kernel(w.float()))
+    nearest = finest_conv((torch.nn.Upsample(scale_factor=2, mode="nearest"),), w.float())
+    assert isinstance(nearest[0], torch.nn.Upsample) and torch.equal(_conv_weight(nearest), w.float())

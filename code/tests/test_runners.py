@@ -403,7 +403,7 @@ def _break(graph: FixedShapeMoGe2, bug: str) -> None:
         elif bug == "finest constant lost":  # the uv / bias constant map of the finest fold
             graph.finest_const.zero_()
         elif bug == "one weight off":
-            graph.neck_fold_conv.weight[0, 0, 1, 1] += 0.5
+            graph.neck_finest[0].weight[0, 0, 1, 1] += 0.5
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ from ..network.moge2 import remap_points
 from . import folding
 from .vit_kernels import ATTENTION_KINDS, INT8_SMOOTHING, LINEAR_KERNELS, FastBlock, HeadByHeadAttention, make_linear
 
-__all__ = ["FixedShapeMoGe2", "raw_outputs"]
+__all__ = ["FixedShapeMoGe2", "finest_conv", "raw_outputs", "subpixel_kernel"]
 
 CALIBRATION_TOKENS = 600  # token budget of the int8 calibration forward (at load)
 
@@ -58,8 +58,44 @@ def _conv3x3(weight: torch.Tensor) -> nn.Conv2d:
         bias=False,
         device=weight.device,
     )
-    conv.weight.copy_(weight)
+    with torch.no_grad():
+        conv.weight.copy_(weight)
     return conv
+
+
+# Bilinear 2x upsampling (align_corners=False) along one axis, seen from a 3-tap filter on the upsampled signal:
+# output 2i + a of "filter(upsample(x))" is sum_s x[i + s] * sum_t _SUBPIXEL[a][s + 1][t + 1] * w[t] (s, t in -1..1).
+# With x replicate-padded by one sample this holds at the edges too, where the upsampled signal is replicate-padded.
+_SUBPIXEL = (
+    ((0.75, 0.25, 0.0), (0.25, 0.75, 0.75), (0.0, 0.0, 0.25)),  # even outputs 2i
+    ((0.25, 0.0, 0.0), (0.75, 0.75, 0.25), (0.0, 0.25, 0.75)),  # odd outputs 2i + 1
+)
+
+
+def subpixel_kernel(weight: torch.Tensor) -> torch.Tensor:
+    """A 3x3 kernel (C, K, 3, 3) meant for a 2x bilinear upsampling of its input -> the (4C, K, 3, 3) kernel that
+    gives the same outputs from the input before upsampling, output channel 4c + 2a + b holding the outputs at
+    (2i + a, 2j + b) (nn.PixelShuffle(2)'s order). Computed in float64."""
+    a = torch.tensor(_SUBPIXEL, dtype=torch.float64, device=weight.device)
+    k = torch.einsum("ayt,bxu,cktu->cabkyx", a, a, weight.to(torch.float64))
+    return k.reshape(weight.shape[0] * 4, weight.shape[1], 3, 3).to(weight.dtype)
+
+
+def finest_conv(up: tuple, weight: torch.Tensor) -> nn.Module:
+    """`conv3x3(up(x))` with `weight` (replicate padding) as a module. Where `up` is a 2x bilinear upsampling it runs
+    as a 3x3 conv at the coarse level into 4x the channels, then a pixel shuffle: the same function (see
+    subpixel_kernel) on a quarter of the pixels, without the upsampled map or its padding in memory (on the CPU
+    those two took most of the finest level's time). Any other upsampling runs as written."""
+    if (
+        len(up) == 1
+        and isinstance(up[0], nn.Upsample)
+        and up[0].mode == "bilinear"
+        and up[0].scale_factor in (2, 2.0, (2, 2), (2.0, 2.0))
+        and up[0].size is None
+        and not up[0].align_corners
+    ):
+        return nn.Sequential(_conv3x3(subpixel_kernel(weight)), nn.PixelShuffle(2))
+    return nn.Sequential(*up, _conv3x3(weight))
 
 
 class FixedShapeMoGe2(nn.Module):
@@ -195,12 +231,13 @@ class FixedShapeMoGe2(nn.Module):
         self.neck = _to_layout(folds.neck, dtype, channels_last)
         self.head_names = list(folds.heads)
         self.heads = nn.ModuleDict({h: _to_layout(stack, dtype, channels_last) for h, stack in folds.heads.items()})
-        # the finest level: conv3x3(head upsample) + conv3x3(neck upsample) + constant map (folding.py)
-        self.neck_up = _to_layout(nn.Sequential(*folds.neck_up), dtype, channels_last)
-        self.head_ups = nn.ModuleList(_to_layout(nn.Sequential(*up), dtype, channels_last) for up in folds.head_ups)
-        self.head_convs = nn.ModuleList(_to_layout(_conv3x3(w), dtype, channels_last) for w in folds.head_folds)
+        # the finest level: conv3x3(head upsample) + conv3x3(neck upsample) + constant map (folding.py), each
+        # "conv3x3(upsample)" run at the coarser level where the upsampling allows it (finest_conv)
+        self.neck_finest = _to_layout(finest_conv(folds.neck_up, folds.neck_fold), dtype, channels_last)
+        self.head_finest = nn.ModuleList(
+            _to_layout(finest_conv(up, w), dtype, channels_last) for up, w in zip(folds.head_ups, folds.head_folds)
+        )
         self.head_channels = list(folds.head_channels)
-        self.neck_fold_conv = _to_layout(_conv3x3(folds.neck_fold), dtype, channels_last)
         const = folds.finest_const
         self.register_buffer(
             "finest_const", const.contiguous(memory_format=torch.channels_last) if channels_last else const
@@ -242,9 +279,9 @@ class FixedShapeMoGe2(nn.Module):
             neck_out.append(neck.output_blocks[i](x))
             if i < last - 1:
                 x = neck.resamplers[i](x)
-        y = self.finest_const + self.neck_fold_conv(self.neck_up(x)).float()
+        y = self.finest_const + self.neck_finest(x).float()
         parts = []
-        for name, up, conv in zip(self.head_names, self.head_ups, self.head_convs):
+        for name, finest in zip(self.head_names, self.head_finest):
             head = self.heads[name]
             h = None
             for i in range(last):
@@ -253,7 +290,7 @@ class FixedShapeMoGe2(nn.Module):
                 h = head.res_blocks[i](h)
                 if i < last - 1:
                     h = head.resamplers[i](h)
-            parts.append(conv(up(h)).float())
+            parts.append(finest(h).float())
         return y + torch.cat(parts, dim=1)
 
     def forward(self, canvas: torch.Tensor) -> dict:
