@@ -24,6 +24,7 @@ from tt_moge.network import MoGe2Config, MoGe2Network
 from tt_moge.options import LoadOptions
 from tt_moge.runners import CpuGraphRunner, PendingMaps, TorchRunner, make_runner, resolve_precision
 from tt_moge.runners import precision as precision_mod
+from tt_moge.runners.conv_kernels import OnednnResBlock, fusable
 from tt_moge.runners.cpu_kernels import (
     attention_bf16,
     dequantize,
@@ -222,6 +223,7 @@ ONEDNN_LIMITS = {**INT8_LIMITS, "cls_token": 0.09}
         ("bf16", "native"),
         ("bf16-onednn", "heads"),
         ("bf16-onednn", "native"),
+        ("bf16-onednn-res", "native"),
         ("fp16", "sdpa"),
         ("int8", "heads"),
         ("int8", "native"),
@@ -232,7 +234,8 @@ ONEDNN_LIMITS = {**INT8_LIMITS, "cls_token": 0.09}
 def test_reduced_precision_graph_is_within_documented_tolerance(preset, precision, attention):
     """Every attention kernel, ViT matmul kernel and int8 kernel the CPU runner may choose (and the CUDA path's SDPA
     in float16) stays within the documented limits, so the chooser may pick any of them by speed alone.
-    "bf16-onednn": the ViT's matmuls in oneDNN's packed linear, GELU fused; "int8-onednn": oneDNN's
+    "bf16-onednn": the ViT's matmuls in oneDNN's packed linear, GELU fused; "-res": and the decoder's residual
+    blocks in oneDNN's fused convolutions (where the network's blocks allow it); "int8-onednn": oneDNN's
     int8 linear (per-tensor activation scales) in the bfloat16 graph; "-fp32": in the float32 graph, which the
     runner picks where bfloat16 is only emulated."""
     native = None if precision == "fp16" else native_library()  # as CpuGraphRunner: fused attention, int8 glue
@@ -240,15 +243,26 @@ def test_reduced_precision_graph_is_within_documented_tolerance(preset, precisio
         pytest.skip("the native attention needs an AVX512-BF16 build (this CPU has none)")
     if precision == "int8-onednn" and not precision_mod.cpu_has_native_bf16():
         pytest.skip("oneDNN's int8 linear with bfloat16 output has no fast kernel without bfloat16 instructions")
-    if precision == "bf16-onednn" and not precision_mod.cpu_has_native_bf16():
+    if precision.startswith("bf16-onednn") and not precision_mod.cpu_has_native_bf16():
         pytest.skip("oneDNN's packed bfloat16 linear: offered only where the CPU has bfloat16 instructions")
     net = _network(preset)
     dtype = {"fp16": torch.float16, "int8-onednn-fp32": torch.float32}.get(precision, torch.bfloat16)
     int8 = {"int8": "int8", "int8-onednn": "onednn", "int8-onednn-fp32": "onednn"}.get(precision, False)
-    linear = "onednn" if precision == "bf16-onednn" else "aten"
+    linear = "onednn" if precision.startswith("bf16-onednn") else "aten"
+    res_block = "onednn" if precision == "bf16-onednn-res" else "aten"
     graph = FixedShapeMoGe2(
-        net, SMALL, SMALL_TOKENS, dtype, attention=attention, vit_int8=int8, native=native, vit_linear=linear
+        net,
+        SMALL,
+        SMALL_TOKENS,
+        dtype,
+        attention=attention,
+        vit_int8=int8,
+        native=native,
+        vit_linear=linear,
+        res_block=res_block,
     )
+    fused = [m for m in graph.modules() if isinstance(m, OnednnResBlock)]
+    assert bool(fused) == (res_block == "onednn" and preset == "tiny-vits-normal")  # tiny-norms' blocks have norms
     if int8 == "onednn":
         assert isinstance(graph.blocks[0].ffn_in, OnednnInt8Linear)
     if linear == "onednn":
@@ -298,6 +312,27 @@ def test_int8_graph_with_native_glue_equals_the_torch_glue():
         torch_out = graph(image)
     for key in torch_out:
         assert torch.equal(native_out[key], torch_out[key]), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_res_block_is_the_block(dtype):
+    """OnednnResBlock (ReLU in the first conv, the residual add in the second) computes the residual block: to
+    float32 round-off, and in bfloat16 within its rounding; a block with norms is not fused."""
+    from tt_moge.network.convstack import ResidualConvBlock
+
+    torch.manual_seed(5)
+    block = ResidualConvBlock(16, 16, "relu", "none", "none").eval()
+    assert fusable(block) and not fusable(ResidualConvBlock(32, 32, "relu", "group_norm", "none"))
+    x = torch.randn(1, 16, 9, 13)
+    with torch.inference_mode():
+        ref = block(x)
+        plain = copy.deepcopy(block).to(dtype).to(memory_format=torch.channels_last)
+        xs = x.to(dtype).contiguous(memory_format=torch.channels_last)
+        out = OnednnResBlock(plain)(xs).float()
+        unfused = plain(xs).float()
+    bound = 1e-5 if dtype == torch.float32 else 2 * (unfused - ref).abs().max().item()
+    assert (out - ref).abs().max() <= bound * (1 if dtype != torch.float32 else ref.abs().max())
+    assert (ref - x).abs().max() > 0.1 * x.abs().max()  # the block changes its input: the residual path is not all
 
 
 def _native_attention_or_skip(amx: bool):

@@ -12,6 +12,7 @@ what it costs in accuracy against the float32 reference (`TorchRunner`, precisio
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import sys
@@ -24,6 +25,7 @@ from .. import env
 from ..network import MoGe2Network, token_grid
 from . import precision as precision_mod
 from .base import RawMaps, Runner
+from .conv_kernels import OnednnResBlock, fusable, onednn_conv_available
 from .cpu_kernels import attention_bf16, native_attention_supported, native_library
 from .cpu_threads import ThreadGovernor
 from .fixed_graph import FixedShapeMoGe2
@@ -109,6 +111,7 @@ class CpuGraphRunner(Runner):
             vit_int8=int8,
             native=self.native,
             vit_linear=self.choices["vit_linear"].kernel if "vit_linear" in self.choices else "aten",
+            res_block=self.choices["res_block"].kernel if "res_block" in self.choices else "aten",
         ).eval()
         self._kernels: dict = {}
         for point, choice in self.choices.items():
@@ -237,6 +240,11 @@ class CpuGraphRunner(Runner):
         if float_vit and packed_float:
             mlps = {kernel: mlp(kernel, tokens) for kernel in ("aten", "onednn")}  # ties go to aten
             choices["vit_linear"] = choose("vit_linear", mlps, f"{key} | mlp {dim}->{hidden}->{dim}", cache=cache)
+        block, size = _heaviest_res_block(network, rows, cols)
+        if block is not None and onednn_conv_available():
+            blocks = {name: res_block(block, dtype, size, fused=name == "onednn") for name in ("aten", "onednn")}
+            shape = f"{next(block.parameters()).shape[0]}x{size[0]}x{size[1]}"
+            choices["res_block"] = choose("res_block", blocks, f"{key} | res block {shape}", cache=cache)  # ties: aten
         return choices, dtype
 
     @torch.inference_mode()
@@ -257,3 +265,29 @@ class CpuGraphRunner(Runner):
 
     def close(self) -> None:
         self.graph = None
+
+
+def _heaviest_res_block(network: MoGe2Network, rows: int, cols: int) -> tuple:
+    """(a fusable residual block of the decoder's finest level that has them, its map's (height, width)), or
+    (None, None): the level where the blocks cost the most (the most pixels, fewest channels)."""
+    best = (None, None)
+    heads = [getattr(network, f"{h}_head") for h in ("points", "normal", "mask") if hasattr(network, f"{h}_head")]
+    for stack in [network.neck] + heads:
+        for level, blocks in enumerate(stack.res_blocks):
+            if len(blocks) and fusable(blocks[0]) and (best[1] is None or rows << level > best[1][0]):
+                best = (blocks[0], (rows << level, cols << level))
+    return best
+
+
+def res_block(block, dtype: torch.dtype, size: tuple, fused: bool) -> Callable[[], object]:
+    """A call of `block` on a (1, C, *size) channels-last map in `dtype`, as torch.nn runs it or fused
+    (OnednnResBlock); the copies and the input are made on the first call."""
+
+    @functools.lru_cache(maxsize=None)
+    def made() -> tuple:
+        plain = copy.deepcopy(block).to(dtype).to(memory_format=torch.channels_last).requires_grad_(False)
+        channels = next(plain.parameters()).shape[1]
+        x = torch.randn(1, channels, *size, generator=torch.Generator().manual_seed(4)).to(dtype)
+        return (OnednnResBlock(plain) if fused else plain), x.contiguous(memory_format=torch.channels_last)
+
+    return lambda: made()[0](made()[1])

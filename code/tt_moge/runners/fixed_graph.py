@@ -12,7 +12,8 @@ are `vit_kernels.FastBlock`s: float matmuls `nn.Linear`, or with `vit_linear="on
 packed at construction with GELU fused into the first MLP matmul (`OnednnLinear`). With `vit_int8` (the CPU's
 opt-in "int8") the ViT's linear layers are int8 (`Int8Linear`, or `OnednnInt8Linear` with `vit_int8="onednn"`),
 smoothed per input channel with activation ranges calibrated at construction (one `dtype` pass over a synthetic
-photo at <= 600 tokens). In float32 the result equals the reference network up to float round-off (the folds
+photo at <= 600 tokens). With `res_block="onednn"` the decoder's residual blocks run as oneDNN's fused convolutions
+(`conv_kernels.OnednnResBlock`: ReLU and the residual add in the convolutions' output stages). In float32 the result equals the reference network up to float round-off (the folds
 reassociate sums); the reference itself (`TorchRunner`) is the exact float32 path.
 """
 
@@ -29,6 +30,7 @@ from torch.nn.utils import skip_init
 from ..network import MoGe2Network, token_grid
 from ..network.moge2 import remap_points
 from . import folding
+from .conv_kernels import RES_BLOCK_KERNELS, fuse_res_blocks
 from .vit_kernels import ATTENTION_KINDS, INT8_SMOOTHING, LINEAR_KERNELS, FastBlock, HeadByHeadAttention, make_linear
 
 __all__ = ["FixedShapeMoGe2", "finest_conv", "raw_outputs", "subpixel_kernel"]
@@ -119,6 +121,7 @@ class FixedShapeMoGe2(nn.Module):
         native=None,
         int8_smoothing: Optional[float] = INT8_SMOOTHING,
         vit_linear: str = "aten",
+        res_block: str = "aten",
     ):
         super().__init__()
         width, height = (int(v) for v in canvas_size)
@@ -135,6 +138,9 @@ class FixedShapeMoGe2(nn.Module):
         if vit_linear not in LINEAR_KERNELS:
             raise ValueError(f"vit_linear must be one of {LINEAR_KERNELS}, got {vit_linear!r}")
         self.vit_linear = vit_linear  # the ViT's float matmuls: nn.Linear ("aten") or OnednnLinear ("onednn")
+        if res_block not in RES_BLOCK_KERNELS:
+            raise ValueError(f"res_block must be one of {RES_BLOCK_KERNELS}, got {res_block!r}")
+        self.res_block = res_block  # the decoder's residual blocks: torch.nn ("aten") or OnednnResBlock ("onednn")
         self.aspect = width / height
         folds = folding.fold(network, self.canvas_size, num_tokens)
         self.remap = folds.remap
@@ -231,6 +237,9 @@ class FixedShapeMoGe2(nn.Module):
         self.neck = _to_layout(folds.neck, dtype, channels_last)
         self.head_names = list(folds.heads)
         self.heads = nn.ModuleDict({h: _to_layout(stack, dtype, channels_last) for h, stack in folds.heads.items()})
+        if self.res_block == "onednn":
+            for stack in (self.neck, *self.heads.values()):
+                fuse_res_blocks(stack.res_blocks)
         # the finest level: conv3x3(head upsample) + conv3x3(neck upsample) + constant map (folding.py), each
         # "conv3x3(upsample)" run at the coarser level where the upsampling allows it (finest_conv)
         self.neck_finest = _to_layout(finest_conv(folds.neck_up, folds.neck_fold), dtype, channels_last)
