@@ -13,8 +13,9 @@ packed at construction with GELU fused into the first MLP matmul (`OnednnLinear`
 opt-in "int8") the ViT's linear layers are int8 (`Int8Linear`, or `OnednnInt8Linear` with `vit_int8="onednn"`),
 smoothed per input channel with activation ranges calibrated at construction (one `dtype` pass over a synthetic
 photo at <= 600 tokens). With `res_block="onednn"` the decoder's residual blocks run as oneDNN's fused convolutions
-(`conv_kernels.OnednnResBlock`: ReLU and the residual add in the convolutions' output stages). In float32 the result equals the reference network up to float round-off (the folds
-reassociate sums); the reference itself (`TorchRunner`) is the exact float32 path.
+(`conv_kernels.OnednnResBlock`: ReLU and the residual add in the convolutions' output stages). In float32 the
+result equals the reference network up to float round-off (the folds reassociate sums); the reference itself
+(`TorchRunner`) is the exact float32 path.
 """
 
 from __future__ import annotations
