@@ -21,6 +21,7 @@ p99, max), normal angle, mask agreement at 0.5, metric scale (`perf.runners.accu
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -31,12 +32,25 @@ from perf.runners.bench_cpu import run_phase, stop_on_sigterm
 
 
 def _onnx_file(checkpoint: Path, network, size: tuple, tokens: int) -> Path:
-    """The exported graph for this checkpoint, canvas and token budget (exported again when the checkpoint is
-    newer than the file)."""
+    """The exported graph for this checkpoint, canvas and token budget, and for the code that builds the graph
+    (its name carries a hash of the exporter's, the graph's and the network's sources): exported again when the
+    checkpoint is newer than the file or the graph's code changed, so OpenVINO always runs the graph ours runs.
+    Exports of other code versions are removed."""
+    import tt_moge
     from tt_moge.onnx_export import export_onnx
 
-    path = checkpoint.parent / "onnx" / f"{size[0]}x{size[1]}-{tokens}.onnx"
+    root = Path(tt_moge.__file__).parent
+    sources = [
+        root / "onnx_export.py",
+        *sorted((root / "runners").glob("*.py")),
+        *sorted((root / "network").glob("*.py")),
+    ]
+    code = hashlib.sha1(b"".join(f.read_bytes() for f in sources)).hexdigest()[:12]
+    folder = checkpoint.parent / "onnx"
+    path = folder / f"{size[0]}x{size[1]}-{tokens}-{code}.onnx"
     if not path.exists() or path.stat().st_mtime < checkpoint.stat().st_mtime:
+        for old in folder.glob(f"{size[0]}x{size[1]}-{tokens}*.onnx"):  # 1.4 GB each at full size
+            old.unlink()
         t = time.perf_counter()
         export_onnx(network, path, size, tokens)
         print(f"exported {path} in {time.perf_counter() - t:.0f} s", flush=True)
