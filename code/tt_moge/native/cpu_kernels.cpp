@@ -193,9 +193,14 @@ inline void transpose16(__m512i r[16]) {
 // read: q rows are A tiles, a block of 16 keys is a B tile (VNNI pairs), 32 keys of v are four B tiles.
 void pack_head(const uint16_t* qkv, int64_t n, int64_t ld, int64_t c, int64_t q_col, int64_t nq, int64_t nk,
                HeadScratch& s) {
-  s.q.assign(nq * kPairs, 0);
-  s.k.assign(nk * kPairs, 0);
-  s.v.assign(nk / 2 * kHeadDim, 0);
+  // sized once per thread and shape; only the padding past the n real rows is cleared (the rest is written below):
+  // padded keys are masked out of the softmax, but their values meet zero probabilities, and 0 x NaN is NaN
+  s.q.resize(nq * kPairs);
+  s.k.resize(nk * kPairs);
+  s.v.resize(nk / 2 * kHeadDim);
+  std::fill(s.q.begin() + n * kPairs, s.q.end(), 0u);
+  std::fill(s.k.begin() + (n / 16) * 16 * kPairs, s.k.end(), 0u);  // from the first block with padded keys
+  std::fill(s.v.begin() + (n + 1) / 2 * kHeadDim, s.v.end(), 0u);
   auto row = [=](int64_t i, int64_t col) { return reinterpret_cast<const uint32_t*>(qkv + i * ld + q_col + col); };
   for (int64_t i = 0; i < n; ++i) std::memcpy(&s.q[i * kPairs], row(i, 0), kPairs * 4);
   int64_t i = 0;
