@@ -242,7 +242,7 @@ class CpuGraphRunner(Runner):
             choices["vit_linear"] = choose("vit_linear", mlps, f"{key} | mlp {dim}->{hidden}->{dim}", cache=cache)
         block, size = _heaviest_res_block(network, rows, cols)
         if block is not None and onednn_conv_available():
-            blocks = {name: res_block(block, dtype, size, fused=name == "onednn") for name in ("aten", "onednn")}
+            blocks = {name: _res_block_call(block, dtype, size, fused=name == "onednn") for name in ("aten", "onednn")}
             shape = f"{next(block.parameters()).shape[0]}x{size[0]}x{size[1]}"
             choices["res_block"] = choose("res_block", blocks, f"{key} | res block {shape}", cache=cache)  # ties: aten
         return choices, dtype
@@ -279,7 +279,7 @@ def _heaviest_res_block(network: MoGe2Network, rows: int, cols: int) -> tuple:
     return best
 
 
-def res_block(block, dtype: torch.dtype, size: tuple, fused: bool) -> Callable[[], object]:
+def _res_block_call(block, dtype: torch.dtype, size: tuple, fused: bool) -> Callable[[], object]:
     """A call of `block` on a (1, C, *size) channels-last map in `dtype`, as torch.nn runs it or fused
     (OnednnResBlock); the copies and the input are made on the first call."""
 
