@@ -180,7 +180,7 @@ inline void transpose16(__m512i r[16]) {
       t[g + k] = _mm512_shuffle_i32x4(u[g + k], u[g + 4 + k], 0x88);
       t[g + 4 + k] = _mm512_shuffle_i32x4(u[g + k], u[g + 4 + k], 0xdd);
     }
-  // t[8h + k] (k < 4): columns k, 8 + k (lanes 0-1: rows 8h + 0-3, 8h + 4-7 of column k; lanes 2-3: of 8 + k)...
+  // t[k], k < 8: lanes 0 and 2 column k's rows 0-3 and 4-7, lanes 1 and 3 column 8 + k's; t[8 + k]: rows 8-15
   for (int k = 0; k < 8; ++k) {
     r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
     r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
