@@ -467,10 +467,11 @@ def test_float32_residual_stream_still_pays():
 # ------------------------------------------------------------------------------------------- per module
 
 
-def _block_input(net, prepared: Prepared, image: torch.Tensor) -> torch.Tensor:
-    """The ViT's input tokens in the device order ([patches, class token, registers]), (1, seq_len, C)."""
+def _block_input(net, plan: dict, image: torch.Tensor) -> torch.Tensor:
+    """The ViT's input tokens in the device order ([patches, class token, registers]), (1, seq_len, C), on the token
+    grid of `plan` (a prepared network's, or `prepare.shapes`)."""
     vit = net.encoder.backbone
-    rows, cols = prepared.plan["rows"], prepared.plan["cols"]
+    rows, cols = plan["rows"], plan["cols"]
     with torch.inference_mode():
         x = F.interpolate(image, (rows * 14, cols * 14), mode="bilinear", align_corners=False, antialias=True)
         x = (x - net.encoder.image_mean) / net.encoder.image_std
@@ -488,7 +489,7 @@ def test_vit_block_pcc(exact, min_pcc):
     update (output - input), which a broken block changes visibly; the output itself is mostly its input. In the
     device formats the fast graph's LoFi projections put the update's PCC at 0.99974 (0.9999 at HiFi2)."""
     net, prepared = _network("tiny-vits-normal"), _prepared("tiny-vits-normal")
-    x = _block_input(net, prepared, calibration_image(*SMALL, seed=3))
+    x = _block_input(net, prepared.plan, calibration_image(*SMALL, seed=3))
     graph = _graph(prepared, exact=exact)
     emulator = graph.ttnn
     for i in (0, 2):

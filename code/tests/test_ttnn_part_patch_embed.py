@@ -27,7 +27,7 @@ def check(exact: bool, part: PatchEmbed = None) -> tuple:
     ctx, plan = part.ctx, prepared.plan
     image = calibration_image(*parts.SMALL, seed=3)
     patches = parts.device(ctx, host_input(plan, image.numpy()), ctx.formats.activations)
-    ref = _block_input(parts.network(), prepared, image)[0].numpy()
+    ref = _block_input(parts.network(), plan, image)[0].numpy()
     out = parts.host(ctx, part.forward(patches), ref.shape)
     return parts.close(out, ref, parts.limits("patch_embed", exact), "patch_embed")
 

@@ -32,7 +32,7 @@ import torch
 from tt_moge.runners.ttnn import Prepared, prepare_weights
 from tt_moge.runners.ttnn.context import FORMATS, Context, to_host
 from tt_moge.runners.ttnn.graph import CONFIGS
-from tt_moge.runners.ttnn.prepare import prepare_encoder, prepare_finest, prepare_patch_embed
+from tt_moge.runners.ttnn.prepare import prepare_encoder, prepare_finest, prepare_patch_embed, shapes
 from tt_moge.testing import add_residual_outliers, make_network
 
 from .test_ttnn_lowering import _pcc
@@ -91,6 +91,13 @@ def network(weights: str = "random"):
 def prepared(weights: str = "random") -> Prepared:
     """The whole network prepared (its plan: the token grid, the levels; the cross-module folds' weights)."""
     return prepare_weights(network(weights), SMALL, TOKENS)
+
+
+@functools.lru_cache(maxsize=None)
+def plan(weights: str = "random") -> dict:
+    """The network's plan without weights (`prepare.shapes`: the token grid, the blocks, the levels), for the parts
+    that need its shapes and none of the other parts' weights (a ViT block)."""
+    return shapes(network(weights), SMALL, TOKENS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,7 +195,7 @@ def main() -> None:
         mode = "exact" if exact else "device"
         rows_ = [("patch_embed", test_ttnn_part_patch_embed.check(exact))]
         for weights in WEIGHTS:
-            blocks = range(prepared().plan["blocks"])
+            blocks = range(plan()["blocks"])
             rows_ += [
                 (f"block {i} ({weights})", test_ttnn_part_vit_block.check(exact, i, weights=weights)) for i in blocks
             ]
