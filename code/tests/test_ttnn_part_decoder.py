@@ -21,6 +21,7 @@ from tt_moge.runners.ttnn.prepare import stack_arrays
 from tt_moge.testing import calibration_image
 
 from . import ttnn_parts as parts
+from .ttnn_parts import forbid_whole_network
 
 LEVELS = [("neck", 0), ("neck", 1), ("neck", 2), ("neck", 3), ("head.points", 0), ("head.normal", 1)]
 LEVELS += [("head.mask", 2), ("head.points", 3)]
@@ -33,7 +34,8 @@ def _module(key: str):
 
 def build(exact: bool, key: str, cls=ConvStack) -> ConvStack:
     """The stack `key` ("neck", "head.points", ...) from its own module, on a fresh context."""
-    ctx, plan = parts.context(exact), parts.prepared().plan
+    plan = parts.network_plan()  # shapes only: no other part's weights are prepared
+    ctx = parts.context(exact, plan=plan)
     levels = plan["levels"]
     weights, stack_plan = stack_arrays(_module(key), len(levels), with_inputs=key != "neck")
     fold = None
@@ -47,11 +49,11 @@ def build(exact: bool, key: str, cls=ConvStack) -> ConvStack:
 
 def check_level(exact: bool, key: str, i: int, part: ConvStack = None) -> tuple:
     part = part or build(exact, key)
-    ctx, plan, stack = part.ctx, parts.prepared().plan, _module(key)
+    ctx, plan, stack = part.ctx, parts.network_plan(), _module(key)
     last = len(plan["levels"]) - 1
     level = plan["levels"][i]
     h, w = level["height"], level["width"]
-    sp = plan["neck"] if key == "neck" else next(s for s in plan["heads"] if f"head.{s['name']}" == key)
+    sp = next((s for s in plan["heads"] if f"head.{s['name']}" == key), {})  # the neck: its level's width
     dim = sp["dims"][i] if "dims" in sp else level["dim"]  # the stack's width at this level
     x = parts.random_map((1, dim, h, w), 20 + i)  # the running map (a head's level 0 has none)
     inp = parts.random_map((1, level["dim"], h, w), 30 + i)  # the neck's output at this level, a head's input
@@ -85,7 +87,7 @@ def check_level(exact: bool, key: str, i: int, part: ConvStack = None) -> tuple:
 def _neck_outputs(seed: int) -> list:
     """The reference neck's outputs on an image: what the heads read (computed once: the reference network's
     encoder and neck)."""
-    net, plan = parts.network(), parts.prepared().plan
+    net, plan = parts.network(), parts.network_plan()
     image = calibration_image(*parts.SMALL, seed=seed)
     with torch.inference_mode():
         features, _ = net.encoder(image, plan["rows"], plan["cols"])
@@ -127,16 +129,16 @@ def test_head_levels(name, exact):
 
 def test_the_safe_graphs_placements_run_the_same_parts():
     """The safe graph's placements (DRAM, 1x1 convs as matmuls everywhere, conv_transpose2d at level 0): exact."""
-    safe = parts.context(True, "safe")
+    safe = parts.context(True, "safe", parts.network_plan())
     assert not safe.chained
     for key, level in [("neck", 0), ("neck", 1), ("head.normal", 1)]:
-        plan = parts.prepared().plan
+        plan = parts.network_plan()
         weights, stack_plan = stack_arrays(_module(key), len(plan["levels"]), with_inputs=key != "neck")
         convs = Convs(safe, plan["finest"]["in_height"])
         part = ConvStack(safe, convs, key, weights, stack_plan, plan["levels"], grid_tokens=plan["grid_tokens"])
         part.load()
         check_level(True, key, level, part)
-        safe = parts.context(True, "safe")
+        safe = parts.context(True, "safe", parts.network_plan())
 
 
 def _break(part: ConvStack, bug: str) -> None:
@@ -211,3 +213,13 @@ def test_the_coarse_levels_and_their_resamplers_run_at_their_own_fidelity():
         uploaded = conv.inputs(part.ctx, convs.fidelity(height, level))[0].data.numpy()
         want = round_significant(conv.weight, LOFI_WEIGHT_BITS) if rounded else conv.weight
         assert np.array_equal(uploaded, want) and rounded != np.array_equal(uploaded, conv.weight), name
+
+
+def test_a_level_and_a_head_are_built_and_checked_without_the_whole_network(monkeypatch):
+    """The decoder's part tests prepare only their stack (`prepare.stack_arrays`) with the plan's shapes
+    (`prepare.shapes`), not the whole network (issue 47, item 1)."""
+    parts.network_plan.cache_clear()
+    _neck_outputs.cache_clear()
+    forbid_whole_network(monkeypatch)
+    check_level(True, "neck", 1)
+    check_head(True, "normal")

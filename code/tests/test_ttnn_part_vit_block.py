@@ -14,11 +14,12 @@ from tt_moge.testing import calibration_image
 
 from . import ttnn_parts as parts
 from .test_ttnn_lowering import _block_input
+from .ttnn_parts import forbid_whole_network
 
 
 def build(exact: bool, i: int = 1, weights: str = "random") -> VitBlock:
     arrays, info = block_arrays(parts.network(weights).encoder.backbone.blocks[i])
-    plan = parts.plan(weights)  # shapes only: no other part's weights are prepared
+    plan = parts.network_plan(weights)  # shapes only: no other part's weights are prepared
     part = VitBlock(parts.context(exact, plan=plan), arrays, seq_len=plan["seq_len"], **info)
     part.load()
     return part
@@ -27,7 +28,7 @@ def build(exact: bool, i: int = 1, weights: str = "random") -> VitBlock:
 def check(exact: bool, i: int = 1, part: VitBlock = None, weights: str = "random") -> tuple:
     part = part or build(exact, i, weights)
     ctx, net = part.ctx, parts.network(weights)
-    x = _block_input(net, parts.plan(weights), calibration_image(*parts.SMALL, seed=4))
+    x = _block_input(net, parts.network_plan(weights), calibration_image(*parts.SMALL, seed=4))
     with torch.inference_mode():
         ref = net.encoder.backbone.blocks[i](x)[0].numpy()
     x0 = x[0].numpy()
@@ -41,7 +42,7 @@ def check(exact: bool, i: int = 1, part: VitBlock = None, weights: str = "random
 def test_vit_block(weights, exact):
     """Every block the graph runs (up to the last tap), on random weights and with DINOv2's massive activations
     planted in the residual stream (which every block's layer norms then see)."""
-    for i in range(parts.plan()["blocks"]):
+    for i in range(parts.network_plan()["blocks"]):
         check(exact, i, weights=weights)
 
 
@@ -67,11 +68,9 @@ def test_the_check_catches_a_broken_block(bug, exact):
 
 
 def test_a_block_is_built_and_checked_without_the_whole_network(monkeypatch):
-    """The block's part test prepares nothing but its own block: the plan's shapes come from `prepare.shapes`, not
-    from the whole network prepared (issue 47, item 1: one part, one object, tested alone)."""
-
-    def whole(*args, **kwargs):
-        raise AssertionError("the whole network was prepared for a ViT block's test")
-
-    monkeypatch.setattr(parts, "prepared", whole)
+    """The block's part test prepares nothing but its own block: the plan's shapes come from `prepare.shapes`
+    (`ttnn_parts.network_plan`), not from the whole network prepared (issue 47, item 1: one part, one object,
+    tested alone)."""
+    parts.network_plan.cache_clear()
+    forbid_whole_network(monkeypatch)
     check(True, 0)

@@ -12,7 +12,9 @@ Each part test builds only its part, from its own weights, on a `context.Context
   as `prepare.prepare_weights` lays out the whole network's, with the plan's shapes (`prepare.shapes`);
 * `vit_block.VitBlock`: from one `network/vit.py` `Block` (`prepare.block_arrays`);
 * `decoder.ConvStack` (a level of the neck or of a head) and `heads.Head` (a head's levels): from one
-  `network/convstack.py` `ConvStack` (`prepare.stack_arrays`).
+  `network/convstack.py` `ConvStack` (`prepare.stack_arrays`);
+  these two with the network's plan of shapes alone (`prepare.shapes`: `network_plan`). No part test prepares the
+  whole network.
 
 Each part is held to float32 round-off in the emulator's exact mode, and in the device formats (bfloat16
 activations and weights, float32 residual stream, the fast graph's fidelities) to bounds a little above what the
@@ -29,7 +31,7 @@ import functools
 import numpy as np
 import torch
 
-from tt_moge.runners.ttnn import Prepared, prepare_weights
+from tt_moge.runners.ttnn import Prepared
 from tt_moge.runners.ttnn.context import FORMATS, Context, to_host
 from tt_moge.runners.ttnn.graph import CONFIGS
 from tt_moge.runners.ttnn.prepare import prepare_encoder, prepare_finest, prepare_patch_embed, shapes
@@ -88,13 +90,7 @@ def network(weights: str = "random"):
 
 
 @functools.lru_cache(maxsize=None)
-def prepared(weights: str = "random") -> Prepared:
-    """The whole network prepared (its plan: the token grid, the levels; the cross-module folds' weights)."""
-    return prepare_weights(network(weights), SMALL, TOKENS)
-
-
-@functools.lru_cache(maxsize=None)
-def plan(weights: str = "random") -> dict:
+def network_plan(weights: str = "random") -> dict:
     """The network's plan without weights (`prepare.shapes`: the token grid, the blocks, the levels), for the parts
     that need its shapes and none of the other parts' weights (a ViT block)."""
     return shapes(network(weights), SMALL, TOKENS)
@@ -108,15 +104,29 @@ def prepared_part(part: str, weights: str = "random") -> Prepared:
     return make(network(weights), SMALL, TOKENS)
 
 
+def forbid_whole_network(monkeypatch) -> None:
+    """Make preparing the whole network (`prepare.prepare_weights`, as the package exports it too) fail the test."""
+    import tt_moge.runners.ttnn as package
+    import tt_moge.runners.ttnn.prepare as prepare
+
+    def whole(*args, **kwargs):
+        raise AssertionError("a part test prepared the whole network")
+
+    monkeypatch.setattr(prepare, "prepare_weights", whole)
+    monkeypatch.setattr(package, "prepare_weights", whole)
+    monkeypatch.setitem(globals(), "prepare_weights", whole)  # a name this module may have imported
+
+
 def context(exact: bool, config: str = "fast", plan: dict = None) -> Context:
     """A context on a fresh emulator (exact: float32 everything, and no weights rounded to what LoFi reads, a
-    format choice too), placed as the graph of `prepared()` is (from `plan`, a part's, when given: the same
-    shapes)."""
+    format choice too), placed as the graph of the network's plan is (`network_plan`; `plan`, a part's, when given:
+    the same shapes)."""
     emulator = TtnnEmulator(exact=exact)
     cfg = CONFIGS[config]
     if exact:
         cfg = dataclasses.replace(cfg, round_lofi_weights=False)
-    return Context.for_plan(emulator, emulator.open_device(), plan or prepared().plan, FORMATS["bf16"], cfg)
+    plan = network_plan() if plan is None else plan
+    return Context.for_plan(emulator, emulator.open_device(), plan, FORMATS["bf16"], cfg)
 
 
 def limits(part: str, exact: bool) -> tuple:
@@ -195,7 +205,7 @@ def main() -> None:
         mode = "exact" if exact else "device"
         rows_ = [("patch_embed", test_ttnn_part_patch_embed.check(exact))]
         for weights in WEIGHTS:
-            blocks = range(plan()["blocks"])
+            blocks = range(network_plan()["blocks"])
             rows_ += [
                 (f"block {i} ({weights})", test_ttnn_part_vit_block.check(exact, i, weights=weights)) for i in blocks
             ]
