@@ -66,22 +66,12 @@ def _conv3x3(weight: torch.Tensor) -> nn.Conv2d:
     return conv
 
 
-# Bilinear 2x upsampling (align_corners=False) along one axis, seen from a 3-tap filter on the upsampled signal:
-# output 2i + a of "filter(upsample(x))" is sum_s x[i + s] * sum_t _SUBPIXEL[a][s + 1][t + 1] * w[t] (s, t in -1..1).
-# With x replicate-padded by one sample this holds at the edges too, where the upsampled signal is replicate-padded.
-_SUBPIXEL = (
-    ((0.75, 0.25, 0.0), (0.25, 0.75, 0.75), (0.0, 0.0, 0.25)),  # even outputs 2i
-    ((0.25, 0.0, 0.0), (0.75, 0.75, 0.25), (0.0, 0.25, 0.75)),  # odd outputs 2i + 1
-)
-
-
 def subpixel_kernel(weight: torch.Tensor) -> torch.Tensor:
     """A 3x3 kernel (C, K, 3, 3) meant for a 2x bilinear upsampling of its input -> the (4C, K, 3, 3) kernel that
-    gives the same outputs from the input before upsampling, output channel 4c + 2a + b holding the outputs at
-    (2i + a, 2j + b) (nn.PixelShuffle(2)'s order). Computed in float64."""
-    a = torch.tensor(_SUBPIXEL, dtype=torch.float64, device=weight.device)
-    k = torch.einsum("ayt,bxu,cktu->cabkyx", a, a, weight.to(torch.float64))
-    return k.reshape(weight.shape[0] * 4, weight.shape[1], 3, 3).to(weight.dtype)
+    gives the same outputs from the input before upsampling (`folding.phase_fold`, computed in float64), output
+    channel 4c + 2a + b holding the outputs at (2i + a, 2j + b): nn.PixelShuffle(2)'s order."""
+    phases = folding.phase_fold(weight, "bilinear")  # channel (2a + b) C + c
+    return phases.reshape(4, *weight.shape).transpose(0, 1).reshape(4 * weight.shape[0], *weight.shape[1:])
 
 
 def finest_conv(up: tuple, weight: torch.Tensor) -> nn.Module:
@@ -89,14 +79,7 @@ def finest_conv(up: tuple, weight: torch.Tensor) -> nn.Module:
     as a 3x3 conv at the coarse level into 4x the channels, then a pixel shuffle: the same function (see
     subpixel_kernel) on a quarter of the pixels, without the upsampled map or its padding in memory (on the CPU
     those two took most of the finest level's time). Any other upsampling runs as written."""
-    if (
-        len(up) == 1
-        and isinstance(up[0], nn.Upsample)
-        and up[0].mode == "bilinear"
-        and up[0].scale_factor in (2, 2.0, (2, 2), (2.0, 2.0))
-        and up[0].size is None
-        and not up[0].align_corners
-    ):
+    if folding.upsample_mode(up) == "bilinear":
         return nn.Sequential(_conv3x3(subpixel_kernel(weight)), nn.PixelShuffle(2))
     return nn.Sequential(*up, _conv3x3(weight))
 

@@ -41,10 +41,20 @@ __all__ = [
     "fold_finest",
     "fold_patch_embed",
     "grid",
+    "phase_fold",
     "token_tables",
+    "upsample_mode",
 ]
 
 HEADS = ("points", "normal", "mask")  # the dense heads, in the order their channels are stacked
+
+# A 2x upsampling (align_corners=False) seen from the upsampled signal: the fine sample at position p = -1 .. 2
+# around the coarse pixel i's pair (2i, 2i + 1) as weights of the coarse samples i - 1, i, i + 1 (replicate-padded,
+# which also replicate-pads the fine signal).
+PHASE_TAPS = {
+    "bilinear": ((0.75, 0.25, 0.0), (0.25, 0.75, 0.0), (0.0, 0.75, 0.25), (0.0, 0.25, 0.75)),
+    "nearest": ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0)),
+}
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,30 @@ def fold_block(block) -> BlockFolds:
             ffn_in=(ffn_in.weight.float(), ffn_in.bias.float()),
             ffn_out=(g2[:, None] * out.weight.float(), g2 * out.bias.float()),
         )
+
+
+def upsample_mode(modules: tuple) -> Optional[str]:
+    """ "bilinear" or "nearest" when `modules` (a resampler's modules before its conv) are one plain 2x upsampling
+    that `phase_fold` folds (align_corners=False), else None."""
+    if len(modules) != 1 or not isinstance(modules[0], nn.Upsample):
+        return None
+    up = modules[0]
+    if up.scale_factor not in (2, 2.0, (2, 2), (2.0, 2.0)) or up.mode not in PHASE_TAPS:
+        return None
+    return None if up.mode == "bilinear" and up.align_corners else up.mode
+
+
+def phase_fold(weight: torch.Tensor, mode: str = "bilinear") -> torch.Tensor:
+    """(O, C, 3, 3) kernel of a replicate-padded 3x3 conv applied after a 2x `mode` upsampling -> the (4 O, C, 3, 3)
+    kernel of the equivalent replicate-padded 3x3 conv at the low resolution; output channel (2 a + b) O + o is
+    output channel o at high-resolution pixel (2 i + a, 2 j + b). The same function on a quarter of the pixels,
+    without the upsampled map. Computed in float64, returned in `weight`'s dtype."""
+    if mode not in PHASE_TAPS:
+        raise ValueError(f"phase_fold: mode must be one of {sorted(PHASE_TAPS)}, got {mode!r}")
+    taps = torch.tensor(PHASE_TAPS[mode], dtype=torch.float64, device=weight.device)  # (4 positions, 3 taps)
+    w = weight.to(torch.float64)
+    phases = [torch.einsum("ocyx,yt,xs->octs", w, taps[a : a + 3], taps[b : b + 3]) for a in (0, 1) for b in (0, 1)]
+    return torch.cat(phases).to(weight.dtype)
 
 
 def token_tables(vit, rows: int, cols: int) -> tuple:

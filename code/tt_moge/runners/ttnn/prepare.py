@@ -65,12 +65,6 @@ _PLAN_KEY = "__plan__"
 # Coefficients of x[i-1], x[i], x[i+1] (low resolution) in the 2x upsampled map at high-resolution position
 # 2i + p, for p = -1, 0, 1, 2 (the positions a 3x3 conv at output phase 0 or 1 reads). Edge clamping is done by
 # replicate-padding x by one pixel.
-_PHASE_TAPS = {
-    "bilinear": ((0.75, 0.25, 0.0), (0.25, 0.75, 0.0), (0.0, 0.75, 0.25), (0.0, 0.25, 0.75)),
-    "nearest": ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0)),
-}
-
-
 # ------------------------------------------------------------------------------------------- Prepared
 
 
@@ -112,15 +106,13 @@ class Prepared:
 
 
 def phase_fold(weight: np.ndarray, mode: str = "bilinear") -> np.ndarray:
-    """(O, C, 3, 3) kernel of a replicate-padded 3x3 conv applied after a 2x `mode` upsample -> the (4 O, C, 3, 3)
-    kernel of the equivalent replicate-padded 3x3 conv at the low resolution; output channel (2 a + b) O + o is
-    output channel o at high-resolution pixel (2 i + a, 2 j + b) (see `depth_to_space`)."""
-    if mode not in _PHASE_TAPS:
-        raise ValueError(f"phase_fold: mode must be one of {sorted(_PHASE_TAPS)}, got {mode!r}")
-    taps = np.asarray(_PHASE_TAPS[mode], dtype=np.float64)  # (4 positions p = -1..2, 3 low-res taps)
-    w = np.asarray(weight, dtype=np.float64)
-    phases = [np.einsum("ocyx,yt,xs->octs", w, taps[a : a + 3], taps[b : b + 3]) for a in (0, 1) for b in (0, 1)]
-    return np.concatenate(phases, axis=0).astype(np.float32)
+    """`folding.phase_fold` on a numpy kernel, as float32: the finest conv's kernel at the low resolution (output
+    channel (2 a + b) O + o is channel o at high-resolution pixel (2 i + a, 2 j + b), see `depth_to_space`)."""
+    import torch
+
+    from .. import folding
+
+    return folding.phase_fold(torch.from_numpy(np.asarray(weight, np.float64)), mode).numpy().astype(np.float32)
 
 
 def convt_as_matmul(weight: np.ndarray, bias: np.ndarray, before: Optional[tuple] = None) -> tuple:
@@ -147,6 +139,8 @@ def depth_to_space(phases: np.ndarray, height: int, width: int) -> np.ndarray:
 def _supported(network) -> None:
     """Refuse, with the reason, what the ttnn graph does not implement (structures the published MoGe-2
     checkpoints do not use)."""
+    from .. import folding
+
     cfg = network.config
     if cfg.backbone.ffn != "mlp":
         raise ValueError(
@@ -168,7 +162,7 @@ def _supported(network) -> None:
             raise ValueError(
                 f"the ttnn graph runs conv_transpose resamplers between the coarse levels; {name} has {inner}"
             )
-        if last not in _PHASE_TAPS:
+        if last not in folding.PHASE_TAPS:
             raise ValueError(f"the ttnn graph folds a bilinear or nearest last resampler; {name} has {last!r}")
     if network.config.neck.num_levels < 3:
         raise ValueError("the ttnn graph needs at least 3 decoder levels")
@@ -283,15 +277,15 @@ def stack_arrays(stack, levels: int, with_inputs: bool) -> tuple:
 
 def _upsample_mode(modules: tuple, key: str) -> str:
     """The mode of the upsampling before a finest-level conv (`modules`: the resampler's modules before it)."""
-    import torch.nn as nn
+    from .. import folding
 
-    ups = [m for part in modules for m in part.modules() if isinstance(m, nn.Upsample)]
-    others = [m for m in modules if not isinstance(m, nn.Upsample)]
-    if len(ups) != 1 or others or ups[0].scale_factor not in (2, 2.0, (2.0, 2.0)) or ups[0].mode not in _PHASE_TAPS:
-        raise ValueError(f"{key}: the finest-level fold needs a plain 2x bilinear or nearest upsample, got {modules}")
-    if ups[0].mode == "bilinear" and ups[0].align_corners:
-        raise ValueError(f"{key}: bilinear with align_corners=True is not folded")
-    return ups[0].mode
+    mode = folding.upsample_mode(modules)
+    if mode is None:
+        raise ValueError(
+            f"{key}: the finest-level fold needs a plain 2x bilinear (align_corners=False) or nearest upsample, "
+            f"got {modules}"
+        )
+    return mode
 
 
 def shapes(network, canvas_size: tuple, num_tokens: int) -> dict:
