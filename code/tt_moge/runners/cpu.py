@@ -23,6 +23,7 @@ import torch
 
 from .. import env
 from ..network import MoGe2Network, token_grid
+from . import folding
 from . import precision as precision_mod
 from .base import RawMaps, Runner
 from .conv_kernels import OnednnResBlock, fusable, onednn_conv_available
@@ -271,7 +272,7 @@ def _heaviest_res_block(network: MoGe2Network, rows: int, cols: int) -> tuple:
     """(a fusable residual block of the decoder's finest level that has them, its map's (height, width)), or
     (None, None): the level where the blocks cost the most (the most pixels, fewest channels)."""
     best = (None, None)
-    heads = [getattr(network, f"{h}_head") for h in ("points", "normal", "mask") if hasattr(network, f"{h}_head")]
+    heads = [getattr(network, f"{h}_head") for h in folding.HEADS if hasattr(network, f"{h}_head")]
     for stack in [network.neck] + heads:
         for level, blocks in enumerate(stack.res_blocks):
             if len(blocks) and fusable(blocks[0]) and (best[1] is None or rows << level > best[1][0]):
