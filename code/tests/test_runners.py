@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -692,6 +693,25 @@ def test_processes_timing_one_key_at_once_all_take_the_first_choice(tmp_path):
     chosen = [results.get(timeout=5) for _ in processes]
     assert len(set(chosen)) == 1, f"each process ran its own choice: {chosen}"
     assert KernelCache(tmp_path / "k.json").get("attention | one machine")["kernel"] == chosen[0]
+
+
+def test_choices_cached_by_another_native_build_are_timed_again(tmp_path):
+    """The kernel cache's keys name the native library's build: a second load on the same build takes every choice
+    from the cache, a load after the library changed (its kernels may be faster or slower now) times them again
+    instead of keeping what the old build measured."""
+    lib = native_library()
+    if lib is None:
+        pytest.skip("no native library: nothing to key the cache by")
+    path = tmp_path / "k.json"
+    load = lambda: CpuGraphRunner(_network("tiny-vits"), SMALL, SMALL_TOKENS, "bf16", cache=KernelCache(path))  # noqa: E731
+    first = load().choices
+    assert {c.how for c in first.values()} == {"measured"}
+    assert {c.how for c in load().choices.values()} == {"cached"}
+    build = Path(lib._name).stem
+    text = path.read_text()
+    assert build in text
+    path.write_text(text.replace(build, "libmoge_host-an-older-build"))
+    assert {c.how for c in load().choices.values()} == {"measured"}
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "heads", "native"])
