@@ -486,13 +486,8 @@ def prepare_weights(network, canvas_size: tuple, num_tokens: int) -> Prepared:
             arrays[f"scale.{k}.w"] = _t(lin.weight)  # (out, in): host numpy, y = x @ w.T + b
             arrays[f"scale.{k}.b"] = _t(lin.bias)
 
-    plan = {k: v for k, v in shape_plan.items() if k not in ("heads", "finest", "remap")}
-    plan["neck"] = neck_plan
-    plan["heads"] = [{**h, **head_plans[h["name"]]} for h in shape_plan["heads"]]
-    plan["finest"] = shape_plan["finest"]
-    plan["remap"] = shape_plan["remap"]
-    plan["scale_head"] = scale_dims
-    return Prepared(plan, arrays)
+    heads = [{**h, **head_plans[h["name"]]} for h in shape_plan["heads"]]
+    return Prepared({**shape_plan, "neck": neck_plan, "heads": heads, "scale_head": scale_dims}, arrays)
 
 
 # ----------------------------------------------------------------------------------------- host helpers
