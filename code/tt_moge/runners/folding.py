@@ -18,7 +18,9 @@ the CPU and CUDA runners, the ONNX export) lays these tensors out in its modules
   constant map`, with the 1x1 convs multiplied into the 3x3 kernels: 7 output channels instead of 4 x 32.
 
 What is not folded (the norms, the coarse levels of the neck and heads, the upsampling before the finest conv,
-the scale head) is handed on as the network's own modules, not copies: read only.
+the scale head) is handed on as the network's own modules, not copies: read only. The upsampling before the
+finest conv is folded by each fast path when it lays the folds out, with one function (`phase_fold`: the finest
+conv at the coarse level, four phases of output channels).
 """
 
 from __future__ import annotations
